@@ -1,0 +1,45 @@
+"""Every ``node.meta`` / ``gm.meta`` key the stack reads or writes, in one place.
+
+Passes communicate through node metadata (recompute tags, saved-tensor records, phases, bucket
+tags). Spelling a key twice is how a tag silently stops reaching its reader, so no other module
+writes a key as a string literal: import it from here.
+"""
+
+# --- keys PyTorch itself reads/writes -------------------------------------------------------
+VAL = "val"  # FakeTensor (or tuple of them) describing the node's output
+RECOMPUTE = "recompute"  # torch.utils.checkpoint.CheckpointPolicy
+AC_GRAPH_ID = "ac_graph_id"  # int region id; PyTorch compares these with ``>``
+CUSTOM = "custom"  # free-form dict written by torch.fx.traceback.annotate / preserved by re-traces
+DESC = "desc"  # AOT descriptor on joint-graph placeholders/outputs
+PARTITIONER_TAG = "partitioner_tag"  # "is_forward" / "is_backward" on AOT joint graphs
+SEQ_NR = "seq_nr"
+NN_MODULE_STACK = "nn_module_stack"
+STACK_TRACE = "stack_trace"
+AUTOGRAD_BACKWARD = "autograd_backward"
+
+# --- keys inside node.meta["custom"] (they survive preserve_node_meta re-traces) -----------
+AP_MUST_SAVE = "ap_must_save"  # bool: the first partition saved this node for backward
+AP_MUST_SAVE_GETITEM_INDICES = "ap_must_save_getitem_indices"  # list[int] for multi-output ops
+PHASE = "phase"  # "forward" / "backward" (graph trainer)
+PHASE_BACKWARD = "backward"
+PHASE_FORWARD = "forward"
+
+# --- autoparallel's own node.meta keys ------------------------------------------------------
+BUCKET = "ap_bucket"  # pre-overlap bucketing eligibility tag (e.g. "fsdp_ag", "grad_rs")
+# What a placeholder is, as a label: "param:<fqn>", "buffer:<fqn>", "input:<i>", "tangent:<i>".
+# On the output node: a list with one label per output ("loss", "output:<i>", "grad:<fqn>", or
+# "saved:<i>" for tensors a forward graph saves for backward; None where the output is None).
+ROLE = "ap_role"
+
+# --- GraphModule.meta keys --------------------------------------------------------------------
+GM_GROUP_DIMS = "ap_group_dims"  # {process-group name: mesh-dim label}, travels with the graph
+GM_STAGE = "ap_stage"  # human-readable name of the pipeline stage that produced the graph
+
+# ac_graph_id for nodes tagged by autoparallel passes: large, so they form their own AC region and
+# never merge with a user checkpoint region (whose ids are small block indices).
+AP_AC_GRAPH_ID = 100000
+
+
+def custom_meta(node) -> dict:
+    """The node's ``meta["custom"]`` dict, created on first use."""
+    return node.meta.setdefault(CUSTOM, {})

@@ -1,0 +1,177 @@
+"""model + plan + mesh -> the per-rank joint forward/backward graph.
+
+The parallel program is traced with ``aot_export_joint_with_descriptors`` on fake tensors with
+device "cpu" (autograd on fake cuda tensors aborts CPU builds of torch). Descriptors are turned
+into role labels on placeholders and outputs, and the mesh's group-name registry is attached to
+the graph, so everything downstream can say what a node is without knowing creation order.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+from torch import fx, nn
+from torch._guards import detect_fake_mode
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from autoparallel import meta as M
+from autoparallel.mesh import ParallelMesh, attach_group_dims
+from autoparallel.parallelize.plan import ParallelPlan, ParamSharding
+from autoparallel.parallelize.program import LossFn, ParallelProgram, clean_fqn, split_batch
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class JointGraph:
+    """A traced per-rank joint graph and what its inputs and outputs are.
+
+    Call ``gm(primals, tangents)``; ``primals`` follow ``input_roles`` (params, buffers, inputs),
+    the outputs follow ``output_roles`` (``loss`` first, then ``grad:<fqn>``). Keeps the export's
+    context stack open until ``close()`` because a later compile of ``jd`` needs it.
+    """
+
+    gm: fx.GraphModule
+    jd: object  # torch._functorch JointWithDescriptors
+    plan: ParallelPlan
+    mesh: ParallelMesh
+    shardings: dict[str, ParamSharding]
+    input_roles: list[str]
+    output_roles: list[str | None]
+    num_fwd_outputs: int
+    trace_seconds: float
+    fake_mode: FakeTensorMode
+    _stack: contextlib.ExitStack = field(repr=False, default_factory=contextlib.ExitStack)
+
+    @property
+    def group_dims(self) -> dict[str, str]:
+        return dict(self.gm.meta[M.GM_GROUP_DIMS])
+
+    @property
+    def param_fqns(self) -> list[str]:
+        return [r.partition(":")[2] for r in self.input_roles if r.startswith("param:")]
+
+    @property
+    def num_params(self) -> int:
+        return len(self.param_fqns)
+
+    def close(self) -> None:
+        self._stack.close()
+
+    def __enter__(self) -> JointGraph:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def build_joint_graph(
+    model: nn.Module,
+    plan: ParallelPlan,
+    mesh: ParallelMesh,
+    example_inputs: Sequence[torch.Tensor],
+    loss_fn: LossFn | None = None,
+) -> JointGraph:
+    """Trace ``loss_fn(model(*inputs[:-1]), inputs[-1])`` as run by one rank under ``plan``.
+
+    ``model`` may live on ``meta``, on cpu, or on fake tensors; ``example_inputs`` are the
+    global batch (only shapes and dtypes are used); each rank sees its data-parallel slice.
+    """
+    if not example_inputs:
+        raise ValueError("example_inputs must hold the model inputs followed by the loss target")
+    shardings = plan.resolve(model, mesh.spec)
+    fake_mode = detect_fake_mode(list(model.parameters()) + list(example_inputs)) or FakeTensorMode()
+    local = split_batch(tuple(example_inputs), plan, mesh.spec, {d: 0 for d in mesh.spec.names})
+    program = ParallelProgram(model, plan, mesh, loss_fn, shardings=shardings)
+    _to_fake(program, fake_mode)
+    fake_inputs = tuple(_fake_like(t, fake_mode) for t in local)
+
+    stack = contextlib.ExitStack()
+    t0 = time.perf_counter()
+    try:
+        from torch._functorch.aot_autograd import aot_export_joint_with_descriptors
+
+        jd = aot_export_joint_with_descriptors(stack, program, fake_inputs)
+    except BaseException:
+        stack.close()
+        raise
+    seconds = time.perf_counter() - t0
+    gm = jd.graph_module
+    input_roles, output_roles, num_fwd = _label_roles(gm)
+    attach_group_dims(gm, mesh.group_dims)
+    gm.meta[M.GM_STAGE] = "joint"
+    log.info("traced joint graph: %d nodes in %.2fs", len(gm.graph.nodes), seconds)
+    return JointGraph(
+        gm=gm,
+        jd=jd,
+        plan=plan,
+        mesh=mesh,
+        shardings=shardings,
+        input_roles=input_roles,
+        output_roles=output_roles,
+        num_fwd_outputs=num_fwd,
+        trace_seconds=seconds,
+        fake_mode=fake_mode,
+        _stack=stack,
+    )
+
+
+def _fake_like(t: torch.Tensor, fake_mode: FakeTensorMode) -> torch.Tensor:
+    if detect_fake_mode([t]) is fake_mode:
+        return t
+    with fake_mode:
+        return torch.empty(t.shape, dtype=t.dtype, device="cpu")
+
+
+def _to_fake(root: nn.Module, fake_mode: FakeTensorMode) -> None:
+    """Replace every parameter and buffer by a fake cpu tensor (ties preserved)."""
+    memo: dict[int, torch.Tensor] = {}
+    for module in root.modules():
+        for store in (module._parameters, module._buffers):
+            for name, t in list(store.items()):
+                if t is None:
+                    continue
+                if id(t) not in memo:
+                    fake = _fake_like(t.detach(), fake_mode)
+                    memo[id(t)] = nn.Parameter(fake, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else fake
+                store[name] = memo[id(t)]
+
+
+def _role_of_desc(desc) -> str | None:
+    from torch._functorch._aot_autograd import descriptors as D
+
+    if desc is None:
+        return None
+    if isinstance(desc, D.ParamAOTInput):
+        return f"param:{clean_fqn(desc.target)}"
+    if isinstance(desc, D.BufferAOTInput):
+        return f"buffer:{clean_fqn(desc.target)}"
+    if isinstance(desc, D.PlainAOTInput):
+        return f"input:{desc.idx}"
+    if isinstance(desc, D.TangentAOTInput):
+        return f"tangent:{_role_of_desc(desc.output)}"
+    if isinstance(desc, D.PlainAOTOutput):
+        return "loss" if desc.idx == 0 else f"output:{desc.idx}"
+    if isinstance(desc, D.GradAOTOutput):
+        inner = _role_of_desc(desc.grad_of)
+        return f"grad:{inner.partition(':')[2]}" if inner else None
+    return type(desc).__name__
+
+
+def _label_roles(gm: fx.GraphModule) -> tuple[list[str], list[str | None], int]:
+    input_roles = []
+    for node in gm.graph.find_nodes(op="placeholder"):
+        role = _role_of_desc(node.meta.get(M.DESC))
+        node.meta[M.ROLE] = role
+        input_roles.append(role)
+    out = gm.graph.output_node()
+    descs = out.meta.get(M.DESC) or [None] * len(out.args[0])
+    output_roles = [_role_of_desc(d) for d in descs]
+    out.meta[M.ROLE] = output_roles
+    num_fwd = sum(1 for r in output_roles if r is not None and not r.startswith("grad:"))
+    return input_roles, output_roles, num_fwd

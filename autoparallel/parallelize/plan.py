@@ -1,0 +1,196 @@
+"""What to do with each parameter: FSDP over one mesh dim, Megatron TP over another, or DDP.
+
+A plan is data, resolved against a concrete model and mesh into one ``ParamSharding`` per
+parameter. Resolution is where bad plans are caught (unknown parameter or mesh dim, a dim that
+does not divide), so the tracer and the runtime can assume every shard is well formed.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+from torch import nn
+
+from autoparallel.mesh import MeshSpec
+
+TPStyle = Literal["colwise", "rowwise"]
+
+# Megatron-style TP for LLaMA: q/k/v and the gate/up projections split their output features,
+# wo and the down projection split their input features; one all-reduce closes each region.
+LLAMA_TP_RULES: dict[str, TPStyle] = {
+    "layers.*.attention.wq.weight": "colwise",
+    "layers.*.attention.wk.weight": "colwise",
+    "layers.*.attention.wv.weight": "colwise",
+    "layers.*.attention.wo.weight": "rowwise",
+    "layers.*.feed_forward.w1.weight": "colwise",
+    "layers.*.feed_forward.w3.weight": "colwise",
+    "layers.*.feed_forward.w2.weight": "rowwise",
+}
+# Modules whose input is copied into the TP region (all-reduce of its grad in backward) and whose
+# output is all-reduced (identity in backward).
+LLAMA_TP_REGIONS: tuple[str, ...] = ("layers.*.attention", "layers.*.feed_forward")
+
+
+@dataclass(frozen=True)
+class ParamSharding:
+    """How one parameter is laid out on a rank."""
+
+    fqn: str
+    full_shape: tuple[int, ...]
+    local_shape: tuple[int, ...]
+    fsdp_dim: str | None = None  # mesh dim the (TP-local) parameter is sharded over on dim 0
+    tp_dim: str | None = None
+    tp_style: TPStyle | None = None
+    ddp_dim: str | None = None  # mesh dim gradients are all-reduced over
+
+    def shard(self, full: torch.Tensor, coord: Mapping[str, int], sizes: Mapping[str, int]) -> torch.Tensor:
+        """This rank's local piece of the full tensor (TP first, then FSDP on dim 0)."""
+        t = full
+        if self.tp_style is not None:
+            axis = 0 if self.tp_style == "colwise" else 1
+            t = t.chunk(sizes[self.tp_dim], dim=axis)[coord[self.tp_dim]]
+        if self.fsdp_dim is not None:
+            t = t.chunk(sizes[self.fsdp_dim], dim=0)[coord[self.fsdp_dim]]
+        return t.contiguous().clone()
+
+    def unshard(self, pieces: Mapping[tuple[int, ...], torch.Tensor], spec: MeshSpec) -> torch.Tensor:
+        """Reassemble the full tensor from every rank's piece, keyed by mesh coordinate tuple."""
+        names = spec.names
+
+        def piece(fixed: dict[str, int]) -> torch.Tensor:
+            for coord, t in pieces.items():
+                if all(coord[names.index(k)] == v for k, v in fixed.items()):
+                    return t
+            raise KeyError(f"{self.fqn}: no piece for mesh coordinate {fixed}")
+
+        def along_fsdp(fixed: dict[str, int]) -> torch.Tensor:
+            if self.fsdp_dim is None:
+                return piece(fixed)
+            return torch.cat([piece({**fixed, self.fsdp_dim: i}) for i in range(spec.size(self.fsdp_dim))], dim=0)
+
+        if self.tp_style is None:
+            return along_fsdp({})
+        axis = 0 if self.tp_style == "colwise" else 1
+        return torch.cat([along_fsdp({self.tp_dim: i}) for i in range(spec.size(self.tp_dim))], dim=axis)
+
+
+@dataclass(frozen=True)
+class ParallelPlan:
+    """FSDP / TP / DDP over named mesh dims, plus mixed precision for FSDP.
+
+    ``param_dtype`` casts each shard before its all-gather; ``reduce_dtype`` is the dtype gradients
+    are reduce-scattered in (defaults to the parameter's own dtype).
+    """
+
+    name: str
+    fsdp_dim: str | None = None
+    tp_dim: str | None = None
+    ddp_dim: str | None = None
+    reshard_after_forward: bool = True
+    param_dtype: torch.dtype | None = None
+    reduce_dtype: torch.dtype | None = None
+    tp_rules: Mapping[str, TPStyle] = field(default_factory=lambda: dict(LLAMA_TP_RULES))
+    tp_regions: tuple[str, ...] = LLAMA_TP_REGIONS
+
+    @classmethod
+    def fsdp(cls, dp: str = "dp", **kw) -> ParallelPlan:
+        return cls(name="fsdp", fsdp_dim=dp, **kw)
+
+    @classmethod
+    def fsdp_tp(cls, dp: str = "dp", tp: str = "tp", **kw) -> ParallelPlan:
+        return cls(name="fsdp_tp", fsdp_dim=dp, tp_dim=tp, **kw)
+
+    @classmethod
+    def ddp(cls, dp: str = "dp", **kw) -> ParallelPlan:
+        return cls(name="ddp", ddp_dim=dp, **kw)
+
+    @classmethod
+    def preset(cls, name: str, **kw) -> ParallelPlan:
+        presets = {"fsdp": cls.fsdp, "fsdp_tp": cls.fsdp_tp, "ddp": cls.ddp}
+        if name not in presets:
+            raise ValueError(f"unknown plan {name!r}; valid plans: {sorted(presets)}")
+        return presets[name](**kw)
+
+    @property
+    def data_dims(self) -> tuple[str, ...]:
+        """Mesh dims the batch is split over."""
+        return tuple(d for d in (self.fsdp_dim, self.ddp_dim) if d is not None)
+
+    def describe(self) -> str:
+        parts = [self.name]
+        for label, dim in (("fsdp", self.fsdp_dim), ("tp", self.tp_dim), ("ddp", self.ddp_dim)):
+            if dim:
+                parts.append(f"{label}={dim}")
+        if self.fsdp_dim:
+            parts.append(f"reshard_after_forward={self.reshard_after_forward}")
+        if self.param_dtype is not None:
+            parts.append(f"param_dtype={_dtype_name(self.param_dtype)}")
+        if self.reduce_dtype is not None:
+            parts.append(f"reduce_dtype={_dtype_name(self.reduce_dtype)}")
+        return " ".join(parts)
+
+    def tp_style_of(self, fqn: str) -> TPStyle | None:
+        for pattern, style in self.tp_rules.items():
+            if fnmatch.fnmatchcase(fqn, pattern):
+                return style
+        return None
+
+    def resolve(self, model: nn.Module, mesh: MeshSpec) -> dict[str, ParamSharding]:
+        """One ParamSharding per (deduplicated) parameter, or ValueError naming what is wrong."""
+        mesh = MeshSpec.parse(mesh)
+        for role, dim in (("fsdp", self.fsdp_dim), ("tp", self.tp_dim), ("ddp", self.ddp_dim)):
+            if dim is not None and dim not in mesh.names:
+                raise ValueError(
+                    f"plan {self.name!r}: {role} mesh dim {dim!r} is not in mesh {mesh} "
+                    f"(dims: {list(mesh.names)})"
+                )
+        if self.fsdp_dim and self.ddp_dim:
+            raise ValueError(f"plan {self.name!r}: FSDP and DDP on the same parameters are not supported")
+        params = dict(model.named_parameters())
+        if self.tp_dim is not None:
+            for pattern in self.tp_rules:
+                if not any(fnmatch.fnmatchcase(fqn, pattern) for fqn in params):
+                    raise ValueError(
+                        f"plan {self.name!r}: TP rule {pattern!r} matches no parameter of the model"
+                    )
+        out = {}
+        for fqn, p in params.items():
+            if not p.requires_grad:
+                raise ValueError(f"parameter {fqn!r} does not require grad; plans shard trainable parameters only")
+            shape = tuple(p.shape)
+            local = list(shape)
+            style = self.tp_style_of(fqn) if self.tp_dim else None
+            if style is not None:
+                axis = 0 if style == "colwise" else 1
+                local[axis] = _divide(fqn, local, axis, self.tp_dim, mesh.size(self.tp_dim), f"TP {style}")
+            if self.fsdp_dim is not None:
+                local[0] = _divide(fqn, local, 0, self.fsdp_dim, mesh.size(self.fsdp_dim), "FSDP")
+            out[fqn] = ParamSharding(
+                fqn=fqn,
+                full_shape=shape,
+                local_shape=tuple(local),
+                fsdp_dim=self.fsdp_dim,
+                tp_dim=self.tp_dim if style else None,
+                tp_style=style,
+                ddp_dim=self.ddp_dim,
+            )
+        return out
+
+
+def _divide(fqn: str, shape: list[int], axis: int, dim: str, size: int, what: str) -> int:
+    if len(shape) <= axis:
+        raise ValueError(f"parameter {fqn!r} has shape {tuple(shape)}: no dim {axis} to shard for {what} over {dim!r}")
+    if shape[axis] % size:
+        raise ValueError(
+            f"parameter {fqn!r}: dim {axis} of size {shape[axis]} is not divisible by mesh dim "
+            f"{dim!r} of size {size} ({what})"
+        )
+    return shape[axis] // size
+
+
+def _dtype_name(dt: torch.dtype) -> str:
+    return str(dt).removeprefix("torch.")

@@ -1,0 +1,160 @@
+"""The per-rank parallel program: the user's model over local shards with explicit collectives.
+
+Each sharded parameter is wrapped in a parametrization that all-gathers (FSDP) or marks it for
+gradient all-reduce (DDP) when the module reads it, so collectives appear at first use, layer by
+layer, as they would under real FSDP. TP regions get Megatron's f/g around them. The same
+program runs eagerly on a real world (the parity reference) and is traced into the joint graph.
+"""
+
+from __future__ import annotations
+
+import copy
+import fnmatch
+from collections.abc import Callable, Mapping
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.nn.utils import parametrize
+
+from autoparallel.mesh import MeshSpec, ParallelMesh
+from autoparallel.parallelize.collectives import (
+    CopyToTPRegion,
+    DDPGradAllReduce,
+    FSDPAllGather,
+    ReduceFromTPRegion,
+)
+from autoparallel.parallelize.plan import ParallelPlan, ParamSharding
+
+LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+_PARAMETRIZED = ".parametrizations."
+
+
+def cross_entropy_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Mean token cross-entropy, computed in float32 whatever the logits' dtype."""
+    return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(0, 1))
+
+
+def clean_fqn(name: str) -> str:
+    """``model.a.parametrizations.weight.original`` -> ``a.weight`` (the user's parameter name)."""
+    name = name.removeprefix("model.")
+    if _PARAMETRIZED in name:
+        owner, _, rest = name.partition(_PARAMETRIZED)
+        attr = rest.split(".")[0]
+        name = f"{owner}.{attr}" if owner else attr
+    return name
+
+
+class _GatherParam(nn.Module):
+    """Parametrization: local shard -> the tensor the module computes with."""
+
+    def __init__(self, sharding: ParamSharding, plan: ParallelPlan, mesh: ParallelMesh):
+        super().__init__()
+        self.fqn = sharding.fqn
+        self.fsdp = None
+        self.ddp = None
+        if sharding.fsdp_dim is not None:
+            self.fsdp = (mesh.group_name(sharding.fsdp_dim), mesh.size(sharding.fsdp_dim))
+        if sharding.ddp_dim is not None:
+            self.ddp = mesh.group_name(sharding.ddp_dim)
+        self.param_dtype = plan.param_dtype
+        self.reduce_dtype = plan.reduce_dtype
+
+    def forward(self, shard: torch.Tensor) -> torch.Tensor:
+        if self.fsdp is not None:
+            name, size = self.fsdp
+            return FSDPAllGather.apply(shard, name, size, self.param_dtype, self.reduce_dtype)
+        if self.ddp is not None:
+            return DDPGradAllReduce.apply(shard, self.ddp)
+        return shard
+
+
+class ParallelProgram(nn.Module):
+    """``forward(*model_inputs, target) -> loss`` on one rank, over local parameter shards."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        plan: ParallelPlan,
+        mesh: ParallelMesh,
+        loss_fn: LossFn | None = None,
+        *,
+        shardings: Mapping[str, ParamSharding] | None = None,
+    ):
+        super().__init__()
+        self.plan = plan
+        self.mesh_spec: MeshSpec = mesh.spec
+        self.loss_fn = loss_fn or cross_entropy_loss
+        self.shardings = dict(shardings or plan.resolve(model, mesh.spec))
+        coord = mesh.coordinate()
+        sizes = {n: s for n, s in mesh.spec.dims}
+        self.model = copy.deepcopy(model)
+        # Tied parameters (one tensor, several names) share one shard and one sharding.
+        canonical: dict[int, str] = {}
+        by_id: dict[int, nn.Parameter] = {}
+        all_names = list(model.named_parameters(remove_duplicate=False))
+        for fqn, p in all_names:
+            if id(p) not in by_id:
+                canonical[id(p)] = fqn
+                shard = self.shardings[fqn].shard(p.detach(), coord, sizes)
+                by_id[id(p)] = nn.Parameter(shard, requires_grad=p.requires_grad)
+            _set_param(self.model, fqn, by_id[id(p)])
+        for fqn, p in all_names:
+            sharding = self.shardings[canonical[id(p)]]
+            if sharding.fsdp_dim or sharding.ddp_dim:
+                owner, _, attr = fqn.rpartition(".")
+                module = self.model.get_submodule(owner) if owner else self.model
+                parametrize.register_parametrization(module, attr, _GatherParam(sharding, plan, mesh), unsafe=True)
+        if plan.tp_dim is not None:
+            self._install_tp_regions(mesh.group_name(plan.tp_dim))
+
+    def _install_tp_regions(self, group_name: str) -> None:
+        for name, module in self.model.named_modules():
+            if any(fnmatch.fnmatchcase(name, pat) for pat in self.plan.tp_regions):
+                module.register_forward_pre_hook(_copy_to_tp_hook(group_name))
+                module.register_forward_hook(_reduce_from_tp_hook(group_name))
+
+    def local_parameters(self) -> dict[str, nn.Parameter]:
+        """Local shards by the user's parameter FQN (deduplicated, model order)."""
+        return {clean_fqn(n): p for n, p in self.named_parameters()}
+
+    def forward(self, *inputs: torch.Tensor) -> torch.Tensor:
+        *model_inputs, target = inputs
+        return self.loss_fn(self.model(*model_inputs), target)
+
+
+def _copy_to_tp_hook(group_name: str):
+    def hook(module, args):
+        return (CopyToTPRegion.apply(args[0], group_name), *args[1:])
+
+    return hook
+
+
+def _reduce_from_tp_hook(group_name: str):
+    def hook(module, args, output):
+        return ReduceFromTPRegion.apply(output, group_name)
+
+    return hook
+
+
+def _set_param(root: nn.Module, fqn: str, value: nn.Parameter) -> None:
+    owner, _, attr = fqn.rpartition(".")
+    module = root.get_submodule(owner) if owner else root
+    module._parameters[attr] = value
+
+
+def split_batch(inputs, plan: ParallelPlan, spec: MeshSpec, coord: Mapping[str, int]):
+    """This rank's slice (dim 0) of each global input, split over the plan's data dims."""
+    chunks, index = 1, 0
+    for dim in plan.data_dims:
+        chunks, index = chunks * spec.size(dim), index * spec.size(dim) + coord[dim]
+    out = []
+    for i, t in enumerate(inputs):
+        if t.shape[0] % chunks:
+            raise ValueError(
+                f"input {i} has batch {t.shape[0]}, not divisible by the {chunks} data-parallel ranks "
+                f"of mesh dims {list(plan.data_dims)}"
+            )
+        out.append(t.chunk(chunks, dim=0)[index])
+    return tuple(out)

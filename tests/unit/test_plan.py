@@ -1,0 +1,77 @@
+import pytest
+import torch
+
+from autoparallel.mesh import MeshSpec
+from autoparallel.models.llama3 import build_model
+from autoparallel.parallelize import ParallelPlan
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return build_model("tiny", device="meta")
+
+
+def test_fsdp_shards_dim0(tiny):
+    sh = ParallelPlan.fsdp().resolve(tiny, MeshSpec.parse("dp=8"))
+    assert len(sh) == len(list(tiny.parameters()))
+    wq = sh["layers.0.attention.wq.weight"]
+    assert wq.full_shape == (64, 64) and wq.local_shape == (8, 64) and wq.fsdp_dim == "dp"
+
+
+def test_fsdp_tp_colwise_and_rowwise(tiny):
+    sh = ParallelPlan.fsdp_tp().resolve(tiny, MeshSpec.parse("dp=4,tp=2"))
+    assert sh["layers.0.attention.wq.weight"].tp_style == "colwise"
+    assert sh["layers.0.attention.wq.weight"].local_shape == (64 // 2 // 4, 64)
+    assert sh["layers.0.attention.wo.weight"].tp_style == "rowwise"
+    assert sh["layers.0.attention.wo.weight"].local_shape == (64 // 4, 64 // 2)
+    assert sh["tok_embeddings.weight"].tp_style is None
+
+
+def test_shard_then_unshard_roundtrip():
+    model = build_model("tiny")
+    spec = MeshSpec.parse("dp=2,tp=2")
+    sh = ParallelPlan.fsdp_tp().resolve(model, spec)
+    sizes = dict(spec.dims)
+    for fqn, p in model.named_parameters():
+        pieces = {}
+        for rank in range(spec.world_size):
+            coord = spec.coordinate(rank)
+            pieces[tuple(coord.values())] = sh[fqn].shard(p.detach(), coord, sizes)
+        assert torch.equal(sh[fqn].unshard(pieces, spec), p.detach()), fqn
+
+
+def test_unknown_mesh_dim_names_dim(tiny):
+    with pytest.raises(ValueError, match=r"fsdp mesh dim 'data'.*dims: \['dp'\]"):
+        ParallelPlan.fsdp("data").resolve(tiny, MeshSpec.parse("dp=8"))
+
+
+def test_indivisible_dim_names_parameter_and_dim(tiny):
+    with pytest.raises(ValueError, match=r"'tok_embeddings.weight'.*256.*not divisible.*'dp' of size 3"):
+        ParallelPlan.fsdp().resolve(tiny, MeshSpec.parse("dp=3"))
+
+
+def test_tp_rule_matching_nothing_is_unknown_parameter(tiny):
+    plan = ParallelPlan.fsdp_tp(tp_rules={"layers.*.attention.wqkv.weight": "colwise"})
+    with pytest.raises(ValueError, match=r"wqkv.*matches no parameter"):
+        plan.resolve(tiny, MeshSpec.parse("dp=4,tp=2"))
+
+
+def test_unknown_plan_lists_presets():
+    with pytest.raises(ValueError, match=r"unknown plan 'zero3'.*\['ddp', 'fsdp', 'fsdp_tp'\]"):
+        ParallelPlan.preset("zero3")
+
+
+@pytest.mark.parametrize(
+    "text, msg",
+    [("dp", "expected 'name=size"), ("dp=0", "sizes must be ints >= 1"), ("dp=2,dp=2", "appears twice"), ("", "expected")],
+)
+def test_bad_mesh_text(text, msg):
+    with pytest.raises(ValueError, match=msg):
+        MeshSpec.parse(text)
+
+
+def test_mesh_coordinates_row_major():
+    spec = MeshSpec.parse("dp=2,tp=4")
+    assert spec.coordinate(0) == {"dp": 0, "tp": 0}
+    assert spec.coordinate(5) == {"dp": 1, "tp": 1}
+    assert spec.world_size == 8 and str(spec) == "dp=2,tp=4"

@@ -1,0 +1,1 @@
+"""The equivalence layer: parity, goldens, stats, mutation and memory checks for autoparallel."""

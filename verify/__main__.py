@@ -1,0 +1,36 @@
+"""``python -m verify {report}``: the equivalence layer's command line."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m verify", description=__doc__)
+    sub = p.add_subparsers(dest="command", required=True)
+
+    r = sub.add_parser("report", help="pipeline stages, collectives and parity for one scenario")
+    r.add_argument("--preset", default="tiny", help="model preset: tiny, debug, 8b (default: tiny)")
+    r.add_argument("--plan", default="fsdp", choices=["fsdp", "fsdp_tp", "ddp"], help="parallel plan (default: fsdp)")
+    r.add_argument("--mesh", default="dp=8", help="mesh, e.g. dp=8 or dp=4,tp=2 (default: dp=8)")
+    r.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
+    r.add_argument("--no-parity", action="store_true", help="skip the gloo parity run")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        if args.command == "report":
+            from verify.report import main as report_main
+
+            return report_main(args)
+    except ValueError as e:  # bad preset / plan / mesh: a one-line message, not a traceback
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    raise AssertionError(args.command)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

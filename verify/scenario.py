@@ -1,0 +1,153 @@
+"""Named configurations (preset, plan, mesh) and the runs built from them.
+
+A ``Scenario`` is what a golden header, a parity test and the report all describe, so they are
+built in one place: the same model seed, the same batches, the same plan options everywhere.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from autoparallel.mesh import MeshSpec, build_mesh, fake_world
+from autoparallel.models.llama3 import build_model, model_args
+from autoparallel.parallelize import (
+    JointGraph,
+    ParallelPlan,
+    ParallelProgram,
+    build_joint_graph,
+    split_batch,
+)
+from autoparallel.parallelize.program import clean_fqn
+from autoparallel.runtime import run_on_world
+from autoparallel.runtime.rebind import rebind_groups
+from autoparallel.runtime.steps import (
+    StepTrace,
+    eager_program_executor,
+    joint_graph_executor,
+    train_steps,
+)
+
+_DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp32": torch.float32, "float32": torch.float32}
+
+
+@dataclass(frozen=True)
+class Scenario:
+    preset: str = "tiny"
+    plan: str = "fsdp"
+    mesh: str = "dp=8"
+    seed: int = 0
+    batch_per_rank: int = 1
+    seq_len: int | None = None  # default: the preset's max_seq_len
+    param_dtype: str | None = None
+    reduce_dtype: str | None = None
+    reshard_after_forward: bool = True
+
+    @property
+    def mesh_spec(self) -> MeshSpec:
+        return MeshSpec.parse(self.mesh)
+
+    def plan_obj(self) -> ParallelPlan:
+        kw = {"reshard_after_forward": self.reshard_after_forward}
+        if self.param_dtype:
+            kw["param_dtype"] = _dtype(self.param_dtype)
+        if self.reduce_dtype:
+            kw["reduce_dtype"] = _dtype(self.reduce_dtype)
+        return ParallelPlan.preset(self.plan, **kw)
+
+    def header(self) -> str:
+        return f"preset={self.preset} plan={self.plan_obj().describe()} mesh={self.mesh_spec} seed={self.seed}"
+
+    def model(self, device: str = "cpu"):
+        return build_model(self.preset, seed=self.seed, device=device)
+
+    def batches(self, steps: int = 1) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Deterministic global batches (tokens, next-token labels)."""
+        args = model_args(self.preset)
+        plan = self.plan_obj()
+        ranks = 1
+        for d in plan.data_dims:
+            ranks *= self.mesh_spec.size(d)
+        seq = self.seq_len or args.max_seq_len
+        g = torch.Generator().manual_seed(10_000 + self.seed)
+        out = []
+        for _ in range(steps):
+            data = torch.randint(0, args.vocab_size, (ranks * self.batch_per_rank, seq + 1), generator=g)
+            out.append((data[:, :-1].contiguous(), data[:, 1:].contiguous()))
+        return out
+
+    def example_inputs(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.batches(1)[0]
+
+    def trace(self, mesh=None) -> JointGraph:
+        """The joint graph on a fake world (``mesh``: an already-entered fake world, if any)."""
+        model = self.model(device="meta")
+        if mesh is not None:
+            return build_joint_graph(model, self.plan_obj(), mesh, self.example_inputs())
+        with fake_world(self.mesh_spec) as m:
+            return build_joint_graph(model, self.plan_obj(), m, self.example_inputs())
+
+
+def _dtype(name: str) -> torch.dtype:
+    try:
+        return _DTYPES[name]
+    except KeyError:
+        raise ValueError(f"unknown dtype {name!r}; valid: {sorted(_DTYPES)}") from None
+
+
+@dataclass
+class RankParity:
+    """What one rank computed with each executor, plus its mesh coordinate."""
+
+    coord: tuple[int, ...]
+    traces: dict[str, StepTrace]
+
+
+def _rank_joint_vs_eager(rank, world_size, scenario: Scenario, gm, input_roles, output_roles, batches):
+    spec = scenario.mesh_spec
+    mesh = build_mesh(spec)
+    plan = scenario.plan_obj()
+    model = scenario.model()
+    program = ParallelProgram(model, plan, mesh)
+    coord = mesh.coordinate()
+    local_batches = [split_batch(b, plan, spec, coord) for b in batches]
+    init = {k: v.detach().clone() for k, v in program.local_parameters().items()}
+    buffers = {clean_fqn(n): b for n, b in program.named_buffers()}
+    eager = train_steps(eager_program_executor(program), program.local_parameters(), local_batches)
+    joint = train_steps(joint_graph_executor(rebind_groups(gm, mesh.group_dims), input_roles, output_roles, buffers), init, local_batches)
+    return RankParity(tuple(coord[d] for d in spec.names), {"eager": eager, "joint": joint})
+
+
+def run_joint_parity(scenario: Scenario, steps: int = 1, timeout_s: float = 120.0) -> list[RankParity]:
+    """Trace on a fake world, then run eager and the joint graph on a gloo world of the same mesh."""
+    with scenario.trace() as jg:
+        gm, in_roles, out_roles = jg.gm, jg.input_roles, jg.output_roles
+    batches = scenario.batches(steps)
+    return run_on_world(
+        _rank_joint_vs_eager,
+        scenario.mesh_spec.world_size,
+        args=(scenario, gm, in_roles, out_roles, batches),
+        timeout_s=timeout_s,
+    )
+
+
+def single_device_step(scenario: Scenario) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Loss and full gradients of the unsharded model on the whole first batch."""
+    from autoparallel.parallelize.program import cross_entropy_loss
+
+    model = scenario.model()
+    tokens, labels = scenario.batches(1)[0]
+    loss = cross_entropy_loss(model(tokens), labels)
+    loss.backward()
+    return loss.detach(), {n: p.grad for n, p in model.named_parameters()}
+
+
+def gather_full_grads(scenario: Scenario, ranks: list[RankParity], executor: str, step: int = 0) -> dict[str, torch.Tensor]:
+    """Reassemble each parameter's full gradient from the ranks' shards."""
+    shardings = scenario.plan_obj().resolve(scenario.model(device="meta"), scenario.mesh_spec)
+    out = {}
+    for fqn, sharding in shardings.items():
+        pieces = {r.coord: r.traces[executor].grads[step][fqn] for r in ranks}
+        out[fqn] = sharding.unshard(pieces, scenario.mesh_spec)
+    return out
