@@ -1,4 +1,4 @@
-"""``python -m verify {report}``: the equivalence layer's command line."""
+"""``python -m verify {report, goldens}``: the equivalence layer's command line."""
 
 from __future__ import annotations
 
@@ -16,6 +16,13 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("--mesh", default="dp=8", help="mesh, e.g. dp=8 or dp=4,tp=2 (default: dp=8)")
     r.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
     r.add_argument("--no-parity", action="store_true", help="skip the gloo parity run")
+
+    g = sub.add_parser("goldens", help="regenerate (--update) or check (--check) the golden files")
+    mode = g.add_mutually_exclusive_group(required=True)
+    mode.add_argument("--update", action="store_true", help="rewrite goldens from the current code, delete unused ones")
+    mode.add_argument("--check", action="store_true", help="fail on any changed, missing, corrupt or unused golden")
+    g.add_argument("-n", dest="workers", default="auto", help="pytest-xdist workers (default: auto)")
+    g.add_argument("pytest_args", nargs="*", help="extra pytest arguments (after --)")
     return p
 
 
@@ -26,6 +33,10 @@ def main(argv: list[str] | None = None) -> int:
             from verify.report import main as report_main
 
             return report_main(args)
+        if args.command == "goldens":
+            from verify.golden_cli import main as goldens_main
+
+            return goldens_main(args)
     except ValueError as e:  # bad preset / plan / mesh: a one-line message, not a traceback
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -57,3 +57,85 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
     if item.config.getoption(REQUIRE_GPU):
         pytest.fail(f"{reason} and {REQUIRE_GPU} is set: GPU CI must not pass by skipping", pytrace=False)
     pytest.skip(reason)
+
+
+# --- goldens ------------------------------------------------------------------------------------
+
+
+class GoldenChecker:
+    """Compares text against its golden file; failures name the file and the update command."""
+
+    def __init__(self, snapshot, request: pytest.FixtureRequest):
+        from verify.goldens import GoldenTextExtension
+
+        self._snapshot = snapshot.use_extension(GoldenTextExtension)
+        self._request = request
+
+    def path_for(self, name: str | None = None):
+        from pathlib import Path
+
+        snap = self._snapshot(name=name) if name else self._snapshot
+        return Path(snap.extension.get_location(test_location=snap.test_location, index=snap.index))
+
+    def check_text(self, text: str, *, name: str | None = None) -> None:
+        from verify.goldens import UPDATE_COMMAND, CorruptGoldenError, read_golden
+
+        snap = self._snapshot(name=name) if name else self._snapshot
+        path = self.path_for(name)
+        updating = bool(self._request.config.option.update_snapshots)
+        if not updating and not path.exists():
+            pytest.fail(
+                f"golden file {path} is missing. Generate it with `{UPDATE_COMMAND}` "
+                f"(or `pytest --snapshot-update`), review it, and commit it with the change that needs it.",
+                pytrace=False,
+            )
+        if path.exists():
+            try:
+                read_golden(path)
+            except CorruptGoldenError as e:
+                if not updating:
+                    pytest.fail(str(e), pytrace=False)
+                path.unlink()  # an explicit update replaces a corrupt golden
+        matched = snap == text
+        if not matched:
+            diff = _unified_diff(path, text)
+            pytest.fail(
+                f"graph changed: golden file {path} differs from what the code produces now.\n"
+                f"If the change is intended, run `{UPDATE_COMMAND}`, review the diff and explain it in the "
+                f"commit message.\n{diff}",
+                pytrace=False,
+            )
+
+    def graph(self, graphs, *, header, title: str | None = None, name: str | None = None) -> None:
+        """Golden of one GraphModule or a (forward, backward) pair: header, stats, canonical text."""
+        from verify.goldens import graph_golden_text
+
+        self.check_text(graph_golden_text(title or self._request.node.nodeid, header, graphs), name=name)
+
+    def counts(self, rows, *, header, title: str | None = None, name: str | None = None) -> None:
+        """Golden of collective counts per stage: ``rows`` are (stage name, GraphModule)."""
+        from verify.goldens import collective_counts_text, header_text, render_golden
+
+        text = render_golden(
+            title or self._request.node.nodeid,
+            [("header", header_text(header)), ("collectives", collective_counts_text(rows))],
+        )
+        self.check_text(text, name=name)
+
+
+def _unified_diff(path, text: str, limit: int = 200) -> str:
+    import difflib
+
+    from verify.goldens import read_golden
+
+    old = read_golden(path).splitlines()
+    lines = list(difflib.unified_diff(old, text.splitlines(), f"golden {path.name}", "produced now", lineterm="", n=2))
+    if len(lines) > limit:
+        lines = lines[:limit] + [f"... {len(lines) - limit} more diff lines"]
+    return "\n".join(lines)
+
+
+@pytest.fixture
+def golden(snapshot, request) -> GoldenChecker:
+    """Golden files under goldens/; see verify.goldens."""
+    return GoldenChecker(snapshot, request)

@@ -1,0 +1,89 @@
+"""What a user sees when a golden is missing, corrupt, changed or unused (in a throwaway project)."""
+
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from verify.goldens import FORMAT_LINE, UPDATE_COMMAND, render_golden
+
+TEST_FILE = textwrap.dedent(
+    """
+    from verify.goldens import render_golden
+
+    BODY = {body!r}
+
+    def {name}(golden):
+        golden.check_text(render_golden("t", [("graph", BODY)]))
+    """
+)
+
+
+@pytest.fixture
+def project(tmp_path: Path):
+    (tmp_path / "pytest.ini").write_text("[pytest]\ntestpaths = tests\naddopts = -p no:cacheprovider\n")
+    (tmp_path / "tests").mkdir()
+    return tmp_path
+
+
+def write_test(project: Path, body: str, name: str = "test_one") -> None:
+    (project / "tests" / "test_a.py").write_text(TEST_FILE.format(body=body, name=name))
+
+
+def pytest_run(project: Path, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-n", "0", *args],
+        cwd=project,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+def test_missing_changed_corrupt_and_unused_goldens(project):
+    golden = project / "goldens" / "test_a" / "test_one.txt"
+    write_test(project, "mm_0 = aten.mm(a, b)")
+
+    missing = pytest_run(project)
+    assert missing.returncode == 1
+    assert f"golden file {golden} is missing" in missing.stdout
+    assert UPDATE_COMMAND in missing.stdout
+
+    created = pytest_run(project, "--snapshot-update")
+    assert created.returncode == 0, created.stdout
+    assert golden.read_text() == render_golden("t", [("graph", "mm_0 = aten.mm(a, b)")])
+    assert golden.read_text().startswith(FORMAT_LINE)
+    assert pytest_run(project).returncode == 0
+
+    write_test(project, "mm_0 = aten.mm(b, a)")
+    changed = pytest_run(project)
+    assert changed.returncode == 1
+    assert f"graph changed: golden file {golden} differs" in changed.stdout
+    assert UPDATE_COMMAND in changed.stdout
+    assert "aten.mm(a, b)" in changed.stdout and "aten.mm(b, a)" in changed.stdout
+
+    golden.write_bytes(b"\xff\xfe not a golden")
+    corrupt = pytest_run(project)
+    assert corrupt.returncode == 1
+    assert f"golden file {golden} is corrupt" in corrupt.stdout
+    golden.write_text("some other text\n")
+    assert "is corrupt: first line is 'some other text'" in pytest_run(project).stdout
+    assert golden.read_text() == "some other text\n", "a failing run must never rewrite a golden"
+
+    write_test(project, "mm_0 = aten.mm(a, b)", name="test_two")
+    assert pytest_run(project, "--snapshot-update").returncode == 0
+    golden.parent.joinpath("test_stale.txt").write_text(render_golden("t", []))
+    unused = pytest_run(project)
+    assert unused.returncode == 1
+    assert "unused" in unused.stdout
+    assert golden.parent.joinpath("test_stale.txt").exists(), "only an explicit update deletes goldens"
+
+
+def test_goldens_live_under_a_tests_directory(tmp_path):
+    from verify.goldens import golden_dir_for
+
+    assert golden_dir_for(tmp_path / "tests" / "golden" / "test_x.py") == tmp_path / "goldens" / "golden" / "test_x"
+    with pytest.raises(ValueError, match="must live under a 'tests/' directory"):
+        golden_dir_for(tmp_path / "elsewhere" / "test_x.py")

@@ -1,0 +1,131 @@
+"""Goldens: one reviewed text file per golden under ``goldens/<tests subdir>/<module>/<test>.txt``.
+
+Built on syrupy (``pytest --snapshot-update`` regenerates; goldens no test uses fail the run), with
+three additions a reviewer needs: the text is canonical (``verify.canon``) so a diff means the
+graph changed; every file starts with a format line so a truncated or foreign file is reported as
+corrupt, not diffed; and every failure names the file and the command that regenerates it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+from syrupy.extensions.single_file import SingleFileSnapshotExtension, WriteMode
+from syrupy.location import PyTestLocation
+
+FORMAT_LINE = "# autoparallel golden v1"
+UPDATE_COMMAND = "python -m verify goldens --update"
+GOLDENS_DIR = "goldens"
+TESTS_DIR = "tests"
+
+
+class CorruptGoldenError(Exception):
+    """A golden file that is not a golden this project wrote."""
+
+
+def goldens_root_for(test_file: str | Path) -> tuple[Path, Path]:
+    """(repo root, test file path relative to ``tests/``) for a test file under ``tests/``."""
+    path = Path(test_file).resolve()
+    for parent in path.parents:
+        if parent.name == TESTS_DIR:
+            return parent.parent, path.relative_to(parent)
+    raise ValueError(f"{path}: golden tests must live under a '{TESTS_DIR}/' directory")
+
+
+def golden_dir_for(test_file: str | Path) -> Path:
+    root, rel = goldens_root_for(test_file)
+    return root / GOLDENS_DIR / rel.parent / rel.stem
+
+
+class GoldenTextExtension(SingleFileSnapshotExtension):
+    """One UTF-8 ``.txt`` per snapshot, under the top-level ``goldens/`` tree."""
+
+    _write_mode = WriteMode.TEXT
+    file_extension = "txt"
+
+    @classmethod
+    def dirname(cls, *, test_location: PyTestLocation) -> str:
+        return str(golden_dir_for(test_location.filepath))
+
+    def read_snapshot_data_from_location(self, *, snapshot_location: str, snapshot_name: str, session_id: str):
+        try:
+            return read_golden(snapshot_location)
+        except FileNotFoundError:
+            return None
+
+
+def read_golden(path: str | Path) -> str:
+    """The text of a golden file; CorruptGoldenError (naming the file) if it is not one of ours."""
+    raw = Path(path).read_bytes()
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise CorruptGoldenError(_corrupt(str(path), f"not UTF-8 text ({e.reason} at byte {e.start})")) from None
+    if not text.startswith(FORMAT_LINE + "\n"):
+        first = text.split("\n", 1)[0][:60]
+        raise CorruptGoldenError(_corrupt(str(path), f"first line is {first!r}, expected {FORMAT_LINE!r}"))
+    return text
+
+
+def _corrupt(path: str, why: str) -> str:
+    return (
+        f"golden file {path} is corrupt: {why}. Restore it from version control "
+        f"(git checkout -- {path}) or regenerate it with `{UPDATE_COMMAND}` and review the diff."
+    )
+
+
+def render_golden(title: str, sections: Sequence[tuple[str, str]]) -> str:
+    """The golden text: format line, title, then ``== name ==`` sections."""
+    lines = [FORMAT_LINE, f"# {title}"]
+    for name, body in sections:
+        lines += ["", f"== {name} ==", body.rstrip("\n")]
+    return "\n".join(lines) + "\n"
+
+
+def header_text(fields: Mapping[str, object]) -> str:
+    return "\n".join(f"{k}: {v}" for k, v in fields.items())
+
+
+def graph_golden_text(title: str, header: Mapping[str, object], graphs) -> str:
+    """Header, stats table, then canonical graph(s).
+
+    ``graphs`` is one GraphModule or a ``(forward, backward)`` pair.
+    """
+    from verify.canon import canonicalize
+    from verify.stats import format_stats_table, graph_stats, partition_stats
+
+    sections = [("header", header_text(header))]
+    if isinstance(graphs, tuple):
+        fw, bw = graphs
+        sections.append(("stats", format_stats_table(partition_stats(fw, bw))))
+        sections.append(("forward", canonicalize(fw)))
+        sections.append(("backward", canonicalize(bw)))
+    else:
+        sections.append(("stats", format_stats_table(graph_stats(graphs))))
+        sections.append(("graph", canonicalize(graphs)))
+    return render_golden(title, sections)
+
+
+def collective_counts_text(rows: Sequence[tuple[str, object]]) -> str:
+    """A small table: one line per (stage, graph), all-gather / reduce-scatter / all-reduce count and bytes.
+
+    ``rows`` are ``(stage name, GraphModule)``; a reviewer sees e.g. ``AG fwd 290 -> 98`` as a
+    one-line change.
+    """
+    from verify.stats import graph_stats
+
+    kinds = ("all_gather", "reduce_scatter", "all_reduce")
+    table = [("stage", *kinds)]
+    for name, gm in rows:
+        st = graph_stats(gm)
+        cells = []
+        for kind in kinds:
+            per = st.collectives.get(kind, {})
+            if not per:
+                cells.append("-")
+                continue
+            cells.append(" ".join(f"{dim}:{per[dim].count}/{per[dim].bytes}B" for dim in sorted(per)))
+        table.append((name, *cells))
+    widths = [max(len(r[i]) for r in table) for i in range(len(table[0]))]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in table)
