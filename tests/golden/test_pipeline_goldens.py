@@ -1,0 +1,28 @@
+"""Goldens of every pipeline stage: a change to tracing or a pass shows up as a text diff.
+
+Scenarios and stage names come from verify.golden_catalog / verify.pipeline, which the report
+uses too. Regenerate with `python -m verify goldens --update` and review the diff.
+"""
+
+import functools
+
+import pytest
+
+from verify.golden_catalog import GOLDEN_SCENARIOS, counts_text, stage_text
+from verify.pipeline import STAGE_NAMES, run_pipeline
+
+
+@functools.cache
+def pipeline(sid: str):
+    return run_pipeline(GOLDEN_SCENARIOS[sid])
+
+
+@pytest.mark.parametrize("stage", STAGE_NAMES)
+@pytest.mark.parametrize("sid", sorted(GOLDEN_SCENARIOS))
+def test_stage_graph(sid, stage, golden):
+    golden.check_text(stage_text(sid, pipeline(sid).stage(stage)))
+
+
+@pytest.mark.parametrize("sid", sorted(GOLDEN_SCENARIOS))
+def test_collective_counts(sid, golden):
+    golden.check_text(counts_text(sid, pipeline(sid)))

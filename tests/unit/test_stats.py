@@ -1,0 +1,286 @@
+"""verify.stats: collective counts/bytes per mesh dim, categories, RS spacing, static peak."""
+
+from __future__ import annotations
+
+import json
+import operator
+
+import pytest
+import torch
+import torch.fx as fx
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.fx.passes.fake_tensor_prop import FakeTensorProp
+from torch.utils.checkpoint import CheckpointPolicy
+
+from autoparallel import meta as M
+from verify.stats import (
+    GraphStats,
+    format_stats_table,
+    graph_stats,
+    human_bytes,
+    node_category,
+    partition_stats,
+    static_peak_bytes,
+)
+
+aten = torch.ops.aten
+c10d = torch.ops._c10d_functional
+GROUP_DIMS = {"1": "dp", "3": "tp", "5": "dp*tp"}
+
+
+def _gm(g: fx.Graph, *inputs: torch.Tensor, group_dims=GROUP_DIMS) -> fx.GraphModule:
+    gm = fx.GraphModule(torch.nn.Module(), g)
+    gm.meta[M.GM_GROUP_DIMS] = dict(group_dims)
+    if inputs:
+        FakeTensorProp(gm, mode=FakeTensorMode(allow_non_fake_inputs=True)).propagate(*inputs)
+    return gm
+
+
+def _collectives_graph() -> fx.GraphModule:
+    g = fx.Graph()
+    x = g.placeholder("x")  # f32[4, 16] = 256 B
+    ag = g.call_function(c10d.all_gather_into_tensor.default, (x, 8, "1"))  # out f32[32, 16]
+    w_ag = g.call_function(c10d.wait_tensor.default, (ag,))
+    xb = g.call_function(aten._to_copy.default, (x,), {"dtype": torch.bfloat16})
+    ag_bf16 = g.call_function(c10d.all_gather_into_tensor.default, (xb, 8, "1"))  # out bf16[32, 16]
+    g.call_function(c10d.wait_tensor.default, (ag_bf16,))
+    ag_tp = g.call_function(c10d.all_gather_into_tensor.default, (x, 2, "3"))  # out f32[8, 16]
+    w_tp = g.call_function(c10d.wait_tensor.default, (ag_tp,))
+    rs = g.call_function(
+        c10d.reduce_scatter_tensor.default, (w_ag, "sum", 8, "1")
+    )  # in f32[32, 16]
+    w_rs = g.call_function(c10d.wait_tensor.default, (rs,))
+    ar = g.call_function(c10d.all_reduce.default, (w_tp, "sum", "3"))  # in f32[8, 16]
+    g.call_function(c10d.wait_tensor.default, (ar,))
+    a2a = g.call_function(
+        c10d.all_to_all_single.default, (w_rs, [2, 2], [2, 2], "5")
+    )  # in f32[4, 16]
+    g.call_function(c10d.wait_tensor.default, (a2a,))
+    co = g.call_function(c10d.all_gather_into_tensor_coalesced.default, ([x, xb], 8, "1"))
+    for i in range(2):
+        g.call_function(c10d.wait_tensor.default, (g.call_function(operator.getitem, (co, i)),))
+    g.output((w_rs,))
+    return _gm(g, torch.randn(4, 16))
+
+
+def test_collective_counts_and_bytes_per_mesh_dim():
+    st = graph_stats(_collectives_graph())
+    assert st.to_dict()["collectives"] == {
+        # all-gather bytes: OUTPUT; f32[32, 16] = 2048, bf16 halves it, coalesced sums both
+        "all_gather": {
+            "dp": {"count": 3, "bytes": 2048 + 1024 + (2048 + 1024)},
+            "tp": {"count": 1, "bytes": 8 * 16 * 4},
+        },
+        "all_reduce": {"tp": {"count": 1, "bytes": 8 * 16 * 4}},  # INPUT
+        "all_to_all": {"dp*tp": {"count": 1, "bytes": 4 * 16 * 4}},  # INPUT
+        "reduce_scatter": {"dp": {"count": 1, "bytes": 32 * 16 * 4}},  # INPUT (unsharded)
+    }
+    assert st.waits == 8
+    assert st.collective_count("all_gather") == 4
+    assert st.collective_bytes("all_gather", "tp") == 512
+    cats = st.categories
+    assert cats["collective"] == 7 and cats["wait"] == 8 and cats["placeholder"] == 1
+    assert cats["compute"] == 1 and cats["other"] == 2 and cats["output"] == 1
+    assert st.num_nodes == sum(cats.values())
+
+
+def test_to_dict_is_plain_json_with_sorted_keys():
+    d = graph_stats(_collectives_graph()).to_dict()
+    text = json.dumps(d)
+    assert text == json.dumps(d, sort_keys=True)
+    assert json.loads(text) == d
+
+
+def test_group_dims_argument_and_unknown_group():
+    gm = _collectives_graph()
+    st = graph_stats(gm, group_dims={"1": "fsdp", "3": "tp", "5": "flat"})
+    assert sorted(st.collectives["all_gather"]) == ["fsdp", "tp"]
+    gm.meta[M.GM_GROUP_DIMS] = {"1": "dp", "3": "tp"}
+    with pytest.raises(ValueError, match=r"'5'.*all_to_all_single"):
+        graph_stats(gm)
+
+
+def test_missing_val_where_bytes_are_needed_names_the_node():
+    g = fx.Graph()
+    x = g.placeholder("x")
+    x.meta[M.VAL] = FakeTensorMode().from_tensor(torch.randn(4, 16))
+    ag = g.call_function(c10d.all_gather_into_tensor.default, (x, 8, "1"), name="gather_me")
+    g.output(ag)
+    gm = _gm(g)
+    with pytest.raises(ValueError, match=r"'gather_me'.*meta\['val'\]"):
+        graph_stats(gm)
+    with pytest.raises(ValueError, match=r"'gather_me'.*meta\['val'\]"):
+        static_peak_bytes(gm)
+
+
+def test_max_consec_compute_between_reduce_scatters():
+    g = fx.Graph()
+    x = g.placeholder("x")
+    before = g.call_function(aten.neg.default, (x,))  # before the first RS: not counted
+    rs1 = g.call_function(c10d.reduce_scatter_tensor.default, (before, "sum", 2, "1"))
+    g.call_function(c10d.wait_tensor.default, (rs1,))
+    a = g.call_function(aten.relu.default, (x,))  # 1
+    v = g.call_function(aten.view.default, (a, [-1]))  # view: not counted
+    b = g.call_function(aten.mul.Tensor, (v, v))  # 2
+    vm = g.call_function(aten.var_mean.correction, (x, [1]), {"keepdim": True})  # 3
+    m = g.call_function(operator.getitem, (vm, 1))  # getitem: not counted
+    ag = g.call_function(
+        c10d.all_gather_into_tensor.default, (m, 2, "3")
+    )  # collective: not counted
+    g.call_function(c10d.wait_tensor.default, (ag,))
+    d = g.call_function(aten.add.Tensor, (x, m))  # 4
+    rs2 = g.call_function(c10d.reduce_scatter_tensor.default, (d, "sum", 2, "1"))
+    e = g.call_function(aten.exp.default, (d,))  # 1
+    rs3 = g.call_function(c10d.reduce_scatter_tensor.default, (e, "sum", 2, "3"))
+    f = g.call_function(aten.sin.default, (e,))  # after the last RS: not counted
+    g.call_function(aten.cos.default, (f,))
+    g.output((rs2, rs3, b))
+    gm = _gm(g, torch.randn(4, 8))
+    st = graph_stats(gm)
+    assert st.max_consec_compute_between_rs == 4
+    assert node_category(v) == "view" and node_category(m) == "other"
+    assert node_category(vm) == "compute" and node_category(rs1) == "collective"
+
+    one = fx.Graph()
+    y = one.placeholder("y")
+    r = one.call_function(c10d.reduce_scatter_tensor.default, (y, "sum", 2, "1"))
+    one.call_function(aten.relu.default, (y,))
+    one.output(r)
+    assert graph_stats(_gm(one, torch.randn(4, 8))).max_consec_compute_between_rs == 0
+
+
+def test_recompute_tags_are_counted_per_policy():
+    gm = _collectives_graph()
+    nodes = [n for n in gm.graph.nodes if n.op == "call_function"]
+    nodes[0].meta[M.RECOMPUTE] = CheckpointPolicy.MUST_RECOMPUTE
+    nodes[1].meta[M.RECOMPUTE] = CheckpointPolicy.MUST_RECOMPUTE
+    nodes[2].meta[M.RECOMPUTE] = CheckpointPolicy.PREFER_SAVE
+    M.custom_meta(nodes[2])[M.AP_MUST_SAVE] = True
+    st = graph_stats(gm)
+    assert st.recompute == {"MUST_RECOMPUTE": 2, "PREFER_SAVE": 1}
+    assert st.must_save == 1
+
+
+def test_wait_aliases_its_input_in_static_peak():
+    g = fx.Graph()
+    x = g.placeholder("x")  # 256 B, live throughout
+    ag = g.call_function(c10d.all_gather_into_tensor.default, (x, 8, "1"))  # 2048 B
+    w = g.call_function(c10d.wait_tensor.default, (ag,))  # same buffer as ag
+    r = g.call_function(aten.relu.default, (w,))  # 2048 B
+    g.output(r)
+    # 256 + 2048 + 2048; counting the wait's fake storage separately would give 6400
+    assert static_peak_bytes(_gm(g, torch.randn(4, 16))) == 4352
+
+
+def _fw_bw(bw_names: tuple[str, str], fw_out_order: str = "cbx", tangent_role: bool = False):
+    """A forward/backward pair with a hand-computed peak.
+
+    fw: w f32[16,16] (1024 B), x f32[4,16] (256 B); a = mm(x, w) (256 B); av = view(a) (alias of
+    a); b = relu(av) (256 B, saved); c = sum(b) (4 B, loss).
+    bw: saved b, saved x, tangent f32[] (4 B); e = expand(tangent) (alias); g = mul(e, b) (256 B);
+    gw = mm(t(x), g) (1024 B); gx = mul(g, b) (256 B, keeps b alive past gw).
+    """
+    fg = fx.Graph()
+    w = fg.placeholder("primals_1")
+    x = fg.placeholder("primals_2")
+    a = fg.call_function(aten.mm.default, (x, w), name="a")
+    av = fg.call_function(aten.view.default, (a, [64]), name="av")
+    b = fg.call_function(aten.relu.default, (av,), name="b")
+    c = fg.call_function(aten.sum.default, (b,), name="c")
+    outs = {"c": c, "b": b, "x": x}
+    fg.output(tuple(outs[k] for k in fw_out_order))
+    fw = _gm(fg, torch.randn(16, 16), torch.randn(4, 16))
+
+    bg = fx.Graph()
+    sb = bg.placeholder(bw_names[0])
+    sx = bg.placeholder(bw_names[1])
+    tan = bg.placeholder("tangents_1" if not tangent_role else "grad_in")
+    if tangent_role:
+        tan.meta[M.ROLE] = "tangent:0"
+    e = bg.call_function(aten.expand.default, (tan, [64]))
+    gg = bg.call_function(aten.mul.Tensor, (e, sb))
+    t = bg.call_function(aten.t.default, (sx,))
+    v = bg.call_function(aten.view.default, (gg, [4, 16]))
+    gw = bg.call_function(aten.mm.default, (t, v))
+    gx = bg.call_function(aten.mul.Tensor, (gg, sb))
+    bg.output((gw, gx))
+    bw = _gm(bg, torch.randn(64), torch.randn(4, 16), torch.randn(()))
+    return fw, bw
+
+
+def test_static_peak_forward_only_counts_a_view_once():
+    fw, _ = _fw_bw(("saved_b", "saved_x"))
+    # w + x + a + b at relu (av aliases a); a double-counted would be 2048
+    assert static_peak_bytes(fw) == 1024 + 256 + 256 + 256
+
+
+def test_static_peak_keeps_saved_tensor_alive_into_backward():
+    fw, bw = _fw_bw(("saved_b", "saved_x"))  # no name match: positional (last tensor outputs)
+    # at gx: w 1024 + x 256 + saved b 256 + g 256 + gw 1024 + gx 256 (tangent freed after g)
+    assert static_peak_bytes(fw, bw) == 3072
+
+
+def test_static_peak_matches_saved_values_by_name():
+    # Forward outputs ordered (c, x, b): position would pair placeholder "b" with x; names fix it.
+    fw, bw = _fw_bw(("b", "primals_2"), fw_out_order="cxb", tangent_role=True)
+    assert static_peak_bytes(fw, bw) == 3072
+
+
+def test_partition_stats_and_table():
+    fw, bw = _fw_bw(("saved_b", "saved_x"))
+    ps = partition_stats(fw, bw)
+    assert (ps.saved_count, ps.saved_bytes, ps.static_peak_bytes) == (2, 512, 3072)
+    assert ps.fw.categories["compute"] == 3 and ps.bw.categories["view"] == 3
+    d = ps.to_dict()
+    assert json.dumps(d) == json.dumps(d, sort_keys=True)
+    table = format_stats_table(ps)
+    assert table == format_stats_table(partition_stats(*_fw_bw(("saved_b", "saved_x"))))
+    lines = table.splitlines()
+    assert lines[0].split() == ["forward", "backward"]
+    assert "saved for backward" in table and "512 (512 B)" in table
+    assert any(ln.startswith("static peak") and ln.endswith("3072 (3.0 KiB)") for ln in lines)
+
+
+def test_table_lists_collectives_per_kind_and_dim_in_fixed_order():
+    st = graph_stats(_collectives_graph())
+    table = format_stats_table(st)
+    rows = [ln.split()[:2] for ln in table.splitlines()[2:6]]
+    assert rows == [
+        ["all_gather", "dp"],
+        ["all_gather", "tp"],
+        ["reduce_scatter", "dp"],
+        ["all_reduce", "tp"],
+    ]
+    assert "6144 (6.0 KiB)" in table and "512 (512 B)" in table
+    ag_tp = next(ln for ln in table.splitlines() if ln.split()[:2] == ["all_gather", "tp"])
+    assert ag_tp.split()[2] == "1"
+    assert "max_consec_compute_between_rs" in table and "wait_tensor" in table
+    assert isinstance(st, GraphStats)
+
+
+def test_human_bytes():
+    assert human_bytes(0) == "0 B"
+    assert human_bytes(1023) == "1023 B"
+    assert human_bytes(4096) == "4.0 KiB"
+    assert human_bytes(int(2.62 * 2**30)) == "2.6 GiB"
+
+
+def test_static_peak_counts_get_attr_constants_for_the_whole_run():
+    root = torch.nn.Module()
+    root.register_buffer("table", torch.ones(32, 16))  # 2048 B, never freed
+    g = fx.Graph()
+    x = g.placeholder("x")  # 256 B
+    big = g.call_function(aten.zeros.default, ([64, 64],))  # 16 KiB temporary, freed at once
+    r = g.call_function(aten.relu.default, (x,))  # 256 B, freed after add
+    t = g.get_attr("table")  # resident from the start, although its node comes late
+    s = g.call_function(aten.sum.default, (t,))  # 4 B
+    g.output(g.call_function(aten.add.Tensor, (r, s)))  # 256 B
+    gm = fx.GraphModule(root, g)
+    FakeTensorProp(gm, mode=FakeTensorMode(allow_non_fake_inputs=True)).propagate(
+        torch.randn(4, 16)
+    )
+    for n in gm.graph.nodes:
+        if n.op == "get_attr":
+            n.meta.pop(M.VAL, None)  # described from the attribute itself
+    assert big.users == {}
+    assert static_peak_bytes(gm) == 2048 + 256 + 64 * 64 * 4

@@ -1,0 +1,482 @@
+"""FX graph -> canonical text, the body of every reviewed golden file.
+
+The text is a pure function of the graph's structure and metadata: the same graph gives the same
+bytes in any process, worker, test order and ``PYTHONHASHSEED``. One line per node, in graph
+order (graph order is a topological order; a pass that reorders nodes shows up in the diff)::
+
+    # tiny mlp, forward
+    input:0: f32[8, 32]
+    param:fc1.weight: f32[64, 32]
+    t_0: f32[32, 64] = aten.t.default(param:fc1.weight)
+    mm_0: f32[8, 64] = aten.mm.default(input:0, t_0)
+    all_gather_into_tensor_0: f32[32, 16] = _c10d_functional.all_gather_into_tensor.default(arg_2, 8, dp)  {recompute=MUST_RECOMPUTE ac=ap}
+    wait_tensor_0: f32[32, 16] = _c10d_functional.wait_tensor.default(all_gather_into_tensor_0)
+    return:
+      loss = sum_0
+      grad:fc1.weight = mm_1
+
+Rules:
+
+* **Names.** Placeholders are named by ``node.meta[ROLE]`` (``param:<fqn>``, ``input:<i>``,
+  ``tangent:<i>``, ...) and otherwise ``arg_<position>``. Every other node is ``<op>_<k>`` where
+  ``<op>`` is the op's short name (``aten.mm.default`` -> ``mm``, ``operator.getitem`` ->
+  ``getitem``) and ``k`` counts that op's nodes in graph order. The full target, overload
+  included, is printed on the right-hand side.
+* **Process groups.** The ``group_name`` argument of any op whose schema has one (the
+  ``_c10d_functional`` collectives) prints as its mesh-dim label (``dp``, ``tp``, ``dp*tp``),
+  looked up in ``group_dims`` (argument, else ``gm.meta[GM_GROUP_DIMS]``). A group the map does
+  not know raises ``ValueError`` naming the node.
+* **Types.** ``name: <val> = ...`` where ``<val>`` comes from ``node.meta["val"]``: tensors as
+  ``f32[8, 64]`` (device appended as ``@cuda:0`` when it is not the CPU), tuples/lists of them
+  as ``(f32[2], f32[2])``, SymInts as their expression, other values via ``repr``. Shape symbols
+  are renamed in order of first appearance (``s0``, ``s1``, unbacked ``u0``, ...), because the
+  symbol ids the tracer picks are not meaningful; ``canonicalize_pair`` shares one renaming
+  between the forward and the backward.
+* **Missing ``val``.** By default a node without ``meta["val"]`` raises ``ValueError`` naming the
+  node (run ``FakeTensorProp`` or trace with ``make_fx``/``aot_export`` first). With
+  ``require_val=False`` such nodes print without the ``: <val>`` part. ``get_attr`` nodes without
+  ``val`` are described from the attribute itself; the output node never needs one.
+* **Tags** at the end of the line, in this fixed order: ``recompute=<CheckpointPolicy name>``,
+  ``ac=<ac_graph_id>`` (``ap`` for ``AP_AC_GRAPH_ID``), ``must_save`` (``must_save[0,2]`` with
+  getitem indices, ``must_save=False`` when explicitly false), ``phase=<custom phase>``,
+  ``bucket=<BUCKET tag>``.
+* **Constants** print deterministically: floats with ``repr``, dtypes as ``torch.float32``,
+  devices as ``device('cpu')``, kwargs and dict keys sorted, sets sorted, object addresses
+  replaced by ``0x?``. No stack traces, file paths or node-name counters of the input graph.
+* **Output.** ``return:`` followed by one line per output value, prefixed with its role from the
+  output node's ``meta[ROLE]`` list where present (``loss = sum_0``, ``saved:3 = mm_2``).
+"""
+
+from __future__ import annotations
+
+import enum
+import operator
+import re
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+from autoparallel import meta as M
+from autoparallel.mesh import dim_label, group_dims_of
+
+__all__ = ["canonicalize", "canonicalize_pair", "SymbolNamer"]
+
+_ADDR_RE = re.compile(r"0x[0-9a-fA-F]+")
+_NON_IDENT_RE = re.compile(r"\W+")
+_SYM_PREFIX_RE = re.compile(r"^[A-Za-z_]+")
+
+_DTYPE_ABBRS = {
+    torch.bool: "b8",
+    torch.uint8: "u8",
+    torch.int8: "i8",
+    torch.int16: "i16",
+    torch.int32: "i32",
+    torch.int64: "i64",
+    torch.float16: "f16",
+    torch.bfloat16: "bf16",
+    torch.float32: "f32",
+    torch.float64: "f64",
+    torch.complex64: "c64",
+    torch.complex128: "c128",
+}
+
+
+def dtype_abbr(dtype: torch.dtype) -> str:
+    """``torch.float32`` -> ``f32`` (``print_readable`` spelling); unknown dtypes spelled out."""
+    abbr = _DTYPE_ABBRS.get(dtype)
+    if abbr is None:
+        from torch.fx.graph import dtype_abbrs
+
+        abbr = dtype_abbrs.get(dtype, str(dtype).removeprefix("torch."))
+    return abbr
+
+
+class SymbolNamer:
+    """Renames shape symbols by first appearance (``s75`` -> ``s0``), one counter per prefix.
+
+    Share one instance between graphs that share a ShapeEnv (forward and backward) so a symbol
+    keeps its name across both.
+    """
+
+    def __init__(self) -> None:
+        self._map: dict[Any, Any] = {}
+        self._counts: dict[str, int] = {}
+
+    def expr_text(self, expr: Any) -> str:
+        import sympy
+
+        if not isinstance(expr, sympy.Basic):
+            return str(expr)
+        for sym in sorted(expr.free_symbols, key=lambda s: s.name):
+            if sym not in self._map:
+                m = _SYM_PREFIX_RE.match(sym.name)
+                prefix = m.group(0) if m else "s"
+                k = self._counts.get(prefix, 0)
+                self._counts[prefix] = k + 1
+                self._map[sym] = sympy.Symbol(f"{prefix}{k}", **sym.assumptions0)
+        return str(expr.xreplace(self._map))
+
+    def sym_text(self, value: torch.SymInt | torch.SymFloat | torch.SymBool) -> str:
+        node = value.node
+        const = node.maybe_as_int() if hasattr(node, "maybe_as_int") else None
+        if const is not None:
+            return str(const)
+        return self.expr_text(node.expr)
+
+
+def _is_sym(x: Any) -> bool:
+    return isinstance(x, (torch.SymInt, torch.SymFloat, torch.SymBool))
+
+
+def _dim_text(d: Any, syms: SymbolNamer) -> str:
+    return syms.sym_text(d) if _is_sym(d) else str(int(d))
+
+
+def tensor_text(t: torch.Tensor, syms: SymbolNamer) -> str:
+    """``f32[8, 64]`` (``@cuda:0`` appended off the CPU)."""
+    shape = ", ".join(_dim_text(d, syms) for d in t.shape)
+    text = f"{dtype_abbr(t.dtype)}[{shape}]"
+    dev = t.device
+    if dev.type not in ("cpu", "meta"):
+        text += f"@{dev}"
+    return text
+
+
+def val_text(v: Any, syms: SymbolNamer) -> str:
+    """The ``: <val>`` part of a line for a ``meta["val"]`` value."""
+    if isinstance(v, torch.Tensor):
+        return tensor_text(v, syms)
+    if _is_sym(v):
+        return syms.sym_text(v)
+    text = _container_text(v, lambda x: val_text(x, syms))
+    return text if text is not None else _const_text(v, syms)
+
+
+def _container_text(a: Any, item) -> str | None:
+    """Tuples, lists, dicts (keys sorted) and sets (sorted) with ``item`` for the elements."""
+    if isinstance(a, tuple):
+        inner = ", ".join(item(x) for x in a)
+        return f"({inner},)" if len(a) == 1 else f"({inner})"
+    if isinstance(a, list):
+        return "[" + ", ".join(item(x) for x in a) + "]"
+    if isinstance(a, Mapping):
+        pairs = sorted((item(k), item(v)) for k, v in a.items())
+        return "{" + ", ".join(f"{k}: {v}" for k, v in pairs) + "}"
+    if isinstance(a, (set, frozenset)):
+        return "{" + ", ".join(sorted(item(x) for x in a)) + "}"
+    return None
+
+
+def _const_text(x: Any, syms: SymbolNamer) -> str:
+    if x is None or isinstance(x, (bool, int, str)):
+        return repr(x)
+    if isinstance(x, float):
+        return repr(x)
+    if _is_sym(x):
+        return syms.sym_text(x)
+    if isinstance(x, torch.dtype):
+        return str(x)
+    if isinstance(x, torch.device):
+        return f"device({str(x)!r})"
+    if isinstance(x, (torch.layout, torch.memory_format)):
+        return str(x)
+    if isinstance(x, torch.Tensor):
+        return f"tensor({tensor_text(x, syms)})"
+    if isinstance(x, enum.Enum):
+        return f"{type(x).__name__}.{x.name}"
+    if isinstance(x, torch._ops.OpOverload | torch._ops.OpOverloadPacket):
+        return str(x)
+    if isinstance(x, slice):
+        return f"slice({_const_text(x.start, syms)}, {_const_text(x.stop, syms)}, {_const_text(x.step, syms)})"
+    return _ADDR_RE.sub("0x?", repr(x))
+
+
+def _op_short_name(node: fx.Node) -> str:
+    t = node.target
+    if node.op == "call_function":
+        if isinstance(t, torch._ops.OpOverload):
+            name = t._opname
+        elif isinstance(t, torch._ops.OpOverloadPacket):
+            name = t._qualified_op_name.split("::")[-1]
+        elif isinstance(t, torch._ops.HigherOrderOperator):
+            name = t.name()
+        else:
+            name = getattr(t, "__name__", type(t).__name__)
+    elif node.op == "call_method":
+        name = str(t)
+    elif node.op == "call_module":
+        name = str(t).replace(".", "_")
+    elif node.op == "get_attr":
+        name = "get_attr"
+    else:
+        name = node.op
+    name = _NON_IDENT_RE.sub("_", name)
+    return name if name.strip("_") else "node"
+
+
+def _target_text(node: fx.Node) -> str:
+    t = node.target
+    if node.op == "call_function":
+        if isinstance(t, torch._ops.OpOverload | torch._ops.OpOverloadPacket):
+            return str(t)
+        if isinstance(t, torch._ops.HigherOrderOperator):
+            return f"higher_order.{t.name()}"
+        if getattr(operator, getattr(t, "__name__", ""), None) is t:
+            return f"operator.{t.__name__}"
+        try:
+            from torch.fx.node import _get_qualified_name
+
+            text = _get_qualified_name(t)
+        except Exception:
+            text = f"{getattr(t, '__module__', '?')}.{getattr(t, '__qualname__', repr(t))}"
+        return _ADDR_RE.sub("0x?", text)
+    if node.op == "call_method":
+        return f"call_method.{t}"
+    if node.op == "call_module":
+        return f"call_module[{t}]"
+    return str(t)
+
+
+def _group_arg_index(target: Any) -> int | None:
+    """Positional index of the ``group_name`` argument in an op's schema (None if it has none)."""
+    if not isinstance(target, torch._ops.OpOverload):
+        return None
+    for i, arg in enumerate(target._schema.arguments):
+        if arg.name == "group_name":
+            return i
+    return None
+
+
+def group_arg(node: fx.Node) -> Any:
+    """The raw process-group argument of a collective node (None if the op has none)."""
+    idx = _group_arg_index(node.target)
+    if idx is None:
+        return None
+    if idx < len(node.args):
+        return node.args[idx]
+    return node.kwargs.get("group_name")
+
+
+def _group_name_of(value: Any) -> str:
+    name = getattr(value, "group_name", None)  # a ProcessGroup object instead of its name
+    return str(name if name is not None else value)
+
+
+def _resolve_attr(owner: Any, target: str) -> Any:
+    obj = owner
+    for part in str(target).split("."):
+        if obj is None:
+            return None
+        obj = getattr(obj, part, None)
+    return obj
+
+
+def _missing_val_error(node: fx.Node) -> ValueError:
+    return ValueError(
+        f"node {node.name!r} ({node.op} {_target_text(node)}) has no meta['val']: canonical text "
+        "needs FakeTensor vals on every node. Run "
+        "torch.fx.passes.fake_tensor_prop.FakeTensorProp(gm).propagate(*inputs) or trace with "
+        "make_fx / aot_export, or pass require_val=False to omit shapes"
+    )
+
+
+def _tags_text(node: fx.Node) -> str:
+    parts = []
+    meta = node.meta
+    if M.RECOMPUTE in meta and meta[M.RECOMPUTE] is not None:
+        pol = meta[M.RECOMPUTE]
+        parts.append("recompute=" + (pol.name if isinstance(pol, enum.Enum) else repr(pol)))
+    if M.AC_GRAPH_ID in meta and meta[M.AC_GRAPH_ID] is not None:
+        gid = meta[M.AC_GRAPH_ID]
+        parts.append("ac=ap" if gid == M.AP_AC_GRAPH_ID else "ac=" + repr(gid))
+    custom = meta.get(M.CUSTOM) or {}
+    if M.AP_MUST_SAVE in custom:
+        if custom[M.AP_MUST_SAVE]:
+            idx = custom.get(M.AP_MUST_SAVE_GETITEM_INDICES)
+            if idx:
+                parts.append("must_save[" + ",".join(str(int(i)) for i in sorted(idx)) + "]")
+            else:
+                parts.append("must_save")
+        else:
+            parts.append("must_save=False")
+    if custom.get(M.PHASE) is not None:
+        parts.append(f"phase={custom[M.PHASE]}")
+    if meta.get(M.BUCKET) is not None:
+        parts.append(f"bucket={meta[M.BUCKET]}")
+    return "  {" + " ".join(parts) + "}" if parts else ""
+
+
+class _Namer:
+    def __init__(self) -> None:
+        self.names: dict[fx.Node, str] = {}
+        self._used: set[str] = set()
+        self._counts: dict[str, int] = {}
+
+    def _take(self, name: str) -> str:
+        self._used.add(name)
+        return name
+
+    def placeholder(self, node: fx.Node, position: int) -> str:
+        role = node.meta.get(M.ROLE)
+        base = str(role) if role is not None else f"arg_{position}"
+        name, k = base, 1
+        while name in self._used:  # duplicate roles: keep every name unique
+            name, k = f"{base}~{k}", k + 1
+        self.names[node] = self._take(name)
+        return name
+
+    def op(self, node: fx.Node) -> str:
+        short = _op_short_name(node)
+        while True:
+            k = self._counts.get(short, 0)
+            self._counts[short] = k + 1
+            name = f"{short}_{k}"
+            if name not in self._used:
+                break
+        self.names[node] = self._take(name)
+        return name
+
+
+def _graph_and_owner(gm: fx.GraphModule | fx.Graph) -> tuple[fx.Graph, Any]:
+    if isinstance(gm, fx.GraphModule):
+        return gm.graph, gm
+    if isinstance(gm, fx.Graph):
+        return gm, gm.owning_module
+    raise TypeError(f"expected an fx.GraphModule or fx.Graph, got {type(gm).__name__}")
+
+
+def _canonical_lines(
+    gm: fx.GraphModule | fx.Graph,
+    *,
+    group_dims: Mapping[str, str] | None,
+    require_val: bool,
+    syms: SymbolNamer,
+) -> list[str]:
+    graph, owner = _graph_and_owner(gm)
+    if group_dims is None:
+        group_dims = group_dims_of(owner) if owner is not None else {}
+    namer = _Namer()
+    lines: list[str] = []
+
+    def arg_text(a: Any) -> str:
+        if isinstance(a, fx.Node):
+            return namer.names.get(a, f"<unknown {a.name}>")
+        text = _container_text(a, arg_text)
+        return text if text is not None else _const_text(a, syms)
+
+    def group_text(node: fx.Node, value: Any) -> str:
+        try:
+            return dim_label(
+                _group_name_of(value),
+                group_dims,
+                where=f"node {node.name!r} ({_target_text(node)})",
+            )
+        except ValueError as e:
+            raise ValueError(f"{e}, or pass group_dims={{name: label}} to canonicalize()") from None
+
+    position = 0
+    for node in graph.nodes:
+        if node.op == "output":
+            lines.extend(_output_lines(node, arg_text))
+            continue
+        if node.op == "placeholder":
+            name = namer.placeholder(node, position)
+            position += 1
+            rhs = ""
+        else:
+            name = namer.op(node)
+            args = list(node.args)
+            kwargs = dict(node.kwargs)
+            gidx = _group_arg_index(node.target)
+            parts = []
+            for i, a in enumerate(args):
+                parts.append(group_text(node, a) if i == gidx else arg_text(a))
+            for k in sorted(kwargs):
+                v = (
+                    group_text(node, kwargs[k])
+                    if (gidx is not None and k == "group_name")
+                    else arg_text(kwargs[k])
+                )
+                parts.append(f"{k}={v}")
+            if node.op == "get_attr":
+                rhs = f" = get_attr({str(node.target)!r})"
+            else:
+                rhs = f" = {_target_text(node)}({', '.join(parts)})"
+        if M.VAL in node.meta:
+            typ = ": " + val_text(node.meta[M.VAL], syms)
+        elif node.op == "get_attr":
+            attr = _resolve_attr(owner, node.target)
+            if isinstance(attr, torch.Tensor):
+                typ = ": " + tensor_text(attr, syms)
+            elif isinstance(attr, torch.nn.Module):
+                typ = ": module"
+            elif require_val:
+                raise _missing_val_error(node)
+            else:
+                typ = ""
+        elif require_val:
+            raise _missing_val_error(node)
+        else:
+            typ = ""
+        lines.append(f"{name}{typ}{rhs}{_tags_text(node)}")
+    return lines
+
+
+def _output_lines(node: fx.Node, arg_text) -> list[str]:
+    value = node.args[0] if node.args else None
+    roles = node.meta.get(M.ROLE)
+    if not isinstance(value, (tuple, list)):
+        role = roles[0] if isinstance(roles, (list, tuple)) and roles else roles
+        prefix = f"{role} = " if isinstance(role, str) else ""
+        return [f"return: {prefix}{arg_text(value)}"]
+    if not value:
+        return ["return: ()"]
+    out = ["return:"]
+    for i, v in enumerate(value):
+        role = roles[i] if isinstance(roles, (list, tuple)) and i < len(roles) else None
+        prefix = f"{role} = " if role is not None else ""
+        out.append(f"  {prefix}{arg_text(v)}")
+    return out
+
+
+def canonicalize(
+    gm: fx.GraphModule | fx.Graph,
+    *,
+    group_dims: Mapping[str, str] | None = None,
+    title: str | None = None,
+    require_val: bool = True,
+    symbols: SymbolNamer | None = None,
+) -> str:
+    """Canonical, deterministic text of ``gm`` (see the module docstring for the format).
+
+    ``group_dims`` overrides the graph's ``gm.meta[GM_GROUP_DIMS]`` map; ``title`` adds a
+    ``# title`` first line; ``require_val=False`` omits shapes of nodes that have no
+    ``meta["val"]`` instead of raising; ``symbols`` shares a shape-symbol renaming between calls.
+    The result ends with a newline.
+    """
+    syms = symbols if symbols is not None else SymbolNamer()
+    lines = [f"# {title}"] if title else []
+    body = _canonical_lines(gm, group_dims=group_dims, require_val=require_val, syms=syms)
+    lines.extend(body if body else ["(empty graph)"])
+    return "\n".join(lines) + "\n"
+
+
+def canonicalize_pair(
+    fw_gm: fx.GraphModule | fx.Graph,
+    bw_gm: fx.GraphModule | fx.Graph,
+    *,
+    group_dims: Mapping[str, str] | None = None,
+    title: str | None = None,
+    require_val: bool = True,
+) -> str:
+    """Canonical text of a forward/backward pair: ``== forward ==`` then ``== backward ==``.
+
+    Node names restart in each section; shape symbols share one renaming across both.
+    """
+    syms = SymbolNamer()
+    fw = canonicalize(fw_gm, group_dims=group_dims, require_val=require_val, symbols=syms)
+    bw = canonicalize(bw_gm, group_dims=group_dims, require_val=require_val, symbols=syms)
+    head = f"# {title}\n" if title else ""
+    return f"{head}== forward ==\n{fw}\n== backward ==\n{bw}"

@@ -1,0 +1,68 @@
+"""Which goldens exist for which scenario and stage, and their text.
+
+The golden tests and ``python -m verify report`` both go through here, so the report can say
+whether each stage it shows matches its reviewed golden.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from verify.goldens import (
+    GOLDENS_DIR,
+    collective_counts_text,
+    graph_golden_text,
+    header_text,
+    render_golden,
+)
+from verify.pipeline import PipelineRun, Stage
+from verify.scenario import Scenario
+
+GOLDEN_SCENARIOS: dict[str, Scenario] = {
+    "tiny-fsdp-dp8": Scenario(preset="tiny", plan="fsdp", mesh="dp=8"),
+    "tiny-fsdp_tp-dp4tp2": Scenario(preset="tiny", plan="fsdp_tp", mesh="dp=4,tp=2"),
+}
+# Where the golden tests live (tests/<MODULE>.py) and their test names; syrupy names the files.
+MODULE = "golden/test_pipeline_goldens"
+STAGE_TEST = "test_stage_graph"
+COUNTS_TEST = "test_collective_counts"
+
+
+def scenario_id(scenario: Scenario) -> str | None:
+    for key, sc in GOLDEN_SCENARIOS.items():
+        if sc == scenario:
+            return key
+    return None
+
+
+def header(scenario: Scenario, stage: str) -> dict[str, str]:
+    return {
+        "preset": scenario.preset,
+        "mesh": str(scenario.mesh_spec),
+        "plan": scenario.plan_obj().describe(),
+        "stage": stage,
+    }
+
+
+def stage_text(sid: str, stage: Stage) -> str:
+    return graph_golden_text(f"{sid} {stage.name}", header(GOLDEN_SCENARIOS[sid], stage.name), stage.graphs)
+
+
+def counts_text(sid: str, run: PipelineRun) -> str:
+    rows = [row for s in run.stages for row in s.count_rows()]
+    return render_golden(
+        f"{sid} collective counts",
+        [("header", header_text(header(GOLDEN_SCENARIOS[sid], "all"))), ("collectives", collective_counts_text(rows))],
+    )
+
+
+def golden_path(root: Path, test: str, param_id: str) -> Path:
+    return root / GOLDENS_DIR / f"{MODULE}" / f"{test}[{param_id}].txt"
+
+
+def compare_with_golden(root: Path, test: str, param_id: str, text: str) -> str:
+    """"matches", "differs", or "missing" for the golden of ``test[param_id]``."""
+    path = golden_path(root, test, param_id)
+    if not path.exists():
+        return "missing"
+    return "matches" if path.read_text(encoding="utf-8") == text else "differs"

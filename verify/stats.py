@@ -1,0 +1,629 @@
+"""Graph statistics for goldens and checks: collectives per mesh dim, saved tensors, static peak.
+
+Conventions (stable; goldens depend on them):
+
+* **Node categories** (every node gets exactly one): ``placeholder``, ``output``, ``collective``
+  (a ``_c10d_functional`` / ``_c10d_functional_autograd`` collective launch), ``wait``
+  (``wait_tensor``), ``view`` (aten ops whose schema says they alias their input, plus
+  ``_unsafe_view`` and ``reshape``), ``compute`` (any other call that produces tensors, including
+  ``call_method``/``call_module`` and higher-order ops), ``other`` (``getitem``, ``get_attr``,
+  symbolic-size arithmetic and other ops returning no tensor).
+* **Collective kinds**: ``all_gather`` (``all_gather_into_tensor``, ``_out``, ``_coalesced``),
+  ``reduce_scatter`` (``reduce_scatter_tensor``, ``_out``, ``_coalesced``), ``all_reduce``
+  (``all_reduce``, ``all_reduce_``, ``_coalesced``, ``_coalesced_``), ``all_to_all``
+  (``all_to_all_single``), ``broadcast`` (``broadcast``, ``broadcast_``); other collectives keep
+  their op name. Each is counted per mesh-dim label of its ``group_name`` argument.
+* **Collective bytes** are the bytes of the full (unsharded) buffer, ``numel * element_size`` of
+  a FakeTensor: the OUTPUT of an all-gather; the INPUT of a reduce-scatter, all-reduce,
+  all-to-all and broadcast. Coalesced variants sum over their tensors. Symbolic sizes use the
+  trace-time hint (``optimization_hint``).
+* ``max_consec_compute_between_rs``: for each pair of consecutive reduce-scatter launches in graph
+  order, the number of ``compute`` nodes between them; the maximum over pairs (0 with fewer than
+  two reduce-scatters). Views, getitems, waits and other collectives in between are not counted
+  and do not break the run.
+* **Saved tensors** of a forward/backward pair: the backward graph's placeholders that are not
+  tangents (role ``tangent:*`` if the placeholder has a ``ROLE``, else a name starting with
+  ``tangents``) and whose ``val`` is a tensor; bytes are ``numel * element_size``.
+* **Static peak** (``static_peak_bytes``): a liveness walk over FakeTensor storages, see its
+  docstring.
+
+A node whose ``meta["val"]`` is needed for a byte count and missing raises ``ValueError`` naming
+the node.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.fx as fx
+from torch.multiprocessing.reductions import StorageWeakRef
+
+from autoparallel import meta as M
+from autoparallel.mesh import dim_label, group_dims_of
+from verify.canon import _group_name_of, group_arg
+
+__all__ = [
+    "CATEGORIES",
+    "COLLECTIVE_KINDS",
+    "CollectiveStat",
+    "GraphStats",
+    "PartitionStats",
+    "collective_kind",
+    "node_category",
+    "graph_stats",
+    "partition_stats",
+    "static_peak_bytes",
+    "format_stats_table",
+    "human_bytes",
+]
+
+CATEGORIES = ("placeholder", "output", "collective", "wait", "view", "compute", "other")
+COLLECTIVE_KINDS = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all", "broadcast")
+
+_COLLECTIVE_NAMESPACES = ("_c10d_functional", "_c10d_functional_autograd")
+_KIND_OF_OPNAME = {
+    "all_gather_into_tensor": "all_gather",
+    "all_gather_into_tensor_out": "all_gather",
+    "all_gather_into_tensor_coalesced": "all_gather",
+    "reduce_scatter_tensor": "reduce_scatter",
+    "reduce_scatter_tensor_out": "reduce_scatter",
+    "reduce_scatter_tensor_coalesced": "reduce_scatter",
+    "all_reduce": "all_reduce",
+    "all_reduce_": "all_reduce",
+    "all_reduce_coalesced": "all_reduce",
+    "all_reduce_coalesced_": "all_reduce",
+    "all_to_all_single": "all_to_all",
+    "broadcast": "broadcast",
+    "broadcast_": "broadcast",
+}
+_NOT_COLLECTIVE = {"wait_tensor"}
+_VIEW_LIKE = {"_unsafe_view", "reshape"}
+_SCALAR_MODULES = {"_operator", "operator", "math", "builtins"}
+
+
+# --- classification -----------------------------------------------------------------------------
+
+
+def _is_c10d_op(target: Any) -> bool:
+    return isinstance(target, torch._ops.OpOverload) and target.namespace in _COLLECTIVE_NAMESPACES
+
+
+def collective_kind(node: fx.Node) -> str | None:
+    """``all_gather`` / ``reduce_scatter`` / ``all_reduce`` / ``all_to_all`` / ... or None."""
+    if node.op != "call_function" or not _is_c10d_op(node.target):
+        return None
+    name = node.target._opname
+    if name in _NOT_COLLECTIVE:
+        return None
+    if name in ("isend", "irecv", "batch_p2p_ops"):
+        return "p2p"
+    return _KIND_OF_OPNAME.get(name, name)
+
+
+def is_wait(node: fx.Node) -> bool:
+    return (
+        node.op == "call_function"
+        and _is_c10d_op(node.target)
+        and node.target._opname == "wait_tensor"
+    )
+
+
+def _returns_tensor(op: torch._ops.OpOverload) -> bool:
+    return any("Tensor" in str(r.type) for r in op._schema.returns)
+
+
+def node_category(node: fx.Node) -> str:
+    """One of ``CATEGORIES`` (see the module docstring)."""
+    if node.op in ("placeholder", "output"):
+        return node.op
+    if node.op == "get_attr":
+        return "other"
+    if node.op in ("call_method", "call_module"):
+        return "compute"
+    t = node.target
+    if is_wait(node):
+        return "wait"
+    if collective_kind(node) is not None:
+        return "collective"
+    if t is operator.getitem:
+        return "other"
+    if isinstance(t, torch._ops.OpOverload):
+        if t.is_view or t._opname in _VIEW_LIKE:
+            return "view"
+        return "compute" if _returns_tensor(t) else "other"
+    if isinstance(t, torch._ops.HigherOrderOperator):
+        return "compute"
+    if getattr(t, "__module__", None) in _SCALAR_MODULES or str(
+        getattr(t, "__name__", "")
+    ).startswith("sym_"):
+        return "other"
+    return "compute"
+
+
+# --- sizes --------------------------------------------------------------------------------------
+
+
+def _hint(x: Any, node: fx.Node) -> int:
+    if isinstance(x, torch.SymInt):
+        from torch.fx.experimental.symbolic_shapes import optimization_hint
+
+        try:
+            return int(optimization_hint(x))
+        except Exception as e:
+            raise ValueError(
+                f"node {node.name!r}: size {x} has no hint (unbacked symbol?); cannot count bytes"
+            ) from e
+    return int(x)
+
+
+def _val(node: fx.Node, why: str) -> Any:
+    if M.VAL not in node.meta:
+        raise ValueError(
+            f"node {node.name!r} ({node.op} {node.target}) has no meta['val'], needed for {why}: run "
+            "torch.fx.passes.fake_tensor_prop.FakeTensorProp(gm).propagate(*inputs) or trace with "
+            "make_fx / aot_export"
+        )
+    return node.meta[M.VAL]
+
+
+def _tensors(v: Any) -> list[torch.Tensor]:
+    if isinstance(v, torch.Tensor):
+        return [v]
+    if isinstance(v, (list, tuple)):
+        return [t for x in v for t in _tensors(x)]
+    return []
+
+
+def _tensor_bytes(t: torch.Tensor, node: fx.Node) -> int:
+    return _hint(t.numel(), node) * t.element_size()
+
+
+def _value_bytes(v: Any, node: fx.Node) -> int:
+    return sum(_tensor_bytes(t, node) for t in _tensors(v))
+
+
+def _collective_bytes(node: fx.Node, kind: str) -> int:
+    if kind == "all_gather":
+        return _value_bytes(_val(node, f"the bytes of collective {node.name!r}"), node)
+    src = node.args[0] if node.args else node.kwargs.get("input", node.kwargs.get("inputs"))
+    srcs = src if isinstance(src, (list, tuple)) else [src]
+    total = 0
+    for s in srcs:
+        if isinstance(s, fx.Node):
+            total += _value_bytes(_val(s, f"the bytes of collective {node.name!r}"), s)
+    return total
+
+
+def _group_label(node: fx.Node, group_dims: Mapping[str, str]) -> str:
+    g = group_arg(node)
+    if g is None:
+        return "?"
+    try:
+        return dim_label(_group_name_of(g), group_dims, where=f"node {node.name!r} ({node.target})")
+    except ValueError as e:
+        raise ValueError(f"{e}, or pass group_dims={{name: label}}") from None
+
+
+# --- GraphStats ---------------------------------------------------------------------------------
+
+
+@dataclass
+class CollectiveStat:
+    count: int = 0
+    bytes: int = 0
+
+    def to_dict(self) -> dict[str, int]:
+        return {"bytes": self.bytes, "count": self.count}
+
+
+def _kind_order(kind: str) -> tuple[int, str]:
+    return (
+        COLLECTIVE_KINDS.index(kind) if kind in COLLECTIVE_KINDS else len(COLLECTIVE_KINDS),
+        kind,
+    )
+
+
+@dataclass
+class GraphStats:
+    num_nodes: int = 0
+    categories: dict[str, int] = field(default_factory=lambda: dict.fromkeys(CATEGORIES, 0))
+    collectives: dict[str, dict[str, CollectiveStat]] = field(
+        default_factory=dict
+    )  # kind -> dim -> stat
+    waits: int = 0
+    recompute: dict[str, int] = field(default_factory=dict)  # CheckpointPolicy name -> node count
+    must_save: int = 0  # nodes tagged custom.ap_must_save
+    max_consec_compute_between_rs: int = 0
+
+    def collective_count(self, kind: str, dim: str | None = None) -> int:
+        per = self.collectives.get(kind, {})
+        return sum(s.count for d, s in per.items() if dim is None or d == dim)
+
+    def collective_bytes(self, kind: str, dim: str | None = None) -> int:
+        per = self.collectives.get(kind, {})
+        return sum(s.bytes for d, s in per.items() if dim is None or d == dim)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "categories": {k: self.categories[k] for k in sorted(self.categories)},
+            "collectives": {
+                kind: {
+                    d: self.collectives[kind][d].to_dict() for d in sorted(self.collectives[kind])
+                }
+                for kind in sorted(self.collectives)
+            },
+            "max_consec_compute_between_rs": self.max_consec_compute_between_rs,
+            "must_save": self.must_save,
+            "num_nodes": self.num_nodes,
+            "recompute": {k: self.recompute[k] for k in sorted(self.recompute)},
+            "waits": self.waits,
+        }
+
+
+def _graph_of(gm: fx.GraphModule | fx.Graph) -> tuple[fx.Graph, Any]:
+    if isinstance(gm, fx.GraphModule):
+        return gm.graph, gm
+    if isinstance(gm, fx.Graph):
+        return gm, gm.owning_module
+    raise TypeError(f"expected an fx.GraphModule or fx.Graph, got {type(gm).__name__}")
+
+
+def _group_dims(gm: Any, group_dims: Mapping[str, str] | None) -> Mapping[str, str]:
+    if group_dims is not None:
+        return group_dims
+    _, owner = _graph_of(gm)
+    return group_dims_of(owner) if owner is not None else {}
+
+
+def graph_stats(
+    gm: fx.GraphModule | fx.Graph, *, group_dims: Mapping[str, str] | None = None
+) -> GraphStats:
+    """Counts of one graph; see the module docstring for the conventions."""
+    graph, _ = _graph_of(gm)
+    dims = _group_dims(gm, group_dims)
+    st = GraphStats()
+    compute_since_rs: int | None = None  # None until the first reduce-scatter
+    for node in graph.nodes:
+        st.num_nodes += 1
+        cat = node_category(node)
+        st.categories[cat] += 1
+        if cat == "wait":
+            st.waits += 1
+        elif cat == "collective":
+            kind = collective_kind(node)
+            label = _group_label(node, dims)
+            cs = st.collectives.setdefault(kind, {}).setdefault(label, CollectiveStat())
+            cs.count += 1
+            cs.bytes += _collective_bytes(node, kind)
+            if kind == "reduce_scatter":
+                if compute_since_rs is not None:
+                    st.max_consec_compute_between_rs = max(
+                        st.max_consec_compute_between_rs, compute_since_rs
+                    )
+                compute_since_rs = 0
+        elif cat == "compute" and compute_since_rs is not None:
+            compute_since_rs += 1
+        pol = node.meta.get(M.RECOMPUTE)
+        if pol is not None:
+            name = getattr(pol, "name", str(pol))
+            st.recompute[name] = st.recompute.get(name, 0) + 1
+        if (node.meta.get(M.CUSTOM) or {}).get(M.AP_MUST_SAVE):
+            st.must_save += 1
+    return st
+
+
+# --- static peak memory -------------------------------------------------------------------------
+
+
+_INF = float("inf")
+
+
+def _resolve_attr(node: fx.Node) -> Any:
+    obj = node.graph.owning_module
+    for part in str(node.target).split("."):
+        obj = getattr(obj, part, None)
+    if obj is None:
+        _val(node, "static peak memory")  # raises, naming the node
+    return obj
+
+
+class _Storages:
+    """Tensor storages held by each node, with aliases folded onto one canonical storage.
+
+    Views share their base's FakeTensor storage already. ``wait_tensor`` (which returns its input
+    at runtime) and a backward placeholder holding a saved forward value get fresh fake storages
+    from tracing; those are mapped onto the storage they really are.
+    """
+
+    def __init__(self) -> None:
+        self.alias: dict[Any, Any] = {}
+        self.size: dict[Any, int] = {}
+        self.keys: dict[fx.Node, list] = {}
+
+    def canon(self, ref: Any) -> Any:
+        while ref in self.alias:
+            ref = self.alias[ref]
+        return ref
+
+    def _raw(self, node: fx.Node) -> list[tuple[Any, int]]:
+        if node.op == "get_attr" and M.VAL not in node.meta:  # a constant: use the attribute
+            v = _resolve_attr(node)
+        else:
+            v = _val(node, "static peak memory")
+        raw, seen = [], set()
+        for t in _tensors(v):
+            st = t.untyped_storage()
+            ref = StorageWeakRef(st)
+            if ref not in seen:
+                seen.add(ref)
+                raw.append((ref, _hint(st.nbytes(), node)))
+        return raw
+
+    def compute(self, node: fx.Node, alias_of: list | None = None) -> list:
+        if node in self.keys:
+            return self.keys[node]
+        if node.op == "output":
+            self.keys[node] = []
+            return []
+        if alias_of is not None and M.VAL not in node.meta:
+            self.keys[node] = list(alias_of)
+            return self.keys[node]
+        raw = self._raw(node)
+        if alias_of is not None:
+            for (ref, _), target in zip(raw, alias_of, strict=False):
+                if self.canon(target) != ref:
+                    self.alias[ref] = target
+        keys: list = []
+        for ref, nbytes in raw:
+            key = self.canon(ref)
+            self.size.setdefault(key, nbytes)
+            if key not in keys:
+                keys.append(key)
+        if alias_of is not None:
+            keys += [k for k in alias_of if k not in keys]
+        self.keys[node] = keys
+        return keys
+
+
+def _is_tangent(node: fx.Node) -> bool:
+    role = node.meta.get(M.ROLE)
+    if isinstance(role, str):
+        return role.startswith("tangent:")
+    return node.name.startswith("tangents")
+
+
+def _saved_placeholders(bw_graph: fx.Graph) -> list[fx.Node]:
+    return [n for n in bw_graph.nodes if n.op == "placeholder" and not _is_tangent(n)]
+
+
+def _output_values(graph: fx.Graph) -> tuple[fx.Node | None, list[Any]]:
+    out = next((n for n in reversed(graph.nodes) if n.op == "output"), None)
+    if out is None or not out.args:
+        return out, []
+    v = out.args[0]
+    return out, list(v) if isinstance(v, (list, tuple)) else [v]
+
+
+def _holds_tensor(node: fx.Node) -> bool:
+    return bool(_tensors(node.meta.get(M.VAL)))
+
+
+def _fw_saved_outputs(fw_graph: fx.Graph, bw_graph: fx.Graph) -> list[tuple[fx.Node, fx.Node]]:
+    """(bw placeholder, forward node it holds) for every saved tensor input of the backward.
+
+    Matched by name when every saved placeholder is named like a forward output node (the AOT
+    partitioner names backward inputs after the forward values). Otherwise by position over the
+    tensor-valued ones: the backward's saved tensor placeholders are the last tensor-valued
+    forward outputs, in order (AOT layout: user outputs, saved tensors, then saved symints).
+    """
+    saved = [n for n in _saved_placeholders(bw_graph) if _holds_tensor(n) or M.VAL not in n.meta]
+    _, outs = _output_values(fw_graph)
+    out_nodes = [o for o in outs if isinstance(o, fx.Node)]
+    by_name = {o.name: o for o in out_nodes}
+    if saved and all(ph.name in by_name for ph in saved):
+        return [(ph, by_name[ph.name]) for ph in saved]
+    tensor_outs = [o for o in out_nodes if _holds_tensor(o)]
+    if len(saved) > len(tensor_outs):
+        raise ValueError(
+            f"the backward graph has {len(saved)} saved tensor inputs but the forward graph only "
+            f"{len(tensor_outs)} tensor outputs: is this a matching forward/backward pair?"
+        )
+    return list(zip(saved, tensor_outs[len(tensor_outs) - len(saved) :], strict=True))
+
+
+def static_peak_bytes(
+    fw_gm: fx.GraphModule | fx.Graph, bw_gm: fx.GraphModule | fx.Graph | None = None
+) -> int:
+    """Static peak memory (bytes) of running ``fw_gm`` then ``bw_gm``, from FakeTensor vals.
+
+    Model: memory is counted per tensor storage (``untyped_storage().nbytes()``), so views and
+    other aliases of one storage count once; ``wait_tensor`` returns its input's storage. Nodes
+    run in graph order. A storage is allocated when the first node holding it runs and freed
+    after the last node that uses any node holding it; the peak is taken after each node's
+    allocations, before that node's frees. Forward placeholders (parameters, inputs) and
+    ``get_attr`` constants are live for the whole run. Forward outputs consumed by the backward
+    (the values behind its non-tangent placeholders, matched by name, else by position, see
+    ``_fw_saved_outputs``) stay live until their last use in the backward; other forward outputs are released
+    when the forward ends. Tangents are allocated when the backward starts; backward outputs stay
+    live to the end. With ``bw_gm=None`` the graph's outputs stay live to the end.
+    """
+    fw_graph, _ = _graph_of(fw_gm)
+    bw_graph = _graph_of(bw_gm)[0] if bw_gm is not None else None
+    steps: list[fx.Node] = list(fw_graph.nodes) + (
+        list(bw_graph.nodes) if bw_graph is not None else []
+    )
+    saved_of: dict[fx.Node, list[fx.Node]] = {}
+    if bw_graph is not None:
+        for ph, fw_node in _fw_saved_outputs(fw_graph, bw_graph):
+            saved_of[ph] = [fw_node]
+    stor = _Storages()
+    alloc_at: dict[Any, int] = {}
+    last_use: dict[Any, float] = {}
+
+    def use(keys: Iterable, s: float) -> None:
+        for key in keys:
+            last_use[key] = max(last_use[key], s)
+
+    for s, node in enumerate(steps):
+        alias_of = None
+        if node in saved_of:  # a saved placeholder is the forward value it was saved from
+            alias_of = [k for a in saved_of[node] for k in stor.keys[a]]
+        elif is_wait(node) and node.args and isinstance(node.args[0], fx.Node):
+            alias_of = stor.keys[node.args[0]]  # wait_tensor returns its input
+        keys = stor.compute(node, alias_of)
+        resident = node.op in ("placeholder", "get_attr") and node.graph is fw_graph
+        for key in keys:
+            if key not in alloc_at:
+                alloc_at[key] = 0 if resident else s  # parameters/inputs/constants: from the start
+                last_use[key] = s
+        use(keys, _INF if resident else s)
+        final = node.op == "output" and (node.graph is not fw_graph or bw_graph is None)
+        for inp in node.all_input_nodes:
+            use(stor.keys[inp], _INF if final else s)
+
+    frees: dict[int, int] = {}
+    allocs: dict[int, int] = {}
+    for key, s in alloc_at.items():
+        allocs[s] = allocs.get(s, 0) + stor.size[key]
+        end = last_use[key]
+        if end != _INF:
+            frees[int(end)] = frees.get(int(end), 0) + stor.size[key]
+    mem = peak = 0
+    for s in range(len(steps)):
+        mem += allocs.get(s, 0)
+        peak = max(peak, mem)
+        mem -= frees.get(s, 0)
+    return peak
+
+
+# --- PartitionStats -----------------------------------------------------------------------------
+
+
+@dataclass
+class PartitionStats:
+    fw: GraphStats
+    bw: GraphStats
+    saved_count: int
+    saved_bytes: int
+    static_peak_bytes: int
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "bw": self.bw.to_dict(),
+            "fw": self.fw.to_dict(),
+            "saved_bytes": self.saved_bytes,
+            "saved_count": self.saved_count,
+            "static_peak_bytes": self.static_peak_bytes,
+        }
+
+
+def partition_stats(
+    fw_gm: fx.GraphModule | fx.Graph,
+    bw_gm: fx.GraphModule | fx.Graph,
+    *,
+    group_dims: Mapping[str, str] | None = None,
+) -> PartitionStats:
+    """Stats of a forward/backward pair: per-graph stats, saved tensors, static peak."""
+    fw = graph_stats(fw_gm, group_dims=group_dims)
+    bw = graph_stats(bw_gm, group_dims=group_dims)
+    count = nbytes = 0
+    for ph in _saved_placeholders(_graph_of(bw_gm)[0]):
+        v = _val(ph, "the saved-tensor bytes")
+        if isinstance(v, torch.Tensor):
+            count += 1
+            nbytes += _tensor_bytes(v, ph)
+    return PartitionStats(fw, bw, count, nbytes, static_peak_bytes(fw_gm, bw_gm))
+
+
+# --- table --------------------------------------------------------------------------------------
+
+
+def human_bytes(n: int) -> str:
+    """``4096`` -> ``4.0 KiB`` (``512 B`` below 1 KiB)."""
+    if abs(n) < 1024:
+        return f"{n} B"
+    value = float(n)
+    for unit in ("KiB", "MiB", "GiB", "TiB"):
+        value /= 1024.0
+        if abs(value) < 1024 or unit == "TiB":
+            return f"{value:.1f} {unit}"
+    raise AssertionError("unreachable")
+
+
+def _bytes_cell(n: int) -> str:
+    return f"{n} ({human_bytes(n)})" if n else "0"
+
+
+def format_stats_table(stats: GraphStats | PartitionStats) -> str:
+    """Fixed-width text table of ``stats`` (one column pair per graph), ending with a newline."""
+    if isinstance(stats, PartitionStats):
+        graphs = [("forward", stats.fw), ("backward", stats.bw)]
+    elif isinstance(stats, GraphStats):
+        graphs = [("graph", stats)]
+    else:
+        raise TypeError(f"expected GraphStats or PartitionStats, got {type(stats).__name__}")
+
+    rows: list[tuple[str, str, list[tuple[str, str]]]] = []  # (stat, detail, [(count, bytes)])
+    keys = sorted(
+        {(kind, dim) for _, g in graphs for kind, per in g.collectives.items() for dim in per},
+        key=lambda kd: (_kind_order(kd[0]), kd[1]),
+    )
+    for kind, dim in keys:
+        cells = []
+        for _, g in graphs:
+            cs = g.collectives.get(kind, {}).get(dim, CollectiveStat())
+            cells.append((str(cs.count), _bytes_cell(cs.bytes)))
+        rows.append((kind, dim, cells))
+    rows.append(("wait_tensor", "", [(str(g.waits), "") for _, g in graphs]))
+    policies = sorted({p for _, g in graphs for p in g.recompute})
+    for p in policies:
+        rows.append(("recompute", p, [(str(g.recompute.get(p, 0)), "") for _, g in graphs]))
+    if any(g.must_save for _, g in graphs):
+        rows.append(("ap_must_save", "", [(str(g.must_save), "") for _, g in graphs]))
+    rows.append(
+        (
+            "max_consec_compute_between_rs",
+            "",
+            [(str(g.max_consec_compute_between_rs), "") for _, g in graphs],
+        )
+    )
+    rows.append(("nodes", "", [(str(g.num_nodes), "") for _, g in graphs]))
+    for cat in CATEGORIES:
+        rows.append(("nodes", cat, [(str(g.categories.get(cat, 0)), "") for _, g in graphs]))
+
+    extra: list[tuple[str, str, str]] = []
+    if isinstance(stats, PartitionStats):
+        extra.append(("saved for backward", str(stats.saved_count), _bytes_cell(stats.saved_bytes)))
+        extra.append(("static peak", "", _bytes_cell(stats.static_peak_bytes)))
+
+    w_stat = max([len(r[0]) for r in rows] + [4])
+    w_detail = max([len(r[1]) for r in rows] + [3])
+    w_count = max([len(c) for r in rows for c, _ in r[2]] + [5])
+    w_bytes = max([len(b) for r in rows for _, b in r[2]] + [5])
+    left = w_stat + 2 + w_detail
+    col = w_count + 2 + w_bytes
+
+    def line(a: str, cells: list[str]) -> str:
+        return (a.ljust(left) + "".join("  " + c.ljust(col) for c in cells)).rstrip()
+
+    out = [line("", [name for name, _ in graphs])]
+    out.append(
+        line("stat".ljust(w_stat) + "  dim", ["count".rjust(w_count) + "  bytes" for _ in graphs])
+    )
+    for stat, detail, cells in rows:
+        out.append(
+            line(
+                stat.ljust(w_stat) + "  " + detail,
+                [c.rjust(w_count) + "  " + b for c, b in cells],
+            )
+        )
+    if extra:
+        out.append("")
+        w_e = max(len(e[0]) for e in extra)
+        for name, count, nbytes in extra:
+            out.append(f"{name.ljust(w_e)}  {count.rjust(w_count)}  {nbytes}".rstrip())
+    return "\n".join(out) + "\n"
