@@ -1,8 +1,8 @@
 """``python -m verify report``: every stage of the pipeline for one scenario, in one table.
 
 Each stage is a graph (or a forward/backward pair) with its node count and collectives per kind
-and mesh dim; parity is run on a small real world that keeps the plan's shape. Later stages are
-appended to ``collect_stages`` as the compile stack grows.
+and mesh dim (from ``verify.pipeline``, shared with the golden tests), whether it matches its golden,
+and parity on a small real world that keeps the plan's shape.
 """
 
 from __future__ import annotations
@@ -11,36 +11,26 @@ import dataclasses
 import json
 import sys
 import time
-from dataclasses import dataclass
-
-from torch import fx
+from pathlib import Path
 
 from autoparallel.mesh import MeshSpec
+from verify import golden_catalog
 from verify.parity import compare_tensors, compare_traces, merge_reports
+from verify.pipeline import PipelineRun, Stage, run_pipeline
 from verify.scenario import Scenario, gather_full_grads, run_joint_parity, single_device_step
 from verify.stats import graph_stats
 
 COLLECTIVE_KINDS = ("all_gather", "reduce_scatter", "all_reduce")
 
 
-@dataclass
-class Stage:
-    name: str
-    graphs: tuple[fx.GraphModule, ...]
-
-
 def progress(msg: str) -> None:
     print(f"[verify] {msg}", file=sys.stderr, flush=True)
-
-
-def collect_stages(jg) -> list[Stage]:
-    return [Stage("joint", (jg.gm,))]
 
 
 def stage_summary(stage: Stage) -> dict:
     nodes = 0
     coll: dict[str, dict[str, dict[str, int]]] = {k: {} for k in COLLECTIVE_KINDS}
-    for gm in stage.graphs:
+    for gm in stage.graph_list:
         st = graph_stats(gm).to_dict()
         nodes += st["num_nodes"]
         for kind, per_dim in st["collectives"].items():
@@ -49,6 +39,22 @@ def stage_summary(stage: Stage) -> dict:
                 slot["count"] += cs["count"]
                 slot["bytes"] += cs["bytes"]
     return {"name": stage.name, "nodes": nodes, "collectives": coll}
+
+
+def golden_status(run: PipelineRun) -> dict[str, str] | None:
+    """Per stage: does it match its reviewed golden? None when the scenario has no goldens."""
+    sid = golden_catalog.scenario_id(run.scenario)
+    if sid is None:
+        return None
+    root = Path(__file__).resolve().parent.parent
+    out = {}
+    for stage in run.stages:
+        text = golden_catalog.stage_text(sid, stage)
+        out[stage.name] = golden_catalog.compare_with_golden(root, golden_catalog.STAGE_TEST, f"{sid}-{stage.name}", text)
+    out["collective counts"] = golden_catalog.compare_with_golden(
+        root, golden_catalog.COUNTS_TEST, sid, golden_catalog.counts_text(sid, run)
+    )
+    return out
 
 
 def parity_mesh(spec: MeshSpec) -> MeshSpec:
@@ -77,24 +83,19 @@ def run_parity(scenario: Scenario) -> dict:
 
 
 def build_report(scenario: Scenario, *, parity: bool = True) -> dict:
-    progress(f"tracing {scenario.header()} ...")
+    progress(f"running the pipeline for {scenario.header()} ...")
     t0 = time.perf_counter()
-    with scenario.trace() as jg:
-        progress(f"joint graph: {len(jg.gm.graph.nodes)} nodes in {time.perf_counter() - t0:.1f}s")
-        stages = [stage_summary(s) for s in collect_stages(jg)]
-        params = {
-            "count": len(jg.shardings),
-            "fsdp_sharded": sum(1 for s in jg.shardings.values() if s.fsdp_dim is not None),
-        }
-    report = {
+    run = run_pipeline(scenario)
+    progress(f"{len(run.stages)} stage(s) in {time.perf_counter() - t0:.1f}s")
+    return {
         "preset": scenario.preset,
         "plan": scenario.plan_obj().describe(),
         "mesh": str(scenario.mesh_spec),
-        "params": params,
-        "stages": stages,
+        "params": run.params,
+        "stages": [stage_summary(s) for s in run.stages],
+        "goldens": golden_status(run),
         "parity": run_parity(scenario) if parity else None,
     }
-    return report
 
 
 def _cell(cs: dict | None) -> str:
@@ -121,8 +122,13 @@ def format_report(report: dict) -> str:
     widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
     for r in rows:
         lines.append("  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths, strict=True))).rstrip())
-    p = report.get("parity")
     lines.append("")
+    goldens = report.get("goldens")
+    if goldens is None:
+        lines.append("goldens: none for this scenario (see verify/golden_catalog.py)")
+    else:
+        lines.append("goldens: " + ", ".join(f"{k} {v}" for k, v in goldens.items()))
+    p = report.get("parity")
     if p is None:
         lines.append("parity: skipped (--no-parity)")
     else:
