@@ -1,5 +1,6 @@
 """What a user sees when a golden is missing, corrupt, changed or unused (in a throwaway project)."""
 
+import os
 import subprocess
 import sys
 import textwrap
@@ -33,12 +34,16 @@ def write_test(project: Path, body: str, name: str = "test_one") -> None:
 
 
 def pytest_run(project: Path, *args: str) -> subprocess.CompletedProcess:
+    # Inherited xdist worker variables would make the inner pytest behave like a worker (syrupy
+    # then leaves unused-golden detection to a controller that does not exist).
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTEST_", "XDIST_"))}
     return subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-n", "0", *args],
         cwd=project,
         capture_output=True,
         text=True,
         timeout=120,
+        env=env,
     )
 
 
