@@ -1,4 +1,4 @@
-"""``python -m verify {report, goldens}``: the equivalence layer's command line."""
+"""``python -m verify {report, goldens, mutate}``: the equivalence layer's command line."""
 
 from __future__ import annotations
 
@@ -23,6 +23,13 @@ def _parser() -> argparse.ArgumentParser:
     mode.add_argument("--check", action="store_true", help="fail on any changed, missing, corrupt or unused golden")
     g.add_argument("-n", dest="workers", default="auto", help="pytest-xdist workers (default: auto)")
     g.add_argument("pytest_args", nargs="*", help="extra pytest arguments (after --)")
+
+    m = sub.add_parser("mutate", help="disable each registered patch and require its guard tests to fail")
+    m.add_argument("--patch", action="append", help="only this patch (repeatable)")
+    m.add_argument("--json", action="store_true", help="print one JSON object")
+    m.add_argument("-n", dest="workers", default="0", help="pytest-xdist workers per run (default: 0)")
+    m.add_argument("--timeout", type=float, default=300.0, help="seconds allowed per disabled run (default: 300)")
+    m.add_argument("--lines", action="store_true", help="line-level mutation of autoparallel/passes with mutmut (slow)")
     return p
 
 
@@ -33,6 +40,10 @@ def main(argv: list[str] | None = None) -> int:
             from verify.report import main as report_main
 
             return report_main(args)
+        if args.command == "mutate":
+            from verify.mutation import main as mutate_main
+
+            return mutate_main(args)
         if args.command == "goldens":
             from verify.golden_cli import main as goldens_main
 

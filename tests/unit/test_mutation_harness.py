@@ -1,0 +1,116 @@
+"""The mutation harness classifies throwaway patches correctly (in a temporary project)."""
+
+import textwrap
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from verify.mutation import GuardRun, classify, format_table, mutate
+
+GUARDS = textwrap.dedent(
+    """
+    import os
+    import time
+
+    def _disabled(name):
+        return name in os.environ.get("AUTOPARALLEL_DISABLE", "").split(",")
+
+    def test_strong():
+        assert not _disabled("p_strong"), "the patch is off: behaviour changed"
+
+    def test_weak():
+        pass  # asserts nothing about any patch
+
+    def test_slow():
+        if _disabled("p_slow"):
+            time.sleep(60)
+
+    def test_broken():
+        assert False, "fails even with every patch enabled"
+
+    def test_crashes_when_disabled(request):
+        pass
+
+    import pytest
+
+    @pytest.fixture
+    def fixture_that_crashes():
+        if _disabled("p_setup_error"):
+            raise RuntimeError("setup blew up")
+
+    def test_setup(fixture_that_crashes):
+        pass
+
+    @pytest.mark.parametrize("x", [1, 2])
+    def test_param(x):
+        assert not (_disabled("p_param") and x == 2)
+    """
+)
+
+
+@dataclass
+class FakePatch:
+    name: str
+    guards: tuple[str, ...]
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    root: Path = tmp_path_factory.mktemp("mutproj")
+    (root / "pytest.ini").write_text("[pytest]\ntestpaths = tests\n")
+    (root / "tests").mkdir()
+    (root / "tests" / "test_guards.py").write_text(GUARDS)
+    g = "tests/test_guards.py::"
+    patches = [
+        FakePatch("p_strong", (g + "test_strong", g + "test_weak")),
+        FakePatch("p_weak", (g + "test_weak",)),
+        FakePatch("p_none", ()),
+        FakePatch("p_slow", (g + "test_slow",)),
+        FakePatch("p_broken", (g + "test_broken",)),
+        FakePatch("p_setup_error", (g + "test_setup",)),
+        FakePatch("p_param", (g + "test_param",)),
+    ]
+    out = mutate(patches, workers=0, timeout_s=4, cwd=root)
+    return {r.name: r for r in out}, out
+
+
+@pytest.mark.parametrize(
+    "name, state",
+    [
+        ("p_strong", "killed"),
+        ("p_weak", "survived"),
+        ("p_none", "no coverage"),
+        ("p_slow", "timeout"),
+        ("p_broken", "error"),
+        ("p_setup_error", "error"),
+        ("p_param", "killed"),
+    ],
+)
+def test_states(results, name, state):
+    by_name, _ = results
+    assert by_name[name].state == state, by_name[name].detail
+
+
+def test_table_reports_kill_rate_and_reasons(results):
+    _, out = results
+    table = format_table(out)
+    assert "kill rate: 2/7 patches killed (29%)" in table
+    assert "p_weak: survived: every guard passed with the patch disabled" in table
+    assert "p_broken: error: guard(s) do not pass with the patch enabled" in table
+
+
+def test_missing_guard_id_is_an_error_not_a_kill():
+    g = "tests/test_x.py::test_gone"
+    baseline = GuardRun(outcomes={"tests/test_x.py::test_other": "passed"}, returncode=4)
+    state, detail = classify((g,), baseline, None)
+    assert state == "error" and "not found" in detail and g in detail
+
+
+def test_collection_error_when_disabled_is_an_error_not_a_kill():
+    g = "tests/test_x.py::test_a"
+    baseline = GuardRun(outcomes={g: "passed"}, returncode=0)
+    disabled = GuardRun(outcomes={g: "error"}, returncode=1)
+    assert classify((g,), baseline, disabled)[0] == "error"
+    assert classify((g,), baseline, GuardRun(outcomes={g: "failed"}, returncode=1))[0] == "killed"
+    assert classify((g,), baseline, GuardRun(outcomes={g: "skipped"}, returncode=0))[0] == "error"
