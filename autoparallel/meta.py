@@ -16,6 +16,7 @@ SEQ_NR = "seq_nr"
 NN_MODULE_STACK = "nn_module_stack"
 STACK_TRACE = "stack_trace"
 AUTOGRAD_BACKWARD = "autograd_backward"
+GRAPHARG = "grapharg"  # Dynamo GraphArg (with .source) on the placeholders of a Dynamo graph
 
 # --- keys inside node.meta["custom"] (they survive preserve_node_meta re-traces) -----------
 AP_MUST_SAVE = "ap_must_save"  # bool: the first partition saved this node for backward
@@ -23,6 +24,7 @@ AP_MUST_SAVE_GETITEM_INDICES = "ap_must_save_getitem_indices"  # list[int] for m
 PHASE = "phase"  # "forward" / "backward" (graph trainer)
 PHASE_BACKWARD = "backward"
 PHASE_FORWARD = "forward"
+AC_REGION = "ac_region_id"  # int: the activation-checkpointing region (transformer block) of a node
 
 # --- autoparallel's own node.meta keys ------------------------------------------------------
 BUCKET = "ap_bucket"  # pre-overlap bucketing eligibility tag (e.g. "fsdp_ag", "grad_rs")

@@ -151,3 +151,142 @@ def gather_full_grads(scenario: Scenario, ranks: list[RankParity], executor: str
         pieces = {r.coord: r.traces[executor].grads[step][fqn] for r in ranks}
         out[fqn] = sharding.unshard(pieces, scenario.mesh_spec)
     return out
+
+
+# --- compile stack: first partition and second compile ------------------------------------------
+
+COMPILE_EXECUTORS = ("eager", "first_partition", "second_compile")
+_RANK_THREADS = 1
+
+
+def _rank_compile_parity(rank, world_size, scenario: Scenario, batches, mod, compiled, traced_dims, enable_ac):
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    from autoparallel.compile import autoparallel_backend
+    from autoparallel.partition import apply_placement
+    from autoparallel.runtime.steps import compiled_module_executor, parallel_module_executor
+
+    spec = scenario.mesh_spec
+    mesh = build_mesh(spec)
+    plan = scenario.plan_obj()
+    program = ParallelProgram(scenario.model(), plan, mesh)
+    coord = mesh.coordinate()
+    local_batches = [split_batch(b, plan, spec, coord) for b in batches]
+    init = {k: v.detach().clone() for k, v in program.local_parameters().items()}
+    buffers = {clean_fqn(n): b for n, b in program.named_buffers()}
+    fresh = lambda: {k: v.clone() for k, v in init.items()}  # noqa: E731
+    inherited = mesh.group_dims == traced_dims
+    if not inherited:
+        # Sub-mesh groups get rank-dependent names on a real world (every rank numbers only the
+        # groups it belongs to), so the inherited graphs name other groups: build them here.
+        # Tracing runs on fake tensors and does not communicate.
+        torch._dynamo.reset()
+        params = fresh()  # before tracing: the trace keeps its fake mode entered until apply_placement
+        mod = apply_placement(scenario.trace(mesh), params, buffers)
+        compiled = torch.compile(mod, backend=autoparallel_backend(enable_ac=enable_ac))
+    else:
+        for fqn, b in buffers.items():
+            mod.model.get_buffer(fqn).copy_(b)
+    traces = {"eager": train_steps(eager_program_executor(program), program.local_parameters(), local_batches)}
+    traces["first_partition"] = train_steps(parallel_module_executor(mod), fresh(), local_batches)
+    graphs_before = counters["stats"]["unique_graphs"]
+    traces["second_compile"] = train_steps(compiled_module_executor(mod, compiled), fresh(), local_batches)
+    if inherited and counters["stats"]["unique_graphs"] != graphs_before:
+        raise RuntimeError(
+            "torch.compile recompiled the module in the rank: the parity run would not test the "
+            "graphs compiled (and captured) on the fake world; check Dynamo's recompile reasons"
+        )
+    return RankParity(tuple(coord[d] for d in spec.names), traces)
+
+
+def run_compile_parity(
+    scenario: Scenario, steps: int = 1, *, enable_ac: bool = False, timeout_s: float = 180.0
+) -> list[RankParity]:
+    """Train ``steps`` steps (AdamW between) on a gloo world of the scenario's mesh with the eager
+    parallel program, the first partition's ParallelModule and its torch.compile'd version
+    (aot_eager-style autoparallel_backend); per-rank traces keyed by ``COMPILE_EXECUTORS``.
+
+    The graphs are traced, partitioned and compiled once, in this process on a fake world of the
+    same mesh (graphs are rank-agnostic; compiling on fake tensors does not communicate, and the
+    first forward there only triggers the compile); the forked ranks inherit the module and the
+    compiled code, load their own shards and run. That needs the gloo world to name its groups
+    as the fake world did, which holds for 1-D meshes; a rank whose groups are named otherwise
+    (sub-meshes of an N-D mesh) traces and compiles for itself.
+    """
+    import torch._dynamo
+
+    threads = torch.get_num_threads()
+    # Dynamo guards on the thread count: compile with the ranks' (run_on_world's one thread).
+    torch.set_num_threads(_RANK_THREADS)
+    try:
+        cs = compile_pipeline(scenario, enable_ac=enable_ac, keep_compiled=True)
+    finally:
+        torch.set_num_threads(threads)
+    try:
+        return run_on_world(
+            _rank_compile_parity,
+            scenario.mesh_spec.world_size,
+            args=(scenario, scenario.batches(steps), cs.module, cs.compiled, cs.group_dims, enable_ac),
+            timeout_s=timeout_s,
+            num_threads=_RANK_THREADS,
+        )
+    finally:
+        torch._dynamo.reset()
+
+
+@dataclass
+class CompiledScenario:
+    """A scenario through the compile stack on a fake world (graphs only; values meaningless)."""
+
+    module: object  # autoparallel.runtime.parallel_module.ParallelModule
+    first_partition: tuple  # (fw GraphModule, bw GraphModule)
+    second_compile: tuple  # (fw GraphModule, bw GraphModule)
+    group_dims: dict
+    compiled: object = None  # the torch.compile'd module (keep_compiled=True only)
+
+
+def compile_pipeline(
+    scenario: Scenario, *, enable_ac: bool = False, mesh=None, keep_compiled: bool = False, module=None
+) -> CompiledScenario:
+    """Trace, apply_placement and torch.compile (forward once, which partitions) on a fake world
+    (``mesh``: an already-entered one). Both stages' graphs carry ``gm.meta[GM_GROUP_DIMS]`` and
+    placeholder roles. ``module``: a ParallelModule of this scenario from an earlier call, to
+    compile again (e.g. with another backend setting) without re-tracing; a fresh fake world
+    names its groups as the one it was traced on did. With ``keep_compiled`` the compiled module
+    is returned and Dynamo's cache is left for the caller to reset (``torch._dynamo.reset()``)."""
+    import torch._dynamo
+
+    from autoparallel.compile import autoparallel_backend
+    from autoparallel.mesh import attach_group_dims
+    from autoparallel.partition import apply_placement
+
+    if mesh is None:
+        with fake_world(scenario.mesh_spec) as m:
+            return compile_pipeline(scenario, enable_ac=enable_ac, mesh=m, keep_compiled=keep_compiled, module=module)
+    mod = module if module is not None else apply_placement(scenario.trace(mesh))
+    if mod.group_dims != mesh.group_dims:
+        raise ValueError(f"module was traced with groups {mod.group_dims}, this world has {mesh.group_dims}")
+    captured: dict = {}
+    backend = autoparallel_backend(enable_ac=enable_ac, on_partition=lambda fw, bw: captured.update(fw=fw, bw=bw))
+    local = split_batch(scenario.example_inputs(), scenario.plan_obj(), scenario.mesh_spec, mesh.coordinate())
+    torch._dynamo.reset()
+    compiled = torch.compile(mod, backend=backend)
+    try:
+        compiled(*local)
+    finally:
+        if not keep_compiled:
+            torch._dynamo.reset()
+    for gm in (captured["fw"], captured["bw"]):
+        attach_group_dims(gm, mesh.group_dims)
+    fp = mod.first_partition
+    return CompiledScenario(
+        mod, (fp.fw, fp.bw), (captured["fw"], captured["bw"]), dict(mesh.group_dims), compiled if keep_compiled else None
+    )
+
+
+def compile_stages(scenario: Scenario, *, enable_ac: bool = False) -> dict[str, tuple]:
+    """``{"first_partition": (fw, bw), "second_compile": (fw, bw)}`` GraphModules of a scenario,
+    for goldens and the report."""
+    cs = compile_pipeline(scenario, enable_ac=enable_ac)
+    return {"first_partition": cs.first_partition, "second_compile": cs.second_compile}

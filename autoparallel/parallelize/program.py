@@ -38,12 +38,11 @@ def cross_entropy_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tens
 
 def clean_fqn(name: str) -> str:
     """``model.a.parametrizations.weight.original`` -> ``a.weight`` (the user's parameter name)."""
-    name = name.removeprefix("model.")
+    name = "." + name.removeprefix("model.")
     if _PARAMETRIZED in name:
         owner, _, rest = name.partition(_PARAMETRIZED)
-        attr = rest.split(".")[0]
-        name = f"{owner}.{attr}" if owner else attr
-    return name
+        name = f"{owner}.{rest.split('.')[0]}"
+    return name[1:]
 
 
 class _GatherParam(nn.Module):

@@ -49,3 +49,98 @@ def group_of(node: fx.Node) -> str | None:
     if i < len(node.args):
         return str(node.args[i])
     return str(node.kwargs[GROUP_ARG])
+
+
+# --- shared by the collective passes (bucketing, chained all-gather fusion) -------------------
+
+ALL_GATHER_OUT = _c10d.all_gather_into_tensor_out.default
+COLLECTIVE_LAUNCHES = frozenset({ALL_GATHER, ALL_GATHER_OUT, REDUCE_SCATTER, ALL_REDUCE})
+
+
+def node_val(node: fx.Node, why: str):
+    """``node.meta["val"]``, or a ValueError that names the node and says what to do."""
+    from autoparallel import meta as M
+
+    try:
+        return node.meta[M.VAL]
+    except KeyError:
+        raise ValueError(
+            f"node {node.name!r} ({node.format_node()}) has no meta['val'], needed for {why}; "
+            "propagate FakeTensor vals first (trace with make_fx/aot or run FakeTensorProp)"
+        ) from None
+
+
+def tensor_bytes(t: torch.Tensor) -> int:
+    """``numel * element_size`` of a (fake) tensor; symbolic sizes use their trace-time hint."""
+    from torch.fx.experimental.symbolic_shapes import optimization_hint
+
+    return int(optimization_hint(t.numel(), fallback=0)) * t.element_size()
+
+
+def collective_bytes(node: fx.Node) -> int:
+    """Bytes a collective moves: ``max(output bytes, input bytes)`` (the full, unsharded buffer)."""
+    out = node_val(node, "the collective's size")
+    inp = node_val(node.all_input_nodes[0], f"the size of collective {node.name!r}")
+    return max(tensor_bytes(out), tensor_bytes(inp))
+
+
+def resolve_group(node: fx.Node):
+    """The live process group of collective ``node``; ValueError naming the node if none."""
+    import torch.distributed as dist
+
+    name = group_of(node)
+    if name is None:
+        raise ValueError(f"node {node.name!r} is not a _c10d_functional collective")
+    if not dist.is_initialized():
+        raise ValueError(
+            f"node {node.name!r} uses process group {name!r} but no world is running; enter "
+            "autoparallel.mesh.fake_world(...) (or a real world) whose groups the graph names"
+        )
+    try:
+        return dist.distributed_c10d._resolve_process_group(name)
+    except (RuntimeError, ValueError, KeyError):
+        raise ValueError(
+            f"node {node.name!r} uses unknown process group {name!r}: the running world has no "
+            "group of that name; rebind the graph to this world (autoparallel.runtime.rebind."
+            "rebind_groups) or trace it on this world"
+        ) from None
+
+
+def wait_of(node: fx.Node) -> fx.Node | None:
+    """The single ``wait_tensor`` user of a collective launch (None if it has another shape)."""
+    if len(node.users) != 1:
+        return None
+    (user,) = node.users
+    return user if user.op == "call_function" and user.target is WAIT else None
+
+
+def is_flop_compute(node: fx.Node) -> bool:
+    """A node PyTorch's FLOP counter knows (mm, bmm, addmm, SDPA, conv, ...): what Inductor's
+    overlap scheduler calls a compute node."""
+    if node.op != "call_function":
+        return False
+    from torch.utils.flop_counter import flop_registry
+
+    target = node.target
+    return getattr(target, "overloadpacket", None) in flop_registry or target in flop_registry
+
+
+def max_consec_compute_between_rs(graph: fx.Graph, is_compute=is_flop_compute) -> int:
+    """Longest run of compute nodes between two consecutive reduce-scatter launches (graph order).
+
+    The regression metric of topo-span bucketing: bucketing that rewires dependencies lets the
+    following topological sort batch many matmuls before the first reduce-scatter. Compute nodes
+    are ``is_flop_compute`` by default (the scheduler's notion); verify.stats counts every
+    non-view compute node instead, so its number is larger on the same graph.
+    """
+    best = 0
+    run: int | None = None  # None until the first reduce-scatter
+    rs_targets = (REDUCE_SCATTER, _c10d.reduce_scatter_tensor_coalesced.default)
+    for node in graph.nodes:
+        if node.op == "call_function" and node.target in rs_targets:
+            if run is not None:
+                best = max(best, run)
+            run = 0
+        elif run is not None and is_compute(node):
+            run += 1
+    return best

@@ -39,6 +39,86 @@ def _register(name: str, summary: str, when_disabled: str, guards: tuple[str, ..
 
 # Entries are added by the issues that build each pass; see tests/unit/test_registry.py.
 
+# apply_placement boundary, first partition, second compile (pipeline steps 3-5).
+_register(
+    "fsdp_chain_recompute",
+    "mark_fsdp_all_gather_recomputation tags MUST_RECOMPUTE on the whole single-input chain after "
+    "each FSDP wait (t/permute/slice/view/cast) and on the dtype cast before the all-gather",
+    "only the all-gather and its wait are tagged: the partitioner saves the first untagged node "
+    "after the wait (the transposed gathered weight, 2.62 GiB on LLaMA-3 8B) and the cast shard",
+    (
+        "tests/unit/test_fsdp_recompute.py::test_transposed_weight_after_wait_is_recomputed_not_saved",
+        "tests/unit/test_fsdp_recompute.py::test_recompute_tags_cast_all_gather_wait_and_chain",
+        "tests/unit/test_partition.py::test_no_all_gather_output_or_wait_saved_for_backward",
+    ),
+)
+_register(
+    "replay_saves_partitioner",
+    "the second compile partitions with ReplaySavesPartitioner: it saves exactly the nodes the "
+    "first partition saved (custom.ap_must_save), MUST_RECOMPUTE wins, PREFER_RECOMPUTE adds no save",
+    "the second compile runs stock min_cut_rematerialization_partition, which makes its own "
+    "save/recompute decisions (different saved set; with the AC pass it saves gathered weights)",
+    (
+        "tests/unit/test_partition.py::test_second_compile_saves_exactly_what_first_saved",
+        "tests/unit/test_partition.py::test_ac_pass_in_second_compile_adds_no_save_and_no_all_gather",
+    ),
+)
+_register(
+    "overlap_config_persists",
+    "autoparallel_backend passes the overlap-scheduling Inductor settings to the compilers "
+    "themselves (compile_fx config_patches), so they are in force when the backward is compiled "
+    "lazily on the first .backward()",
+    "the settings live in a config.patch context that has exited before the lazy backward "
+    "compile: the backward is compiled without overlap scheduling (the bug #483 fixed)",
+    ("tests/unit/test_compile.py::test_overlap_config_in_force_when_backward_compiles",),
+)
+
+
+# Collective passes on the split fw/bw graphs (pipeline step 6): autoparallel/passes/.
+_register(
+    "fuse_chained_allgathers",
+    "fuse_chained_allgathers replaces all_gather(dp) -> wait -> [identity views] -> all_gather(tp) "
+    "-> wait (either direction) by one all-gather on the flattened dp*tp group (+ a reshuffle "
+    "when the chain's rank order is column-major)",
+    "chains stay as two all-gathers on the two sub-groups (two launches per chain)",
+    (
+        "tests/unit/test_fuse_chained_allgathers.py::test_fuses_direct_chain_both_directions",
+        "tests/unit/test_fuse_chained_allgathers.py::test_fuses_identity_view_chain",
+    ),
+)
+_register(
+    "pre_overlap_bucketing",
+    "bucket_tagged_collectives merges the collectives tagged on the joint graph (param-derived "
+    "all-gathers, gradient reduce-scatters/all-reduces) into byte-capped buckets on the split "
+    "fw/bw graphs, before the overlap scheduler adds its per-group ordering dependencies",
+    "no pre-bucketing: every per-parameter collective reaches the overlap scheduler on its own",
+    (
+        "tests/unit/test_pre_overlap_bucketing.py::test_merges_tagged_collectives_on_hand_graph",
+        "tests/unit/test_pre_overlap_bucketing.py::test_split_fw_bw_graphs_are_bucketed",
+    ),
+)
+_register(
+    "primary_fsdp_group",
+    "inside the overlap scheduler, identify_fsdp_groups returns only the process group with the "
+    "most FSDP all-gathers (ties: the one seen first)",
+    "upstream identify_fsdp_groups: every group with an FSDP-looking all-gather is bucketed",
+    (
+        "tests/unit/test_topo_span_bucketing.py::test_identify_fsdp_groups_picks_primary_group",
+        "tests/unit/test_topo_span_bucketing.py::test_identify_fsdp_groups_ties_pick_one",
+    ),
+)
+_register(
+    "topo_span_bucketing",
+    "inside the overlap scheduler, greedy_bucket_collective_by_mb buckets same-key collectives "
+    "without an adjacency requirement, closing a bucket on bytes or on topological span, never "
+    "co-bucketing dependent collectives",
+    "upstream greedy_bucket_collective_by_mb: only adjacent same-key collectives, no span bound",
+    (
+        "tests/unit/test_topo_span_bucketing.py::test_greedy_bucket_splits_on_span_cap",
+        "tests/unit/test_topo_span_bucketing.py::test_greedy_bucket_merges_non_adjacent_same_key",
+    ),
+)
+
 
 # --- enable / disable -------------------------------------------------------------------------
 

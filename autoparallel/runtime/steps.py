@@ -41,6 +41,31 @@ def eager_program_executor(program: torch.nn.Module) -> Executor:
     return run
 
 
+def _module_step(module: torch.nn.Module, call: Callable[..., torch.Tensor]) -> Executor:
+    def run(params, inputs):
+        local = module.local_parameters()
+        for fqn, p in local.items():
+            p.grad = None
+            with torch.no_grad():
+                p.copy_(params[fqn])
+        loss = call(*inputs)
+        loss.backward()
+        return loss.detach(), {fqn: p.grad for fqn, p in local.items()}
+
+    return run
+
+
+def parallel_module_executor(module: torch.nn.Module) -> Executor:
+    """Runs a ParallelModule (the first partition's graphs; autograd drives the backward)."""
+    return _module_step(module, module)
+
+
+def compiled_module_executor(module: torch.nn.Module, compiled: Callable[..., torch.Tensor]) -> Executor:
+    """Runs ``compiled`` (e.g. ``torch.compile(module, backend=...)``); gradients land on
+    ``module.local_parameters()``."""
+    return _module_step(module, compiled)
+
+
 def joint_graph_executor(
     gm: fx.GraphModule,
     input_roles: Sequence[str],

@@ -75,3 +75,18 @@ def test_mesh_coordinates_row_major():
     assert spec.coordinate(0) == {"dp": 0, "tp": 0}
     assert spec.coordinate(5) == {"dp": 1, "tp": 1}
     assert spec.world_size == 8 and str(spec) == "dp=2,tp=4"
+
+
+@pytest.mark.parametrize(
+    "raw, clean",
+    [
+        ("model.layers.0.attention.wq.parametrizations.weight.original", "layers.0.attention.wq.weight"),
+        ("model.parametrizations.w1.original", "w1"),
+        ("model.rope_cos", "rope_cos"),
+        ("model.norm.weight", "norm.weight"),
+    ],
+)
+def test_clean_fqn_strips_wrapper_and_parametrization(raw, clean):
+    from autoparallel.parallelize.program import clean_fqn
+
+    assert clean_fqn(raw) == clean

@@ -1,0 +1,295 @@
+"""``autoparallel_backend()``: the torch.compile backend for an already partitioned ParallelModule.
+
+``torch.compile(parallel_mod, backend=autoparallel_backend())`` re-traces the module. The first
+partition's graphs run as FX interpreters under ``preserve_node_meta``, so the fresh joint graph
+carries the first partition's recompute tags and ``custom.ap_must_save`` records. The backend
+then applies, each scoped to this compile and restored afterwards:
+
+* optionally ``ac_joint_pass`` (``enable_ac``), through functorch's ``joint_custom_pass``;
+* the ``ReplaySavesPartitioner`` (patch ``replay_saves_partitioner``), which saves exactly what the
+  first partition saved;
+* optionally Inductor's overlap-scheduling settings (``overlap_scheduling``). They must still be in
+  force when the backward is compiled, and AOT compiles the backward lazily, on the first
+  ``.backward()``, long after this backend returned. So they are handed to the compilers
+  themselves (``compile_fx(config_patches=...)``, which re-applies them around every inner
+  compile; the aot_eager compilers do the same), not set in a context manager here (patch
+  ``overlap_config_persists``; the context-manager version is the bug #483 fixed).
+
+``compiler="aot_eager"`` runs the partitioned graphs as they are (bitwise equal to eager on
+CPU); ``compiler="inductor"`` compiles them with Inductor (slow on CPU, not bitwise). Overlap
+scheduling needs a runtime estimator on CPU (it imports triton otherwise), so on CPU use
+``overlap_scheduling=True`` only with ``aot_eager`` (config plumbing) until an estimator exists.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import operator
+import re
+from collections.abc import Callable, Sequence
+from typing import Any, Literal
+
+import torch
+from torch import fx
+from torch._inductor.custom_graph_pass import CustomPartitionerFn
+from torch.utils.checkpoint import CheckpointPolicy
+
+from autoparallel import meta as M
+from autoparallel.partition import REPLAY_PATCH, ReplaySavesPartitioner, label_partition
+from autoparallel.passes import registry
+
+OVERLAP_PATCH = "overlap_config_persists"
+SECOND_COMPILE = "second_compile"
+
+# Inductor settings for compute/communication overlap in the post-grad passes.
+OVERLAP_SCHEDULING_PATCHES: dict[str, Any] = {
+    "aten_distributed_optimizations.enable_overlap_scheduling": True,
+    "aten_distributed_optimizations.collective_bucketing": True,
+    "aten_distributed_optimizations.insert_overlap_deps": True,
+    "aten_distributed_optimizations.max_compute_pre_fetch": 10,
+}
+
+Compiler = Literal["aot_eager", "inductor"]
+OnPartition = Callable[[fx.GraphModule, fx.GraphModule], None]
+OnCompile = Callable[[str, fx.GraphModule], None]  # ("forward" | "backward", graph)
+
+_SDPA_OPS = tuple(
+    getattr(torch.ops.aten, name).default
+    for name in (
+        "_scaled_dot_product_flash_attention",
+        "_scaled_dot_product_flash_attention_for_cpu",
+        "_scaled_dot_product_efficient_attention",
+        "_scaled_dot_product_cudnn_attention",
+    )
+    if hasattr(torch.ops.aten, name)
+)
+
+
+# --- AC joint pass ------------------------------------------------------------------------------
+
+
+def _backward_nodes(graph: fx.Graph) -> set[fx.Node]:
+    """Nodes that depend on a tangent: the backward proper (recomputed chains that only read
+    primals count as forward here)."""
+    bw: set[fx.Node] = set()
+    for node in graph.nodes:
+        if node.op == "placeholder" and str(node.target).startswith("tangents"):
+            bw.add(node)
+        elif node.op != "output" and any(a in bw for a in node.all_input_nodes):
+            bw.add(node)
+    return bw
+
+
+def recomputable_forward_nodes(graph: fx.Graph) -> list[fx.Node]:
+    """Forward ops whose value the backward reads, directly or through other forward ops."""
+    bw = _backward_nodes(graph)
+    needed: set[fx.Node] = set()
+    stack = [a for n in bw for a in n.all_input_nodes if a not in bw]
+    while stack:
+        n = stack.pop()
+        if n in needed:
+            continue
+        needed.add(n)
+        stack.extend(a for a in n.all_input_nodes if a not in bw)
+    return [n for n in graph.nodes if n in needed and n.op == "call_function"]
+
+
+def ac_joint_pass(gm: fx.GraphModule, joint_inputs: Sequence[object] | None = None) -> fx.GraphModule:
+    """A minimal selective-AC policy on the joint graph (the reference's mm/SDPA policy).
+
+    Every forward op the backward needs and that carries no recompute tag yet gets
+    PREFER_RECOMPUTE, except what the policy keeps: SDPA outputs and every other ``mm``
+    (1st, 3rd, ... in graph order) get MUST_SAVE. Getitems are skipped (they follow their
+    multi-output parent) and so are collectives (communication is never an AC candidate here;
+    FSDP all-gathers already carry their own tags). All tags use ``AP_AC_GRAPH_ID``. There is
+    no memory-budget staging: this pass exists so the second compile sees AC tags, and the
+    replay partitioner can be checked not to save more because of them.
+    """
+    mm_seen = 0
+    for node in recomputable_forward_nodes(gm.graph):
+        if M.RECOMPUTE in node.meta or node.target is operator.getitem:
+            continue
+        t = node.target
+        if isinstance(t, torch._ops.OpOverload) and t.namespace == "_c10d_functional":
+            continue
+        if not isinstance(node.meta.get(M.VAL), (torch.Tensor, tuple, list)):
+            continue
+        policy = CheckpointPolicy.PREFER_RECOMPUTE
+        if t in _SDPA_OPS:
+            policy = CheckpointPolicy.MUST_SAVE
+        elif t is torch.ops.aten.mm.default:
+            if mm_seen % 2 == 0:
+                policy = CheckpointPolicy.MUST_SAVE
+            mm_seen += 1
+        node.meta[M.RECOMPUTE] = policy
+        node.meta[M.AC_GRAPH_ID] = M.AP_AC_GRAPH_ID
+    return gm
+
+
+# --- partitioner / compilers --------------------------------------------------------------------
+
+
+def dynamo_input_roles(gm: fx.GraphModule, strip_prefix: str = "model.") -> list[str | None]:
+    """Roles of a Dynamo graph's inputs, from their sources: ``param:<fqn>``, ``buffer:<fqn>``,
+    ``input:<i>`` (None where the source says nothing). ``strip_prefix`` drops the
+    ``ParallelModule`` container name so FQNs are the user's."""
+    roles: list[str | None] = []
+    for ph in gm.graph.find_nodes(op="placeholder"):
+        grapharg = ph.meta.get(M.GRAPHARG)
+        name = grapharg.source.name if grapharg is not None and grapharg.source is not None else ""
+        name = name() if callable(name) else str(name)
+        path = _SOURCE_KEY.findall(name)
+        role = None
+        if path and path[-1][0] in ("_parameters", "_buffers"):
+            fqn = ".".join(key for _, key in path).removeprefix(strip_prefix)
+            role = f"{'param' if path[-1][0] == '_parameters' else 'buffer'}:{fqn}"
+        else:
+            m = _SOURCE_INPUT.match(name)
+            if m:
+                role = f"input:{m.group(1)}"
+        roles.append(role)
+    return roles
+
+
+_SOURCE_KEY = re.compile(r"\.(_modules|_parameters|_buffers)\['([^']+)'\]")
+_SOURCE_INPUT = re.compile(r"^L\['inputs'\]\[(\d+)\]$")
+
+
+def _second_compile_roles(input_roles: Sequence[str | None], bw: fx.GraphModule) -> tuple[dict[str, str], list[str | None]]:
+    """Placeholder roles by AOT name (``primals_<i+1>``, ``tangents_<k>``) and the backward's
+    output roles (``grad:<fqn>``), from the Dynamo input roles."""
+    from torch._functorch._aot_autograd import descriptors as D
+
+    placeholder_roles = {f"primals_{i + 1}": r for i, r in enumerate(input_roles) if r is not None}
+    placeholder_roles["tangents_1"] = "tangent:loss"
+    out = bw.graph.output_node()
+    grad_roles: list[str | None] = []
+    for desc in out.meta.get(M.DESC) or [None] * len(out.args[0]):
+        role = None
+        if isinstance(desc, D.GradAOTOutput) and isinstance(desc.grad_of, D.PlainAOTInput):
+            src = input_roles[desc.grad_of.idx] if desc.grad_of.idx < len(input_roles) else None
+            if src is not None:
+                role = f"grad:{src.partition(':')[2]}"
+        grad_roles.append(role)
+    return placeholder_roles, grad_roles
+
+
+class _Partitioner(CustomPartitionerFn):
+    """The partitioner the backend installs: replay (or stock min-cut), then labels the pair
+    (roles, stage) for goldens and stats, then shows it to ``on_partition``."""
+
+    def __init__(
+        self,
+        inner: Callable[..., tuple[fx.GraphModule, fx.GraphModule]],
+        on_partition: OnPartition | None,
+        input_roles: Sequence[str | None],
+    ):
+        self.inner = inner
+        self.on_partition = on_partition
+        self.input_roles = list(input_roles)
+
+    def __call__(self, gm, joint_inputs, **kwargs):
+        fw, bw = self.inner(gm, joint_inputs, **kwargs)
+        placeholder_roles, grad_roles = _second_compile_roles(self.input_roles, bw)
+        label_partition(
+            fw,
+            bw,
+            num_fwd_outputs=kwargs["num_fwd_outputs"],
+            placeholder_roles=placeholder_roles,
+            grad_roles=grad_roles,
+            group_dims=None,
+            stage=SECOND_COMPILE,
+        )
+        if self.on_partition is not None:
+            self.on_partition(fw, bw)
+        return fw, bw
+
+    def uuid(self) -> None:
+        return None  # see ReplaySavesPartitioner.uuid
+
+
+def _stock_partition(gm, joint_inputs, **kwargs):
+    from torch._functorch.partitioners import min_cut_rematerialization_partition
+
+    return min_cut_rematerialization_partition(gm, joint_inputs, **kwargs)
+
+
+def _nop_compiler(stage: str, config_patches: dict[str, Any], on_compile: OnCompile | None):
+    """aot_eager-style compiler: runs the graph as is, with ``config_patches`` in force while it
+    'compiles' (what compile_fx does for Inductor's inner compiles)."""
+    from functorch.compile import make_boxed_func
+
+    def compile_(gm: fx.GraphModule, example_inputs):
+        with torch._inductor.config.patch(config_patches):
+            if on_compile is not None:
+                on_compile(stage, gm)
+            return make_boxed_func(gm.forward)
+
+    return compile_
+
+
+def _observed_inner_compile(on_compile: OnCompile | None):
+    from torch._inductor.compile_fx import compile_fx_inner
+
+    if on_compile is None:
+        return compile_fx_inner
+
+    def inner(gm, example_inputs, **kwargs):
+        on_compile("backward" if kwargs.get("is_backward") else "forward", gm)
+        return compile_fx_inner(gm, example_inputs, **kwargs)
+
+    return inner
+
+
+def autoparallel_backend(
+    enable_ac: bool = False,
+    overlap_scheduling: bool = False,
+    compiler: Compiler = "aot_eager",
+    *,
+    on_partition: OnPartition | None = None,
+    on_compile: OnCompile | None = None,
+):
+    """A ``torch.compile`` backend for a ParallelModule (see the module docstring).
+
+    ``on_partition(fw, bw)`` sees the second compile's partition; ``on_compile(stage, gm)`` is
+    called when a graph is compiled (``stage`` "forward" or "backward", the backward lazily on
+    the first ``.backward()``) with the compile-time configuration in force. Patches are read
+    when the backend runs, so ``registry.disabled(...)`` around ``torch.compile``'s first call
+    takes effect.
+    """
+    if compiler not in ("aot_eager", "inductor"):
+        raise ValueError(f"unknown compiler {compiler!r}; use 'aot_eager' or 'inductor'")
+
+    def backend(gm: fx.GraphModule, example_inputs):
+        inner = ReplaySavesPartitioner() if registry.enabled(REPLAY_PATCH) else _stock_partition
+        partitioner = _Partitioner(inner, on_partition, dynamo_input_roles(gm))
+        overlap = dict(OVERLAP_SCHEDULING_PATCHES) if overlap_scheduling else {}
+        persist = registry.enabled(OVERLAP_PATCH)
+        compiler_patches = overlap if persist else {}
+        with contextlib.ExitStack() as stack:
+            if enable_ac:
+                stack.enter_context(torch._functorch.config.patch(joint_custom_pass=ac_joint_pass))
+            if overlap and not persist:
+                # Pre-fix behaviour: gone by the time the backward compiles.
+                stack.enter_context(torch._inductor.config.patch(overlap))
+            if compiler == "inductor":
+                from torch._inductor.compile_fx import compile_fx
+
+                # The partition runs synchronously inside compile_fx: a scoped patch is enough.
+                stack.enter_context(torch._inductor.config.patch(custom_partitioner_fn=partitioner))
+                return compile_fx(
+                    gm,
+                    example_inputs,
+                    inner_compile=_observed_inner_compile(on_compile),
+                    config_patches=compiler_patches or None,
+                )
+            from torch._dynamo.backends.common import aot_autograd
+
+            aot = aot_autograd(
+                fw_compiler=_nop_compiler("forward", compiler_patches, on_compile),
+                bw_compiler=_nop_compiler("backward", compiler_patches, on_compile),
+                partition_fn=partitioner,
+            )
+            return aot(gm, example_inputs)
+
+    return backend

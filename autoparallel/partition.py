@@ -1,0 +1,427 @@
+"""The apply_placement boundary, the first partition, and the replay partitioner of the second compile.
+
+``apply_placement(jg)`` turns a traced joint graph into a runnable ``ParallelModule`` in a fixed
+order (recorded on the result as ``steps``; the order is part of the contract):
+
+1. ``cleanup``: structural rewrites (DCE, no-op removal, view -> reshape). They come first so
+   no tag is written on a node a rewrite later replaces.
+2. ``mark_fsdp_all_gather_recomputation``: recompute (or save) tags on FSDP all-gather chains,
+   written on the final structure, right before the compiler consumes the graph.
+3. ``first_partition``: ``aot_compile_joint_with_descriptors``. Its forward compiler records the
+   partitioner's decision on the graph: every saved-for-backward output gets
+   ``custom.ap_must_save`` (for a multi-output op the parent, with the getitem indices). Both
+   compilers are FX interpreters under ``preserve_node_meta``, so a re-trace of the module
+   carries those records into the second compile.
+
+``ReplaySavesPartitioner`` is the second compile's partitioner: it saves exactly what the first
+partition saved instead of deciding again (see its docstring for why).
+"""
+
+from __future__ import annotations
+
+import logging
+import operator
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import torch
+from torch import fx
+from torch._inductor.custom_graph_pass import CustomPartitionerFn
+from torch.utils.checkpoint import CheckpointPolicy
+
+from autoparallel import meta as M
+from autoparallel.mesh import attach_group_dims
+from autoparallel.passes.cleanup import cleanup_graph
+from autoparallel.passes.fsdp_recompute import mark_fsdp_all_gather_recomputation
+from autoparallel.runtime.parallel_module import ParallelModule, PartitionRecord
+
+log = logging.getLogger(__name__)
+
+STEP_CLEANUP = "cleanup"
+STEP_FSDP_TAGS = "mark_fsdp_all_gather_recomputation"
+STEP_FIRST_PARTITION = "first_partition"
+PLACEMENT_STEPS = (STEP_CLEANUP, STEP_FSDP_TAGS, STEP_FIRST_PARTITION)
+
+REPLAY_PATCH = "replay_saves_partitioner"
+
+_SAVED_ROLE = "saved"
+
+
+# --- first partition: record the saves --------------------------------------------------------
+
+
+def _is_saved_desc(desc: Any) -> bool:
+    from torch._functorch._aot_autograd.descriptors import SavedForBackwardsAOTOutput
+
+    return isinstance(desc, SavedForBackwardsAOTOutput)
+
+
+def _output_role(desc: Any, fallback: str) -> str:
+    from torch._functorch._aot_autograd import descriptors as D
+
+    if isinstance(desc, D.PlainAOTOutput):
+        return "loss" if desc.idx == 0 else f"output:{desc.idx}"
+    return fallback
+
+
+def saved_forward_outputs(fw_gm: fx.GraphModule, num_fwd_outputs: int) -> list[fx.Node]:
+    """The forward graph's outputs that are saved for the backward (AOT layout: user outputs
+    first, then saved values); uses the output descriptors where AOT wrote them."""
+    out = fw_gm.graph.output_node()
+    values = list(out.args[0])
+    descs = out.meta.get(M.DESC)
+    if descs is not None and len(descs) == len(values):
+        return [v for v, d in zip(values, descs, strict=True) if isinstance(v, fx.Node) and _is_saved_desc(d)]
+    return [v for v in values[num_fwd_outputs:] if isinstance(v, fx.Node)]
+
+
+def _is_tensor_node(node: fx.Node) -> bool:
+    return isinstance(node.meta.get(M.VAL), torch.Tensor)
+
+
+def tag_saved_outputs(fw_gm: fx.GraphModule, num_fwd_outputs: int) -> list[fx.Node]:
+    """Write ``custom.ap_must_save`` on every saved tensor the forward computes (in place).
+
+    A saved ``getitem`` tags its multi-output parent instead and records the index under
+    ``custom.ap_must_save_getitem_indices``: a re-trace gives getitem nodes no metadata (getitem
+    is a Python builtin, never dispatched), while the parent op keeps its node's meta. Saved
+    placeholders need no tag (a partitioner saves inputs the backward uses anyway). Each tagged
+    node gets its own ``custom`` dict: partitioners copy meta shallowly, so the dict may be
+    shared with the joint graph's node. Returns the saved output nodes.
+    """
+    saved = saved_forward_outputs(fw_gm, num_fwd_outputs)
+    for node in saved:
+        if node.op != "call_function":
+            continue
+        if node.target is operator.getitem:
+            parent, index = node.args[0], node.args[1]
+            custom = dict(parent.meta.get(M.CUSTOM) or {})
+            custom[M.AP_MUST_SAVE] = True
+            custom[M.AP_MUST_SAVE_GETITEM_INDICES] = sorted({*custom.get(M.AP_MUST_SAVE_GETITEM_INDICES, []), index})
+            parent.meta[M.CUSTOM] = custom
+        elif _is_tensor_node(node):
+            node.meta[M.CUSTOM] = {**(node.meta.get(M.CUSTOM) or {}), M.AP_MUST_SAVE: True}
+    return saved
+
+
+def label_partition(
+    fw: fx.GraphModule,
+    bw: fx.GraphModule,
+    *,
+    num_fwd_outputs: int,
+    placeholder_roles: Mapping[str, str],
+    grad_roles: Sequence[str | None] | None,
+    group_dims: Mapping[str, str] | None,
+    stage: str,
+) -> None:
+    """Give a fw/bw pair what goldens and stats read: placeholder roles, output roles, the
+    group-name registry (where known) and the stage name.
+
+    ``placeholder_roles`` maps joint placeholder names to roles (partitioners keep primal and
+    tangent names), so a saved parameter shard keeps its ``param:<fqn>`` role in the backward.
+    Forward outputs are ``loss`` / ``output:<i>`` then ``saved:<k>`` in order; a backward input
+    holding a computed saved value is named by the same ``saved:<k>``.
+    """
+    saved_names = {}
+    out = fw.graph.output_node()
+    values = list(out.args[0])
+    descs = out.meta.get(M.DESC) or [None] * len(values)
+    roles = []
+    k = 0
+    for i, (v, d) in enumerate(zip(values, descs, strict=True)):
+        saved = _is_saved_desc(d) if d is not None else i >= num_fwd_outputs
+        if saved:
+            role = f"{_SAVED_ROLE}:{k}"
+            k += 1
+            if isinstance(v, fx.Node):
+                saved_names.setdefault(v.name, role)
+        else:
+            role = _output_role(d, "loss" if i == 0 else f"output:{i}")
+        roles.append(role)
+    out.meta[M.ROLE] = roles
+    for gm in (fw, bw):
+        for ph in gm.graph.find_nodes(op="placeholder"):
+            if ph.name in placeholder_roles:
+                ph.meta[M.ROLE] = placeholder_roles[ph.name]
+            elif gm is bw and ph.name in saved_names:
+                ph.meta[M.ROLE] = saved_names[ph.name]
+        if group_dims is not None:
+            attach_group_dims(gm, group_dims)
+    fw.meta[M.GM_STAGE] = f"{stage}/forward"
+    bw.meta[M.GM_STAGE] = f"{stage}/backward"
+    if grad_roles is not None:
+        bw_out = bw.graph.output_node()
+        n = len(bw_out.args[0])
+        bw_out.meta[M.ROLE] = list(grad_roles[:n]) + [None] * max(0, n - len(grad_roles))
+
+
+def _default_first_partition():
+    from torch._functorch.partitioners import default_partition
+
+    return default_partition
+
+
+def apply_placement(
+    jg,
+    params: Mapping[str, torch.Tensor] | None = None,
+    buffers: Mapping[str, torch.Tensor] | None = None,
+    *,
+    reshard_after_forward: bool | None = None,
+    partition_fn: Callable[..., Any] | None = None,
+) -> ParallelModule:
+    """Clean up, tag and partition ``jg`` (a ``JointGraph``) into a ``ParallelModule``.
+
+    ``params`` / ``buffers``: this rank's local shards by FQN (e.g. a ``ParallelProgram``'s
+    ``local_parameters()``); missing ones are allocated uninitialised with the traced local
+    shapes. ``reshard_after_forward`` defaults to the plan's. ``partition_fn`` is the first
+    partitioner (default: AOT's ``default_partition``, which saves every forward value the
+    backward reads unless it is tagged for recompute).
+
+    Consumes ``jg``: its export context (fake mode) is closed after compiling, because the
+    compiled callable must run outside it.
+    """
+    from torch._functorch.aot_autograd import (
+        aot_compile_joint_with_descriptors,
+        boxed_nop_preserve_node_meta,
+    )
+
+    if reshard_after_forward is None:
+        reshard_after_forward = jg.plan.reshard_after_forward
+    partition_fn = partition_fn or _default_first_partition()
+    gm = jg.gm
+    steps: list[str] = []
+    t0 = time.perf_counter()
+
+    report = cleanup_graph(gm)
+    steps.append(STEP_CLEANUP)
+    log.info("apply_placement cleanup: %s", report.summary())
+
+    tags = mark_fsdp_all_gather_recomputation(gm.graph, reshard_after_forward)
+    gm.recompile()
+    steps.append(STEP_FSDP_TAGS)
+
+    placeholder_roles = {ph.name: ph.meta[M.ROLE] for ph in gm.graph.find_nodes(op="placeholder") if M.ROLE in ph.meta}
+    grad_roles = jg.output_roles[jg.num_fwd_outputs :]
+    captured: dict[str, Any] = {}
+
+    def partition(joint, joint_inputs, **kwargs):
+        fw, bw = partition_fn(joint, joint_inputs, **kwargs)
+        captured["fw"], captured["bw"] = fw, bw
+        captured["num_fwd_outputs"] = kwargs.get("num_fwd_outputs", jg.num_fwd_outputs)
+        return fw, bw
+
+    def fw_compiler(fw_gm, example_inputs):
+        captured["fw_compiled"] = fw_gm
+        captured["saved"] = tag_saved_outputs(fw_gm, captured.get("num_fwd_outputs", jg.num_fwd_outputs))
+        return boxed_nop_preserve_node_meta(fw_gm, example_inputs)
+
+    try:
+        compiled = aot_compile_joint_with_descriptors(
+            jg.jd, partition_fn=partition, fw_compiler=fw_compiler, bw_compiler=boxed_nop_preserve_node_meta
+        )
+    finally:
+        jg.close()
+    steps.append(STEP_FIRST_PARTITION)
+
+    fw = captured.get("fw_compiled", captured["fw"])
+    bw = captured["bw"]
+    label_partition(
+        fw,
+        bw,
+        num_fwd_outputs=captured["num_fwd_outputs"],
+        placeholder_roles=placeholder_roles,
+        grad_roles=grad_roles,
+        group_dims=jg.group_dims,
+        stage=STEP_FIRST_PARTITION,
+    )
+    record = PartitionRecord(fw, bw, [n.name for n in captured["saved"]], captured["num_fwd_outputs"])
+    params = dict(params or {})
+    buffers = dict(buffers or {})
+    for ph in gm.graph.find_nodes(op="placeholder"):
+        kind, _, name = str(ph.meta.get(M.ROLE, "")).partition(":")
+        store = params if kind == "param" else buffers if kind == "buffer" else None
+        if store is not None and name not in store:
+            v = ph.meta[M.VAL]
+            store[name] = torch.empty(v.shape, dtype=v.dtype)
+    mod = ParallelModule(
+        compiled,
+        jg.input_roles,
+        params,
+        buffers,
+        first_partition=record,
+        steps=steps,
+        group_dims=jg.group_dims,
+    )
+    log.info(
+        "apply_placement: %s; first partition saves %d values (%.2fs)",
+        tags.summary(),
+        len(record.saved),
+        time.perf_counter() - t0,
+    )
+    return mod
+
+
+# --- second compile: replay the first partition's saves ----------------------------------------
+
+
+def _custom(node: fx.Node) -> dict:
+    return node.meta.get(M.CUSTOM) or {}
+
+
+def _is_multi_output(node: fx.Node) -> bool:
+    if isinstance(node.meta.get(M.VAL), (list, tuple)):
+        return True
+    return bool(node.users) and all(u.target is operator.getitem for u in node.users)
+
+
+def _getitem_children(node: fx.Node) -> list[fx.Node]:
+    return [u for u in node.users if u.op == "call_function" and u.target is operator.getitem]
+
+
+def choose_replay_saves(gm: fx.GraphModule, node_info) -> tuple[list[fx.Node], list[fx.Node], list[fx.Node]]:
+    """(saved tensors, saved sym nodes, saved opaque nodes) for the replay partitioner.
+
+    For every forward (and unclaimed) node, in graph order, the first rule that applies:
+
+    1. ``recompute == MUST_RECOMPUTE``: never saved, whatever else it carries (FSDP chains).
+    2. A SymInt/SymBool: saved as a sym node (unless only asserts read it).
+    3. A multi-output op: MUST_SAVE saves every getitem child; ``custom.ap_must_save`` saves the
+       children listed in ``custom.ap_must_save_getitem_indices`` (all if there is no list). A
+       multi-output node tagged ``ap_must_save`` without getitem users is an error.
+    4. An opaque value (process group, script object): saved.
+    5. A placeholder: saved (``_extract_fwd_bwd_modules`` drops the ones the backward never reads).
+    6. ``custom.ap_must_save`` or ``recompute == MUST_SAVE``: saved.
+
+    Anything else is recomputed in the backward if the backward needs it. PREFER_RECOMPUTE
+    appears in no rule: an AC pass can make the replay recompute, never save more.
+    """
+    from torch._functorch.partitioners import _is_assert_only_symbool, is_opaque_node, is_sym_node
+
+    saved: list[fx.Node] = []
+    saved_sym: list[fx.Node] = []
+    saved_opaque: list[fx.Node] = []
+    multi_output_parents: set[fx.Node] = set()
+    candidates = [n for n in gm.graph.nodes if n in node_info.required_fw_nodes or n in node_info.unclaimed_nodes]
+    for node in candidates:
+        if node.op == "output":
+            continue
+        recompute = node.meta.get(M.RECOMPUTE)
+        if recompute == CheckpointPolicy.MUST_RECOMPUTE:
+            continue
+        if is_sym_node(node):
+            if not _is_assert_only_symbool(node):
+                saved_sym.append(node)
+            continue
+        custom = _custom(node)
+        if node.op == "call_function" and _is_multi_output(node):
+            multi_output_parents.add(node)
+            children = _getitem_children(node)
+            if recompute == CheckpointPolicy.MUST_SAVE:
+                saved.extend(children)
+            elif custom.get(M.AP_MUST_SAVE):
+                if not children:
+                    raise ValueError(
+                        f"node {node.name!r} ({node.target}) is tagged custom.{M.AP_MUST_SAVE} as a "
+                        "multi-output op but has no getitem users to save; tag the value it returns, "
+                        "or re-trace so its outputs are read through getitem"
+                    )
+                indices = custom.get(M.AP_MUST_SAVE_GETITEM_INDICES)
+                saved.extend(c for c in children if indices is None or c.args[1] in indices)
+            continue
+        if is_opaque_node(node):
+            saved_opaque.append(node)
+            continue
+        if node.op == "placeholder":
+            saved.append(node)
+            continue
+        if node.target is operator.getitem and node.args[0] in multi_output_parents:
+            # Decided by the parent (rule 3); an explicit MUST_SAVE on the child still counts.
+            if recompute == CheckpointPolicy.MUST_SAVE:
+                saved.append(node)
+            continue
+        if custom.get(M.AP_MUST_SAVE) or recompute == CheckpointPolicy.MUST_SAVE:
+            saved.append(node)
+    dedup = lambda xs: list(dict.fromkeys(xs))  # noqa: E731
+    return dedup(saved), dedup(saved_sym), dedup(saved_opaque)
+
+
+class ReplaySavesPartitioner(CustomPartitionerFn):
+    """Second-compile partitioner that saves exactly what the first partition saved.
+
+    Why: ``torch.compile`` of a ParallelModule re-traces an already partitioned program, and a
+    second ``min_cut_rematerialization_partition`` decides again, differently. With the AC pass's
+    PREFER_RECOMPUTE tags it recomputes matmuls in the backward; those need the gathered weights;
+    upstream ``force_save_collectives`` pins non-recompute collectives MUST_SAVE, so min-cut saves
+    the gathered weights (about 1.2 GB per 4 layers on LLaMA-3 8B in the reference). Replaying
+    the first decision keeps the ``reshard_after_forward`` contract and the memory the first
+    partition planned.
+
+    Steps: DCE; ``fx_graph_cse`` (the first backward's recomputed all-gather chains were baked
+    into the re-trace and duplicate the forward's; CSE merges them, keeping the first
+    occurrence's meta); upstream's recompute-tag clean-up and force-save rules; ``classify_nodes``
+    for the forward/backward boundary (topology, so backward ops interleaved into the forward
+    region are handled); ``choose_replay_saves``; ``_extract_fwd_bwd_modules``; upstream's
+    post-processing (RNG functionalisation, backward reordering, getitem raising).
+    """
+
+    def __call__(self, gm: fx.GraphModule, joint_inputs: Sequence[object], **kwargs: Any):
+        from torch._functorch import config as functorch_config
+        from torch._functorch.compile_utils import fx_graph_cse
+        from torch._functorch.partitioners import (
+            _extract_fwd_bwd_modules,
+            classify_nodes,
+            cleanup_recompute_tags,
+            default_partition,
+            force_save_bw_mutation_src,
+            force_save_collectives,
+            force_save_effectful_ops,
+            functionalize_rng_ops,
+            has_recomputable_ops,
+            has_recomputable_rng_ops,
+            raise_getitems,
+            reordering_to_mimic_autograd_engine,
+            thread_graphsafe_rng_from_hops,
+        )
+
+        num_fwd_outputs = kwargs["num_fwd_outputs"]
+        static_indices = kwargs.get("static_lifetime_input_indices") or []
+        gm.graph.eliminate_dead_code()
+        gm.recompile()
+        if functorch_config.cse:
+            gm.graph = fx_graph_cse(gm.graph)
+            gm.recompile()
+        recomputable = has_recomputable_ops(gm)
+        if recomputable:
+            gm = cleanup_recompute_tags(gm, is_default_partition=False)
+        if not functorch_config.unsafe_allow_optimization_of_collectives:
+            force_save_collectives(gm)
+        force_save_effectful_ops(gm)
+        force_save_bw_mutation_src(gm)
+        node_info = classify_nodes(gm, static_indices, num_fwd_outputs)
+        if not node_info.required_bw_nodes:  # inference graph: nothing to save
+            return default_partition(
+                gm, joint_inputs, num_fwd_outputs=num_fwd_outputs, static_lifetime_input_indices=static_indices
+            )
+        saved, saved_sym, saved_opaque = choose_replay_saves(gm, node_info)
+        fw, bw = _extract_fwd_bwd_modules(
+            gm,
+            saved,
+            saved_sym_nodes=saved_sym,
+            saved_opaque_nodes=saved_opaque,
+            num_fwd_outputs=num_fwd_outputs,
+            static_lifetime_input_nodes=node_info.static_lifetime_input_nodes,
+        )
+        if recomputable and has_recomputable_rng_ops(gm):
+            fw, bw = functionalize_rng_ops(gm, fw, bw, len(saved_sym))
+        bw = reordering_to_mimic_autograd_engine(bw)
+        fw = thread_graphsafe_rng_from_hops(raise_getitems(fw), is_backward=False)
+        bw = thread_graphsafe_rng_from_hops(raise_getitems(bw), is_backward=True)
+        return fw, bw
+
+    def uuid(self) -> None:
+        # None disables Inductor's FX graph cache for graphs partitioned by this class. The
+        # partition depends on node.meta (custom.ap_must_save, recompute tags) that the cache key
+        # does not cover, so a cached artifact from a run with other tags would be replayed
+        # silently; and a cache hit skips the partitioner entirely.
+        return None

@@ -1,0 +1,103 @@
+"""``ParallelModule``: the per-rank training module that apply_placement returns.
+
+It owns the rank's local parameter shards (and buffers) under the user's FQNs, in a module tree
+below ``self.model`` (``model.layers.0.attention.wq.weight``), and runs the first partition's
+forward and backward graphs through the callable ``aot_compile_joint_with_descriptors``
+returned. That callable is an autograd Function, so ``loss = mod(*inputs); loss.backward()``
+fills ``.grad`` of the local shards. Its compilers are FX interpreters under
+``preserve_node_meta``, so a later re-trace (``torch.compile(mod, backend=...)``) sees each op
+with the metadata of the graph node that ran it: the recompute tags and the first partition's
+``custom.ap_must_save`` records reach the second compile that way.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import fx, nn
+
+
+@dataclass
+class PartitionRecord:
+    """The first partition: its graphs and what its forward saves for the backward."""
+
+    fw: fx.GraphModule
+    bw: fx.GraphModule
+    saved: list[str] = field(default_factory=list)  # forward output node names saved for backward
+    num_fwd_outputs: int = 1
+
+
+def _module_tree(params: Mapping[str, torch.Tensor], buffers: Mapping[str, torch.Tensor]) -> nn.Module:
+    root = nn.Module()
+
+    def owner_of(fqn: str) -> tuple[nn.Module, str]:
+        *path, attr = fqn.split(".")
+        mod = root
+        for part in path:
+            if part not in mod._modules:
+                mod.add_module(part, nn.Module())
+            mod = mod._modules[part]
+        return mod, attr
+
+    for fqn, t in params.items():
+        mod, attr = owner_of(fqn)
+        mod.register_parameter(attr, t if isinstance(t, nn.Parameter) else nn.Parameter(t))
+    for fqn, t in buffers.items():
+        mod, attr = owner_of(fqn)
+        mod.register_buffer(attr, t, persistent=False)
+    return root
+
+
+class ParallelModule(nn.Module):
+    """``forward(*inputs) -> loss`` on one rank, over local shards, through compiled graphs.
+
+    ``input_roles`` are the primal roles of the joint graph, in calling order (``param:<fqn>``,
+    ``buffer:<fqn>``, ``input:<i>``); ``inputs`` fill the ``input:<i>`` slots.
+    """
+
+    def __init__(
+        self,
+        compiled_fn: Callable[..., Any],
+        input_roles: Sequence[str],
+        params: Mapping[str, torch.Tensor],
+        buffers: Mapping[str, torch.Tensor],
+        *,
+        first_partition: PartitionRecord | None = None,
+        steps: Sequence[str] = (),
+        group_dims: Mapping[str, str] | None = None,
+    ):
+        super().__init__()
+        roles = [r for r in input_roles if not r.startswith("tangent:")]
+        want_params = [r.partition(":")[2] for r in roles if r.startswith("param:")]
+        want_buffers = [r.partition(":")[2] for r in roles if r.startswith("buffer:")]
+        for kind, want, have in (("parameter", want_params, params), ("buffer", want_buffers, buffers)):
+            missing = sorted(set(want) - set(have))
+            if missing:
+                raise ValueError(f"ParallelModule: no local {kind} given for {missing}")
+        self.model = _module_tree({k: params[k] for k in want_params}, {k: buffers[k] for k in want_buffers})
+        self._compiled = compiled_fn
+        self._roles = [tuple(r.split(":", 1)) for r in roles]
+        self.num_inputs = sum(1 for kind, _ in self._roles if kind == "input")
+        self.first_partition = first_partition
+        self.steps = tuple(steps)
+        self.group_dims = dict(group_dims or {})
+
+    def local_parameters(self) -> dict[str, nn.Parameter]:
+        """Local shards by the user's parameter FQN."""
+        return dict(self.model.named_parameters())
+
+    def forward(self, *inputs: torch.Tensor) -> torch.Tensor:
+        if len(inputs) != self.num_inputs:
+            raise TypeError(f"ParallelModule takes {self.num_inputs} inputs, got {len(inputs)}")
+        args = []
+        for kind, name in self._roles:
+            if kind == "param":
+                args.append(self.model.get_parameter(name))
+            elif kind == "buffer":
+                args.append(self.model.get_buffer(name))
+            else:
+                args.append(inputs[int(name)])
+        return self._compiled(*args)

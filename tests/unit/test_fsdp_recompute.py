@@ -1,0 +1,218 @@
+"""mark_fsdp_all_gather_recomputation on hand-built FX graphs, plus one traced toy model.
+
+Hand-built graphs: placeholder -> _to_copy(dtype) -> all_gather -> wait -> layout chain -> mm,
+an activation all-gather (not FSDP), and malformed graphs that must be rejected by name.
+"""
+
+import pytest
+import torch
+from torch import fx, nn
+from torch.utils.checkpoint import CheckpointPolicy
+
+from autoparallel import meta as M
+from autoparallel.passes import registry
+from autoparallel.passes.fsdp_recompute import (
+    is_fsdp_all_gather,
+    mark_fsdp_all_gather_recomputation,
+)
+from autoparallel.passes.graph_utils import ALL_GATHER, WAIT
+
+aten = torch.ops.aten
+MUST_RECOMPUTE, MUST_SAVE = CheckpointPolicy.MUST_RECOMPUTE, CheckpointPolicy.MUST_SAVE
+
+
+def _node(g, target, args, val, kwargs=None):
+    n = g.call_function(target, args, kwargs or {})
+    if val is not None:
+        n.meta[M.VAL] = val
+    return n
+
+
+def _placeholder(g, name, val, role):
+    n = g.placeholder(name)
+    n.meta[M.VAL] = val
+    n.meta[M.ROLE] = role
+    return n
+
+
+def _fsdp_graph(chain=("permute",), cast=True, with_val=True, activation_ag=False):
+    """w [4, 8] shard -> (cast bf16) -> all_gather(x4) -> wait [16, 8] -> chain -> mm(x, .)."""
+    g = fx.Graph()
+    dt = torch.bfloat16 if cast else torch.float32
+    w = _placeholder(g, "w", torch.empty(4, 8, device="meta"), "param:lin.weight")
+    x = _placeholder(g, "x", torch.empty(2, 8, device="meta", dtype=dt), "input:0")
+    nodes = {"w": w, "x": x}
+    src = w
+    if cast:
+        src = nodes["cast"] = _node(g, aten._to_copy.default, (w,), torch.empty(4, 8, device="meta", dtype=dt), {"dtype": dt})
+    val = (lambda *s: torch.empty(*s, device="meta", dtype=dt)) if with_val else (lambda *s: None)
+    ag = nodes["ag"] = _node(g, ALL_GATHER, (src, 4, "dp"), val(16, 8))
+    cur = nodes["wait"] = _node(g, WAIT, (ag,), val(16, 8))
+    for op in chain:
+        if op == "permute":
+            cur = nodes[op] = _node(g, aten.permute.default, (cur, [1, 0]), val(8, 16))
+        elif op == "t":
+            cur = nodes[op] = _node(g, aten.t.default, (cur,), val(8, 16))
+        elif op == "view":
+            cur = nodes[op] = _node(g, aten.view.default, (cur, [8, 16]), val(8, 16))
+        elif op == "slice":
+            cur = nodes[op] = _node(g, aten.slice.Tensor, (cur, 0, 0, 16), val(*cur.meta[M.VAL].shape) if with_val else None)
+        elif op == "cast32":
+            cur = nodes[op] = _node(g, aten._to_copy.default, (cur,), torch.empty(*cur.meta[M.VAL].shape, device="meta"), {"dtype": torch.float32})
+    out = nodes["mm"] = _node(g, aten.mm.default, (x, cur), torch.empty(2, cur.meta[M.VAL].shape[-1] if with_val else 16, device="meta", dtype=dt))
+    if activation_ag:
+        ag2 = nodes["act_ag"] = _node(g, ALL_GATHER, (out, 2, "tp"), torch.empty(4, 16, device="meta", dtype=dt))
+        out = nodes["act_wait"] = _node(g, WAIT, (ag2,), torch.empty(4, 16, device="meta", dtype=dt))
+        out = nodes["act_relu"] = _node(g, aten.relu.default, (out,), torch.empty(4, 16, device="meta", dtype=dt))
+    g.output((out,))
+    return g, nodes
+
+
+def _tags(node):
+    return node.meta.get(M.RECOMPUTE), node.meta.get(M.AC_GRAPH_ID)
+
+
+def test_recompute_tags_cast_all_gather_wait_and_chain():
+    g, n = _fsdp_graph(chain=("slice", "permute", "view"))
+    report = mark_fsdp_all_gather_recomputation(g)
+    for name in ("cast", "ag", "wait", "slice", "permute", "view"):
+        assert _tags(n[name]) == (MUST_RECOMPUTE, M.AP_AC_GRAPH_ID), name
+    for name in ("w", "x", "mm"):
+        assert M.RECOMPUTE not in n[name].meta, name
+    assert report.all_gathers == [n["ag"]] and not report.saved
+    assert report.gathered_bytes == 16 * 8 * 2  # bf16
+    g.lint()
+
+
+def test_transposed_weight_after_wait_is_recomputed_not_saved(first_partition_toy):
+    """The seed's bug: only the all-gather and wait tagged, so the permute/t after the wait (the
+    transposed full weight) was saved for backward. Now the chain is recomputed and the backward
+    re-gathers the weight from the saved shard."""
+    fw, bw = first_partition_toy
+    saved = [ph for ph in bw.graph.find_nodes(op="placeholder") if not str(ph.meta.get(M.ROLE, "")).startswith("tangent")]
+    full_shapes = {(32, 16), (16, 32), (8, 32), (32, 8)}  # the gathered weights and their transposes
+    assert not [ph.name for ph in saved if tuple(ph.meta[M.VAL].shape) in full_shapes]
+    fw_chain = [n for n in fw.graph.nodes if n.target in (aten.permute.default, aten.t.default)]
+    assert fw_chain and all(n.meta.get(M.RECOMPUTE) == MUST_RECOMPUTE for n in fw_chain)
+    # Recomputed in the backward: down.weight is gathered again there, from its saved shard
+    # (up.weight's full value is not needed: the input needs no gradient).
+    assert sum(1 for n in bw.graph.nodes if n.target is ALL_GATHER) == 1
+    assert any(ph.meta.get(M.ROLE) == "param:down.weight" and ph.users for ph in saved)
+
+
+def test_chain_stops_at_multi_input_node_and_multi_user_node():
+    g, n = _fsdp_graph(chain=("permute",))
+    mark_fsdp_all_gather_recomputation(g)
+    assert M.RECOMPUTE not in n["mm"].meta  # two inputs: the chain ends before it
+
+    g = fx.Graph()
+    w = _placeholder(g, "w", torch.empty(4, 8, device="meta"), "param:w")
+    ag = _node(g, ALL_GATHER, (w, 4, "dp"), torch.empty(16, 8, device="meta"))
+    wait = _node(g, WAIT, (ag,), torch.empty(16, 8, device="meta"))
+    t = _node(g, aten.t.default, (wait,), torch.empty(8, 16, device="meta"))
+    a = _node(g, aten.relu.default, (t,), torch.empty(8, 16, device="meta"))
+    b = _node(g, aten.neg.default, (t,), torch.empty(8, 16, device="meta"))
+    g.output((a, b))
+    mark_fsdp_all_gather_recomputation(g)
+    assert _tags(t) == (MUST_RECOMPUTE, M.AP_AC_GRAPH_ID)  # t has two users: tagged, walk stops
+    assert M.RECOMPUTE not in a.meta and M.RECOMPUTE not in b.meta
+
+
+def test_activation_and_tp_all_gathers_are_untouched():
+    g, n = _fsdp_graph(activation_ag=True)
+    assert is_fsdp_all_gather(n["ag"]) and not is_fsdp_all_gather(n["act_ag"])
+    report = mark_fsdp_all_gather_recomputation(g)
+    assert report.all_gathers == [n["ag"]]
+    for name in ("act_ag", "act_wait", "act_relu"):
+        assert M.RECOMPUTE not in n[name].meta, name
+
+
+def test_all_gather_of_an_input_placeholder_is_not_fsdp():
+    g = fx.Graph()
+    x = _placeholder(g, "x", torch.empty(4, 8, device="meta"), "input:0")
+    ag = _node(g, ALL_GATHER, (x, 4, "dp"), torch.empty(16, 8, device="meta"))
+    wait = _node(g, WAIT, (ag,), torch.empty(16, 8, device="meta"))
+    g.output((wait,))
+    assert mark_fsdp_all_gather_recomputation(g).all_gathers == []
+    assert M.RECOMPUTE not in ag.meta
+
+
+@pytest.mark.parametrize(
+    "chain, saved",
+    [
+        (("permute",), "wait"),  # every node after the wait is a view: save the wait
+        (("t", "view"), "wait"),
+        (("cast32", "t"), "cast32"),  # the last non-view node of the chain
+    ],
+)
+def test_no_reshard_after_forward_saves_chain_end(chain, saved):
+    g, n = _fsdp_graph(chain=chain, cast=False)
+    report = mark_fsdp_all_gather_recomputation(g, reshard_after_forward=False)
+    assert _tags(n[saved]) == (MUST_SAVE, M.AP_AC_GRAPH_ID)
+    assert report.saved == [n[saved]]
+    tagged = [k for k, v in n.items() if M.RECOMPUTE in v.meta]
+    assert tagged == [saved]
+
+
+def test_disabled_chain_fix_tags_only_all_gather_and_wait():
+    g, n = _fsdp_graph(chain=("permute",))
+    with registry.disabled("fsdp_chain_recompute"):
+        mark_fsdp_all_gather_recomputation(g)
+    assert [k for k, v in n.items() if M.RECOMPUTE in v.meta] == ["ag", "wait"]
+
+
+def test_wait_on_non_collective_is_an_error_naming_the_node():
+    g = fx.Graph()
+    x = _placeholder(g, "x", torch.empty(4, device="meta"), "input:0")
+    r = _node(g, aten.relu.default, (x,), torch.empty(4, device="meta"))
+    w = g.create_node("call_function", WAIT, (r,), {}, name="bad_wait")
+    g.output((w,))
+    with pytest.raises(ValueError, match=r"wait_tensor node 'bad_wait' waits on .*relu.* not a _c10d_functional"):
+        mark_fsdp_all_gather_recomputation(g)
+
+
+def test_missing_val_is_an_error_naming_the_node():
+    g, n = _fsdp_graph(with_val=False)
+    with pytest.raises(ValueError, match=rf"node '{n['ag'].name}'.*no meta\['val'\]"):
+        mark_fsdp_all_gather_recomputation(g)
+
+
+def test_fsdp_all_gather_without_single_wait_is_an_error():
+    g = fx.Graph()
+    w = _placeholder(g, "w", torch.empty(4, 8, device="meta"), "param:w")
+    ag = _node(g, ALL_GATHER, (w, 4, "dp"), torch.empty(16, 8, device="meta"))
+    r = _node(g, aten.relu.default, (ag,), torch.empty(16, 8, device="meta"))
+    g.output((r,))
+    with pytest.raises(ValueError, match=rf"FSDP all-gather '{ag.name}' must have exactly one user"):
+        mark_fsdp_all_gather_recomputation(g)
+
+
+# --- a traced toy model through apply_placement -------------------------------------------------
+
+
+class _Toy(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.up = nn.Linear(16, 32, bias=False)
+        self.down = nn.Linear(32, 8, bias=False)
+
+    def forward(self, x):
+        h = torch.relu(x @ self.up.weight.permute(1, 0))
+        return self.down(h)  # F.linear: t() of the gathered weight
+
+
+def _mse(out, target):
+    return ((out - target) ** 2).mean()
+
+
+@pytest.fixture(scope="module")
+def first_partition_toy():
+    from autoparallel.mesh import fake_world
+    from autoparallel.parallelize import ParallelPlan, build_joint_graph
+    from autoparallel.partition import apply_placement
+
+    inputs = (torch.randn(4, 16), torch.randn(4, 8))
+    with fake_world("dp=2") as mesh:
+        jg = build_joint_graph(_Toy(), ParallelPlan.fsdp(), mesh, inputs, loss_fn=_mse)
+        fp = apply_placement(jg).first_partition
+    return fp.fw, fp.bw
