@@ -12,7 +12,7 @@ from torch import fx
 
 from verify.scenario import Scenario
 
-STAGE_NAMES: tuple[str, ...] = ("joint",)
+STAGE_NAMES: tuple[str, ...] = ("joint", "first_partition", "second_compile")
 
 
 @dataclass
@@ -47,10 +47,29 @@ class PipelineRun:
 
 
 def run_pipeline(scenario: Scenario) -> PipelineRun:
-    with scenario.trace() as jg:
-        stages = [Stage("joint", jg.gm)]
+    """Trace, first partition and second compile (aot_eager-style) on one fake world."""
+    import copy
+    import warnings
+
+    from autoparallel.mesh import fake_world
+    from autoparallel.partition import apply_placement
+    from verify.scenario import compile_pipeline
+
+    with fake_world(scenario.mesh_spec) as mesh:
+        jg = scenario.trace(mesh)
         params = {
             "count": len(jg.shardings),
             "fsdp_sharded": sum(1 for s in jg.shardings.values() if s.fsdp_dim is not None),
         }
-        return PipelineRun(scenario, stages, params, jg.trace_seconds)
+        trace_seconds = jg.trace_seconds
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)  # GraphModule deepcopy pickles pytree specs
+            joint = copy.deepcopy(jg.gm)  # apply_placement rewrites and tags jg.gm in place
+        module = apply_placement(jg)
+        cs = compile_pipeline(scenario, mesh=mesh, module=module)
+    stages = [
+        Stage("joint", joint),
+        Stage("first_partition", cs.first_partition),
+        Stage("second_compile", cs.second_compile),
+    ]
+    return PipelineRun(scenario, stages, params, trace_seconds)
