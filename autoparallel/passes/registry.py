@@ -120,6 +120,40 @@ _register(
 )
 
 
+# Graph trainer (pipeline step 7): autoparallel/trainer/.
+_register(
+    "phase_tagging",
+    "trace_train_step marks nodes traced inside torch.autograd.grad with custom.phase='backward' "
+    "(forward/loss nodes 'forward'), the backward-region marker the remat pass and graph SAC read",
+    "make_fx marks no node as backward: the remat pass finds no backward region and is a no-op "
+    "(nothing is recomputed, SAC saves no memory), and graph SAC cannot tell forward from backward",
+    (
+        "tests/unit/test_trainer_trace.py::test_backward_nodes_carry_phase_tags",
+        "tests/unit/test_trainer_sac.py::test_remat_duplicates_recomputed_ops_into_backward",
+        "tests/unit/test_trainer_memory.py::test_remat_lowers_traced_peak",
+    ),
+)
+_register(
+    "sac_skips_backward",
+    "graph SAC (apply_sac_pass) tags forward nodes only; backward nodes are skipped at the source",
+    "backward nodes get recompute tags too, and the remat pass duplicates backward ops",
+    (
+        "tests/unit/test_trainer_sac.py::test_sac_tags_forward_nodes_only",
+        "tests/unit/test_trainer_sac.py::test_remat_duplicates_recomputed_ops_into_backward",
+    ),
+)
+_register(
+    "traced_no_grad",
+    "run_traced executes the traced fwd+loss+bwd graph under torch.no_grad()",
+    "the graph runs with grad mode on: autograd records a second graph over it and the returned "
+    "gradients keep every intermediate of the step alive (much higher peak memory)",
+    (
+        "tests/unit/test_trainer_memory.py::test_no_grad_execution_lowers_peak",
+        "tests/unit/test_trainer_memory.py::test_traced_sac_peak_within_limit_of_eager_sac",
+    ),
+)
+
+
 # --- enable / disable -------------------------------------------------------------------------
 
 _scoped: contextvars.ContextVar[frozenset[str]] = contextvars.ContextVar("autoparallel_disabled", default=frozenset())

@@ -1,0 +1,277 @@
+"""The graph trainer's stages on the LLaMA-3 presets, for parity, memory and golden tests.
+
+* :func:`sac_graphs` returns the traced step graph with op SAC tags before and after the remat
+  pass (what golden files of the graph trainer should show).
+* :func:`traced_step` traces (and caches, per process) the training step of a preset; the graph
+  depends only on shapes and FQNs, never on parameter values, so every test of the same shape
+  shares one trace. Callers must not modify the cached graph (passes here work on copies).
+* :func:`eager_executor` / :func:`traced_executor` plug a model into
+  ``autoparallel.runtime.steps.train_steps`` (AdamW between steps) for bitwise comparisons.
+* :func:`rank_sac_memory` is the per-rank entry point of the multi-rank memory test
+  (``verify.launch.run_gated``: NCCL on GPUs, gloo on CPU).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import Iterator
+
+import torch
+import torch.fx as fx
+import torch.nn.functional as F
+
+from autoparallel.models.llama3 import Transformer, apply_ac, build_model, model_args
+from autoparallel.runtime.steps import Executor
+from autoparallel.trainer import (
+    TracedStep,
+    annotate_ac_regions,
+    run_traced,
+    sac_stages,
+    trace_train_step,
+)
+
+__all__ = [
+    "cross_entropy_loss",
+    "intra_op_threads",
+    "eager_executor",
+    "make_batches",
+    "make_model",
+    "rank_sac_memory",
+    "sac_graphs",
+    "traced_executor",
+    "traced_step",
+    "traced_sac_step",
+]
+
+
+@contextlib.contextmanager
+def intra_op_threads(n: int = 1) -> Iterator[None]:
+    """Run with ``torch.set_num_threads(n)``, restored on exit.
+
+    On a small shared CI box (2 cores, 2 xdist workers) two intra-op threads per process spin
+    against each other: one debug-preset step took 0.7-2.3 s with 2 threads and 0.13 s with 1.
+    Results are bitwise the same either way.
+    """
+    old = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(old)
+
+
+def cross_entropy_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross entropy (float32), the loss of every trainer test."""
+    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+
+
+def make_model(
+    preset: str = "debug",
+    *,
+    tie_embeddings: bool = False,
+    ac: str | None = None,
+    regions: bool = True,
+    seed: int = 0,
+    device: torch.device | str | None = None,
+) -> Transformer:
+    """A deterministic model (same seed -> bitwise equal weights), AC mode ``ac`` applied,
+    AC regions annotated for graph SAC when ``regions``."""
+    model = build_model(model_args(preset, tie_embeddings=tie_embeddings), seed=seed, device=device)
+    apply_ac(model, ac)
+    if regions:
+        annotate_ac_regions(model)
+    return model
+
+
+def make_batches(
+    preset: str = "debug",
+    *,
+    steps: int = 3,
+    batch: int = 4,
+    seq: int | None = None,
+    seed: int = 1234,
+    device: torch.device | str | None = None,
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """``steps`` batches of ``(tokens, next-token targets)``, deterministic in ``seed``."""
+    args = model_args(preset)
+    seq = seq or args.max_seq_len
+    gen = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(steps):
+        tokens = torch.randint(0, args.vocab_size, (batch, seq + 1), generator=gen)
+        out.append((tokens[:, :-1].contiguous().to(device), tokens[:, 1:].contiguous().to(device)))
+    return out
+
+
+@functools.lru_cache(maxsize=8)
+def _traced(
+    preset: str,
+    tie_embeddings: bool,
+    batch: int,
+    seq: int | None,
+    device: str,
+    ac: str | None,
+    module_stack: bool,
+) -> TracedStep:
+    # Always called with every argument positionally: lru_cache keys on the call's spelling.
+    # Traced on the execution device: ops that take a device argument are baked into the graph.
+    model = make_model(preset, tie_embeddings=tie_embeddings, ac=ac, device=device)
+    example = make_batches(preset, steps=1, batch=batch, seq=seq, device=device)[0]
+    return trace_train_step(model, cross_entropy_loss, example, record_module_stack=module_stack)
+
+
+def traced_step(
+    preset: str = "debug",
+    *,
+    tie_embeddings: bool = False,
+    batch: int = 4,
+    seq: int | None = None,
+    device: str = "cpu",
+    ac: str | None = None,
+    module_stack: bool = False,
+) -> TracedStep:
+    """The traced (no graph SAC) training step of ``preset`` for ``[batch, seq]`` tokens; cached.
+
+    ``ac`` applies eager activation checkpointing (``apply_ac``) to the model before tracing.
+    ``module_stack=True`` records ``nn_module_stack`` on the nodes (tracing takes twice as long).
+    """
+    return _traced(preset, tie_embeddings, batch, seq, str(device), ac, module_stack)
+
+
+@functools.lru_cache(maxsize=8)
+def _traced_sac(
+    preset: str, tie_embeddings: bool, batch: int, seq: int | None, device: str, policy: str
+) -> tuple[TracedStep, TracedStep]:
+    step = _traced(preset, tie_embeddings, batch, seq, device, None, False)
+    tagged, remat = sac_stages(step, policy)
+    return step.with_graph(tagged), step.with_graph(remat)
+
+
+def traced_sac_step(
+    preset: str = "debug",
+    *,
+    tie_embeddings: bool = False,
+    batch: int = 4,
+    seq: int | None = None,
+    device: str = "cpu",
+    policy: str = "op",
+    remat: bool = True,
+) -> TracedStep:
+    """The traced step with graph SAC ``policy``; ``remat=False`` gives the tagged graph
+    before the remat pass (it computes exactly what the traced step does). Cached."""
+    tagged, rematerialized = _traced_sac(preset, tie_embeddings, batch, seq, str(device), policy)
+    return rematerialized if remat else tagged
+
+
+def sac_graphs(
+    preset: str = "debug", *, policy: str = "op", batch: int = 4, seq: int | None = None
+) -> tuple[fx.GraphModule, fx.GraphModule]:
+    """``(before_remat, after_remat)`` graphs of the traced step with graph SAC ``policy``.
+
+    ``before_remat`` carries the ``recompute`` / ``ac_graph_id`` tags of ``apply_sac_pass``;
+    ``after_remat`` is the result of ``remat_using_tags_for_fwd_loss_bwd_graph`` (recomputed ops
+    duplicated before their first backward use). The trace is cached per shape; the two graphs
+    are fresh copies on every call. ``gm.meta[GM_STAGE]`` names the stage of each.
+    """
+    return sac_stages(traced_step(preset, batch=batch, seq=seq), policy)
+
+
+# --------------------------------------------------------------------------------------------
+# Executors for autoparallel.runtime.steps.train_steps
+# --------------------------------------------------------------------------------------------
+
+
+def eager_executor(model: torch.nn.Module) -> Executor:
+    """``loss.backward()`` on ``model`` (params updated in place by train_steps' AdamW)."""
+
+    def run(params, inputs):
+        model.zero_grad(set_to_none=True)
+        tokens, targets = inputs
+        loss = cross_entropy_loss(model(tokens), targets)
+        loss.backward()
+        return loss.detach(), {fqn: p.grad for fqn, p in model.named_parameters()}
+
+    return run
+
+
+def traced_executor(step: TracedStep, model: torch.nn.Module) -> Executor:
+    """``run_traced(step, model, inputs)`` (gradients accumulated into ``param.grad``)."""
+
+    def run(params, inputs):
+        model.zero_grad(set_to_none=True)
+        loss = run_traced(step, model, inputs)
+        return loss, {fqn: p.grad for fqn, p in model.named_parameters()}
+
+    return run
+
+
+# --------------------------------------------------------------------------------------------
+# Multi-rank memory comparison
+# --------------------------------------------------------------------------------------------
+
+
+def rank_sac_memory(
+    rank: int,
+    world_size: int,
+    device: str,
+    preset: str = "tiny",
+    batch: int = 4,
+    seq: int | None = None,
+) -> dict[str, object]:
+    """Per rank: traced op SAC + remat vs eager ``apply_ac(model, "op")``, one data-parallel step.
+
+    Each rank takes its own batch, runs the step, all-reduces (averages) its gradients over the
+    world and measures the step's peak memory. Returns both peaks (``PeakMemory``), their
+    ratios, whether the losses and the averaged gradients of the two runs are bitwise equal, and
+    the largest gradient difference (CUDA attention backward kernels may use atomics).
+    """
+    import torch.distributed as dist
+
+    from verify.memory import peak_memory, ratio
+
+    batches = make_batches(preset, steps=1, batch=batch, seq=seq, seed=100 + rank, device=device)
+    tokens, targets = batches[0]
+    eager = make_model(preset, ac="op", regions=False, device=device)
+    traced_model = make_model(preset, device=device)
+    # Cached per process: forked (gloo) ranks reuse a trace their parent already made.
+    sac = traced_sac_step(preset, batch=batch, seq=seq, device=device, policy="op")
+
+    def all_reduce_grads(model: torch.nn.Module) -> None:
+        for p in model.parameters():
+            dist.all_reduce(p.grad, op=dist.ReduceOp.SUM)
+            p.grad.div_(world_size)
+
+    losses: dict[str, torch.Tensor] = {}
+
+    def eager_step() -> None:
+        eager.zero_grad(set_to_none=True)
+        loss = cross_entropy_loss(eager(tokens), targets)
+        loss.backward()
+        all_reduce_grads(eager)
+        losses["eager"] = loss.detach()
+
+    def traced_step_fn() -> None:
+        traced_model.zero_grad(set_to_none=True)
+        losses["traced"] = run_traced(sac, traced_model, (tokens, targets))
+        all_reduce_grads(traced_model)
+
+    eager_peak = peak_memory(eager_step, device=device)
+    traced_peak = peak_memory(traced_step_fn, device=device)
+    pairs = list(zip(eager.parameters(), traced_model.parameters(), strict=True))
+    grads_equal = all(torch.equal(a.grad, b.grad) for a, b in pairs)
+    max_grad_diff = max(float((a.grad - b.grad).abs().max()) for a, b in pairs)
+    out: dict[str, object] = {
+        "rank": rank,
+        "device": device,
+        "eager": eager_peak,
+        "traced": traced_peak,
+        "ratio": ratio(traced_peak, eager_peak),
+        "loss_equal": torch.equal(losses["eager"], losses["traced"]),
+        "grads_equal": grads_equal,
+        "max_grad_diff": max_grad_diff,
+    }
+    if eager_peak.reserved is not None:
+        out["ratio_reserved"] = ratio(traced_peak, eager_peak, "reserved")
+        out["ratio_active"] = ratio(traced_peak, eager_peak, "active")
+    return out
