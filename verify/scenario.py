@@ -40,6 +40,7 @@ class Scenario:
     seed: int = 0
     batch_per_rank: int = 1
     seq_len: int | None = None  # default: the preset's max_seq_len
+    n_layers: int | None = None  # default: the preset's
     param_dtype: str | None = None
     reduce_dtype: str | None = None
     reshard_after_forward: bool = True
@@ -57,14 +58,18 @@ class Scenario:
         return ParallelPlan.preset(self.plan, **kw)
 
     def header(self) -> str:
-        return f"preset={self.preset} plan={self.plan_obj().describe()} mesh={self.mesh_spec} seed={self.seed}"
+        layers = f" layers={self.n_layers}" if self.n_layers else ""
+        return f"preset={self.preset}{layers} plan={self.plan_obj().describe()} mesh={self.mesh_spec} seed={self.seed}"
+
+    def model_args(self):
+        return model_args(self.preset, **({"n_layers": self.n_layers} if self.n_layers else {}))
 
     def model(self, device: str = "cpu"):
-        return build_model(self.preset, seed=self.seed, device=device)
+        return build_model(self.model_args(), seed=self.seed, device=device)
 
     def batches(self, steps: int = 1) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Deterministic global batches (tokens, next-token labels)."""
-        args = model_args(self.preset)
+        args = self.model_args()
         plan = self.plan_obj()
         ranks = 1
         for d in plan.data_dims:
@@ -246,6 +251,18 @@ class CompiledScenario:
     compiled: object = None  # the torch.compile'd module (keep_compiled=True only)
 
 
+class _StopAfterPartition(Exception):
+    """Raised by the partition hook to end a graphs-only compile before anything executes."""
+
+
+def _caused_by(exc: BaseException | None, kind: type) -> bool:
+    while exc is not None:
+        if isinstance(exc, kind):
+            return True
+        exc = exc.__cause__ or exc.__context__
+    return False
+
+
 def compile_pipeline(
     scenario: Scenario, *, enable_ac: bool = False, mesh=None, keep_compiled: bool = False, module=None
 ) -> CompiledScenario:
@@ -268,12 +285,23 @@ def compile_pipeline(
     if mod.group_dims != mesh.group_dims:
         raise ValueError(f"module was traced with groups {mod.group_dims}, this world has {mesh.group_dims}")
     captured: dict = {}
-    backend = autoparallel_backend(enable_ac=enable_ac, on_partition=lambda fw, bw: captured.update(fw=fw, bw=bw))
+
+    def on_partition(fw, bw):
+        captured.update(fw=fw, bw=bw)
+        if not keep_compiled:
+            # Graphs are all we want: do not run the compiled forward (at 8B shapes that would
+            # compute real activations and logits on this CPU).
+            raise _StopAfterPartition
+
+    backend = autoparallel_backend(enable_ac=enable_ac, on_partition=on_partition)
     local = split_batch(scenario.example_inputs(), scenario.plan_obj(), scenario.mesh_spec, mesh.coordinate())
     torch._dynamo.reset()
     compiled = torch.compile(mod, backend=backend)
     try:
         compiled(*local)
+    except Exception as e:
+        if not _caused_by(e, _StopAfterPartition):
+            raise
     finally:
         if not keep_compiled:
             torch._dynamo.reset()
