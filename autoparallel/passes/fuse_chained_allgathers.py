@@ -1,0 +1,281 @@
+"""Fuse chained all-gathers over two mesh dims into one all-gather on the flattened group.
+
+Unsharding a parameter sharded on dim 0 over both dims of a 2-D mesh produces a chain
+
+    x -> all_gather(group A) -> wait -> [views composing to the identity] -> all_gather(group B)
+      -> wait
+
+which launches two collectives where one on the flattened mesh group suffices. The chain is
+fused when the two groups are the two dims of a mesh whose flattened group exists in
+``group_dims`` (e.g. ``"dp"``, ``"tp"`` and ``"dp*tp"``: the group sizes multiply to the full
+mesh), the values between the two all-gathers are pure views that compose to the identity
+(same FakeTensor storage, shape, strides and offset at both ends; a direct chain with no views
+counts too, the direction being known from the mesh), and no intermediate has another user.
+
+Data layout. ``all_gather_into_tensor`` concatenates on dim 0 in group-rank order, and mesh groups
+rank their members by mesh coordinate. With mesh dims ``(d0, d1)`` (row-major: flat rank
+``i0 * n1 + i1``) and a shard ``x[i0, i1]`` on each rank, the chain's result is
+
+* ag1 over d1, then ag2 over d0: ``cat_i0 cat_i1 x[i0, i1]``, block ``i0 * n1 + i1``: exactly
+  one all-gather on the row-major flat group;
+* ag1 over d0, then ag2 over d1: ``cat_i1 cat_i0 x[i0, i1]``, block ``i1 * n0 + i0``: the flat
+  all-gather's blocks in column-major order, so the flat result ``[n0 * n1 * r, ...]`` is viewed
+  as ``[n0, n1, r, ...]``, permuted to ``[n1, n0, r, ...]`` and made contiguous.
+
+Patch ``fuse_chained_allgathers``; disabled, the pass finds nothing and returns 0.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+from torch import fx
+
+from autoparallel import meta as M
+from autoparallel.mesh import FLAT_SEP, dim_label
+from autoparallel.passes import registry
+from autoparallel.passes.graph_utils import ALL_GATHER, WAIT, group_of, node_val, wait_of
+
+log = logging.getLogger(__name__)
+
+PATCH = "fuse_chained_allgathers"
+
+aten = torch.ops.aten
+_c10d = torch.ops._c10d_functional
+
+# Ops that only re-view their input; reshape is included, and the storage check below rejects
+# a reshape that copied.
+_VIEW_OPS = frozenset(
+    {
+        aten.view.default,
+        aten.reshape.default,
+        aten._unsafe_view.default,
+        aten.permute.default,
+        aten.transpose.int,
+        aten.t.default,
+        aten.expand.default,
+        aten.unsqueeze.default,
+        aten.squeeze.dim,
+        aten.squeeze.dims,
+        aten.squeeze.default,
+        aten.alias.default,
+    }
+)
+
+
+@dataclass(frozen=True)
+class _Chain:
+    ag1: fx.Node
+    wait1: fx.Node
+    views: tuple[fx.Node, ...]
+    ag2: fx.Node
+    wait2: fx.Node
+    flat_name: str
+    column_major: bool  # ag1 gathers over the outer mesh dim: reshuffle needed
+    sizes: tuple[int, int]  # (size of the outer flat dim, size of the inner flat dim)
+
+
+def _storage(t: torch.Tensor):
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    return StorageWeakRef(t.untyped_storage())
+
+
+def _identity_views(wait1: fx.Node, views: list[fx.Node], end: fx.Node) -> bool:
+    """Whether ``end`` is ``wait1`` re-viewed: all views of its storage, same geometry."""
+    start = node_val(wait1, "the identity check of a chained all-gather")
+    last = node_val(end, "the identity check of a chained all-gather")
+    if not views:
+        return True
+    if not all(isinstance(v, torch.Tensor) for v in (start, last)):
+        return False
+    base = _storage(start)
+    for v in views:
+        val = node_val(v, "the identity check of a chained all-gather")
+        if not isinstance(val, torch.Tensor) or _storage(val) != base:
+            return False
+    return (
+        tuple(start.shape) == tuple(last.shape)
+        and tuple(start.stride()) == tuple(last.stride())
+        and start.storage_offset() == last.storage_offset()
+        and start.dtype == last.dtype
+    )
+
+
+def _flat_group(
+    label1: str, label2: str, group_dims: Mapping[str, str]
+) -> tuple[str, list[str]] | None:
+    """The flattened group made of exactly mesh dims {label1, label2}, and its dim order."""
+    for name, label in group_dims.items():
+        parts = label.split(FLAT_SEP)
+        if len(parts) == 2 and set(parts) == {label1, label2} and label1 != label2:
+            return name, parts
+    return None
+
+
+def _size_of(label: str, name: str, group_sizes: Mapping[str, int] | None, where: fx.Node) -> int:
+    if group_sizes is not None:
+        if label not in group_sizes:
+            raise ValueError(f"node {where.name!r}: group_sizes has no size for mesh dim {label!r}")
+        return int(group_sizes[label])
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        raise ValueError(
+            f"node {where.name!r}: fusing needs the size of mesh dim {label!r}; pass "
+            "group_sizes={label: size} or run inside the (fake) world the graph was traced on"
+        )
+    try:
+        return dist.distributed_c10d._resolve_process_group(name).size()
+    except (RuntimeError, ValueError, KeyError):
+        raise ValueError(
+            f"node {where.name!r}: process group {name!r} (mesh dim {label!r}) is unknown to the "
+            "running world; rebind the graph to this world or pass group_sizes"
+        ) from None
+
+
+def _match(
+    ag2: fx.Node, group_dims: Mapping[str, str], group_sizes: Mapping[str, int] | None
+) -> _Chain | None:
+    wait2 = wait_of(ag2)
+    if wait2 is None:
+        return None
+    views: list[fx.Node] = []
+    cur = ag2.args[0]
+    while isinstance(cur, fx.Node) and cur.op == "call_function" and cur.target in _VIEW_OPS:
+        if len(cur.users) != 1:
+            return None
+        views.append(cur)
+        cur = cur.args[0]
+    if not isinstance(cur, fx.Node) or cur.op != "call_function" or cur.target is not WAIT:
+        return None
+    wait1 = cur
+    ag1 = wait1.args[0]
+    if len(wait1.users) != 1 or not isinstance(ag1, fx.Node) or ag1.target is not ALL_GATHER:
+        return None
+    if wait_of(ag1) is not wait1:
+        return None
+    views.reverse()
+    label1 = dim_label(group_of(ag1), group_dims, where=ag1.name)
+    label2 = dim_label(group_of(ag2), group_dims, where=ag2.name)
+    flat = _flat_group(label1, label2, group_dims)
+    if flat is None:
+        return None
+    flat_name, order = flat
+    n1, n2 = int(ag1.args[1]), int(ag2.args[1])
+    s1 = _size_of(label1, group_of(ag1), group_sizes, ag1)
+    s2 = _size_of(label2, group_of(ag2), group_sizes, ag2)
+    s_flat = _size_of(group_dims[flat_name], flat_name, group_sizes, ag2)
+    if (n1, n2) != (s1, s2) or s1 * s2 != s_flat:
+        raise ValueError(
+            f"chained all-gathers {ag1.name!r} -> {ag2.name!r} have the wrong shape: group sizes "
+            f"{n1} ({label1!r} has {s1}) and {n2} ({label2!r} has {s2}) must multiply to the "
+            f"{group_dims[flat_name]!r} group's {s_flat}; the graph does not match its mesh"
+        )
+    if node_val(ag1, "dtype").dtype != node_val(ag2, "dtype").dtype:
+        return None
+    if not _identity_views(wait1, views, ag2.args[0]):
+        return None
+    column_major = order.index(label1) < order.index(label2)
+    # Flat rank = i_outer * n_inner + i_inner, outer = the first dim of the flat label.
+    sizes = (n1, n2) if column_major else (n2, n1)
+    return _Chain(ag1, wait1, tuple(views), ag2, wait2, flat_name, column_major, sizes)
+
+
+def _fake_call(target, args, kwargs=None):
+    from torch._guards import detect_fake_mode
+
+    vals = [a.meta[M.VAL] if isinstance(a, fx.Node) else a for a in args]
+    mode = detect_fake_mode([v for v in vals if isinstance(v, torch.Tensor)])
+    if mode is None:
+        raise ValueError("chained all-gather fusion needs FakeTensor vals on the chain's nodes")
+    with mode:
+        return target(*vals, **(kwargs or {}))
+
+
+def _new_node(graph: fx.Graph, target, args, meta_from: fx.Node, kwargs=None) -> fx.Node:
+    node = graph.call_function(target, tuple(args), kwargs or {})
+    node.meta.update({k: v for k, v in meta_from.meta.items() if k != M.VAL})
+    node.meta[M.VAL] = _fake_call(target, args, kwargs)
+    return node
+
+
+def _rewrite(graph: fx.Graph, ch: _Chain) -> None:
+    x = ch.ag1.args[0]
+    n_outer, n_inner = ch.sizes
+    with graph.inserting_before(ch.ag2):
+        ag = _new_node(graph, ALL_GATHER, (x, n_outer * n_inner, ch.flat_name), ch.ag2)
+        out = _new_node(graph, WAIT, (ag,), ch.wait2)
+        if ch.column_major:
+            shape = list(node_val(ch.wait2, "the fused result's shape").shape)
+            rows = shape[0] // (n_outer * n_inner)
+            rest = shape[1:]
+            out = _new_node(
+                graph, aten.view.default, (out, [n_outer, n_inner, rows, *rest]), ch.wait2
+            )
+            perm = [1, 0, *range(2, 3 + len(rest))]
+            out = _new_node(graph, aten.permute.default, (out, perm), ch.wait2)
+            out = _new_node(
+                graph,
+                aten.clone.default,
+                (out,),
+                ch.wait2,
+                {"memory_format": torch.contiguous_format},
+            )
+            out = _new_node(graph, aten.view.default, (out, shape), ch.wait2)
+    ch.wait2.replace_all_uses_with(out)
+    for node in (ch.wait2, ch.ag2, *reversed(ch.views), ch.wait1, ch.ag1):
+        graph.erase_node(node)
+
+
+def fuse_chained_allgathers(
+    graph: fx.Graph | fx.GraphModule,
+    group_dims: Mapping[str, str] | None = None,
+    group_sizes: Mapping[str, int] | None = None,
+) -> int:
+    """Fuse every eligible all-gather chain of ``graph`` in place; return how many were fused.
+
+    ``group_dims`` (process-group name -> mesh-dim label, as ``ParallelMesh.group_dims``)
+    defaults to the graph module's ``meta[GM_GROUP_DIMS]``. ``group_sizes`` (mesh-dim label ->
+    size, e.g. ``{"dp": 4, "tp": 2, "dp*tp": 8}``) defaults to the sizes of the running world's
+    groups. Raises ValueError naming the node for an all-gather whose group is not in
+    ``group_dims``, and for a chain whose group sizes do not match the mesh.
+    """
+    gm = graph if isinstance(graph, fx.GraphModule) else None
+    g = gm.graph if gm is not None else graph
+    if group_dims is None:
+        group_dims = (
+            dict(getattr(gm, "meta", {}).get(M.GM_GROUP_DIMS, {})) if gm is not None else {}
+        )
+        if not group_dims:
+            raise ValueError(
+                "fuse_chained_allgathers needs the graph's group-name -> mesh-dim map: pass "
+                "group_dims=mesh.group_dims or attach it with autoparallel.mesh.attach_group_dims"
+            )
+    if not registry.enabled(PATCH):
+        log.info("fuse_chained_allgathers: disabled (AUTOPARALLEL_DISABLE); nothing fused")
+        return 0
+    all_gathers = list(g.find_nodes(op="call_function", target=ALL_GATHER))
+    for node in all_gathers:
+        dim_label(group_of(node), group_dims, where=node.name)
+    chains = []
+    used: set[fx.Node] = set()  # a node belongs to at most one fused chain
+    for node in all_gathers:
+        ch = _match(node, group_dims, group_sizes)
+        if ch is not None and not ({ch.ag1, ch.wait1, ch.ag2, ch.wait2} & used):
+            chains.append(ch)
+            used |= {ch.ag1, ch.wait1, ch.ag2, ch.wait2}
+    for ch in chains:
+        _rewrite(g, ch)
+    if chains:
+        g.lint()
+        if gm is not None:
+            gm.recompile()
+    log.info("fuse_chained_allgathers: fused %d chained all-gather pairs", len(chains))
+    return len(chains)
+
+
+__all__ = ["PATCH", "fuse_chained_allgathers"]

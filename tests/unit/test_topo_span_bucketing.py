@@ -1,0 +1,332 @@
+"""Topo-span-bounded FSDP bucketing on hand-built FX graphs (the eight behaviours of #481, plus
+cycle safety across keys, the scoped installation, the CPU overlap scheduler and bad input).
+
+The greedy and primary-group tests call upstream's module attributes inside
+``topo_span_bucketing_installed``, so they test what Inductor's overlap scheduler would call.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+
+import pytest
+import torch
+import torch._inductor.fx_passes.bucketing as bucketing_mod
+import torch._inductor.fx_passes.fsdp as fsdp_mod
+from torch import fx
+
+from autoparallel.mesh import fake_world
+from autoparallel.passes.graph_utils import ALL_GATHER, REDUCE_SCATTER
+from autoparallel.passes.topo_span_bucketing import (
+    TopoSpanConfig,
+    fsdp_all_gathers,
+    greedy_bucket_collective_by_mb,
+    identify_fsdp_groups,
+    plan_buckets,
+    topo_span_bucketing_installed,
+)
+from verify.strategies import GraphBuilder, mesh_groups
+
+aten = torch.ops.aten
+MB = 1024 * 1024
+H = 64  # hidden size of the hand-built graphs: an f32 [r, 64] shard gathers to r * gs * 256 B
+
+
+@pytest.fixture
+def mesh():
+    with fake_world("dp=4,tp=2") as m:
+        yield m
+
+
+def _fsdp_graph(mesh, labels, *, ag_bytes=1024, gap=0, chain=False):
+    """One parameter all-gather per label (in order), ``gap`` relu nodes before each, each
+    gathered weight added into a running activation. ``chain``: each all-gather's input depends
+    on the previous gathered weight (so each is a descendant of the previous one)."""
+    b = GraphBuilder(mesh_groups(mesh))
+    x = b.placeholder("x", (1, H), role="input:0")
+    acc = x
+    prev = None
+    for label in labels:
+        gs = b.group(label)[1]
+        rows = ag_bytes // (4 * H * gs)
+        assert rows * 4 * H * gs == ag_bytes, "pick ag_bytes divisible by 4*H*group size"
+        for _ in range(gap):
+            acc = b.call(aten.relu.default, acc)
+        src = b.param((rows, H))
+        if chain and prev is not None:
+            src = b.call(aten.add.Tensor, src, b.call(aten.sum.dim_IntList, prev, [0], True))
+        w = b.all_gather(src, label)
+        prev = w
+        acc = b.call(aten.add.Tensor, acc, b.call(aten.sum.dim_IntList, w, [0], True))
+    return b.output([b.call(aten.sum.default, acc)], ["loss"])
+
+
+def _ags(gm):
+    return [n for n in gm.graph.nodes if n.target is ALL_GATHER]
+
+
+def _call_greedy(gm, cap_mb):
+    return bucketing_mod.greedy_bucket_collective_by_mb(
+        gm, lambda _i: cap_mb, bucketing_mod.is_all_gather_into_tensor, bucketing_mod._ag_group_key
+    )
+
+
+# --- identify_fsdp_groups ---------------------------------------------------------------------
+
+
+def test_identify_fsdp_groups_picks_primary_group(mesh):
+    gm = _fsdp_graph(mesh, ["dp", "tp", "dp", "dp", "tp", "dp", "dp"])
+    with topo_span_bucketing_installed():
+        groups, size = fsdp_mod.identify_fsdp_groups(gm)
+    assert list(groups) == [mesh.group_name("dp")], (
+        "only the group with the most FSDP all-gathers (dp: 5 vs tp: 2) may be bucketed"
+    )
+    assert size == 4
+
+
+def test_identify_fsdp_groups_handles_no_fsdp_ags(mesh):
+    gm = GraphBuilder(mesh_groups(mesh))
+    x = gm.placeholder("x", (2, 2), role="input:0")
+    gm = gm.output([gm.call(aten.relu.default, x)], ["loss"])
+    with topo_span_bucketing_installed():
+        groups, size = fsdp_mod.identify_fsdp_groups(gm)
+    assert list(groups) == [] and size is None
+
+
+def test_identify_fsdp_groups_ties_pick_one(mesh):
+    gm = _fsdp_graph(mesh, ["tp", "dp", "dp", "tp"])
+    with topo_span_bucketing_installed():
+        groups, size = fsdp_mod.identify_fsdp_groups(gm)
+    assert len(groups) == 1, f"a tie must still pick exactly one group, got {list(groups)}"
+    assert list(groups) == [mesh.group_name("tp")] and size == 2, "ties go to the group seen first"
+
+
+def test_fsdp_all_gather_detection_matches_upstream(mesh):
+    """The bitset detection agrees with upstream's per-node BFS (exactly one placeholder)."""
+    b = GraphBuilder(mesh_groups(mesh))
+    p, q = b.param((1, H)), b.param((1, H))
+    both = b.all_gather(b.call(aten.add.Tensor, p, q), "dp")  # two placeholder ancestors
+    one = b.all_gather(b.call(aten.relu.default, p), "dp")
+    gm = b.output(
+        [b.call(aten.sum.default, both), b.call(aten.sum.default, one)], ["loss", "output:1"]
+    )
+    ours = set(fsdp_all_gathers(gm.graph))
+    theirs = {n for n in _ags(gm) if fsdp_mod.is_fsdp_all_gather(n)}
+    assert ours == theirs and len(ours) == 1
+
+
+# --- greedy_bucket_collective_by_mb -------------------------------------------------------------
+
+
+def test_greedy_bucket_merges_within_caps(mesh):
+    gm = _fsdp_graph(mesh, ["dp"] * 4, ag_bytes=4096)
+    with topo_span_bucketing_installed(TopoSpanConfig(max_topo_span=1000)):
+        buckets = _call_greedy(gm, 10)
+    assert [len(b) for b in buckets] == [4]
+    assert buckets.metrics.num_buckets == 1 and buckets.metrics.closed_by_bytes == 0
+
+
+def test_greedy_bucket_splits_on_bytes_cap(mesh):
+    gm = _fsdp_graph(mesh, ["dp"] * 6, ag_bytes=5 * MB)
+    with topo_span_bucketing_installed():
+        buckets = _call_greedy(gm, 10)
+    assert len(buckets) >= 2
+    assert all(len(b) == 2 for b in buckets), [len(b) for b in buckets]
+    assert buckets.metrics.closed_by_bytes == 2 and buckets.metrics.closed_by_span == 0
+
+
+def test_greedy_bucket_splits_on_span_cap(mesh):
+    gm = _fsdp_graph(mesh, ["dp"] * 4, ag_bytes=4096, gap=50)
+    with topo_span_bucketing_installed(TopoSpanConfig(max_topo_span=80)):
+        buckets = _call_greedy(gm, 10)
+    assert len(buckets) >= 2, (
+        "all-gathers ~57 topological positions apart with max_topo_span=80 must not all share "
+        f"one bucket; got buckets of sizes {[len(b) for b in buckets]}"
+    )
+    assert all(len(b) <= 2 for b in buckets)
+    m = buckets.metrics
+    assert m.closed_by_span >= 1 and m.closed_by_bytes == 0 and m.max_observed_span <= 80
+
+
+def test_greedy_bucket_span_cap_none_disables_span(mesh):
+    gm = _fsdp_graph(mesh, ["dp"] * 4, ag_bytes=4096, gap=50)
+    with topo_span_bucketing_installed(TopoSpanConfig(max_topo_span=None)):
+        buckets = _call_greedy(gm, 10)
+    assert [len(b) for b in buckets] == [4]
+    assert buckets.metrics.max_observed_span > 80
+
+
+def test_greedy_bucket_skips_descendant_collectives(mesh):
+    gm = _fsdp_graph(mesh, ["dp"] * 3, ag_bytes=4096, chain=True)
+    with topo_span_bucketing_installed():
+        buckets = _call_greedy(gm, 10)
+    ag = _ags(gm)
+    for bucket in buckets:
+        assert not (ag[0] in bucket and ag[1] in bucket), (
+            "AG2 consumes wait(AG1): never co-bucketed"
+        )
+        assert not (ag[1] in bucket and ag[2] in bucket)
+
+
+def test_greedy_bucket_merges_non_adjacent_same_key(mesh):
+    """dp and tp all-gathers interleave (as FSDP and TP collectives do): upstream only buckets
+    adjacent same-key collectives and finds nothing; grouping by key buckets both groups."""
+    gm = _fsdp_graph(mesh, ["dp", "tp", "dp", "tp", "dp", "tp"], ag_bytes=4096)
+    with topo_span_bucketing_installed():
+        buckets = _call_greedy(gm, 10)
+    assert sorted(len(b) for b in buckets) == [3, 3]
+    for bucket in buckets:
+        assert len({n.args[2] for n in bucket}) == 1
+
+
+def test_buckets_never_close_a_cycle_across_keys(mesh):
+    """a(dp) b(tp) c(dp, reads wait(b)) d(tp, reads wait(a)): {a,c} and {b,d} are each
+    dependency-free, but merging both closes a cycle. Only one of them may be formed."""
+    b = GraphBuilder(mesh_groups(mesh))
+    pa, pb = b.param((1, H)), b.param((1, H))
+    wa = b.all_gather(pa, "dp")
+    wb = b.all_gather(pb, "tp")
+    pc = b.call(aten.add.Tensor, b.param((2, H)), b.call(aten.sum.dim_IntList, wb, [0], True))
+    wc = b.all_gather(pc, "dp")
+    pd = b.call(aten.add.Tensor, b.param((4, H)), b.call(aten.sum.dim_IntList, wa, [0], True))
+    wd = b.all_gather(pd, "tp")
+    gm = b.output(
+        [b.call(aten.sum.default, w) for w in (wa, wb, wc, wd)], ["loss", "o1", "o2", "o3"]
+    )
+    a, bb, c, d = _ags(gm)
+    buckets = greedy_bucket_collective_by_mb(
+        gm, lambda _i: 10, bucketing_mod.is_all_gather_into_tensor, lambda n: n.args[2]
+    )
+    assert [set(x) for x in buckets] == [{a, c}]
+    assert buckets.metrics.skipped_dependent == 1
+    bucketing_mod.merge_all_gather(gm, list(buckets))
+    from torch._inductor.pattern_matcher import stable_topological_sort
+
+    stable_topological_sort(gm.graph)
+    gm.graph.lint()
+
+
+def test_metrics_are_returned_and_logged(mesh, caplog):
+    gm = _fsdp_graph(mesh, ["dp"] * 4, ag_bytes=4096, gap=50)
+    with caplog.at_level(logging.INFO, logger="autoparallel.passes.topo_span_bucketing"):
+        with topo_span_bucketing_installed(TopoSpanConfig(max_topo_span=80)) as inst:
+            buckets = _call_greedy(gm, 10)
+    assert inst.calls == [buckets.metrics]
+    m = buckets.metrics
+    assert (m.num_candidates, m.num_buckets, m.max_topo_span) == (4, len(buckets), 80)
+    text = caplog.text
+    assert (
+        f"{m.num_buckets} buckets" in text
+        and "max_span=" in text
+        and "closed (bytes=0, span=" in text
+    )
+
+
+# --- scoped installation ------------------------------------------------------------------------
+
+
+def test_installation_is_scoped_and_restored_on_error(mesh):
+    up_identify = fsdp_mod.identify_fsdp_groups
+    up_greedy = bucketing_mod.greedy_bucket_collective_by_mb
+    with pytest.raises(RuntimeError, match="boom"):
+        with topo_span_bucketing_installed() as inst:
+            assert inst.patches == ("primary_fsdp_group", "topo_span_bucketing")
+            assert fsdp_mod.identify_fsdp_groups is not up_identify
+            assert bucketing_mod.greedy_bucket_collective_by_mb is not up_greedy
+            raise RuntimeError("boom")
+    assert fsdp_mod.identify_fsdp_groups is up_identify
+    assert bucketing_mod.greedy_bucket_collective_by_mb is up_greedy
+
+
+def test_importing_the_pass_patches_nothing():
+    import importlib
+
+    import autoparallel.passes.topo_span_bucketing as mod
+
+    up = (fsdp_mod.identify_fsdp_groups, bucketing_mod.greedy_bucket_collective_by_mb)
+    importlib.reload(mod)
+    assert (fsdp_mod.identify_fsdp_groups, bucketing_mod.greedy_bucket_collective_by_mb) == up
+    assert up[0].__module__ == "torch._inductor.fx_passes.fsdp"
+
+
+def test_overlap_scheduler_runs_on_cpu_through_topo_span_bucketing(mesh, caplog):
+    import torch._inductor.fx_passes.overlap_scheduling as sched
+
+    from autoparallel.passes.overlap_estimator import schedule_overlap_on_cpu
+
+    b = GraphBuilder(mesh_groups(mesh))
+    x = b.placeholder("x", (8, H), role="input:0")
+    acc = x
+    grads = []
+    for _ in range(4):
+        w = b.all_gather(b.param((16, H)), "dp")  # [64, 64]
+        acc = b.call(aten.mm.default, b.call(aten.mm.default, acc, b.call(aten.t.default, w)), w)
+        grads.append(
+            b.reduce_scatter(b.call(aten.mm.default, b.call(aten.t.default, acc), acc), "dp")
+        )
+    gm = b.output(
+        [b.call(aten.sum.default, acc), *grads], ["loss"] + [f"grad:g{i}" for i in range(4)]
+    )
+    estimate = sched.estimate_roofline_runtime_ms
+    with caplog.at_level(logging.INFO, logger="autoparallel.passes"):
+        res = schedule_overlap_on_cpu(gm, TopoSpanConfig(bucket_cap_mb=1.0))
+    assert sched.estimate_roofline_runtime_ms is estimate
+    assert "triton" not in sys.modules
+    assert res.primary_groups == [([mesh.group_name("dp")], 4)]
+    assert res.bucketing_calls and res.bucketing_calls[0].num_buckets == 1  # the 4 all-gathers
+    kinds = [n.target for n in res.gm.graph.nodes if n.op == "call_function"]
+    assert kinds.count(ALL_GATHER) == 0 and kinds.count(REDUCE_SCATTER) == 1
+    assert "max_consec_compute_between_rs=" in caplog.text
+
+
+# --- bad input ----------------------------------------------------------------------------------
+
+
+def test_unknown_process_group_names_the_node(mesh):
+    gm = _fsdp_graph(mesh, ["dp"] * 2)
+    ag = _ags(gm)[1]
+    ag.args = (ag.args[0], ag.args[1], "no_such_group")
+    with pytest.raises(ValueError, match=rf"{ag.name}.*unknown process group 'no_such_group'"):
+        greedy_bucket_collective_by_mb(
+            gm, lambda _i: 10, bucketing_mod.is_all_gather_into_tensor, lambda n: 0
+        )
+
+
+@pytest.mark.parametrize("cap", [0, -1.0])
+def test_bucket_cap_must_be_positive(mesh, cap):
+    gm = _fsdp_graph(mesh, ["dp"] * 2)
+    with pytest.raises(
+        ValueError, match=rf"bucket cap of bucket 0 must be a number of MB > 0, got {cap}"
+    ):
+        greedy_bucket_collective_by_mb(
+            gm, lambda _i: cap, bucketing_mod.is_all_gather_into_tensor, lambda n: 0
+        )
+    with pytest.raises(ValueError, match="bucket_cap_mb must be a number of MB > 0"):
+        TopoSpanConfig(bucket_cap_mb=cap)
+
+
+def test_negative_span_is_rejected(mesh):
+    with pytest.raises(ValueError, match="max_topo_span must be None or an int >= 0, got -1"):
+        TopoSpanConfig(max_topo_span=-1)
+    gm = _fsdp_graph(mesh, ["dp"] * 2)
+    with pytest.raises(ValueError, match="max_topo_span must be None or an int >= 0, got -5"):
+        plan_buckets(gm.graph, _ags(gm), lambda n: 0, lambda _i: 10, -5)
+    with pytest.raises(ValueError, match="max_compute_pre_fetch"):
+        TopoSpanConfig(max_compute_pre_fetch=-1)
+
+
+def test_missing_val_names_the_node(mesh):
+    gm = _fsdp_graph(mesh, ["dp"] * 2)
+    ag = _ags(gm)[0]
+    del ag.meta["val"]
+    with pytest.raises(ValueError, match=rf"node '{ag.name}'.*has no meta\['val'\]"):
+        greedy_bucket_collective_by_mb(
+            gm, lambda _i: 10, bucketing_mod.is_all_gather_into_tensor, lambda n: 0
+        )
+
+
+def test_identify_fsdp_groups_accepts_graphs(mesh):
+    gm = _fsdp_graph(mesh, ["dp", "dp"])
+    assert identify_fsdp_groups(gm.graph) == identify_fsdp_groups(gm)
+    assert isinstance(gm.graph, fx.Graph)
