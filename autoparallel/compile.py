@@ -52,6 +52,7 @@ OVERLAP_SCHEDULING_PATCHES: dict[str, Any] = {
 Compiler = Literal["aot_eager", "inductor"]
 OnPartition = Callable[[fx.GraphModule, fx.GraphModule], None]
 OnCompile = Callable[[str, fx.GraphModule], None]  # ("forward" | "backward", graph)
+OnCollectivePasses = Callable[[fx.GraphModule, fx.GraphModule, Any], None]  # (fw, bw, PipelineMetrics)
 
 _SDPA_OPS = tuple(
     getattr(torch.ops.aten, name).default
@@ -174,6 +175,33 @@ def _second_compile_roles(input_roles: Sequence[str | None], bw: fx.GraphModule)
     return placeholder_roles, grad_roles
 
 
+def _label_joint(gm: fx.GraphModule, input_roles: Sequence[str | None]) -> None:
+    """Roles on a second-compile joint graph: ``primals_<i+1>`` from the Dynamo input roles,
+    outputs ``loss`` / ``grad:<fqn>`` (from AOT's descriptors) or None, one per output entry."""
+    from torch._functorch._aot_autograd import descriptors as D
+
+    for ph in gm.graph.find_nodes(op="placeholder"):
+        m = re.fullmatch(r"primals_(\d+)", ph.name)
+        if m and int(m.group(1)) - 1 < len(input_roles) and input_roles[int(m.group(1)) - 1]:
+            ph.meta[M.ROLE] = input_roles[int(m.group(1)) - 1]
+    out = gm.graph.output_node()
+    leaves = list(out.args[0])
+    descs = out.meta.get(M.DESC) or [None] * len(leaves)
+    roles: list[str | None] = []
+    for leaf, desc in zip(leaves, descs, strict=True):
+        role = None
+        if leaf is None:
+            pass
+        elif isinstance(desc, D.PlainAOTOutput):
+            role = "loss" if desc.idx == 0 else f"output:{desc.idx}"
+        elif isinstance(desc, D.GradAOTOutput) and isinstance(desc.grad_of, D.PlainAOTInput):
+            src = input_roles[desc.grad_of.idx] if desc.grad_of.idx < len(input_roles) else None
+            if src is not None:
+                role = f"grad:{src.partition(':')[2]}"
+        roles.append(role)
+    out.meta[M.ROLE] = roles
+
+
 class _Partitioner(CustomPartitionerFn):
     """The partitioner the backend installs: replay (or stock min-cut), then labels the pair
     (roles, stage) for goldens and stats, then shows it to ``on_partition``."""
@@ -183,12 +211,25 @@ class _Partitioner(CustomPartitionerFn):
         inner: Callable[..., tuple[fx.GraphModule, fx.GraphModule]],
         on_partition: OnPartition | None,
         input_roles: Sequence[str | None],
+        collective_passes=None,
+        on_collective_passes: OnCollectivePasses | None = None,
+        group_dims: dict[str, str] | None = None,
     ):
+        self.group_dims = group_dims
         self.inner = inner
         self.on_partition = on_partition
         self.input_roles = list(input_roles)
+        self.collective_passes = collective_passes
+        self.on_collective_passes = on_collective_passes
 
     def __call__(self, gm, joint_inputs, **kwargs):
+        if self.collective_passes is not None:
+            from autoparallel.passes.pipeline import tag_joint
+
+            # Bucketing tags are written on this compile's joint graph (roles first: the tagger
+            # finds param-derived all-gathers and gradient-terminal reduce-scatters by role).
+            _label_joint(gm, self.input_roles)
+            tag_joint(gm)
         fw, bw = self.inner(gm, joint_inputs, **kwargs)
         placeholder_roles, grad_roles = _second_compile_roles(self.input_roles, bw)
         label_partition(
@@ -200,8 +241,17 @@ class _Partitioner(CustomPartitionerFn):
             group_dims=None,
             stage=SECOND_COMPILE,
         )
+        if self.group_dims is not None:
+            for g in (fw, bw):
+                g.meta[M.GM_GROUP_DIMS] = dict(self.group_dims)
         if self.on_partition is not None:
             self.on_partition(fw, bw)
+        if self.collective_passes is not None:
+            from autoparallel.passes.pipeline import bucket_fw_bw
+
+            fw, bw, metrics = bucket_fw_bw(fw, bw, self.collective_passes)
+            if self.on_collective_passes is not None:
+                self.on_collective_passes(fw, bw, metrics)
         return fw, bw
 
     def uuid(self) -> None:
@@ -248,12 +298,21 @@ def autoparallel_backend(
     *,
     on_partition: OnPartition | None = None,
     on_compile: OnCompile | None = None,
+    collective_passes=None,
+    on_collective_passes: OnCollectivePasses | None = None,
+    group_dims: dict[str, str] | None = None,
 ):
     """A ``torch.compile`` backend for a ParallelModule (see the module docstring).
 
     ``on_partition(fw, bw)`` sees the second compile's partition; ``on_compile(stage, gm)`` is
     called when a graph is compiled (``stage`` "forward" or "backward", the backward lazily on
-    the first ``.backward()``) with the compile-time configuration in force. Patches are read
+    the first ``.backward()``) with the compile-time configuration in force.
+    ``collective_passes`` (an ``autoparallel.passes.pipeline.CollectivePassesConfig``): tag this
+    compile's joint graph for pre-overlap bucketing and run the collective passes (chained
+    all-gather fusion, bucketing, optional CPU overlap scheduling) on the split graphs before they
+    are compiled; ``on_collective_passes(fw, bw, metrics)`` sees the result. Bucketed graphs are
+    rank-specific: compile on each rank. ``group_dims`` (the module's ``group_dims``) is attached
+    to the split graphs so passes and stats can name process groups by mesh dim. Patches are read
     when the backend runs, so ``registry.disabled(...)`` around ``torch.compile``'s first call
     takes effect.
     """
@@ -262,7 +321,9 @@ def autoparallel_backend(
 
     def backend(gm: fx.GraphModule, example_inputs):
         inner = ReplaySavesPartitioner() if registry.enabled(REPLAY_PATCH) else _stock_partition
-        partitioner = _Partitioner(inner, on_partition, dynamo_input_roles(gm))
+        partitioner = _Partitioner(
+            inner, on_partition, dynamo_input_roles(gm), collective_passes, on_collective_passes, group_dims
+        )
         overlap = dict(OVERLAP_SCHEDULING_PATCHES) if overlap_scheduling else {}
         persist = registry.enabled(OVERLAP_PATCH)
         compiler_patches = overlap if persist else {}

@@ -27,7 +27,11 @@ PHASE_FORWARD = "forward"
 AC_REGION = "ac_region_id"  # int: the activation-checkpointing region (transformer block) of a node
 
 # --- autoparallel's own node.meta keys ------------------------------------------------------
-BUCKET = "ap_bucket"  # pre-overlap bucketing eligibility tag (e.g. "fsdp_ag", "grad_rs")
+# Pre-overlap bucketing eligibility ("fsdp_ag", "grad_rs", "grad_ar"), written on a joint graph
+# and carried to the split graphs by the partitioner. Not kept in "custom": a re-trace copies a
+# forward node's custom dict onto the backward nodes derived from it (the reduce-scatter would
+# inherit its all-gather's tag), so each compile tags its own joint graph instead.
+BUCKET = "ap_bucket"
 # What a placeholder is, as a label: "param:<fqn>", "buffer:<fqn>", "input:<i>", "tangent:<i>".
 # On the output node: a list with one label per output ("loss", "output:<i>", "grad:<fqn>", or
 # "saved:<i>" for tensors a forward graph saves for backward; None where the output is None).
@@ -43,5 +47,23 @@ AP_AC_GRAPH_ID = 100000
 
 
 def custom_meta(node) -> dict:
-    """The node's ``meta["custom"]`` dict, created on first use."""
-    return node.meta.setdefault(CUSTOM, {})
+    """The node's own ``meta["custom"]`` dict, safe to write.
+
+    Tracers hand one ``custom`` dict to every node created under the same annotation (and
+    partitioners copy meta shallowly), so writing into a shared dict would tag other nodes too:
+    the dict is copied before it is returned.
+    """
+    own = dict(node.meta.get(CUSTOM) or {})
+    node.meta[CUSTOM] = own
+    return own
+
+
+def bucket_tag(node) -> str | None:
+    return node.meta.get(BUCKET)
+
+
+def set_bucket_tag(node, tag: str | None) -> None:
+    if tag is None:
+        node.meta.pop(BUCKET, None)
+    else:
+        node.meta[BUCKET] = tag

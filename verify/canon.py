@@ -39,7 +39,7 @@ Rules:
 * **Tags** at the end of the line, in this fixed order: ``recompute=<CheckpointPolicy name>``,
   ``ac=<ac_graph_id>`` (``ap`` for ``AP_AC_GRAPH_ID``), ``must_save`` (``must_save[0,2]`` with
   getitem indices, ``must_save=False`` when explicitly false), ``phase=<custom phase>``,
-  ``bucket=<BUCKET tag>``.
+  ``bucket=<meta[BUCKET] tag>``.
 * **Constants** print deterministically: floats with ``repr``, dtypes as ``torch.float32``,
   devices as ``device('cpu')``, kwargs and dict keys sorted, sets sorted, object addresses
   replaced by ``0x?``. No stack traces, file paths or node-name counters of the input graph.

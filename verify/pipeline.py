@@ -6,13 +6,41 @@ describe different pipelines. A stage is one graph (the joint graph) or a (forwa
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from torch import fx
 
 from verify.scenario import Scenario
 
-STAGE_NAMES: tuple[str, ...] = ("joint", "first_partition", "second_compile")
+STAGE_NAMES: tuple[str, ...] = (
+    "joint",
+    "first_partition",
+    "second_compile",
+    "pre_overlap_bucketing",
+    "topo_span_bucketing",
+    "fuse_chained_allgathers",
+)
+
+
+def collective_stage_configs(bucket_cap_mb: float = 25.0) -> dict:
+    """Each collective pass as its own stage, applied to the second compile's split graphs.
+
+    ``pre_overlap_bucketing``: tag on the joint graph, merge at ``bucket_cap_mb``;
+    ``topo_span_bucketing``: Inductor's overlap scheduler (CPU roofline estimator) whose FSDP
+    pre-bucketing is topo-span bounded; ``fuse_chained_allgathers``: dp->tp chains fused.
+    """
+    from autoparallel.passes.pipeline import CollectivePassesConfig
+    from autoparallel.passes.pre_overlap_bucketing import PreOverlapConfig
+
+    return {
+        "pre_overlap_bucketing": CollectivePassesConfig(
+            pre_overlap=PreOverlapConfig(bucket_cap_mb=bucket_cap_mb), fuse_chained_allgathers=False
+        ),
+        "topo_span_bucketing": CollectivePassesConfig(
+            fuse_chained_allgathers=False, pre_overlap_bucketing=False, schedule_overlap=True
+        ),
+        "fuse_chained_allgathers": CollectivePassesConfig(fuse_chained_allgathers=True, pre_overlap_bucketing=False),
+    }
 
 
 @dataclass
@@ -38,6 +66,7 @@ class PipelineRun:
     stages: list[Stage]
     params: dict[str, int]
     trace_seconds: float
+    metrics: dict = field(default_factory=dict)  # stage name -> PipelineMetrics of collective passes
 
     def stage(self, name: str) -> Stage:
         for s in self.stages:
@@ -46,15 +75,26 @@ class PipelineRun:
         raise KeyError(f"no stage {name!r}; stages: {[s.name for s in self.stages]}")
 
 
-def run_pipeline(scenario: Scenario) -> PipelineRun:
-    """Trace, first partition and second compile (aot_eager-style) on one fake world."""
+def _copy_graph(gm: fx.GraphModule) -> fx.GraphModule:
     import copy
     import warnings
 
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # GraphModule deepcopy pickles pytree specs
+        return copy.deepcopy(gm)
+
+
+def run_pipeline(scenario: Scenario, *, stages: tuple[str, ...] = STAGE_NAMES, bucket_cap_mb: float = 25.0) -> PipelineRun:
+    """Trace, first partition, second compile (aot_eager-style) and each collective pass on the
+    second compile's split graphs, on one fake world (graphs of rank 0: bucketing is rank-specific)."""
     from autoparallel.mesh import fake_world
     from autoparallel.partition import apply_placement
+    from autoparallel.passes.pipeline import CollectivePassesConfig, bucket_fw_bw
     from verify.scenario import compile_pipeline
 
+    unknown = sorted(set(stages) - set(STAGE_NAMES))
+    if unknown:
+        raise ValueError(f"unknown stage(s) {unknown}; stages: {list(STAGE_NAMES)}")
     with fake_world(scenario.mesh_spec) as mesh:
         jg = scenario.trace(mesh)
         params = {
@@ -62,14 +102,22 @@ def run_pipeline(scenario: Scenario) -> PipelineRun:
             "fsdp_sharded": sum(1 for s in jg.shardings.values() if s.fsdp_dim is not None),
         }
         trace_seconds = jg.trace_seconds
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", FutureWarning)  # GraphModule deepcopy pickles pytree specs
-            joint = copy.deepcopy(jg.gm)  # apply_placement rewrites and tags jg.gm in place
+        joint = _copy_graph(jg.gm)  # apply_placement rewrites and tags jg.gm in place
         module = apply_placement(jg)
-        cs = compile_pipeline(scenario, mesh=mesh, module=module)
-    stages = [
-        Stage("joint", joint),
-        Stage("first_partition", cs.first_partition),
-        Stage("second_compile", cs.second_compile),
-    ]
-    return PipelineRun(scenario, stages, params, trace_seconds)
+        # One second compile that tags its joint graph for bucketing and runs no pass; each
+        # collective pass then runs on copies of its split graphs.
+        tag_only = CollectivePassesConfig(fuse_chained_allgathers=False, pre_overlap_bucketing=False)
+        cs = compile_pipeline(scenario, mesh=mesh, module=module, collective_passes=tag_only)
+        out = [
+            Stage("joint", joint),
+            Stage("first_partition", cs.first_partition),
+            Stage("second_compile", cs.second_compile),
+        ]
+        metrics = {}
+        for name, config in collective_stage_configs(bucket_cap_mb).items():
+            if name in stages:
+                fw, bw = (_copy_graph(g) for g in cs.second_compile)
+                fw, bw, metrics[name] = bucket_fw_bw(fw, bw, config)
+                out.append(Stage(name, (fw, bw)))
+    out = [s for s in out if s.name in stages]
+    return PipelineRun(scenario, out, params, trace_seconds, metrics)

@@ -249,6 +249,7 @@ class CompiledScenario:
     second_compile: tuple  # (fw GraphModule, bw GraphModule)
     group_dims: dict
     compiled: object = None  # the torch.compile'd module (keep_compiled=True only)
+    collective_metrics: object = None  # PipelineMetrics when collective_passes were run
 
 
 class _StopAfterPartition(Exception):
@@ -264,13 +265,21 @@ def _caused_by(exc: BaseException | None, kind: type) -> bool:
 
 
 def compile_pipeline(
-    scenario: Scenario, *, enable_ac: bool = False, mesh=None, keep_compiled: bool = False, module=None
+    scenario: Scenario,
+    *,
+    enable_ac: bool = False,
+    mesh=None,
+    keep_compiled: bool = False,
+    module=None,
+    collective_passes=None,
 ) -> CompiledScenario:
     """Trace, apply_placement and torch.compile (forward once, which partitions) on a fake world
     (``mesh``: an already-entered one). Both stages' graphs carry ``gm.meta[GM_GROUP_DIMS]`` and
     placeholder roles. ``module``: a ParallelModule of this scenario from an earlier call, to
     compile again (e.g. with another backend setting) without re-tracing; a fresh fake world
-    names its groups as the one it was traced on did. With ``keep_compiled`` the compiled module
+    names its groups as the one it was traced on did. ``collective_passes`` (a
+    CollectivePassesConfig): the second compile also runs the collective passes, and
+    ``second_compile`` holds their output graphs. With ``keep_compiled`` the compiled module
     is returned and Dynamo's cache is left for the caller to reset (``torch._dynamo.reset()``)."""
     import torch._dynamo
 
@@ -280,20 +289,41 @@ def compile_pipeline(
 
     if mesh is None:
         with fake_world(scenario.mesh_spec) as m:
-            return compile_pipeline(scenario, enable_ac=enable_ac, mesh=m, keep_compiled=keep_compiled, module=module)
+            return compile_pipeline(
+                scenario,
+                enable_ac=enable_ac,
+                mesh=m,
+                keep_compiled=keep_compiled,
+                module=module,
+                collective_passes=collective_passes,
+            )
     mod = module if module is not None else apply_placement(scenario.trace(mesh))
     if mod.group_dims != mesh.group_dims:
         raise ValueError(f"module was traced with groups {mod.group_dims}, this world has {mesh.group_dims}")
     captured: dict = {}
 
-    def on_partition(fw, bw):
-        captured.update(fw=fw, bw=bw)
+    def stop_if_graphs_only():
         if not keep_compiled:
             # Graphs are all we want: do not run the compiled forward (at 8B shapes that would
             # compute real activations and logits on this CPU).
             raise _StopAfterPartition
 
-    backend = autoparallel_backend(enable_ac=enable_ac, on_partition=on_partition)
+    def on_partition(fw, bw):
+        captured.update(fw=fw, bw=bw)
+        if collective_passes is None:
+            stop_if_graphs_only()
+
+    def on_collective_passes(fw, bw, metrics):
+        captured.update(fw=fw, bw=bw, metrics=metrics)
+        stop_if_graphs_only()
+
+    backend = autoparallel_backend(
+        enable_ac=enable_ac,
+        on_partition=on_partition,
+        collective_passes=collective_passes,
+        on_collective_passes=on_collective_passes,
+        group_dims=mesh.group_dims,
+    )
     local = split_batch(scenario.example_inputs(), scenario.plan_obj(), scenario.mesh_spec, mesh.coordinate())
     torch._dynamo.reset()
     compiled = torch.compile(mod, backend=backend)
@@ -309,7 +339,12 @@ def compile_pipeline(
         attach_group_dims(gm, mesh.group_dims)
     fp = mod.first_partition
     return CompiledScenario(
-        mod, (fp.fw, fp.bw), (captured["fw"], captured["bw"]), dict(mesh.group_dims), compiled if keep_compiled else None
+        mod,
+        (fp.fw, fp.bw),
+        (captured["fw"], captured["bw"]),
+        dict(mesh.group_dims),
+        compiled if keep_compiled else None,
+        captured.get("metrics"),
     )
 
 

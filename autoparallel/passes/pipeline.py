@@ -40,6 +40,7 @@ class CollectivePassesConfig:
     pre_overlap: PreOverlapConfig = field(default_factory=PreOverlapConfig)
     topo_span: TopoSpanConfig = field(default_factory=TopoSpanConfig)
     fuse_chained_allgathers: bool = True
+    pre_overlap_bucketing: bool = True
     schedule_overlap: bool = False  # run Inductor's overlap scheduler (CPU estimator) at the end
     roofline: RooflineConfig = field(default_factory=RooflineConfig)
 
@@ -87,7 +88,8 @@ def _run(
     m = GraphPassMetrics(before=collective_counts(gm))
     if config.fuse_chained_allgathers:
         m.fused_chains = fuse_chained_allgathers(gm, gm.meta.get(M.GM_GROUP_DIMS))
-    m.pre_overlap = bucket_tagged_collectives(gm, config.pre_overlap)
+    if config.pre_overlap_bucketing:
+        m.pre_overlap = bucket_tagged_collectives(gm, config.pre_overlap)
     if config.schedule_overlap:
         res = schedule_overlap_on_cpu(gm, config.topo_span, config.roofline)
         res.gm.meta.update(gm.meta)

@@ -7,7 +7,7 @@ independent. This pass merges them first, in two phases:
 1. :func:`tag_collectives_for_bucketing` runs on the **joint** graph, where placeholders and
    outputs still say what they are (``meta[ROLE]``): an all-gather whose input derives only from
    parameters is tagged ``fsdp_ag``; a reduce-scatter / all-reduce whose result flows only into
-   gradient outputs is tagged ``grad_rs`` / ``grad_ar`` (``node.meta[BUCKET]``). The partitioner
+   gradient outputs is tagged ``grad_rs`` / ``grad_ar`` (``meta.bucket_tag(node)``, inside ``custom`` so it survives re-traces). The partitioner
    copies node meta, so the tags reach the split forward and backward graphs (and the backward's
    recomputed all-gathers).
 2. :func:`bucket_tagged_collectives` runs on the **split** graphs (or any graph carrying tags):
@@ -149,7 +149,7 @@ def gradient_terminal_nodes(graph: fx.Graph) -> set[fx.Node]:
 
 
 def tag_collectives_for_bucketing(gm: fx.GraphModule | fx.Graph) -> TagCounts:
-    """Tag bucketable collectives of a joint graph in ``node.meta[BUCKET]``; return the counts.
+    """Tag bucketable collectives of a joint graph (``meta.set_bucket_tag``); return the counts.
 
     Re-tagging is idempotent (tags are recomputed from scratch for every collective).
     """
@@ -172,10 +172,10 @@ def tag_collectives_for_bucketing(gm: fx.GraphModule | fx.Graph) -> TagCounts:
         elif node in terminal:
             tag = TAG_GRAD_RS if node.target is REDUCE_SCATTER else TAG_GRAD_AR
         if tag is None:
-            node.meta.pop(M.BUCKET, None)
+            M.set_bucket_tag(node, None)
             counts.untagged += 1
         else:
-            node.meta[M.BUCKET] = tag
+            M.set_bucket_tag(node, tag)
             counts.tagged[tag] += 1
     log.info("pre_overlap_bucketing: tagged %s, untagged %d", counts.tagged, counts.untagged)
     return counts
@@ -253,7 +253,7 @@ def bucket_tagged_collectives(
         cands = [
             n
             for n in graph.nodes
-            if n.op == "call_function" and n.target is target and n.meta.get(M.BUCKET) == tag
+            if n.op == "call_function" and n.target is target and M.bucket_tag(n) == tag
         ]
         for n in cands:
             resolve_group(n)

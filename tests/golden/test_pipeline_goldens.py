@@ -8,21 +8,26 @@ import functools
 
 import pytest
 
-from verify.golden_catalog import GOLDEN_SCENARIOS, counts_text, stage_text
+from verify.golden_catalog import ALL_SCENARIOS, GOLDEN_SCENARIOS, counts_text, stage_text
 from verify.pipeline import STAGE_NAMES, run_pipeline
 
 
 @functools.cache
 def pipeline(sid: str):
-    return run_pipeline(GOLDEN_SCENARIOS[sid])
+    return run_pipeline(ALL_SCENARIOS[sid])
+
+
+def _grouped(sids):
+    # One xdist worker per scenario: the pipeline is built once per process (functools.cache).
+    return [pytest.param(sid, marks=pytest.mark.xdist_group(sid)) for sid in sorted(sids)]
 
 
 @pytest.mark.parametrize("stage", STAGE_NAMES)
-@pytest.mark.parametrize("sid", sorted(GOLDEN_SCENARIOS))
+@pytest.mark.parametrize("sid", _grouped(GOLDEN_SCENARIOS))
 def test_stage_graph(sid, stage, golden):
     golden.check_text(stage_text(sid, pipeline(sid).stage(stage)))
 
 
-@pytest.mark.parametrize("sid", sorted(GOLDEN_SCENARIOS))
+@pytest.mark.parametrize("sid", _grouped(ALL_SCENARIOS))
 def test_collective_counts(sid, golden):
     golden.check_text(counts_text(sid, pipeline(sid)))

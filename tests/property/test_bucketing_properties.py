@@ -298,7 +298,7 @@ def _check_pre_overlap_pass(gm, cap_mb):
         n: _record(n, kind)
         for kind, t in KIND_TARGETS.items()
         for n in gm.graph.nodes
-        if n.target is t and M.BUCKET in n.meta
+        if n.target is t and M.bucket_tag(n) is not None
     }
     before = collective_counts(gm)
     res = bucket_tagged_collectives(gm, PreOverlapConfig(bucket_cap_mb=cap_mb))

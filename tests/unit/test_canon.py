@@ -200,7 +200,7 @@ def build():
     ag = g.call_function(c10d.all_gather_into_tensor.default, (x, 2, "0"))
     ag.meta[M.RECOMPUTE] = CheckpointPolicy.MUST_RECOMPUTE
     ag.meta[M.AC_GRAPH_ID] = M.AP_AC_GRAPH_ID
-    ag.meta[M.BUCKET] = "fsdp_ag"
+    M.set_bucket_tag(ag, "fsdp_ag")
     wt = g.call_function(c10d.wait_tensor.default, (ag,))
     wt.meta[M.RECOMPUTE] = CheckpointPolicy.PREFER_SAVE
     wt.meta[M.AC_GRAPH_ID] = 3

@@ -59,8 +59,8 @@ def _split(gm, num_fwd_outputs):
 def _tags(gm):
     out = {}
     for n in gm.graph.nodes:
-        if M.BUCKET in n.meta:
-            out[n.meta[M.BUCKET]] = out.get(n.meta[M.BUCKET], 0) + 1
+        if M.bucket_tag(n) is not None:
+            out[M.bucket_tag(n)] = out.get(M.bucket_tag(n), 0) + 1
     return out
 
 
@@ -92,7 +92,7 @@ def test_tags_survive_the_fw_bw_split(traced):
     assert _tags(bw) == {TAG_GRAD_RS: 21}
     for n in fw.graph.nodes:
         if n.target is ALL_GATHER:
-            assert n.meta[M.BUCKET] == TAG_FSDP_AG
+            assert M.bucket_tag(n) == TAG_FSDP_AG
 
 
 # --- bucketing ----------------------------------------------------------------------------------
