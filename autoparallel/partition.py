@@ -193,13 +193,17 @@ def apply_placement(
     steps: list[str] = []
     t0 = time.perf_counter()
 
+    step_seconds: dict[str, float] = {}
+    t_step = time.perf_counter()
     report = cleanup_graph(gm)
     steps.append(STEP_CLEANUP)
+    step_seconds[STEP_CLEANUP], t_step = time.perf_counter() - t_step, time.perf_counter()
     log.info("apply_placement cleanup: %s", report.summary())
 
     tags = mark_fsdp_all_gather_recomputation(gm.graph, reshard_after_forward)
     gm.recompile()
     steps.append(STEP_FSDP_TAGS)
+    step_seconds[STEP_FSDP_TAGS], t_step = time.perf_counter() - t_step, time.perf_counter()
 
     placeholder_roles = {ph.name: ph.meta[M.ROLE] for ph in gm.graph.find_nodes(op="placeholder") if M.ROLE in ph.meta}
     grad_roles = jg.output_roles[jg.num_fwd_outputs :]
@@ -223,6 +227,7 @@ def apply_placement(
     finally:
         jg.close()
     steps.append(STEP_FIRST_PARTITION)
+    step_seconds[STEP_FIRST_PARTITION] = time.perf_counter() - t_step
 
     fw = captured.get("fw_compiled", captured["fw"])
     bw = captured["bw"]
@@ -253,6 +258,7 @@ def apply_placement(
         steps=steps,
         group_dims=jg.group_dims,
     )
+    mod.step_seconds = step_seconds  # wall seconds per step, for benchmarks (python -m verify scale)
     log.info(
         "apply_placement: %s; first partition saves %d values (%.2fs)",
         tags.summary(),

@@ -1,4 +1,4 @@
-"""``python -m verify {report, goldens, mutate}``: the equivalence layer's command line."""
+"""``python -m verify {report, goldens, mutate, scale}``: the equivalence layer's command line."""
 
 from __future__ import annotations
 
@@ -30,6 +30,15 @@ def _parser() -> argparse.ArgumentParser:
     m.add_argument("-n", dest="workers", default="0", help="pytest-xdist workers per run (default: 0)")
     m.add_argument("--timeout", type=float, default=300.0, help="seconds allowed per disabled run (default: 300)")
     m.add_argument("--lines", action="store_true", help="line-level mutation of autoparallel/passes with mutmut (slow)")
+
+    sc = sub.add_parser("scale", help="benchmark every pipeline stage on real-size graphs (fake world)")
+    sc.add_argument("--preset", default="8b", help="model preset (default: 8b)")
+    sc.add_argument("--layers", default=None, help="override n_layers; a list like 2,8,32 prints a scaling table")
+    sc.add_argument("--mesh", default="dp=16,tp=8", help="mesh (default: dp=16,tp=8)")
+    sc.add_argument("--plan", default="fsdp_tp", choices=["fsdp", "fsdp_tp", "ddp"], help="plan (default: fsdp_tp)")
+    sc.add_argument("--repeat", type=int, default=1, help="runs per size; seconds are medians (default: 1)")
+    sc.add_argument("--bucket-cap-mb", type=float, default=25.0, help="pre-overlap bucket cap (default: 25)")
+    sc.add_argument("--json", action="store_true", help="print one JSON object")
     return p
 
 
@@ -44,6 +53,10 @@ def main(argv: list[str] | None = None) -> int:
             from verify.mutation import main as mutate_main
 
             return mutate_main(args)
+        if args.command == "scale":
+            from verify.scale import main as scale_main
+
+            return scale_main(args)
         if args.command == "goldens":
             from verify.golden_cli import main as goldens_main
 

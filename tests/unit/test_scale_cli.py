@@ -1,0 +1,41 @@
+"""python -m verify scale keeps working (tiny sizes here; the 8B figures are a benchmark)."""
+
+import json
+
+import pytest
+
+from verify.__main__ import main
+from verify.scale import SCALE_STAGES, format_scaling
+
+
+def test_scale_json_has_every_stage_and_field(capsys):
+    assert main(["scale", "--preset", "tiny", "--layers", "1", "--mesh", "dp=4,tp=2", "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert [s["name"] for s in result["stages"]] == list(SCALE_STAGES)
+    assert result["layers"] == 1 and result["mesh"] == "dp=4,tp=2"
+    for stage in result["stages"]:
+        assert {"seconds", "rss_gib", "nodes", "collectives", "max_consec_compute_between_rs"} <= set(stage)
+        assert stage["seconds"] >= 0
+    by_name = {s["name"]: s for s in result["stages"]}
+    second = by_name["second_compile"]
+    first = by_name["first_partition"]
+    fwd_ag = lambda s: sum(c["count"] for c in s["collectives"]["fwd"]["all_gather"].values())  # noqa: E731
+    assert fwd_ag(second) == fwd_ag(first) == 12  # the seed's "357 = 357" property: 9 per block + 3
+    assert fwd_ag(by_name["pre_overlap_bucketing"]) < fwd_ag(second)
+    assert "bucketing" in by_name["topo_span_bucketing"]
+    assert result["total_seconds"] > 0 and result["peak_rss_gib"] > 0
+
+
+def test_scaling_table_ratios():
+    def result(layers, secs):
+        return {"layers": layers, "stages": [{"name": "trace", "seconds": secs}]}
+
+    table = format_scaling([result(2, 1.0), result(8, 4.0), result(32, 18.0)])
+    assert "x8/2" in table and "x32/8" in table
+    row = [line for line in table.splitlines() if line.startswith("trace")][0]
+    assert row.split()[-2:] == ["4.00", "4.50"]
+
+
+def test_bad_layers_is_an_error(capsys):
+    assert main(["scale", "--preset", "tiny", "--layers", "0"]) == 2
+    assert "--layers takes positive ints" in capsys.readouterr().err

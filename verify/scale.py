@@ -1,0 +1,226 @@
+"""``python -m verify scale``: every stage of the pipeline on graphs of real size, timed.
+
+Graphs are built on a fake world with fake tensors, so LLaMA-3 8B shapes at 128 ranks fit on one
+CPU. Per stage: wall seconds (median of ``--repeat``), process peak RSS after the stage, node
+count, collectives per kind and mesh dim, saved tensors, static peak memory,
+``max_consec_compute_between_rs`` and bucketing metrics. ``--layers 2,8,32`` runs each size in a
+fresh process and prints per-stage time ratios, so a super-linear pass stands out.
+This is a benchmark: figures go to stdout and the README, never into timed assertions.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import resource
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+
+from verify.pipeline import _copy_graph, collective_stage_configs
+from verify.scenario import Scenario
+from verify.stats import graph_stats, human_bytes, partition_stats
+
+SCALE_STAGES = (
+    "trace",
+    "cleanup",
+    "fsdp_tagging",
+    "first_partition",
+    "second_compile",
+    "pre_overlap_bucketing",
+    "topo_span_bucketing",
+    "fuse_chained_allgathers",
+)
+
+
+def _rss_gib() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
+
+
+def _collectives(*graphs) -> dict:
+    out: dict[str, dict[str, dict[str, int]]] = {}
+    for gm in graphs:
+        for kind, per in graph_stats(gm).collectives.items():
+            for dim, cs in per.items():
+                slot = out.setdefault(kind, {}).setdefault(dim, {"count": 0, "bytes": 0})
+                slot["count"] += cs.count
+                slot["bytes"] += cs.bytes
+    return out
+
+
+def _graph_fields(graphs) -> dict:
+    if isinstance(graphs, tuple):
+        fw, bw = graphs
+        ps = partition_stats(fw, bw)
+        return {
+            "nodes": {"fwd": len(fw.graph.nodes), "bwd": len(bw.graph.nodes)},
+            "collectives": {"fwd": _collectives(fw), "bwd": _collectives(bw)},
+            "saved": {"count": ps.saved_count, "bytes": ps.saved_bytes},
+            "static_peak_bytes": ps.static_peak_bytes,
+            "max_consec_compute_between_rs": ps.bw.max_consec_compute_between_rs,
+        }
+    st = graph_stats(graphs)
+    return {
+        "nodes": st.num_nodes,
+        "collectives": _collectives(graphs),
+        "max_consec_compute_between_rs": st.max_consec_compute_between_rs,
+    }
+
+
+def _bucketing_fields(metrics) -> dict:
+    out = {}
+    for name, g in metrics.graphs.items():
+        entry: dict = {"before": g.before, "after": g.after, "fused_chains": g.fused_chains}
+        if g.pre_overlap is not None:
+            entry["pre_overlap"] = {k: dataclasses.asdict(m) for k, m in g.pre_overlap.metrics.items()}
+        if g.overlap_bucketing:
+            entry["overlap_bucketing"] = [dataclasses.asdict(m) for m in g.overlap_bucketing]
+            entry["max_consec_compute_between_rs"] = g.max_consec_compute_between_rs
+        out[name] = entry
+    return out
+
+
+def run_once(scenario: Scenario, bucket_cap_mb: float, progress: Callable[[str], None]) -> list[dict]:
+    """One pass over every stage; a list of stage dicts (seconds and metrics)."""
+    import torch._dynamo
+
+    from autoparallel.mesh import fake_world
+    from autoparallel.partition import apply_placement
+    from autoparallel.passes.pipeline import CollectivePassesConfig, bucket_fw_bw
+    from verify.scenario import compile_pipeline
+
+    stages: list[dict] = []
+    n = len(SCALE_STAGES)
+
+    def record(name: str, seconds: float, graphs, **extra) -> None:
+        entry = {"name": name, "seconds": seconds, "rss_gib": round(_rss_gib(), 3)}
+        entry.update(_graph_fields(graphs))
+        entry.update(extra)
+        stages.append(entry)
+        progress(f"[{len(stages)}/{n}] {name:<24} {seconds:7.2f}s  rss {entry['rss_gib']:.2f} GiB")
+
+    with fake_world(scenario.mesh_spec) as mesh:
+        t0 = time.perf_counter()
+        jg = scenario.trace(mesh)
+        record("trace", time.perf_counter() - t0, jg.gm)
+        module = apply_placement(jg)
+        for step, name in (("cleanup", "cleanup"), ("mark_fsdp_all_gather_recomputation", "fsdp_tagging")):
+            record(name, module.step_seconds[step], jg.gm)
+        record("first_partition", module.step_seconds["first_partition"], (module.first_partition.fw, module.first_partition.bw))
+        tag_only = CollectivePassesConfig(fuse_chained_allgathers=False, pre_overlap_bucketing=False)
+        t0 = time.perf_counter()
+        cs = compile_pipeline(scenario, mesh=mesh, module=module, collective_passes=tag_only)
+        record("second_compile", time.perf_counter() - t0, cs.second_compile)
+        for name, config in collective_stage_configs(bucket_cap_mb).items():
+            fw, bw = (_copy_graph(g) for g in cs.second_compile)
+            t0 = time.perf_counter()
+            fw, bw, metrics = bucket_fw_bw(fw, bw, config)
+            record(name, time.perf_counter() - t0, (fw, bw), bucketing=_bucketing_fields(metrics))
+    torch._dynamo.reset()
+    return stages
+
+
+def run_scale(scenario: Scenario, *, repeat: int = 1, bucket_cap_mb: float = 25.0, progress=lambda m: None) -> dict:
+    runs = []
+    t0 = time.perf_counter()
+    for i in range(repeat):
+        if repeat > 1:
+            progress(f"repeat {i + 1}/{repeat}")
+        runs.append(run_once(scenario, bucket_cap_mb, progress))
+    stages = runs[-1]
+    for j, stage in enumerate(stages):
+        samples = [run[j]["seconds"] for run in runs]
+        stage["seconds"] = round(statistics.median(samples), 3)
+        stage["seconds_samples"] = [round(x, 3) for x in samples]
+    args = scenario.model_args()
+    return {
+        "preset": scenario.preset,
+        "layers": args.n_layers,
+        "mesh": str(scenario.mesh_spec),
+        "plan": scenario.plan_obj().describe(),
+        "repeat": repeat,
+        "bucket_cap_mb": bucket_cap_mb,
+        "stages": stages,
+        "total_seconds": round(sum(s["seconds"] for s in stages), 2),
+        "wall_seconds": round(time.perf_counter() - t0, 2),
+        "peak_rss_gib": round(_rss_gib(), 3),
+    }
+
+
+def _count(coll: dict, kind: str) -> int:
+    return sum(cs["count"] for cs in coll.get(kind, {}).values())
+
+
+def format_scale(result: dict) -> str:
+    lines = [
+        f"scale: preset={result['preset']} layers={result['layers']} mesh={result['mesh']} plan={result['plan']}",
+        f"{'stage':<24} {'seconds':>8} {'rss GiB':>8} {'nodes':>12} {'AG fwd/bwd':>11} {'RS':>5} {'AR':>5} "
+        f"{'saved':>14} {'static peak':>12} {'maxRS':>5}",
+    ]
+    for s in result["stages"]:
+        nodes = s["nodes"]
+        coll = s["collectives"]
+        if isinstance(nodes, dict):
+            nodes_txt = f"{nodes['fwd']}/{nodes['bwd']}"
+            ag = f"{_count(coll['fwd'], 'all_gather')}/{_count(coll['bwd'], 'all_gather')}"
+            rs = _count(coll["bwd"], "reduce_scatter")
+            ar = _count(coll["fwd"], "all_reduce") + _count(coll["bwd"], "all_reduce")
+            saved = f"{s['saved']['count']} {human_bytes(s['saved']['bytes'])}"
+            peak = human_bytes(s["static_peak_bytes"])
+        else:
+            nodes_txt, ag = str(nodes), str(_count(coll, "all_gather"))
+            rs, ar = _count(coll, "reduce_scatter"), _count(coll, "all_reduce")
+            saved, peak = "-", "-"
+        lines.append(
+            f"{s['name']:<24} {s['seconds']:>8.2f} {s['rss_gib']:>8.2f} {nodes_txt:>12} {ag:>11} {rs:>5} {ar:>5} "
+            f"{saved:>14} {peak:>12} {s['max_consec_compute_between_rs']:>5}"
+        )
+    lines.append(f"total {result['total_seconds']:.1f}s (stages, median of {result['repeat']}); "
+                 f"peak RSS {result['peak_rss_gib']:.2f} GiB")
+    return "\n".join(lines)
+
+
+def format_scaling(results: list[dict]) -> str:
+    sizes = [r["layers"] for r in results]
+    head = f"{'stage':<24}" + "".join(f"{f'{n} layers':>12}" for n in sizes)
+    head += "".join(f"{f'x{b}/{a}':>10}" for a, b in zip(sizes, sizes[1:], strict=False))
+    lines = ["per-stage seconds and time ratio between sizes (linear in layers = the size ratio)", head]
+    for j, name in enumerate(s["name"] for s in results[0]["stages"]):
+        secs = [r["stages"][j]["seconds"] for r in results]
+        row = f"{name:<24}" + "".join(f"{x:>12.2f}" for x in secs)
+        row += "".join(f"{(b / a if a > 0 else float('nan')):>10.2f}" for a, b in zip(secs, secs[1:], strict=False))
+        lines.append(row)
+    return "\n".join(lines)
+
+
+def main(args) -> int:
+    layers = [int(x) for x in str(args.layers).split(",")] if args.layers else [None]
+    if any(n is not None and n < 1 for n in layers):
+        raise ValueError(f"--layers takes positive ints, got {args.layers!r}")
+
+    def progress(msg: str) -> None:
+        print(f"[scale] {msg}", file=sys.stderr, flush=True)
+
+    if len(layers) > 1:
+        results = []
+        for n in layers:
+            progress(f"--- {n} layers (fresh process) ---")
+            cmd = [sys.executable, "-m", "verify", "scale", "--preset", args.preset, "--layers", str(n),
+                   "--mesh", args.mesh, "--plan", args.plan, "--repeat", str(args.repeat),
+                   "--bucket-cap-mb", str(args.bucket_cap_mb), "--json"]
+            out = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, check=True).stdout
+            results.append(json.loads(out))
+        if args.json:
+            print(json.dumps({"sizes": results}, indent=2))
+        else:
+            for r in results:
+                print(format_scale(r) + "\n")
+            print(format_scaling(results))
+        return 0
+    scenario = Scenario(preset=args.preset, plan=args.plan, mesh=args.mesh, n_layers=layers[0])
+    progress(f"{scenario.header()}: {len(SCALE_STAGES)} stages")
+    result = run_scale(scenario, repeat=args.repeat, bucket_cap_mb=args.bucket_cap_mb, progress=progress)
+    print(json.dumps(result, indent=2) if args.json else format_scale(result))
+    return 0
