@@ -2,8 +2,6 @@
 
 import json
 
-import pytest
-
 from verify.__main__ import main
 from verify.scale import SCALE_STAGES, format_scaling
 
