@@ -38,6 +38,8 @@ def _parser() -> argparse.ArgumentParser:
     sc.add_argument("--plan", default="fsdp_tp", choices=["fsdp", "fsdp_tp", "ddp"], help="plan (default: fsdp_tp)")
     sc.add_argument("--repeat", type=int, default=1, help="runs per size; seconds are medians (default: 1)")
     sc.add_argument("--bucket-cap-mb", type=float, default=25.0, help="pre-overlap bucket cap (default: 25)")
+    sc.add_argument("--param-dtype", default=None, help="FSDP mixed-precision param dtype, e.g. bf16 (default: none)")
+    sc.add_argument("--reduce-dtype", default=None, help="FSDP gradient reduce dtype, e.g. fp32 (default: none)")
     sc.add_argument("--json", action="store_true", help="print one JSON object")
     return p
 

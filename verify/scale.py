@@ -210,6 +210,9 @@ def main(args) -> int:
             cmd = [sys.executable, "-m", "verify", "scale", "--preset", args.preset, "--layers", str(n),
                    "--mesh", args.mesh, "--plan", args.plan, "--repeat", str(args.repeat),
                    "--bucket-cap-mb", str(args.bucket_cap_mb), "--json"]
+            for flag, value in (("--param-dtype", args.param_dtype), ("--reduce-dtype", args.reduce_dtype)):
+                if value:
+                    cmd += [flag, value]
             out = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, check=True).stdout
             results.append(json.loads(out))
         if args.json:
@@ -219,7 +222,14 @@ def main(args) -> int:
                 print(format_scale(r) + "\n")
             print(format_scaling(results))
         return 0
-    scenario = Scenario(preset=args.preset, plan=args.plan, mesh=args.mesh, n_layers=layers[0])
+    scenario = Scenario(
+        preset=args.preset,
+        plan=args.plan,
+        mesh=args.mesh,
+        n_layers=layers[0],
+        param_dtype=args.param_dtype,
+        reduce_dtype=args.reduce_dtype,
+    )
     progress(f"{scenario.header()}: {len(SCALE_STAGES)} stages")
     result = run_scale(scenario, repeat=args.repeat, bucket_cap_mb=args.bucket_cap_mb, progress=progress)
     print(json.dumps(result, indent=2) if args.json else format_scale(result))
