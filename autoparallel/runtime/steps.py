@@ -66,6 +66,25 @@ def compiled_module_executor(module: torch.nn.Module, compiled: Callable[..., to
     return _module_step(module, compiled)
 
 
+def primals_by_role(
+    input_roles: Sequence[str],
+    params: Mapping[str, torch.Tensor],
+    buffers: Mapping[str, torch.Tensor],
+    inputs: Sequence[torch.Tensor],
+) -> list[torch.Tensor]:
+    """A graph's primal inputs in placeholder order, picked by role (tangents are left out)."""
+    primals = []
+    for role in input_roles:
+        kind, _, name = role.partition(":")
+        if kind == "param":
+            primals.append(params[name])
+        elif kind == "buffer":
+            primals.append(buffers[name])
+        elif kind == "input":
+            primals.append(inputs[int(name)])
+    return primals
+
+
 def joint_graph_executor(
     gm: fx.GraphModule,
     input_roles: Sequence[str],
@@ -76,15 +95,7 @@ def joint_graph_executor(
     tangent_count = sum(1 for r in input_roles if r.startswith("tangent:"))
 
     def run(params, inputs):
-        primals = []
-        for role in input_roles:
-            kind, _, name = role.partition(":")
-            if kind == "param":
-                primals.append(params[name])
-            elif kind == "buffer":
-                primals.append(buffers[name])
-            elif kind == "input":
-                primals.append(inputs[int(name)])
+        primals = primals_by_role(input_roles, params, buffers, inputs)
         with torch.no_grad():
             fw_out, grads = gm(primals, [torch.ones((), dtype=torch.float32)] * tangent_count)
         loss = fw_out[0]

@@ -20,7 +20,7 @@ from autoparallel.passes.fuse_chained_allgathers import fuse_chained_allgathers
 from autoparallel.passes.pipeline import bucket_fw_bw, tag_joint
 from autoparallel.runtime import run_on_world
 from autoparallel.runtime.rebind import rebind_groups
-from autoparallel.runtime.steps import train_steps
+from autoparallel.runtime.steps import primals_by_role, train_steps
 from verify.parity import compare_traces, merge_reports
 from verify.scenario import Scenario
 from verify.strategies import GraphBuilder, mesh_groups
@@ -39,15 +39,7 @@ def split_graph_executor(fw, bw, input_roles, output_roles, buffers, num_fwd):
     grad_roles = [r for r in output_roles if r is not None and r.startswith("grad:")]
 
     def run(params, inputs):
-        primals = []
-        for role in input_roles:
-            kind, _, name = role.partition(":")
-            if kind == "param":
-                primals.append(params[name])
-            elif kind == "buffer":
-                primals.append(buffers[name])
-            elif kind == "input":
-                primals.append(inputs[int(name)])
+        primals = primals_by_role(input_roles, params, buffers, inputs)
         with torch.no_grad():
             outs = fw(*primals)
             grads = bw(*outs[num_fwd:], *([torch.ones((), dtype=torch.float32)] * n_tangents))
