@@ -2,6 +2,8 @@
 
 Markers ``gpu`` and ``multigpu(n)`` skip, with a reason, where CUDA or enough GPUs are missing;
 ``--require-gpu`` turns those skips into failures so a GPU CI job can never pass by skipping.
+Tests marked ``slow`` (cold Inductor compiles) run only with ``--run-slow``; CI runs them in a
+step of their own so the default tier stays fast.
 """
 
 from __future__ import annotations
@@ -9,6 +11,7 @@ from __future__ import annotations
 import pytest
 
 REQUIRE_GPU = "--require-gpu"
+RUN_SLOW = "--run-slow"
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -19,9 +22,16 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         default=False,
         help="fail (instead of skip) tests marked gpu/multigpu when CUDA or enough GPUs are missing",
     )
+    group.addoption(
+        RUN_SLOW,
+        action="store_true",
+        default=False,
+        help="also run tests marked slow (cold Inductor compiles); CI runs them in their own step",
+    )
 
 
 def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", f"slow: cold Inductor compiles; skipped unless {RUN_SLOW}")
     config.addinivalue_line("markers", "gpu: needs a CUDA device; skipped without one unless --require-gpu")
     config.addinivalue_line("markers", "multigpu(n): needs n CUDA devices; skipped with fewer unless --require-gpu")
 
@@ -51,6 +61,8 @@ def gpu_gate_reason(item: pytest.Item) -> str | None:
 
 
 def pytest_runtest_setup(item: pytest.Item) -> None:
+    if item.get_closest_marker("slow") is not None and not item.config.getoption(RUN_SLOW):
+        pytest.skip(f"slow (cold Inductor compile): run with {RUN_SLOW}; .ci/run runs these in their own step")
     reason = gpu_gate_reason(item)
     if reason is None:
         return

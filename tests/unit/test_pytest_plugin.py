@@ -1,0 +1,65 @@
+"""The plugin's gates: gpu / multigpu(n) skip with a reason, --require-gpu turns that into a
+failure, and slow tests run only with --run-slow (checked in a throwaway project)."""
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU behaviour")
+
+TESTS = textwrap.dedent(
+    """
+    import pytest
+
+    @pytest.mark.gpu
+    def test_needs_gpu():
+        pass
+
+    @pytest.mark.multigpu(2)
+    def test_needs_two_gpus():
+        pass
+
+    @pytest.mark.slow
+    def test_slow():
+        pass
+
+    def test_plain():
+        pass
+    """
+)
+
+
+def run(project, *args):
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTEST_", "XDIST_"))}
+    return subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-rs", "-n", "0", "-p", "no:cacheprovider", *args],
+        cwd=project, capture_output=True, text=True, timeout=120, env=env,
+    )
+
+
+@pytest.fixture(scope="module")
+def project(tmp_path_factory):
+    root = tmp_path_factory.mktemp("gates")
+    (root / "pytest.ini").write_text("[pytest]\naddopts = --strict-markers\n")
+    (root / "test_gates.py").write_text(TESTS)
+    return root
+
+
+def test_gpu_tests_skip_with_a_reason_without_cuda(project):
+    out = run(project)
+    assert out.returncode == 0, out.stdout
+    assert "1 passed, 3 skipped" in out.stdout
+    assert "needs 1 CUDA device(s), found 0" in out.stdout
+    assert "needs 2 CUDA device(s), found 0" in out.stdout
+    assert "slow (cold Inductor compile): run with --run-slow" in out.stdout
+
+
+def test_require_gpu_turns_skips_into_failures(project):
+    out = run(project, "--require-gpu", "--run-slow")
+    assert out.returncode == 1
+    assert "2 passed, 2 errors" in out.stdout  # failed in setup: the test cannot run here
+    assert "--require-gpu is set: GPU CI must not pass by skipping" in out.stdout
