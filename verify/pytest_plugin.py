@@ -12,6 +12,7 @@ import pytest
 
 REQUIRE_GPU = "--require-gpu"
 RUN_SLOW = "--run-slow"
+ORDER = "--ap-order"
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -28,6 +29,26 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         default=False,
         help="also run tests marked slow (cold Inductor compiles); CI runs them in their own step",
     )
+    group.addoption(
+        ORDER,
+        default="file",
+        help="test order: 'file' (default), 'reverse', or 'shuffle:SEED'; proves tests do not depend on order",
+    )
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    order = config.getoption(ORDER)
+    if order == "file":
+        return
+    if order == "reverse":
+        items.reverse()
+        return
+    kind, _, seed = order.partition(":")
+    if kind != "shuffle" or not seed.isdigit():
+        raise pytest.UsageError(f"{ORDER} takes 'file', 'reverse' or 'shuffle:SEED', got {order!r}")
+    import random
+
+    random.Random(int(seed)).shuffle(items)
 
 
 def pytest_configure(config: pytest.Config) -> None:

@@ -63,3 +63,11 @@ def test_require_gpu_turns_skips_into_failures(project):
     assert out.returncode == 1
     assert "2 passed, 2 errors" in out.stdout  # failed in setup: the test cannot run here
     assert "--require-gpu is set: GPU CI must not pass by skipping" in out.stdout
+
+
+def test_order_option_reverses_and_rejects_nonsense(project):
+    out = run(project, "--ap-order", "reverse", "-vv", "--run-slow")
+    names = [line.split("::")[1].split()[0] for line in out.stdout.splitlines() if "::test_" in line and "PASSED" in line]
+    assert names == ["test_plain", "test_slow"], out.stdout
+    bad = run(project, "--ap-order", "sideways")
+    assert bad.returncode == 4 and "--ap-order takes 'file', 'reverse' or 'shuffle:SEED'" in bad.stderr
