@@ -58,16 +58,15 @@ def test_gpu_tests_skip_with_a_reason_without_cuda(project):
     assert "slow (cold Inductor compile): run with --run-slow" in out.stdout
 
 
-def test_require_gpu_turns_skips_into_failures(project):
-    out = run(project, "--require-gpu", "--run-slow")
+def test_require_gpu_turns_skips_into_failures_and_order_reverses(project):
+    out = run(project, "--require-gpu", "--run-slow", "--ap-order", "reverse", "-vv")
     assert out.returncode == 1
     assert "2 passed, 2 errors" in out.stdout  # failed in setup: the test cannot run here
     assert "--require-gpu is set: GPU CI must not pass by skipping" in out.stdout
+    ran = [line.split("::")[1].split()[0] for line in out.stdout.splitlines() if line.startswith("test_gates.py::")]
+    assert ran == ["test_plain", "test_slow", "test_needs_two_gpus", "test_needs_gpu"], out.stdout
 
 
-def test_order_option_reverses_and_rejects_nonsense(project):
-    out = run(project, "--ap-order", "reverse", "-vv", "--run-slow")
-    names = [line.split("::")[1].split()[0] for line in out.stdout.splitlines() if "::test_" in line and "PASSED" in line]
-    assert names == ["test_plain", "test_slow"], out.stdout
-    bad = run(project, "--ap-order", "sideways")
+def test_order_option_rejects_nonsense(project):
+    bad = run(project, "--ap-order", "sideways", "--collect-only")
     assert bad.returncode == 4 and "--ap-order takes 'file', 'reverse' or 'shuffle:SEED'" in bad.stderr
