@@ -4,6 +4,10 @@ Hand-built graphs: placeholder -> _to_copy(dtype) -> all_gather -> wait -> layou
 an activation all-gather (not FSDP), and malformed graphs that must be rejected by name.
 """
 
+import logging
+import operator
+import re
+
 import pytest
 import torch
 from torch import fx, nn
@@ -11,6 +15,7 @@ from torch.utils.checkpoint import CheckpointPolicy
 
 from autoparallel import meta as M
 from autoparallel.passes import registry
+from autoparallel.passes.cleanup import CleanupReport, cleanup_graph
 from autoparallel.passes.fsdp_recompute import (
     is_fsdp_all_gather,
     mark_fsdp_all_gather_recomputation,
@@ -140,6 +145,7 @@ def test_all_gather_of_an_input_placeholder_is_not_fsdp():
 @pytest.mark.parametrize(
     "chain, saved",
     [
+        ((), "wait"),  # nothing between the wait and its (two-input) consumer
         (("permute",), "wait"),  # every node after the wait is a view: save the wait
         (("t", "view"), "wait"),
         (("cast32", "t"), "cast32"),  # the last non-view node of the chain
@@ -173,7 +179,7 @@ def test_wait_on_non_collective_is_an_error_naming_the_node():
 
 def test_missing_val_is_an_error_naming_the_node():
     g, n = _fsdp_graph(with_val=False)
-    with pytest.raises(ValueError, match=rf"node '{n['ag'].name}'.*no meta\['val'\]"):
+    with pytest.raises(ValueError, match=rf"node '{n['ag'].name}'.*no meta\['val'\], needed for sizing the FSDP all-gather \(mark_fsdp_all_gather_recomputation\)"):
         mark_fsdp_all_gather_recomputation(g)
 
 
@@ -185,6 +191,132 @@ def test_fsdp_all_gather_without_single_wait_is_an_error():
     g.output((r,))
     with pytest.raises(ValueError, match=rf"FSDP all-gather '{ag.name}' must have exactly one user"):
         mark_fsdp_all_gather_recomputation(g)
+
+
+# --- edge cases that line-level mutation (python -m verify mutate --lines) found untested ----------
+
+
+def test_all_gather_of_a_multi_input_node_or_a_literal_is_not_fsdp():
+    g = fx.Graph()
+    w = _placeholder(g, "w", torch.empty(4, 8, device="meta"), "param:w")
+    x = _placeholder(g, "x", torch.empty(4, 8, device="meta"), "input:0")
+    mixed = _node(g, aten.mul.Tensor, (w, x), torch.empty(4, 8, device="meta"))  # a param, but two inputs
+    ag = _node(g, ALL_GATHER, (mixed, 4, "dp"), torch.empty(16, 8, device="meta"))
+    literal = g.call_function(ALL_GATHER, (3, 4, "dp"))  # input is not a node at all
+    assert not is_fsdp_all_gather(ag)
+    assert not is_fsdp_all_gather(literal)
+
+
+def test_accepts_a_graph_module():
+    g, n = _fsdp_graph(chain=("permute",))
+    report = mark_fsdp_all_gather_recomputation(fx.GraphModule(nn.Module(), g))
+    assert report.all_gathers == [n["ag"]]
+    assert _tags(n["permute"]) == (MUST_RECOMPUTE, M.AP_AC_GRAPH_ID)
+
+
+def test_report_sums_every_all_gather_and_is_logged(caplog):
+    g = fx.Graph()
+    waits = []
+    for name, rows in (("w1", 4), ("w2", 2)):
+        w = _placeholder(g, name, torch.empty(rows, 8, device="meta"), f"param:{name}")
+        ag = _node(g, ALL_GATHER, (w, 4, "dp"), torch.empty(4 * rows, 8, device="meta"))
+        waits.append(_node(g, WAIT, (ag,), torch.empty(4 * rows, 8, device="meta")))
+    g.output(tuple(waits))
+    caplog.set_level(logging.INFO, logger="autoparallel.passes.fsdp_recompute")
+    report = mark_fsdp_all_gather_recomputation(g)
+    assert len(report.all_gathers) == 2
+    assert report.gathered_bytes == (16 + 8) * 8 * 4  # both all-gathers, fp32
+    logged = [r.getMessage() for r in caplog.records if r.name == "autoparallel.passes.fsdp_recompute"]
+    assert logged == [f"mark_fsdp_all_gather_recomputation: {report.summary()}"]
+    assert report.summary() == "2 FSDP all-gathers (768 B): 4 nodes MUST_RECOMPUTE, 0 MUST_SAVE"
+
+
+def test_wait_on_one_output_of_a_coalesced_collective_is_accepted():
+    g = fx.Graph()
+    a = _placeholder(g, "a", torch.empty(4, 8, device="meta"), "input:0")
+    b = _placeholder(g, "b", torch.empty(2, 8, device="meta"), "input:1")
+    coalesced = _node(g, torch.ops._c10d_functional.all_gather_into_tensor_coalesced.default, ([a, b], 4, "dp"),
+                      [torch.empty(16, 8, device="meta"), torch.empty(8, 8, device="meta")])
+    outs = []
+    for i, rows in enumerate((16, 8)):
+        item = _node(g, operator.getitem, (coalesced, i), torch.empty(rows, 8, device="meta"))
+        outs.append(_node(g, WAIT, (item,), torch.empty(rows, 8, device="meta")))
+    g.output(tuple(outs))
+    assert mark_fsdp_all_gather_recomputation(g).all_gathers == []  # no error: each wait completes a collective
+
+
+@pytest.mark.parametrize("arg", ["node", "none", "literal"])
+def test_wait_on_non_collective_message_names_what_it_waits_on(arg):
+    g = fx.Graph()
+    x = _placeholder(g, "x", torch.empty(4, device="meta"), "input:0")
+    r = _node(g, aten.relu.default, (x,), torch.empty(4, device="meta"))
+    args = {"node": (r,), "none": (), "literal": (3,)}[arg]
+    w = g.create_node("call_function", WAIT, args, {}, name="bad_wait")
+    g.output((w, r))
+    what = {"node": r.format_node(), "none": "None", "literal": "3"}[arg]  # format_node() shows the users
+    message = (
+        f"wait_tensor node 'bad_wait' waits on {what}, which is not a _c10d_functional collective; a wait must "
+        "consume the collective it completes (fix the pass that rewired it)"
+    )
+    with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
+        mark_fsdp_all_gather_recomputation(g)
+
+
+# --- cleanup_graph (runs before the tagging pass at the apply_placement boundary) ---------------
+
+
+def _traced_for_cleanup():
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    def f(x):
+        a = x.view(2, 8)  # view -> reshape
+        b, c = torch.relu(a), torch.relu(a)  # CSE merges the second relu
+        unused = x * 2  # dead code  # noqa: F841
+        return b.clone() + c  # the clone is a no-op
+
+    gm = make_fx(f, tracing_mode="fake")(torch.randn(16))
+    x = next(iter(gm.graph.nodes))
+    with gm.graph.inserting_after(x):  # an unused node whose target is not an OpOverload
+        item = gm.graph.call_function(operator.getitem, (x, 0))
+    item.meta[M.VAL] = x.meta[M.VAL][0]
+    return gm
+
+
+def test_cleanup_report_counts_removed_ops_by_name():
+    gm = _traced_for_cleanup()
+    report = cleanup_graph(gm)
+    assert report == CleanupReport(
+        nodes_before=9,
+        nodes_after=5,
+        removed={"<built-in function getitem>": 1, "aten.relu": 1, "aten.clone": 1, "aten.mul": 1},
+        views_to_reshape=1,
+    )
+    assert report.summary() == (
+        "9 -> 5 nodes (removed: <built-in function getitem> x1, aten.clone x1, aten.mul x1, aten.relu x1); "
+        "1 view -> reshape"
+    )
+    assert [n.target for n in gm.graph.nodes if n.op == "call_function"] == [
+        aten.reshape.default, aten.relu.default, aten.add.Tensor
+    ]
+
+
+def test_cleanup_report_when_nothing_is_removed():
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    report = cleanup_graph(make_fx(torch.relu, tracing_mode="fake")(torch.randn(4)))
+    assert report.summary() == "3 -> 3 nodes (removed: none); 0 view -> reshape"
+
+
+def test_cleanup_rejects_a_node_without_val_by_name():
+    gm = _traced_for_cleanup()
+    relu = next(n for n in gm.graph.nodes if n.target is aten.relu.default)
+    del relu.meta[M.VAL]
+    message = (
+        f"node 'relu' ({relu.format_node()}) has no meta['val']; the clean-up's no-op removal compares input "
+        "and output values: trace with make_fx/aot export or run FakeTensorProp first"
+    )
+    with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
+        cleanup_graph(gm)
 
 
 # --- a traced toy model through apply_placement -------------------------------------------------

@@ -1,0 +1,288 @@
+"""verify.line_mutation's parsing and reporting, on canned mutmut 3.8 output (mutmut never runs here)."""
+
+import io
+import textwrap
+import tomllib
+from types import SimpleNamespace
+
+import pytest
+
+from verify import line_mutation as L
+
+RESULTS = textwrap.dedent(
+    """\
+    /work/venv/lib/python3.11/site-packages/mutmut/configuration.py:150: UserWarning: some warning
+    \x20\x20\x20\x20autoparallel.passes.cleanup.xǁCleanupReportǁsummary__mutmut_1: killed
+        autoparallel.passes.cleanup.xǁCleanupReportǁsummary__mutmut_5: survived
+        autoparallel.passes.demo.x_walk__mutmut_1: killed
+        autoparallel.passes.demo.x_walk__mutmut_2: survived
+        autoparallel.passes.demo.x_walk__mutmut_3: no tests
+        autoparallel.passes.demo.x__helper__mutmut_1: timeout
+        autoparallel.passes.demo.x__helper__mutmut_2: suspicious
+        autoparallel.passes.demo.x__helper__mutmut_3: not checked
+    """
+)
+
+# `mutmut show` for two of them, batched the way show_mutants batches them (a NUL line between).
+SHOWS = textwrap.dedent(
+    """\
+    # autoparallel.passes.cleanup.xǁCleanupReportǁsummary__mutmut_5: survived
+    --- autoparallel/passes/cleanup.py
+    +++ autoparallel/passes/cleanup.py
+    @@ -1,6 +1,6 @@
+     def summary(self) -> str:
+         top = ", ".join(f"{k} x{v}" for k, v in sorted(self.removed.items()))
+         return (
+    -        f"{self.nodes_before} -> {self.nodes_after} nodes (removed: {top or 'none'}); "
+    +        f"{self.nodes_before} -> {self.nodes_after} nodes (removed: {top and 'none'}); "
+             f"{self.views_to_reshape} view -> reshape"
+         )
+    \x00
+    # autoparallel.passes.demo.x_walk__mutmut_2: survived
+    --- autoparallel/passes/demo.py
+    +++ autoparallel/passes/demo.py
+    @@ -2,5 +2,5 @@
+         chain = []
+         cur = start
+    -    while len(cur.users) == 1:
+    +    while len(cur.users) <= 1:
+             chain.append(cur)
+         return chain
+    \x00
+    """
+)
+
+CLEANUP_SRC = textwrap.dedent(
+    """\
+    from dataclasses import dataclass
+
+
+    @dataclass
+    class CleanupReport:
+        nodes_before: int
+        nodes_after: int
+        removed: dict
+        views_to_reshape: int
+
+        def summary(self) -> str:
+            top = ", ".join(f"{k} x{v}" for k, v in sorted(self.removed.items()))
+            return (
+                f"{self.nodes_before} -> {self.nodes_after} nodes (removed: {top or 'none'}); "
+                f"{self.views_to_reshape} view -> reshape"
+            )
+    """
+)
+
+DEMO_SRC = textwrap.dedent(
+    """\
+    import os
+
+
+    # walks a chain
+    def walk(start):
+        chain = []
+        cur = start
+        while len(cur.users) == 1:
+            chain.append(cur)
+        return chain
+    """
+)
+
+
+def _mutants():
+    mutants = L.parse_results(RESULTS)
+    shows = L.parse_show(SHOWS)
+    sources = {"autoparallel/passes/cleanup.py": CLEANUP_SRC, "autoparallel/passes/demo.py": DEMO_SRC}
+    for m in mutants:
+        if m.name in shows:
+            m.diff = shows[m.name][1]
+            m.line = L.mutated_line(m.diff, sources[m.file], m.function)
+    return mutants
+
+
+def test_parse_key_functions_and_methods():
+    assert L.parse_key("autoparallel.passes.demo.x__helper__mutmut_12") == ("autoparallel.passes.demo", "_helper", 12)
+    assert L.parse_key("autoparallel.passes.cleanup.xǁCleanupReportǁsummary__mutmut_1") == (
+        "autoparallel.passes.cleanup", "CleanupReport.summary", 1)
+    with pytest.raises(ValueError, match="not a mutmut mutant name"):
+        L.parse_key("autoparallel.passes.demo.walk")
+
+
+def test_parse_results_maps_mutmut_statuses_to_harness_states():
+    mutants = L.parse_results(RESULTS)
+    assert [(m.function, m.status, m.state) for m in mutants] == [
+        ("CleanupReport.summary", "killed", "killed"),
+        ("CleanupReport.summary", "survived", "survived"),
+        ("walk", "killed", "killed"),
+        ("walk", "survived", "survived"),
+        ("walk", "no tests", "no coverage"),
+        ("_helper", "timeout", "timeout"),
+        ("_helper", "suspicious", "error"),
+        ("_helper", "not checked", "error"),
+    ]
+    assert {m.file for m in mutants} == {"autoparallel/passes/cleanup.py", "autoparallel/passes/demo.py"}
+    assert set(L.STATES) >= {m.state for m in mutants}
+
+
+def test_parse_show_single_and_batched():
+    shows = L.parse_show(SHOWS)
+    assert set(shows) == {"autoparallel.passes.cleanup.xǁCleanupReportǁsummary__mutmut_5",
+                          "autoparallel.passes.demo.x_walk__mutmut_2"}
+    status, diff = shows["autoparallel.passes.demo.x_walk__mutmut_2"]
+    assert status == "survived"
+    assert diff.startswith("--- autoparallel/passes/demo.py") and diff.endswith("    return chain")
+    one = SHOWS.split("\x00\n")[0]  # what a single `mutmut show <name>` prints
+    assert list(L.parse_show(one)) == ["autoparallel.passes.cleanup.xǁCleanupReportǁsummary__mutmut_5"]
+
+
+def test_mutated_line_uses_hunk_offsets_relative_to_the_function():
+    m = {m.name: m for m in _mutants()}
+    # the method's diff starts at `def summary` (line 11): the changed line is its 4th
+    assert m["autoparallel.passes.cleanup.xǁCleanupReportǁsummary__mutmut_5"].line == 14
+    assert m["autoparallel.passes.demo.x_walk__mutmut_2"].line == 8
+    assert m["autoparallel.passes.demo.x_walk__mutmut_2"].changed_lines() == [
+        "-    while len(cur.users) == 1:", "+    while len(cur.users) <= 1:"]
+
+
+def test_mutated_line_falls_back_to_searching_the_function_when_offsets_are_stale():
+    diff = L.parse_show(SHOWS)["autoparallel.passes.demo.x_walk__mutmut_2"][1]
+    shifted = DEMO_SRC.replace("    chain = []\n", "    chain = []\n    # a new comment\n\n")
+    assert L.mutated_line(diff, shifted, "walk") == 10
+    assert L.mutated_line(diff, DEMO_SRC, "no_such_function") is None
+    assert L.mutated_line(diff, "def (", "walk") is None
+
+
+def test_format_table_rows_totals_kill_rate_and_survivors():
+    table = L.format_table(_mutants())
+    lines = table.splitlines()
+    assert lines[0].split() == ["file", "mutants", "killed", "survived", "no", "coverage", "timeout", "error"]
+    assert lines[1].split() == ["autoparallel/passes/cleanup.py", "2", "1", "1", "0", "0", "0"]
+    assert lines[2].split() == ["autoparallel/passes/demo.py", "6", "1", "1", "1", "1", "2"]
+    assert lines[3].split() == ["total", "8", "2", "2", "1", "1", "2"]
+    assert lines[4] == ("kill rate: 2/8 mutants killed (25%); "
+                        "score (killed + timeout) / (mutants - error): 3/6 (50%)")
+    assert lines[5] == "survived (2):"
+    assert lines[6] == "  autoparallel/passes/cleanup.py:14 CleanupReport.summary  (xǁCleanupReportǁsummary__mutmut_5)"
+    assert lines[7].strip().startswith("-") and "top or 'none'" in lines[7]
+    assert lines[8].strip().startswith("+") and "top and 'none'" in lines[8]
+    assert lines[9] == "  autoparallel/passes/demo.py:8 walk  (x_walk__mutmut_2)"
+    assert "no coverage (1):" in lines and "timeout (1):" in lines and "error (2):" in lines
+    assert "  autoparallel/passes/demo.py _helper  (x__helper__mutmut_2) [mutmut: suspicious]" in lines
+
+
+def test_format_table_by_function_and_without_diffs():
+    table = L.format_table(_mutants(), by="function", diffs=False)
+    lines = table.splitlines()
+    assert lines[0].split()[0] == "function"
+    assert [ln.split()[0] for ln in lines[1:5]] == [
+        "autoparallel/passes/cleanup.py::CleanupReport.summary",
+        "autoparallel/passes/demo.py::_helper",
+        "autoparallel/passes/demo.py::walk",
+        "total",
+    ]
+    assert not any(ln.lstrip().startswith(("-", "+")) for ln in lines)
+
+
+def test_one_file_has_no_total_row():
+    mutants = [m for m in _mutants() if m.file.endswith("cleanup.py")]
+    assert not any(ln.startswith("total") for ln in L.format_table(mutants).splitlines())
+
+
+def test_generated_config_is_valid_toml_and_replaces_an_existing_table(tmp_path):
+    root = tmp_path / "root"
+    root.mkdir()
+    (root / "pyproject.toml").write_text(
+        '[project]\nname = "x"\n\n[tool.mutmut]\nsource_paths = ["old"]\n\n[tool.mutmut.extra]\na = 1\n\n'
+        '[tool.pytest.ini_options]\naddopts = "-ra"\n'
+    )
+    config = L.mutmut_config(["autoparallel/passes/a.py"], ["tests/unit/test_a.py"], ["tests/unit/test_a.py::test_x"],
+                             timeout_multiplier=3, timeout_constant=2)
+    L.write_config(root, tmp_path, config)
+    data = tomllib.loads((tmp_path / "pyproject.toml").read_text())
+    mm = data["tool"]["mutmut"]
+    assert mm["source_paths"] == ["autoparallel"]
+    assert mm["only_mutate"] == ["autoparallel/passes/a.py"]
+    assert mm["pytest_add_cli_args_test_selection"] == [
+        "tests/unit/test_a.py", "--deselect", "tests/unit/test_a.py::test_x"]
+    assert mm["process_isolation"] == "forkserver"
+    assert (mm["timeout_multiplier"], mm["timeout_constant"]) == (3.0, 2.0)
+    assert "extra" not in mm
+    assert data["project"]["name"] == "x" and data["tool"]["pytest"]["ini_options"]["addopts"] == "-ra"
+
+
+def test_default_files_skip_registry_and_init(tmp_path):
+    passes = tmp_path / "autoparallel" / "passes"
+    passes.mkdir(parents=True)
+    for name in ("__init__.py", "registry.py", "b.py", "a.py"):
+        (passes / name).write_text("")
+    assert L.default_files(tmp_path) == ["autoparallel/passes/a.py", "autoparallel/passes/b.py"]
+
+
+class _Trickle(io.BytesIO):
+    """A pipe that hands over 5 bytes at a time (multi-byte characters get split)."""
+
+    def read1(self, n=-1):
+        return super().read1(5)
+
+
+def test_relay_drops_spinner_frames_and_throttles_the_running_count():
+    out = _Trickle((
+        "⠋ Generating mutants⠙ Generating mutants\r    done in 10ms\n"
+        "⠋ 1/3  🎉 1 🫥 0  ⏰ 0  🤔 0  🙁 0  🔇 0  🧙 0\r⠙ 2/3  🎉 1 🫥 0  ⏰ 0  🤔 0  🙁 1  🔇 0  🧙 0\r"
+        "⠹ 3/3  🎉 2 🫥 0  ⏰ 0  🤔 0  🙁 1  🔇 0  🧙 0\n0.45 mutations/second\n"
+    ).encode())
+    said = []
+    seen = L._relay(out, said.append, every_s=3600)
+    assert said == [
+        "done in 10ms",
+        "1/3  🎉 1 🫥 0  ⏰ 0  🤔 0  🙁 0  🔇 0  🧙 0",
+        "0.45 mutations/second",
+        "3/3  🎉 2 🫥 0  ⏰ 0  🤔 0  🙁 1  🔇 0  🧙 0",  # the last count, always
+    ]
+    assert seen[-1] == "0.45 mutations/second"
+
+
+@pytest.mark.parametrize("surviving, expected", [(True, 1), (False, 0)])
+def test_verify_cli_exit_status_and_table(monkeypatch, capsys, surviving, expected):
+    """`python -m verify mutate --lines` reaches line_mutation.main with the `mutate` namespace."""
+    from verify.__main__ import main
+
+    mutants = [L.Mutant("autoparallel.passes.demo.x_walk__mutmut_1", "killed"),
+               L.Mutant("autoparallel.passes.demo.x_walk__mutmut_2", "survived" if surviving else "timeout")]
+    seen = {}
+
+    def fake_run(root, **kw):
+        seen.update(kw)
+        return L.LineMutationRun(mutants, kw["files"], kw["tests"], {}, 1.0, kw["workdir"], 0)
+
+    monkeypatch.setattr(L, "run", fake_run)
+    assert main(["mutate", "--lines", "-n", "2"]) == expected
+    assert seen["max_children"] == 2 and seen["max_examples"] == L.DEFAULT_MAX_EXAMPLES
+    assert "autoparallel/passes/registry.py" not in seen["files"]
+    assert "autoparallel/passes/fsdp_recompute.py" in seen["files"]
+    assert "tests/unit/test_fsdp_recompute.py" in seen["tests"]
+    assert not seen["workdir"].exists()  # the temporary scratch directory is removed
+    out = capsys.readouterr().out
+    assert out.splitlines()[1].split()[:2] == ["autoparallel/passes/demo.py", "2"]
+
+
+def test_hypothesis_cap_plugin_limits_examples(monkeypatch):
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    calls = []
+
+    @settings(max_examples=50, database=None)
+    @given(st.integers())
+    def prop(x):
+        calls.append(x)
+
+    item = SimpleNamespace(obj=prop)
+    monkeypatch.delenv(L.MAX_EXAMPLES_ENV, raising=False)
+    L.pytest_collection_modifyitems([item, SimpleNamespace(obj=lambda: None)])
+    assert prop._hypothesis_internal_use_settings.max_examples == 50
+    monkeypatch.setenv(L.MAX_EXAMPLES_ENV, "3")
+    L.pytest_collection_modifyitems([item, SimpleNamespace(obj=lambda: None)])
+    prop()
+    assert len(calls) <= 3
+    assert prop._hypothesis_internal_use_settings.derandomize
