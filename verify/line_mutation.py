@@ -640,4 +640,8 @@ def _parser() -> argparse.ArgumentParser:
 
 
 if __name__ == "__main__":
-    sys.exit(main(_parser().parse_args()))
+    try:
+        sys.exit(main(_parser().parse_args()))
+    except ValueError as e:  # a file that does not exist, --report-only without --workdir
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)

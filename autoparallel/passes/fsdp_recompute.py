@@ -62,10 +62,8 @@ def _is_c10d(node: fx.Node) -> bool:
 
 
 def _is_param_placeholder(node: fx.Node) -> bool:
-    """A placeholder that holds a parameter. Graphs without roles (hand-built) count every
+    """Whether a placeholder holds a parameter. Graphs without roles (hand-built) count every
     placeholder as one; graphs traced by autoparallel.parallelize say so in ``meta[ROLE]``."""
-    if node.op != "placeholder":
-        return False
     role = node.meta.get(M.ROLE)
     return role is None or str(role).startswith("param:")
 

@@ -348,3 +348,18 @@ def first_partition_toy():
         jg = build_joint_graph(_Toy(), ParallelPlan.fsdp(), mesh, inputs, loss_fn=_mse)
         fp = apply_placement(jg).first_partition
     return fp.fw, fp.bw
+
+
+def test_all_gather_of_a_multi_input_result_is_not_fsdp():
+    """The walk back from the all-gather stops at the two-input mm, which is no parameter,
+    even though both of its inputs are."""
+    g = fx.Graph()
+    a = _placeholder(g, "a", torch.empty(4, 8, device="meta"), "param:a.weight")
+    b = _placeholder(g, "b", torch.empty(8, 8, device="meta"), "param:b.weight")
+    mm = _node(g, aten.mm.default, (a, b), torch.empty(4, 8, device="meta"))
+    ag = _node(g, ALL_GATHER, (mm, 4, "dp"), torch.empty(16, 8, device="meta"))
+    wait = _node(g, WAIT, (ag,), torch.empty(16, 8, device="meta"))
+    g.output((wait,))
+    assert not is_fsdp_all_gather(ag)
+    assert mark_fsdp_all_gather_recomputation(g).all_gathers == []
+    assert M.RECOMPUTE not in ag.meta and M.RECOMPUTE not in wait.meta
