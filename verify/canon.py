@@ -339,7 +339,8 @@ class _Namer:
         return name
 
 
-def _graph_and_owner(gm: fx.GraphModule | fx.Graph) -> tuple[fx.Graph, Any]:
+def graph_and_owner(gm: fx.GraphModule | fx.Graph) -> tuple[fx.Graph, Any]:
+    """(graph, owning module or None) of a GraphModule or a Graph."""
     if isinstance(gm, fx.GraphModule):
         return gm.graph, gm
     if isinstance(gm, fx.Graph):
@@ -354,7 +355,7 @@ def _canonical_lines(
     require_val: bool,
     syms: SymbolNamer,
 ) -> list[str]:
-    graph, owner = _graph_and_owner(gm)
+    graph, owner = graph_and_owner(gm)
     if group_dims is None:
         group_dims = group_dims_of(owner) if owner is not None else {}
     namer = _Namer()

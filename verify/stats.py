@@ -44,7 +44,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 from autoparallel import meta as M
 from autoparallel.mesh import dim_label, group_dims_of
-from verify.canon import _group_name_of, group_arg
+from verify.canon import _group_name_of, graph_and_owner, group_arg
 
 __all__ = [
     "CATEGORIES",
@@ -264,18 +264,10 @@ class GraphStats:
         }
 
 
-def _graph_of(gm: fx.GraphModule | fx.Graph) -> tuple[fx.Graph, Any]:
-    if isinstance(gm, fx.GraphModule):
-        return gm.graph, gm
-    if isinstance(gm, fx.Graph):
-        return gm, gm.owning_module
-    raise TypeError(f"expected an fx.GraphModule or fx.Graph, got {type(gm).__name__}")
-
-
 def _group_dims(gm: Any, group_dims: Mapping[str, str] | None) -> Mapping[str, str]:
     if group_dims is not None:
         return group_dims
-    _, owner = _graph_of(gm)
+    _, owner = graph_and_owner(gm)
     return group_dims_of(owner) if owner is not None else {}
 
 
@@ -283,7 +275,7 @@ def graph_stats(
     gm: fx.GraphModule | fx.Graph, *, group_dims: Mapping[str, str] | None = None
 ) -> GraphStats:
     """Counts of one graph; see the module docstring for the conventions."""
-    graph, _ = _graph_of(gm)
+    graph, _ = graph_and_owner(gm)
     dims = _group_dims(gm, group_dims)
     st = GraphStats()
     compute_since_rs: int | None = None  # None until the first reduce-scatter
@@ -451,8 +443,8 @@ def static_peak_bytes(
     when the forward ends. Tangents are allocated when the backward starts; backward outputs stay
     live to the end. With ``bw_gm=None`` the graph's outputs stay live to the end.
     """
-    fw_graph, _ = _graph_of(fw_gm)
-    bw_graph = _graph_of(bw_gm)[0] if bw_gm is not None else None
+    fw_graph, _ = graph_and_owner(fw_gm)
+    bw_graph = graph_and_owner(bw_gm)[0] if bw_gm is not None else None
     steps: list[fx.Node] = list(fw_graph.nodes) + (
         list(bw_graph.nodes) if bw_graph is not None else []
     )
@@ -531,7 +523,7 @@ def partition_stats(
     fw = graph_stats(fw_gm, group_dims=group_dims)
     bw = graph_stats(bw_gm, group_dims=group_dims)
     count = nbytes = 0
-    for ph in _saved_placeholders(_graph_of(bw_gm)[0]):
+    for ph in _saved_placeholders(graph_and_owner(bw_gm)[0]):
         v = _val(ph, "the saved-tensor bytes")
         if isinstance(v, torch.Tensor):
             count += 1
