@@ -207,6 +207,8 @@ def test_generated_config_is_valid_toml_and_replaces_an_existing_table(tmp_path)
     assert mm["process_isolation"] == "forkserver"
     assert (mm["timeout_multiplier"], mm["timeout_constant"]) == (3.0, 2.0)
     assert "extra" not in mm
+    assert L.read_config(tmp_path) == (["autoparallel/passes/a.py"], ["tests/unit/test_a.py"],
+                                       ["tests/unit/test_a.py::test_x"])
     assert data["project"]["name"] == "x" and data["tool"]["pytest"]["ini_options"]["addopts"] == "-ra"
 
 
