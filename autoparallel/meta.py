@@ -24,6 +24,10 @@ AP_MUST_SAVE_GETITEM_INDICES = "ap_must_save_getitem_indices"  # list[int] for m
 PHASE = "phase"  # "forward" / "backward" (graph trainer)
 PHASE_BACKWARD = "backward"
 PHASE_FORWARD = "forward"
+# torch 2.11's remat pass reads only this marker (2.13 reads PHASE); backward nodes carry both,
+# so the graph trainer's remat works on the GPU machines' torch 2.11 too.
+REMAT_PASS_TAG = "remat_pass_tag"
+REMAT_PASS_TAG_BACKWARD = "is_backward"
 AC_REGION = "ac_region_id"  # int: the activation-checkpointing region (transformer block) of a node
 
 # --- autoparallel's own node.meta keys ------------------------------------------------------

@@ -46,6 +46,7 @@ __all__ = [
     "apply_sac_pass",
     "graph_sac",
     "recompute_summary",
+    "live_recomputable_values",
     "remat_pass",
     "sac_stages",
 ]
@@ -123,11 +124,33 @@ def apply_sac_pass(gm: fx.GraphModule, policy: str = "op") -> fx.GraphModule:
     return gm
 
 
+_RECOMPUTE_TAGS = (CheckpointPolicy.MUST_RECOMPUTE, CheckpointPolicy.PREFER_RECOMPUTE)
+
+
+def live_recomputable_values(gm: fx.GraphModule) -> list[fx.Node]:
+    """Forward nodes tagged for recompute that a backward node still reads directly.
+
+    After a working remat pass there are none: each such use reads a copy placed after the
+    first backward node. Nodes after that point (the copies) are not forward nodes here.
+    """
+    live = []
+    for node in gm.graph.nodes:
+        if is_backward_node(node):
+            break
+        if node.meta.get(M.RECOMPUTE) in _RECOMPUTE_TAGS and any(
+            is_backward_node(user) for user in node.users
+        ):
+            live.append(node)
+    return live
+
+
 def remat_pass(gm: fx.GraphModule) -> fx.GraphModule:
     """PyTorch's ``remat_using_tags_for_fwd_loss_bwd_graph`` on ``gm``; returns a new graph.
 
     A no-op (the same ``gm``) when nothing is tagged for recompute or when no node is marked
-    as backward (``custom[PHASE] == PHASE_BACKWARD``).
+    as backward (``custom[PHASE] == PHASE_BACKWARD``). Raises RuntimeError when the pass ran
+    but left recomputable activations alive into the backward (a torch whose remat pass reads
+    another backward marker does that silently; the peak memory then equals no remat).
     """
     from torch._functorch._activation_checkpointing.remat_using_tags_for_fwd_loss_bwd_graph_pass import (
         remat_using_tags_for_fwd_loss_bwd_graph,
@@ -136,6 +159,15 @@ def remat_pass(gm: fx.GraphModule) -> fx.GraphModule:
     out = remat_using_tags_for_fwd_loss_bwd_graph(gm)
     out.meta.update({k: v for k, v in gm.meta.items() if k not in out.meta})
     out.graph.lint()
+    live = live_recomputable_values(out)
+    if live:
+        names = ", ".join(n.name for n in live[:5]) + (", ..." if len(live) > 5 else "")
+        raise RuntimeError(
+            f"remat_pass: {len(live)} value(s) tagged for recompute are still read by the "
+            f"backward ({names}); torch {torch.__version__}'s "
+            "remat_using_tags_for_fwd_loss_bwd_graph did not rematerialize them (does it read "
+            f"meta['custom']['{M.PHASE}'] or ['{M.REMAT_PASS_TAG}']?)"
+        )
     return out
 
 

@@ -16,7 +16,8 @@ Graph calling convention: ``gm(*params, *buffers, *inputs) -> (loss, *grads)``.
   the output node carries the list ``["loss", "grad:<fqn>", ...]``.
 * Phases: every node traced inside the ``autograd.grad`` call has
   ``meta["custom"][PHASE] == PHASE_BACKWARD``; nodes traced in the forward and the loss have
-  ``PHASE_FORWARD`` (patch ``phase_tagging``; disabled, no node carries a phase and PyTorch's
+  ``PHASE_FORWARD``; backward nodes also carry ``REMAT_PASS_TAG``, the marker torch 2.11's
+  remat pass reads instead of ``PHASE`` (patch ``phase_tagging``; disabled, no node carries a phase and PyTorch's
   remat pass finds no backward region). make_fx itself marks nothing as backward.
 * ``seq_nr``: backward nodes get the ``seq_nr`` of the forward op whose ``grad_fn`` produced them
   (autograd pre/post hooks installed on the traced autograd graph, as AOTAutograd does). After
@@ -136,7 +137,10 @@ def is_forward_node(node: fx.Node) -> bool:
 @contextlib.contextmanager
 def _phase(name: str) -> Iterator[None]:
     if enabled("phase_tagging"):
-        with fx_traceback.annotate({M.PHASE: name}):
+        annotation = {M.PHASE: name}
+        if name == M.PHASE_BACKWARD:
+            annotation[M.REMAT_PASS_TAG] = M.REMAT_PASS_TAG_BACKWARD
+        with fx_traceback.annotate(annotation):
             yield
     else:
         yield
@@ -332,6 +336,7 @@ def _check_signature(gm: fx.GraphModule, input_roles: Sequence[str], num_outputs
 
 
 _INHERITED_META = (M.NN_MODULE_STACK, M.AC_GRAPH_ID)
+_OWN_PHASE_KEYS = (M.PHASE, M.REMAT_PASS_TAG)
 
 
 def copy_forward_meta_to_backward(gm: fx.GraphModule) -> int:
@@ -357,7 +362,7 @@ def copy_forward_meta_to_backward(gm: fx.GraphModule) -> int:
             continue
         custom = M.custom_meta(node)
         for key, value in src.meta.get(M.CUSTOM, {}).items():
-            if key != M.PHASE:
+            if key not in _OWN_PHASE_KEYS:
                 custom[key] = copy.deepcopy(value)
         for key in _INHERITED_META:
             if key in src.meta:

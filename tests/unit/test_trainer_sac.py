@@ -17,8 +17,10 @@ from autoparallel.trainer import (
     copy_graph_module,
     is_backward_node,
     is_forward_node,
+    live_recomputable_values,
     recompute_summary,
     region_of,
+    remat_pass,
     sac_stages,
     trace_train_step,
 )
@@ -148,6 +150,35 @@ def test_remat_duplicates_recomputed_ops_into_backward(op_stages):
             position[u] > i and not is_forward_node(u) or u.meta.get(M.AUTOGRAD_BACKWARD)
             for u in users
         )
+
+
+def test_backward_nodes_carry_both_remat_markers(step):
+    """torch 2.13's remat pass reads ``custom[PHASE]``, 2.11's only ``custom[REMAT_PASS_TAG]``
+    (the GPU machines run 2.11): every backward node carries both, no forward node either."""
+    backward = [n for n in step.gm.graph.nodes if is_backward_node(n)]
+    assert backward
+    for n in step.gm.graph.nodes:
+        marker = n.meta.get(M.CUSTOM, {}).get(M.REMAT_PASS_TAG)
+        assert marker == (M.REMAT_PASS_TAG_BACKWARD if is_backward_node(n) else None), n.name
+
+
+def test_remat_leaves_no_recomputable_value_alive_into_backward(op_stages):
+    tagged, remat = op_stages
+    live = live_recomputable_values(tagged)
+    # Before remat the backward reads recomputable activations (silu, rsqrt, views of mms).
+    assert any(n.target is torch.ops.aten.silu.default for n in live), live
+    assert live_recomputable_values(remat) == []
+
+
+def test_remat_pass_raises_when_torch_rematerializes_nothing(op_stages, monkeypatch):
+    """A remat pass that reads another backward marker returns the graph unchanged: that must
+    be an error, not a silent peak-memory regression (seen on torch 2.11 on the GPU machine)."""
+    import torch._functorch._activation_checkpointing.remat_using_tags_for_fwd_loss_bwd_graph_pass as rp
+
+    tagged, _ = op_stages
+    monkeypatch.setattr(rp, "remat_using_tags_for_fwd_loss_bwd_graph", copy_graph_module)
+    with pytest.raises(RuntimeError, match=r"value\(s\) tagged for recompute are still read by"):
+        remat_pass(copy_graph_module(tagged))
 
 
 def test_unknown_policy_is_rejected(step):
