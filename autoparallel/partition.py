@@ -308,7 +308,8 @@ def choose_replay_saves(gm: fx.GraphModule, node_info) -> tuple[list[fx.Node], l
     saved_sym: list[fx.Node] = []
     saved_opaque: list[fx.Node] = []
     multi_output_parents: set[fx.Node] = set()
-    candidates = [n for n in gm.graph.nodes if n in node_info.required_fw_nodes or n in node_info.unclaimed_nodes]
+    # is_required_fw, not `in required_fw_nodes`: that is a sorted list (quadratic at 8B size).
+    candidates = [n for n in gm.graph.nodes if node_info.is_required_fw(n) or node_info.is_unclaimed(n)]
     for node in candidates:
         if node.op == "output":
             continue
