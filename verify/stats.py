@@ -18,9 +18,10 @@ Conventions (stable; goldens depend on them):
   all-to-all and broadcast. Coalesced variants sum over their tensors. Symbolic sizes use the
   trace-time hint (``optimization_hint``).
 * ``max_consec_compute_between_rs``: for each pair of consecutive reduce-scatter launches in graph
-  order, the number of ``compute`` nodes between them; the maximum over pairs (0 with fewer than
-  two reduce-scatters). Views, getitems, waits and other collectives in between are not counted
-  and do not break the run.
+  order, the number of FLOP-counted compute nodes between them (mm, bmm, addmm, SDPA, ...:
+  ``autoparallel.passes.graph_utils.is_flop_compute``, what Inductor's overlap scheduler calls a
+  compute node and what the seeds' telemetry counts); the maximum over pairs (0 with fewer than
+  two reduce-scatters). One definition, shared with the overlap pass's own log line.
 * **Saved tensors** of a forward/backward pair: the backward graph's placeholders that are not
   tangents (role ``tangent:*`` if the placeholder has a ``ROLE``, else a name starting with
   ``tangents``) and whose ``val`` is a tensor; bytes are ``numel * element_size``.
@@ -44,6 +45,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 from autoparallel import meta as M
 from autoparallel.mesh import dim_label, group_dims_of
+from autoparallel.passes.graph_utils import max_consec_compute_between_rs
 from verify.canon import _group_name_of, graph_and_owner, group_arg
 
 __all__ = [
@@ -278,7 +280,6 @@ def graph_stats(
     graph, _ = graph_and_owner(gm)
     dims = _group_dims(gm, group_dims)
     st = GraphStats()
-    compute_since_rs: int | None = None  # None until the first reduce-scatter
     for node in graph.nodes:
         st.num_nodes += 1
         cat = node_category(node)
@@ -291,20 +292,13 @@ def graph_stats(
             cs = st.collectives.setdefault(kind, {}).setdefault(label, CollectiveStat())
             cs.count += 1
             cs.bytes += _collective_bytes(node, kind)
-            if kind == "reduce_scatter":
-                if compute_since_rs is not None:
-                    st.max_consec_compute_between_rs = max(
-                        st.max_consec_compute_between_rs, compute_since_rs
-                    )
-                compute_since_rs = 0
-        elif cat == "compute" and compute_since_rs is not None:
-            compute_since_rs += 1
         pol = node.meta.get(M.RECOMPUTE)
         if pol is not None:
             name = getattr(pol, "name", str(pol))
             st.recompute[name] = st.recompute.get(name, 0) + 1
         if (node.meta.get(M.CUSTOM) or {}).get(M.AP_MUST_SAVE):
             st.must_save += 1
+    st.max_consec_compute_between_rs = max_consec_compute_between_rs(graph)
     return st
 
 

@@ -130,8 +130,8 @@ def max_consec_compute_between_rs(graph: fx.Graph, is_compute=is_flop_compute) -
 
     The regression metric of topo-span bucketing: bucketing that rewires dependencies lets the
     following topological sort batch many matmuls before the first reduce-scatter. Compute nodes
-    are ``is_flop_compute`` by default (the scheduler's notion); verify.stats counts every
-    non-view compute node instead, so its number is larger on the same graph.
+    are ``is_flop_compute`` by default (the scheduler's notion, and the seeds' telemetry);
+    verify.stats reports this same function.
     """
     best = 0
     run: int | None = None  # None until the first reduce-scatter

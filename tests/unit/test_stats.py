@@ -114,28 +114,34 @@ def test_missing_val_where_bytes_are_needed_names_the_node():
 
 
 def test_max_consec_compute_between_reduce_scatters():
+    """Counts FLOP compute nodes (mm, bmm, ...: the scheduler's and the seeds' definition)
+    between reduce-scatter launches; pointwise ops, views, getitems, waits and other
+    collectives neither count nor break the run."""
     g = fx.Graph()
     x = g.placeholder("x")
-    before = g.call_function(aten.neg.default, (x,))  # before the first RS: not counted
+    w = g.placeholder("w")
+    before = g.call_function(aten.mm.default, (x, w))  # before the first RS: not counted
     rs1 = g.call_function(c10d.reduce_scatter_tensor.default, (before, "sum", 2, "1"))
     g.call_function(c10d.wait_tensor.default, (rs1,))
-    a = g.call_function(aten.relu.default, (x,))  # 1
-    v = g.call_function(aten.view.default, (a, [-1]))  # view: not counted
-    b = g.call_function(aten.mul.Tensor, (v, v))  # 2
-    vm = g.call_function(aten.var_mean.correction, (x, [1]), {"keepdim": True})  # 3
+    a = g.call_function(aten.mm.default, (x, w))  # 1
+    r = g.call_function(aten.relu.default, (a,))  # pointwise: not counted
+    v = g.call_function(aten.view.default, (r, [1, 4, 8]))  # view: not counted
+    b = g.call_function(aten.bmm.default, (v, g.call_function(aten.view.default, (w, [1, 8, 8]))))  # 2
+    vm = g.call_function(aten.var_mean.correction, (x, [1]), {"keepdim": True})
     m = g.call_function(operator.getitem, (vm, 1))  # getitem: not counted
     ag = g.call_function(
         c10d.all_gather_into_tensor.default, (m, 2, "3")
     )  # collective: not counted
     g.call_function(c10d.wait_tensor.default, (ag,))
-    d = g.call_function(aten.add.Tensor, (x, m))  # 4
+    c = g.call_function(aten.addmm.default, (m, x, w))  # 3
+    d = g.call_function(aten.mm.default, (c, w))  # 4
     rs2 = g.call_function(c10d.reduce_scatter_tensor.default, (d, "sum", 2, "1"))
-    e = g.call_function(aten.exp.default, (d,))  # 1
+    e = g.call_function(aten.mm.default, (d, w))  # 1
     rs3 = g.call_function(c10d.reduce_scatter_tensor.default, (e, "sum", 2, "3"))
-    f = g.call_function(aten.sin.default, (e,))  # after the last RS: not counted
-    g.call_function(aten.cos.default, (f,))
+    f = g.call_function(aten.mm.default, (e, w))  # after the last RS: not counted
+    g.call_function(aten.mm.default, (f, w))
     g.output((rs2, rs3, b))
-    gm = _gm(g, torch.randn(4, 8))
+    gm = _gm(g, torch.randn(4, 8), torch.randn(8, 8))
     st = graph_stats(gm)
     assert st.max_consec_compute_between_rs == 4
     assert node_category(v) == "view" and node_category(m) == "other"
@@ -143,10 +149,10 @@ def test_max_consec_compute_between_reduce_scatters():
 
     one = fx.Graph()
     y = one.placeholder("y")
-    r = one.call_function(c10d.reduce_scatter_tensor.default, (y, "sum", 2, "1"))
-    one.call_function(aten.relu.default, (y,))
-    one.output(r)
-    assert graph_stats(_gm(one, torch.randn(4, 8))).max_consec_compute_between_rs == 0
+    rs = one.call_function(c10d.reduce_scatter_tensor.default, (y, "sum", 2, "1"))
+    one.call_function(aten.mm.default, (y, y))
+    one.output(rs)
+    assert graph_stats(_gm(one, torch.randn(8, 8))).max_consec_compute_between_rs == 0
 
 
 def test_recompute_tags_are_counted_per_policy():
