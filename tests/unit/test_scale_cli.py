@@ -22,6 +22,9 @@ def test_scale_json_has_every_stage_and_field(capsys):
     assert fwd_ag(by_name["pre_overlap_bucketing"]) < fwd_ag(second)
     assert "bucketing" in by_name["topo_span_bucketing"]
     assert result["total_seconds"] > 0 and result["peak_rss_gib"] > 0
+    stage_sum = sum(s["seconds"] for s in result["stages"])
+    assert result["import_seconds"] >= 0
+    assert abs(result["total_seconds"] - (result["import_seconds"] + stage_sum)) < 0.02
 
 
 def test_scaling_table_ratios():
