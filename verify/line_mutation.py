@@ -16,11 +16,12 @@ What runs
       code inside functions and skips decorated functions (except ``@staticmethod`` and
       ``@classmethod``); module-level code is never mutated.
     * Tests: ``tests/unit/test_fsdp_recompute.py``, ``test_topo_span_bucketing.py``,
-      ``test_pre_overlap_bucketing.py``, ``test_fuse_chained_allgathers.py`` and ``tests/property/``
-      (those that exist). mutmut records once which tests reach which function and runs only those
-      per mutant. Hypothesis tests run with ``max_examples`` capped (``--max-examples``, default 10)
-      and derandomized, without the example database, so a verdict does not depend on luck or on
-      examples an earlier mutant left behind.
+      ``test_pre_overlap_bucketing.py``, ``test_fuse_chained_allgathers.py``,
+      ``test_passes_pipeline.py``, ``test_overlap_estimator.py``, ``test_graph_utils.py`` and
+      ``tests/property/`` (those that exist). mutmut records once which tests reach which function
+      and runs only those per mutant. Hypothesis tests run with ``max_examples`` capped
+      (``--max-examples``, default 10) and derandomized, without the example database, so a
+      verdict does not depend on luck or on examples an earlier mutant left behind.
     * A baseline pytest run of the selected tests comes first: tests that do not pass on the
       unmutated code are deselected (and listed), because mutmut refuses to start otherwise and a
       test that already fails kills nothing.
@@ -83,6 +84,9 @@ DEFAULT_TESTS = (
     "tests/unit/test_topo_span_bucketing.py",
     "tests/unit/test_pre_overlap_bucketing.py",
     "tests/unit/test_fuse_chained_allgathers.py",
+    "tests/unit/test_passes_pipeline.py",
+    "tests/unit/test_overlap_estimator.py",
+    "tests/unit/test_graph_utils.py",
     "tests/property",
 )
 MAX_EXAMPLES_ENV = "AP_MUTATION_MAX_EXAMPLES"

@@ -3,6 +3,8 @@ tests/parity/test_bucketing_parity.py)."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -141,3 +143,153 @@ def test_needs_the_group_map(mesh):
     gm = _out(b, _chain(b, "dp", "tp"))
     with pytest.raises(ValueError, match="needs the graph's group-name -> mesh-dim map"):
         fuse_chained_allgathers(gm.graph)
+
+
+# --- what the rewrite produces ------------------------------------------------------------------
+
+
+def test_column_major_reshuffle_uses_the_outer_dim_first():
+    """dp=4, tp=2: a dp -> tp chain gathers blocks i_tp * 4 + i_dp; the flat result [8*3, H] is
+    viewed as [dp, tp, 3, H], permuted to [tp, dp, 3, H] and made contiguous."""
+    with fake_world("dp=4,tp=2") as mesh:
+        b = GraphBuilder(mesh_groups(mesh))
+        gm = _out(b, _chain(b, "dp", "tp"), _chain(b, "tp", "dp"))
+        assert fuse_chained_allgathers(gm, mesh.group_dims) == 2
+        col, row = gm.graph.output_node().args[0]
+        clone = col.args[0]
+        perm = clone.args[0]
+        view = perm.args[0]
+        assert (view.target, view.args[1]) == (aten.view.default, [4, 2, 3, H])
+        assert perm.args[1] == [1, 0, 2, 3]
+        assert clone.kwargs == {"memory_format": torch.contiguous_format}
+        assert col.args[1] == [24, H] and tuple(col.meta["val"].shape) == (24, H)
+        ags = gm.graph.find_nodes(op="call_function", target=ALL_GATHER)
+        assert [ag.args[1:] for ag in ags] == [(8, mesh.group_name("dp*tp"))] * 2
+        assert row.target is WAIT and row.args[0] is ags[1]
+
+
+def test_fused_nodes_keep_the_chains_meta(mesh):
+    """The fused all-gather takes the second all-gather's meta (e.g. its bucketing tag)."""
+    from autoparallel import meta as M
+
+    b = GraphBuilder(mesh_groups(mesh))
+    gm = _out(b, _chain(b, "tp", "dp"))
+    ag2 = gm.graph.find_nodes(op="call_function", target=ALL_GATHER)[1]
+    M.set_bucket_tag(ag2, "fsdp_ag")
+    assert fuse_chained_allgathers(gm, mesh.group_dims) == 1
+    (ag,) = gm.graph.find_nodes(op="call_function", target=ALL_GATHER)
+    assert M.bucket_tag(ag) == "fsdp_ag"
+    assert tuple(ag.meta["val"].shape) == (12, H)
+
+
+def test_graph_module_is_recompiled_and_plain_graphs_work(mesh):
+    b = GraphBuilder(mesh_groups(mesh))
+    gm = _out(b, _chain(b, "tp", "dp"))
+    assert gm.code.count("_c10d_functional.all_gather_into_tensor.default(") == 2
+    assert fuse_chained_allgathers(gm, mesh.group_dims) == 1
+    assert gm.code.count("_c10d_functional.all_gather_into_tensor.default(") == 1
+    b = GraphBuilder(mesh_groups(mesh))
+    g = _out(b, _chain(b, "tp", "dp")).graph
+    assert fuse_chained_allgathers(g, mesh.group_dims) == 1
+    assert len(g.find_nodes(op="call_function", target=ALL_GATHER)) == 1
+
+
+def test_a_node_joins_at_most_one_chain(mesh):
+    """dp -> tp -> dp: both pairs are chains but share the middle all-gather; only the first is
+    fused. An independent chain in between must not make the pass forget that."""
+    b = GraphBuilder(mesh_groups(mesh))
+    ab = _chain(b, "dp", "tp")
+    xy = _chain(b, "tp", "dp")
+    abc = b.all_gather(ab, "dp")
+    gm = _out(b, abc, xy)
+    assert fuse_chained_allgathers(gm, mesh.group_dims) == 2
+    flat, dp = mesh.group_name("dp*tp"), mesh.group_name("dp")
+    assert _ag_groups(gm) == [flat, flat, dp]
+    gm.graph.lint()
+
+
+def test_square_transpose_is_not_the_identity(mesh):
+    """[4, 4] -> t(): same storage and shape, other strides."""
+    b = GraphBuilder(mesh_groups(mesh))
+    v = b.all_gather(b.param((2, 4)), "dp")
+    gm = _out(b, b.all_gather(b.call(aten.t.default, v), "tp"))
+    assert fuse_chained_allgathers(gm, mesh.group_dims) == 0
+
+
+def test_reduce_then_gather_is_not_a_chain(mesh):
+    b = GraphBuilder(mesh_groups(mesh))
+    rs = b.reduce_scatter(b.param((4, H)), "dp")
+    ar = b.all_reduce(b.param((4, H)), "dp")
+    gm = _out(b, b.all_gather(rs, "tp"), b.all_gather(ar, "tp"))
+    assert fuse_chained_allgathers(gm, mesh.group_dims) == 0
+
+
+# --- group sizes --------------------------------------------------------------------------------
+
+NAMES = {"dp": ("10", 2), "tp": ("11", 2), "dp*tp": ("12", 4)}  # names no world knows
+DIMS = {name: label for label, (name, _) in NAMES.items()}
+
+
+def _unnamed_chain():
+    """A dp -> tp chain on group names no world knows, and its two all-gathers."""
+    b = GraphBuilder(NAMES)
+    gm = _out(b, _chain(b, "dp", "tp"))
+    return gm, gm.graph.find_nodes(op="call_function", target=ALL_GATHER)
+
+
+def test_group_sizes_replace_the_world(monkeypatch):
+    import torch.distributed as dist
+
+    monkeypatch.setattr(dist, "is_initialized", lambda: False)
+    gm, _ = _unnamed_chain()
+    assert fuse_chained_allgathers(gm, DIMS, {"dp": 2, "tp": 2, "dp*tp": 4}) == 1
+    assert _ag_groups(gm) == ["12"]
+
+
+@pytest.mark.parametrize("missing, at", [("dp", 0), ("tp", 1), ("dp*tp", 1)])
+def test_group_sizes_must_name_every_dim(missing, at):
+    gm, ags = _unnamed_chain()
+    ag = ags[at]
+    sizes = {k: v for k, v in {"dp": 2, "tp": 2, "dp*tp": 4}.items() if k != missing}
+    with pytest.raises(
+        ValueError,
+        match=rf"^node '{ag.name}': group_sizes has no size for mesh dim '{re.escape(missing)}'$",
+    ):
+        fuse_chained_allgathers(gm, DIMS, sizes)
+
+
+def test_sizes_need_a_world_or_group_sizes(monkeypatch):
+    import torch.distributed as dist
+
+    monkeypatch.setattr(dist, "is_initialized", lambda: False)
+    gm, (ag, _) = _unnamed_chain()
+    with pytest.raises(
+        ValueError,
+        match=rf"^node '{ag.name}': fusing needs the size of mesh dim 'dp'; pass "
+        r"group_sizes=\{label: size\} or run inside the \(fake\) world the graph was traced on$",
+    ):
+        fuse_chained_allgathers(gm, DIMS)
+
+
+def test_groups_unknown_to_the_world_are_an_error(mesh):
+    gm, (ag, _) = _unnamed_chain()
+    with pytest.raises(
+        ValueError,
+        match=rf"^node '{ag.name}': process group '10' \(mesh dim 'dp'\) is unknown to the "
+        "running world; rebind the graph to this world or pass group_sizes$",
+    ):
+        fuse_chained_allgathers(gm, DIMS)
+
+
+def test_graph_module_without_group_map(mesh):
+    from autoparallel import meta as M
+
+    b = GraphBuilder(mesh_groups(mesh))
+    gm = _out(b, _chain(b, "dp", "tp"))
+    del gm.meta[M.GM_GROUP_DIMS]
+    with pytest.raises(
+        ValueError,
+        match=r"^fuse_chained_allgathers needs the graph's group-name -> mesh-dim map: pass "
+        r"group_dims=mesh\.group_dims or attach it with autoparallel\.mesh\.attach_group_dims$",
+    ):
+        fuse_chained_allgathers(gm)

@@ -233,3 +233,217 @@ def test_tags_reach_the_first_partitions_recomputed_all_gathers():
         res = bucket_tagged_collectives(first.bw)
         assert (res.after["all_gather"], res.after["reduce_scatter"]) == (1, 1)
         first.bw.graph.lint()
+
+
+# --- tagging rules on small hand-built graphs ---------------------------------------------------
+
+
+@pytest.fixture
+def mesh():
+    with fake_world("dp=4,tp=2") as m:
+        yield m
+
+
+def test_param_derived_nodes(mesh):
+    from autoparallel.passes.pre_overlap_bucketing import param_derived_nodes
+
+    b = GraphBuilder(mesh_groups(mesh))
+    x = b.placeholder("x", (1, H), role="input:0")
+    p = b.param((1, H))
+    q = b.placeholder("q", (1, H), role="buffer:q")  # not a parameter
+    cast = b.call(aten.relu.default, p)
+    both = b.call(aten.add.Tensor, cast, p)
+    mixed = b.call(aten.add.Tensor, p, x)
+    from_x = b.call(aten.relu.default, x)
+    gm = b.output([both, mixed, from_x, q], ["loss", "o1", "o2", "o3"])
+    assert param_derived_nodes(gm.graph) == {p, cast, both}
+
+
+def test_param_derived_all_gathers_are_tagged(mesh):
+    b = GraphBuilder(mesh_groups(mesh))
+    x = b.placeholder("x", (1, H), role="input:0")
+    p = b.param((1, H))
+    via_relu = b.all_gather(b.call(aten.relu.default, p), "dp")
+    of_input = b.all_gather(b.call(aten.relu.default, x), "dp")
+    mixed = b.all_gather(b.call(aten.add.Tensor, p, x), "dp")
+    gm = b.output([via_relu, of_input, mixed], ["loss", "o1", "o2"])
+    counts = tag_collectives_for_bucketing(gm)
+    tags = [M.bucket_tag(n) for n in gm.graph.nodes if n.target is ALL_GATHER]
+    assert tags == [TAG_FSDP_AG, None, None]
+    assert counts.tagged[TAG_FSDP_AG] == 1 and counts.untagged == 2
+
+
+def test_retagging_clears_stale_tags(mesh):
+    b = GraphBuilder(mesh_groups(mesh))
+    x = b.placeholder("x", (1, H), role="input:0")
+    gm = b.output([b.all_gather(x, "dp")], ["loss"])
+    (ag,) = [n for n in gm.graph.nodes if n.target is ALL_GATHER]
+    M.set_bucket_tag(ag, TAG_FSDP_AG)
+    assert tag_collectives_for_bucketing(gm).untagged == 1
+    assert M.bucket_tag(ag) is None
+
+
+def _grad_graph(mesh, roles, *, shared=False):
+    """``g = mm(a.t(), a)``; ``rs = reduce_scatter(g)`` is output with ``roles`` (one role per
+    output, the same wait listed len(roles) times). ``shared``: ``g`` also feeds a loss."""
+    b = GraphBuilder(mesh_groups(mesh))
+    a = b.placeholder("a", (8, H), role="input:0")
+    g = b.call(aten.mm.default, b.call(aten.t.default, a), a)
+    w = b.reduce_scatter(g, "dp")
+    outs = [w] * len(roles)
+    if shared:
+        outs.append(b.call(aten.sum.default, b.call(aten.relu.default, g)))
+        roles = [*roles, "loss"]
+    return b.output(outs, roles), a, g, w
+
+
+def _rs(gm):
+    return next(n for n in gm.graph.nodes if n.target is REDUCE_SCATTER)
+
+
+def test_gradient_terminal_nodes(mesh):
+    from autoparallel.passes.pre_overlap_bucketing import gradient_terminal_nodes
+
+    gm, a, g, w = _grad_graph(mesh, ["grad:p0"])
+    rs = _rs(gm)
+    # the wait, the reduce-scatter and the mm reach only the gradient through single-input ops;
+    # t(a) feeds the two-input mm and the placeholder is never terminal
+    assert gradient_terminal_nodes(gm.graph) == {w, rs, g}
+    b = GraphBuilder(mesh_groups(mesh))
+    dead = b.call(aten.relu.default, b.placeholder("y", (2,), role="input:0"))
+    z = b.placeholder("z", (2,), role="input:1")
+    gm2 = b.output([b.call(aten.neg.default, z), z], ["grad:p0", "grad:p1"])
+    assert dead.users == {}
+    assert gradient_terminal_nodes(gm2.graph) == {gm2.graph.output_node().args[0][0]}
+
+
+@pytest.mark.parametrize(
+    "roles",
+    [["loss"], ["output:0"], ["grad:p0", "output:1"], ["output:0", "grad:p0"], [None]],
+)
+def test_collectives_reaching_non_gradients_are_not_tagged(mesh, roles):
+    gm, *_ = _grad_graph(mesh, roles)
+    counts = tag_collectives_for_bucketing(gm)
+    assert counts.tagged[TAG_GRAD_RS] == 0 and counts.untagged == 1
+    assert M.bucket_tag(_rs(gm)) is None
+
+
+def test_node_with_a_gradient_user_and_another_user_is_not_terminal(mesh):
+    from autoparallel.passes.pre_overlap_bucketing import gradient_terminal_nodes
+
+    gm, a, g, w = _grad_graph(mesh, ["grad:p0"], shared=True)
+    assert list(g.users)[0].target is REDUCE_SCATTER  # the gradient user comes first
+    assert gradient_terminal_nodes(gm.graph) == {w, _rs(gm)}
+
+
+def test_output_roles_must_match_the_outputs(mesh):
+    from autoparallel.passes.pre_overlap_bucketing import gradient_terminal_nodes
+
+    gm, *_ = _grad_graph(mesh, ["grad:p0", "grad:p1"])
+    gm.graph.output_node().meta[M.ROLE] = ["grad:p0", "grad:p1", "loss"]
+    with pytest.raises(
+        ValueError,
+        match=r"^output node 'output': 2 outputs but 3 roles in meta\['ap_role'\]; the labels "
+        "do not describe this graph$",
+    ):
+        gradient_terminal_nodes(gm.graph)
+    del gm.graph.output_node().meta[M.ROLE]
+    with pytest.raises(
+        ValueError,
+        match=r"^output node 'output' has no meta\['ap_role'\]: tag on the joint graph from "
+        r"autoparallel\.parallelize\.build_joint_graph \(it labels outputs loss / grad:<fqn>\)$",
+    ):
+        gradient_terminal_nodes(gm.graph)
+
+
+# --- bucketing details --------------------------------------------------------------------------
+
+
+def test_result_metrics_per_kind_and_disabled_flag():
+    with fake_world("dp=4,tp=2") as mesh:
+        gm = _hand_graph(mesh)
+        tag_collectives_for_bucketing(gm)
+        res = bucket_tagged_collectives(gm)
+        assert list(res.metrics) == ["all_gather", "reduce_scatter", "all_reduce"]
+        assert res.metrics["reduce_scatter"].num_bucketed == 3
+        assert res.summary() == "all_gather 5->2, reduce_scatter 3->1, all_reduce 1->1"
+        with registry.disabled("pre_overlap_bucketing"):
+            off = bucket_tagged_collectives(_hand_graph(mesh))
+        assert off.enabled is False and off.metrics == {}
+        assert off.summary().endswith(" (patch disabled)")
+
+
+def test_topo_span_is_passed_to_the_planner():
+    with fake_world("dp=4,tp=2") as mesh:
+        gm = _hand_graph(mesh)
+        tag_collectives_for_bucketing(gm)
+        res = bucket_tagged_collectives(gm, PreOverlapConfig(max_topo_span=0))
+        assert res.after == res.before
+        assert res.metrics["all_gather"].max_topo_span == 0
+        assert res.metrics["all_gather"].closed_by_span == 3
+
+
+@pytest.mark.parametrize("span", [0, 5, None])
+def test_valid_spans_are_accepted(span):
+    assert PreOverlapConfig(max_topo_span=span).max_topo_span == span
+
+
+@pytest.mark.parametrize("bad", [True, "3", 2.0])
+def test_non_int_spans_are_rejected(bad):
+    with pytest.raises(
+        ValueError, match=rf"max_topo_span must be None or an int >= 0, got {bad!r}"
+    ):
+        PreOverlapConfig(max_topo_span=bad)
+
+
+def test_tagged_collective_needs_a_single_wait(mesh):
+    b = GraphBuilder(mesh_groups(mesh))
+    name, size = b.group("dp")
+    g = b.placeholder("g", (8, H), role="input:0")
+    rs = b.call(REDUCE_SCATTER, g, "sum", size, name)
+    w1 = b.call(torch.ops._c10d_functional.wait_tensor.default, rs)
+    r2 = b.call(aten.relu.default, rs)
+    gm = b.output([w1, r2], ["grad:p0", "grad:p1"])
+    M.set_bucket_tag(rs, TAG_GRAD_RS)
+    with pytest.raises(
+        ValueError,
+        match=rf"^tagged collective '{rs.name}' must have exactly one user, a wait_tensor; "
+        rf"it has \['{w1.name}', '{r2.name}'\]$",
+    ):
+        bucket_tagged_collectives(gm)
+
+
+def test_tagged_collective_needs_a_val(mesh):
+    gm = _hand_graph(mesh)
+    tag_collectives_for_bucketing(gm)
+    rs = _rs(gm)
+    del rs.meta["val"]
+    with pytest.raises(ValueError, match=rf"node '{rs.name}' .*needed for bucketing;"):
+        bucket_tagged_collectives(gm)
+
+
+def test_gradient_all_reduces_are_tagged_and_merged(mesh):
+    b = GraphBuilder(mesh_groups(mesh))
+    a = b.placeholder("a", (8, H), role="input:0")
+    grads = [
+        b.all_reduce(b.call(aten.mm.default, b.call(aten.t.default, a), a), "dp") for _ in "xy"
+    ]
+    gm = b.output(grads, ["grad:x", "grad:y"])
+    counts = tag_collectives_for_bucketing(gm)
+    assert counts.tagged == {TAG_FSDP_AG: 0, TAG_GRAD_RS: 0, TAG_GRAD_AR: 2}
+    res = bucket_tagged_collectives(gm)
+    assert (res.before["all_reduce"], res.after["all_reduce"]) == (2, 1)
+
+
+def test_reduce_ops_are_never_mixed_in_a_bucket(mesh):
+    b = GraphBuilder(mesh_groups(mesh))
+    a = b.placeholder("a", (8, H), role="input:0")
+    grads = [
+        b.reduce_scatter(b.call(aten.mm.default, b.call(aten.t.default, a), a), "dp", op)
+        for op in ("sum", "avg", "sum")
+    ]
+    gm = b.output(grads, ["grad:x", "grad:y", "grad:z"])
+    tag_collectives_for_bucketing(gm)
+    res = bucket_tagged_collectives(gm)
+    assert (res.before["reduce_scatter"], res.after["reduce_scatter"]) == (3, 2)
+    assert res.metrics["reduce_scatter"].num_bucketed == 2  # the two sums
