@@ -1,6 +1,11 @@
 """Shared fixtures. The verify pytest plugin (fixtures, markers, --require-gpu) is loaded through
 its pytest11 entry point; this file only holds helpers specific to this repository's tests."""
 
+import json
+import os
+import shutil
+import tempfile
+
 import pytest
 import torch.distributed as dist
 
@@ -12,3 +17,114 @@ def _no_world_leaks():
     if dist.is_initialized():
         dist.destroy_process_group()
         pytest.fail("test left a default process group initialized")
+
+
+@pytest.fixture(scope="session")
+def shared_pipeline_runs():
+    """run_pipeline builds each scenario once in this process (read-only runs; see
+    verify.pipeline.reuse_pipeline_runs): the golden tests and the report test share them."""
+    from verify.pipeline import reuse_pipeline_runs
+
+    with reuse_pipeline_runs():
+        yield
+
+
+# --- xdist_group that works on pytest >= 9.2 -------------------------------------------------------
+#
+# ``--dist loadgroup`` (pyproject addopts) keeps the tests of one ``xdist_group`` on one worker, so
+# a trace or pipeline run cached in that worker (functools.cache, module fixtures) is built once.
+# pytest-xdist 3.8 marks a group by appending ``@group`` to ``item._nodeid`` on the worker; pytest
+# 9.2 keeps node ids in ``item._id``, so the suffix never reaches the controller and every test
+# became its own unit: each worker rebuilt every cached trace it touched. Here the workers write
+# {node id: group} to a directory the controller hands them (public xdist hooks only), and the
+# controller's scheduler reads it; node ids (and so report names and syrupy's goldens) stay as
+# they are.
+
+_GROUPS_DIR = "ap_xdist_groups_dir"  # workerinput key
+_GROUPS_KEY = pytest.StashKey[str]()  # the controller's directory
+
+
+def _loadgroup_run(config) -> bool:
+    return config.pluginmanager.hasplugin("xdist") and config.getvalue("dist") == "loadgroup"
+
+
+def pytest_configure(config):
+    if _loadgroup_run(config) and not hasattr(config, "workerinput") and config.getvalue("numprocesses"):
+        config.stash[_GROUPS_KEY] = tempfile.mkdtemp(prefix="ap-xdist-groups-")
+
+
+def pytest_unconfigure(config):
+    path = config.stash.get(_GROUPS_KEY, None)
+    if path is not None:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_configure_node(node):
+    path = node.config.stash.get(_GROUPS_KEY, None)
+    if path is not None:
+        node.workerinput[_GROUPS_DIR] = path
+
+
+# Modules whose tests share per-process state across modules, or whose owners keep the module's
+# marks elsewhere: each list runs on one worker (an explicit xdist_group mark on a test wins).
+MODULE_GROUPS = {
+    # verify.trainer_stages caches the traced steps (functools.lru_cache) these modules share.
+    "trainer": (
+        "tests/golden/test_trainer_goldens.py",
+        "tests/parity/test_trainer_parity.py",
+        "tests/unit/test_trainer_memory.py",
+        "tests/unit/test_trainer_sac.py",
+        "tests/unit/test_trainer_trace.py",
+    ),
+    # its module fixture ``traced`` traces three scenarios.
+    "pre-overlap-bucketing": ("tests/unit/test_pre_overlap_bucketing.py",),
+}
+_GROUP_OF_MODULE = {m: g for g, mods in MODULE_GROUPS.items() for m in mods}
+
+
+def _xdist_group_of(item) -> str | None:
+    """The group xdist would give ``item`` (its ``xdist_group`` names joined), or None."""
+    names = {str(m.args[0] if m.args else m.kwargs.get("name", "default")) for m in item.iter_markers("xdist_group")}
+    return "_".join(sorted(names)) if names else None
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        group = _GROUP_OF_MODULE.get(item.nodeid.split("::", 1)[0])
+        if group is not None and item.get_closest_marker("xdist_group") is None:
+            item.add_marker(pytest.mark.xdist_group(group))
+    path = getattr(config, "workerinput", {}).get(_GROUPS_DIR)
+    if path is None:
+        return
+    groups = {item.nodeid: g for item in items if (g := _xdist_group_of(item)) is not None}
+    tmp = os.path.join(path, f".{config.workerinput['workerid']}.json")
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump(groups, f)
+    os.replace(tmp, os.path.join(path, f"{config.workerinput['workerid']}.json"))  # before collectionfinish
+
+
+@pytest.hookimpl(tryfirst=True, optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    path = config.stash.get(_GROUPS_KEY, None)
+    if path is None:
+        return None
+    from xdist.scheduler import LoadGroupScheduling
+
+    class GroupFileScheduling(LoadGroupScheduling):
+        """LoadGroupScheduling whose groups come from the workers' group files."""
+
+        _groups: dict | None = None
+
+        def _split_scope(self, nodeid: str) -> str:
+            if self._groups is None:
+                self._groups = {}
+                for name in sorted(os.listdir(path)):
+                    if name.endswith(".json") and not name.startswith("."):
+                        with open(os.path.join(path, name), encoding="utf-8") as f:
+                            self._groups.update(json.load(f))
+            group = self._groups.get(nodeid)
+            return f"@{group}" if group is not None else super()._split_scope(nodeid)
+
+    return GroupFileScheduling(config, log)

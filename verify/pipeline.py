@@ -6,6 +6,8 @@ describe different pipelines. A stage is one graph (the joint graph) or a (forwa
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from torch import fx
@@ -84,9 +86,36 @@ def _copy_graph(gm: fx.GraphModule) -> fx.GraphModule:
         return copy.deepcopy(gm)
 
 
+_shared_runs: dict | None = None  # while reuse_pipeline_runs() is entered: arguments -> PipelineRun
+
+
+@contextlib.contextmanager
+def reuse_pipeline_runs() -> Iterator[None]:
+    """Within: ``run_pipeline`` builds each (scenario, stages, bucket cap) once and then returns
+    the same ``PipelineRun`` (e.g. the golden tests and the report test of one pytest process).
+    Callers must treat the run as read-only. Nests; the outermost exit drops the runs."""
+    global _shared_runs
+    outer = _shared_runs
+    if outer is None:
+        _shared_runs = {}
+    try:
+        yield
+    finally:
+        _shared_runs = outer
+
+
 def run_pipeline(scenario: Scenario, *, stages: tuple[str, ...] = STAGE_NAMES, bucket_cap_mb: float = 25.0) -> PipelineRun:
     """Trace, first partition, second compile (aot_eager-style) and each collective pass on the
     second compile's split graphs, on one fake world (graphs of rank 0: bucketing is rank-specific)."""
+    if _shared_runs is None:
+        return _run_pipeline(scenario, tuple(stages), bucket_cap_mb)
+    key = (scenario, tuple(stages), bucket_cap_mb)
+    if key not in _shared_runs:
+        _shared_runs[key] = _run_pipeline(*key)
+    return _shared_runs[key]
+
+
+def _run_pipeline(scenario: Scenario, stages: tuple[str, ...], bucket_cap_mb: float) -> PipelineRun:
     from autoparallel.mesh import fake_world
     from autoparallel.partition import apply_placement
     from autoparallel.passes.pipeline import CollectivePassesConfig, bucket_fw_bw

@@ -24,7 +24,10 @@ TEST_FILE = textwrap.dedent(
 
 @pytest.fixture
 def project(tmp_path: Path):
-    (tmp_path / "pytest.ini").write_text("[pytest]\ntestpaths = tests\naddopts = -p no:cacheprovider\n")
+    # no:hypothesispytest: the inner runs use no hypothesis, and its import is most of their startup.
+    (tmp_path / "pytest.ini").write_text(
+        "[pytest]\ntestpaths = tests\naddopts = -p no:cacheprovider -p no:hypothesispytest\n"
+    )
     (tmp_path / "tests").mkdir()
     return tmp_path
 

@@ -4,30 +4,24 @@ Scenarios and stage names come from verify.golden_catalog / verify.pipeline, whi
 uses too. Regenerate with `python -m verify goldens --update` and review the diff.
 """
 
-import functools
-
 import pytest
 
 from verify.golden_catalog import ALL_SCENARIOS, GOLDEN_SCENARIOS, counts_text, stage_text
 from verify.pipeline import STAGE_NAMES, run_pipeline
 
 
-@functools.cache
-def pipeline(sid: str):
-    return run_pipeline(ALL_SCENARIOS[sid])
-
-
 def _grouped(sids):
-    # One xdist worker per scenario: the pipeline is built once per process (functools.cache).
+    # One xdist worker per scenario (the report test joins its group): the pipeline is built
+    # once per process (the shared_pipeline_runs fixture).
     return [pytest.param(sid, marks=pytest.mark.xdist_group(sid)) for sid in sorted(sids)]
 
 
 @pytest.mark.parametrize("stage", STAGE_NAMES)
 @pytest.mark.parametrize("sid", _grouped(GOLDEN_SCENARIOS))
-def test_stage_graph(sid, stage, golden):
-    golden.check_text(stage_text(sid, pipeline(sid).stage(stage)))
+def test_stage_graph(sid, stage, golden, shared_pipeline_runs):
+    golden.check_text(stage_text(sid, run_pipeline(ALL_SCENARIOS[sid]).stage(stage)))
 
 
 @pytest.mark.parametrize("sid", _grouped(ALL_SCENARIOS))
-def test_collective_counts(sid, golden):
-    golden.check_text(counts_text(sid, pipeline(sid)))
+def test_collective_counts(sid, golden, shared_pipeline_runs):
+    golden.check_text(counts_text(sid, run_pipeline(ALL_SCENARIOS[sid])))

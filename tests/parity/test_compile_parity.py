@@ -12,6 +12,7 @@ from verify.parity import compare_traces, merge_reports
 from verify.scenario import COMPILE_EXECUTORS, Scenario, run_compile_parity
 
 STEPS = 3
+pytestmark = pytest.mark.xdist_group("compile-parity")  # one worker runs the module fixture
 
 
 @pytest.fixture(scope="module")

@@ -17,7 +17,11 @@ SCENARIOS = {
 SINGLE_DEVICE_ATOL = {"fsdp-dp2": 2e-6, "fsdp_tp-dp2tp2": 2e-6, "ddp-dp2": 2e-6, "fsdp-bf16-dp2": 3e-2}
 
 
-@pytest.fixture(scope="module", params=sorted(SCENARIOS))
+# The tests of one scenario share an xdist worker: its gloo run happens once.
+@pytest.fixture(
+    scope="module",
+    params=[pytest.param(n, marks=pytest.mark.xdist_group(f"joint-parity-{n}")) for n in sorted(SCENARIOS)],
+)
 def parity_run(request):
     sc = SCENARIOS[request.param]
     return request.param, sc, run_joint_parity(sc, steps=3)

@@ -20,25 +20,43 @@ def collectives(jg) -> Counter:
     return Counter((NAMES[n.target], dims[group_of(n)]) for n in jg.gm.graph.nodes if n.target in NAMES)
 
 
-@pytest.fixture(scope="module", params=["tiny", "debug"])
+def _group(preset: str):
+    # Tests of one preset share an xdist worker, and so the module's traces (``traced``).
+    return pytest.mark.xdist_group(f"joint-graph-{preset}")
+
+
+@pytest.fixture(scope="module", params=[pytest.param(p, marks=_group(p)) for p in ("tiny", "debug")])
 def preset(request):
     return request.param
 
 
-def test_fsdp_counts_equal_sharded_params(preset):
-    with Scenario(preset=preset, plan="fsdp", mesh="dp=8").trace() as jg:
-        c = collectives(jg)
-        n_params = len(jg.shardings)
-        assert jg.num_params == n_params
-        assert c == Counter({("all_gather", "dp"): n_params, ("reduce_scatter", "dp"): n_params})
+@pytest.fixture(scope="module")
+def traced():
+    """``traced(scenario)``: its joint graph, traced once per module (the tests only read it)."""
+    cache = {}
+
+    def get(sc: Scenario):
+        if sc not in cache:
+            with sc.trace() as jg:
+                cache[sc] = jg
+        return cache[sc]
+
+    return get
 
 
-def test_fsdp_tp_puts_tp_all_reduces_on_tp(preset):
-    sc = Scenario(preset=preset, plan="fsdp_tp", mesh="dp=4,tp=2")
-    with sc.trace() as jg:
-        c = collectives(jg)
-        n_layers = sum(1 for f in jg.shardings if f.endswith("attention.wq.weight"))
-        n_params = len(jg.shardings)
+def test_fsdp_counts_equal_sharded_params(preset, traced):
+    jg = traced(Scenario(preset=preset, plan="fsdp", mesh="dp=8"))
+    c = collectives(jg)
+    n_params = len(jg.shardings)
+    assert jg.num_params == n_params
+    assert c == Counter({("all_gather", "dp"): n_params, ("reduce_scatter", "dp"): n_params})
+
+
+def test_fsdp_tp_puts_tp_all_reduces_on_tp(preset, traced):
+    jg = traced(Scenario(preset=preset, plan="fsdp_tp", mesh="dp=4,tp=2"))
+    c = collectives(jg)
+    n_layers = sum(1 for f in jg.shardings if f.endswith("attention.wq.weight"))
+    n_params = len(jg.shardings)
     # Per block: attention and feed-forward regions, each an all-reduce forward (g) and one backward (f).
     assert c[("all_reduce", "tp")] == 4 * n_layers
     assert c[("all_gather", "dp")] == c[("reduce_scatter", "dp")] == n_params
@@ -64,23 +82,24 @@ def test_bf16_param_dtype_casts_before_each_all_gather():
         assert all(rs.meta[M.VAL].dtype == torch.float32 for rs in rss)
 
 
-def test_every_node_has_fake_val_and_roles():
+@_group("tiny")
+def test_every_node_has_fake_val_and_roles(traced):
     from torch._subclasses.fake_tensor import FakeTensor
 
-    with Scenario().trace() as jg:
-        for node in jg.gm.graph.nodes:
-            if node.op == "output":
-                continue
-            assert M.VAL in node.meta, node.name
-            vals = node.meta[M.VAL] if isinstance(node.meta[M.VAL], (list, tuple)) else [node.meta[M.VAL]]
-            assert all(isinstance(v, FakeTensor) or not isinstance(v, torch.Tensor) for v in vals), node.name
-            assert not any(isinstance(v, torch.Tensor) and v.device.type != "cpu" for v in vals), node.name
-        roles = jg.input_roles
-        assert roles[0] == "param:tok_embeddings.weight"
-        assert "buffer:rope_cos" in roles and "input:0" in roles and "input:1" in roles
-        assert roles[-1] == "tangent:loss"
-        assert jg.output_roles[0] == "loss" and jg.num_fwd_outputs == 1
-        assert {r.partition(":")[2] for r in jg.output_roles if r and r.startswith("grad:")} == set(jg.shardings)
+    jg = traced(Scenario(preset="tiny", plan="fsdp", mesh="dp=8"))  # Scenario() spelled out
+    for node in jg.gm.graph.nodes:
+        if node.op == "output":
+            continue
+        assert M.VAL in node.meta, node.name
+        vals = node.meta[M.VAL] if isinstance(node.meta[M.VAL], (list, tuple)) else [node.meta[M.VAL]]
+        assert all(isinstance(v, FakeTensor) or not isinstance(v, torch.Tensor) for v in vals), node.name
+        assert not any(isinstance(v, torch.Tensor) and v.device.type != "cpu" for v in vals), node.name
+    roles = jg.input_roles
+    assert roles[0] == "param:tok_embeddings.weight"
+    assert "buffer:rope_cos" in roles and "input:0" in roles and "input:1" in roles
+    assert roles[-1] == "tangent:loss"
+    assert jg.output_roles[0] == "loss" and jg.num_fwd_outputs == 1
+    assert {r.partition(":")[2] for r in jg.output_roles if r and r.startswith("grad:")} == set(jg.shardings)
 
 
 def test_group_dims_travel_with_graph_and_shift_with_creation_order():

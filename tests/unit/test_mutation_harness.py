@@ -8,6 +8,8 @@ import pytest
 
 from verify.mutation import GuardRun, classify, format_table, mutate
 
+pytestmark = pytest.mark.xdist_group("mutation-harness")  # one worker runs the module fixture
+
 GUARDS = textwrap.dedent(
     """
     import os
@@ -58,7 +60,9 @@ class FakePatch:
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     root: Path = tmp_path_factory.mktemp("mutproj")
-    (root / "pytest.ini").write_text("[pytest]\ntestpaths = tests\n")
+    # no:hypothesispytest: the guard runs use no hypothesis, and its import is most of their startup
+    # (which also counts against the 4 s per-patch timeout below).
+    (root / "pytest.ini").write_text("[pytest]\ntestpaths = tests\naddopts = -p no:hypothesispytest\n")
     (root / "tests").mkdir()
     (root / "tests" / "test_guards.py").write_text(GUARDS)
     g = "tests/test_guards.py::"

@@ -40,7 +40,12 @@ def pipelines():
     return get
 
 
-@pytest.fixture(scope="module", params=sorted(SCENARIOS))
+def _group(name: str):
+    # Tests of one scenario share an xdist worker: its compiled pipeline is built once.
+    return pytest.mark.xdist_group(f"partition-{name}")
+
+
+@pytest.fixture(scope="module", params=[pytest.param(n, marks=_group(n)) for n in sorted(SCENARIOS)])
 def stages(request, pipelines):
     return pipelines(request.param)
 
@@ -151,6 +156,7 @@ def test_stage_graphs_carry_group_dims_and_roles(stages):
         assert any(str(r).startswith("grad:") for r in bw.graph.output_node().meta[M.ROLE])
 
 
+@_group("tiny-fsdp")
 def test_ac_pass_in_second_compile_adds_no_save_and_no_all_gather(pipelines):
     """With the AC joint pass, stock min-cut recomputes (and re-gathers) differently; replay keeps
     the first partition's saves and all-gathers."""

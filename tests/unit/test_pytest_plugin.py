@@ -44,7 +44,8 @@ def run(project, *args):
 @pytest.fixture(scope="module")
 def project(tmp_path_factory):
     root = tmp_path_factory.mktemp("gates")
-    (root / "pytest.ini").write_text("[pytest]\naddopts = --strict-markers\n")
+    # no:hypothesispytest: the inner runs use no hypothesis, and its import is most of pytest's startup.
+    (root / "pytest.ini").write_text("[pytest]\naddopts = --strict-markers -p no:hypothesispytest\n")
     (root / "test_gates.py").write_text(TESTS)
     return root
 

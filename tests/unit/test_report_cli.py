@@ -7,7 +7,10 @@ import pytest
 from verify.__main__ import main
 
 
-def test_report_json_schema_golden_status_and_parity(capsys):
+# The report's default scenario is the golden scenario tiny-fsdp-dp8: in its xdist group, the
+# pipeline run is the one the golden tests built (shared_pipeline_runs).
+@pytest.mark.xdist_group("tiny-fsdp-dp8")
+def test_report_json_schema_golden_status_and_parity(capsys, shared_pipeline_runs):
     assert main(["report", "--json"]) == 0
     out = capsys.readouterr()
     report = json.loads(out.out)
