@@ -45,8 +45,8 @@ __all__ = [
     "SAC_POLICIES",
     "apply_sac_pass",
     "graph_sac",
-    "recompute_summary",
     "live_recomputable_values",
+    "recompute_summary",
     "remat_pass",
     "sac_stages",
 ]

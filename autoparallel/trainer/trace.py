@@ -17,8 +17,8 @@ Graph calling convention: ``gm(*params, *buffers, *inputs) -> (loss, *grads)``.
 * Phases: every node traced inside the ``autograd.grad`` call has
   ``meta["custom"][PHASE] == PHASE_BACKWARD``; nodes traced in the forward and the loss have
   ``PHASE_FORWARD``; backward nodes also carry ``REMAT_PASS_TAG``, the marker torch 2.11's
-  remat pass reads instead of ``PHASE`` (patch ``phase_tagging``; disabled, no node carries a phase and PyTorch's
-  remat pass finds no backward region). make_fx itself marks nothing as backward.
+  remat pass reads instead of ``PHASE`` (patch ``phase_tagging``; disabled, no node carries a
+  phase and PyTorch's remat pass finds no backward region). make_fx marks nothing as backward.
 * ``seq_nr``: backward nodes get the ``seq_nr`` of the forward op whose ``grad_fn`` produced them
   (autograd pre/post hooks installed on the traced autograd graph, as AOTAutograd does). After
   tracing, each backward node inherits its forward node's ``custom`` entries (except

@@ -12,8 +12,8 @@ from verify import line_mutation as L
 RESULTS = textwrap.dedent(
     """\
     /work/venv/lib/python3.11/site-packages/mutmut/configuration.py:150: UserWarning: some warning
-    \x20\x20\x20\x20autoparallel.passes.cleanup.xǁCleanupReportǁsummary__mutmut_1: killed
-        autoparallel.passes.cleanup.xǁCleanupReportǁsummary__mutmut_5: survived
+    \x20\x20\x20\x20autoparallel.passes.counts.xǁTallyǁsummary__mutmut_1: killed
+        autoparallel.passes.counts.xǁTallyǁsummary__mutmut_5: survived
         autoparallel.passes.demo.x_walk__mutmut_1: killed
         autoparallel.passes.demo.x_walk__mutmut_2: survived
         autoparallel.passes.demo.x_walk__mutmut_3: no tests
@@ -26,17 +26,15 @@ RESULTS = textwrap.dedent(
 # `mutmut show` for two of them, batched the way show_mutants batches them (a NUL line between).
 SHOWS = textwrap.dedent(
     """\
-    # autoparallel.passes.cleanup.xǁCleanupReportǁsummary__mutmut_5: survived
-    --- autoparallel/passes/cleanup.py
-    +++ autoparallel/passes/cleanup.py
-    @@ -1,6 +1,6 @@
+    # autoparallel.passes.counts.xǁTallyǁsummary__mutmut_5: survived
+    --- autoparallel/passes/counts.py
+    +++ autoparallel/passes/counts.py
+    @@ -1,4 +1,4 @@
      def summary(self) -> str:
-         top = ", ".join(f"{k} x{v}" for k, v in sorted(self.removed.items()))
-         return (
-    -        f"{self.nodes_before} -> {self.nodes_after} nodes (removed: {top or 'none'}); "
-    +        f"{self.nodes_before} -> {self.nodes_after} nodes (removed: {top and 'none'}); "
-             f"{self.views_to_reshape} view -> reshape"
-         )
+         total = self.kept + self.dropped
+         share = self.kept / total if total else 1.0
+    -    return f"kept {self.kept} of {total} ({share:.0%}); {self.reason or 'no reason'}"
+    +    return f"kept {self.kept} of {total} ({share:.0%}); {self.reason and 'no reason'}"
     \x00
     # autoparallel.passes.demo.x_walk__mutmut_2: survived
     --- autoparallel/passes/demo.py
@@ -52,24 +50,22 @@ SHOWS = textwrap.dedent(
     """
 )
 
-CLEANUP_SRC = textwrap.dedent(
+COUNTS_SRC = textwrap.dedent(
     """\
     from dataclasses import dataclass
 
 
     @dataclass
-    class CleanupReport:
-        nodes_before: int
-        nodes_after: int
-        removed: dict
-        views_to_reshape: int
+    class Tally:
+        # items one filter kept and dropped
+        kept: int
+        dropped: int
+        reason: str
 
         def summary(self) -> str:
-            top = ", ".join(f"{k} x{v}" for k, v in sorted(self.removed.items()))
-            return (
-                f"{self.nodes_before} -> {self.nodes_after} nodes (removed: {top or 'none'}); "
-                f"{self.views_to_reshape} view -> reshape"
-            )
+            total = self.kept + self.dropped
+            share = self.kept / total if total else 1.0
+            return f"kept {self.kept} of {total} ({share:.0%}); {self.reason or 'no reason'}"
     """
 )
 
@@ -92,7 +88,7 @@ DEMO_SRC = textwrap.dedent(
 def _mutants():
     mutants = L.parse_results(RESULTS)
     shows = L.parse_show(SHOWS)
-    sources = {"autoparallel/passes/cleanup.py": CLEANUP_SRC, "autoparallel/passes/demo.py": DEMO_SRC}
+    sources = {"autoparallel/passes/counts.py": COUNTS_SRC, "autoparallel/passes/demo.py": DEMO_SRC}
     for m in mutants:
         if m.name in shows:
             m.diff = shows[m.name][1]
@@ -102,8 +98,8 @@ def _mutants():
 
 def test_parse_key_functions_and_methods():
     assert L.parse_key("autoparallel.passes.demo.x__helper__mutmut_12") == ("autoparallel.passes.demo", "_helper", 12)
-    assert L.parse_key("autoparallel.passes.cleanup.xǁCleanupReportǁsummary__mutmut_1") == (
-        "autoparallel.passes.cleanup", "CleanupReport.summary", 1)
+    assert L.parse_key("autoparallel.passes.counts.xǁTallyǁsummary__mutmut_1") == (
+        "autoparallel.passes.counts", "Tally.summary", 1)
     with pytest.raises(ValueError, match="not a mutmut mutant name"):
         L.parse_key("autoparallel.passes.demo.walk")
 
@@ -111,8 +107,8 @@ def test_parse_key_functions_and_methods():
 def test_parse_results_maps_mutmut_statuses_to_harness_states():
     mutants = L.parse_results(RESULTS)
     assert [(m.function, m.status, m.state) for m in mutants] == [
-        ("CleanupReport.summary", "killed", "killed"),
-        ("CleanupReport.summary", "survived", "survived"),
+        ("Tally.summary", "killed", "killed"),
+        ("Tally.summary", "survived", "survived"),
         ("walk", "killed", "killed"),
         ("walk", "survived", "survived"),
         ("walk", "no tests", "no coverage"),
@@ -120,25 +116,25 @@ def test_parse_results_maps_mutmut_statuses_to_harness_states():
         ("_helper", "suspicious", "error"),
         ("_helper", "not checked", "error"),
     ]
-    assert {m.file for m in mutants} == {"autoparallel/passes/cleanup.py", "autoparallel/passes/demo.py"}
+    assert {m.file for m in mutants} == {"autoparallel/passes/counts.py", "autoparallel/passes/demo.py"}
     assert set(L.STATES) >= {m.state for m in mutants}
 
 
 def test_parse_show_single_and_batched():
     shows = L.parse_show(SHOWS)
-    assert set(shows) == {"autoparallel.passes.cleanup.xǁCleanupReportǁsummary__mutmut_5",
+    assert set(shows) == {"autoparallel.passes.counts.xǁTallyǁsummary__mutmut_5",
                           "autoparallel.passes.demo.x_walk__mutmut_2"}
     status, diff = shows["autoparallel.passes.demo.x_walk__mutmut_2"]
     assert status == "survived"
     assert diff.startswith("--- autoparallel/passes/demo.py") and diff.endswith("    return chain")
     one = SHOWS.split("\x00\n")[0]  # what a single `mutmut show <name>` prints
-    assert list(L.parse_show(one)) == ["autoparallel.passes.cleanup.xǁCleanupReportǁsummary__mutmut_5"]
+    assert list(L.parse_show(one)) == ["autoparallel.passes.counts.xǁTallyǁsummary__mutmut_5"]
 
 
 def test_mutated_line_uses_hunk_offsets_relative_to_the_function():
     m = {m.name: m for m in _mutants()}
     # the method's diff starts at `def summary` (line 11): the changed line is its 4th
-    assert m["autoparallel.passes.cleanup.xǁCleanupReportǁsummary__mutmut_5"].line == 14
+    assert m["autoparallel.passes.counts.xǁTallyǁsummary__mutmut_5"].line == 14
     assert m["autoparallel.passes.demo.x_walk__mutmut_2"].line == 8
     assert m["autoparallel.passes.demo.x_walk__mutmut_2"].changed_lines() == [
         "-    while len(cur.users) == 1:", "+    while len(cur.users) <= 1:"]
@@ -156,15 +152,15 @@ def test_format_table_rows_totals_kill_rate_and_survivors():
     table = L.format_table(_mutants())
     lines = table.splitlines()
     assert lines[0].split() == ["file", "mutants", "killed", "survived", "no", "coverage", "timeout", "error"]
-    assert lines[1].split() == ["autoparallel/passes/cleanup.py", "2", "1", "1", "0", "0", "0"]
+    assert lines[1].split() == ["autoparallel/passes/counts.py", "2", "1", "1", "0", "0", "0"]
     assert lines[2].split() == ["autoparallel/passes/demo.py", "6", "1", "1", "1", "1", "2"]
     assert lines[3].split() == ["total", "8", "2", "2", "1", "1", "2"]
     assert lines[4] == ("kill rate: 2/8 mutants killed (25%); "
                         "score (killed + timeout) / (mutants - error): 3/6 (50%)")
     assert lines[5] == "survived (2):"
-    assert lines[6] == "  autoparallel/passes/cleanup.py:14 CleanupReport.summary  (xǁCleanupReportǁsummary__mutmut_5)"
-    assert lines[7].strip().startswith("-") and "top or 'none'" in lines[7]
-    assert lines[8].strip().startswith("+") and "top and 'none'" in lines[8]
+    assert lines[6] == "  autoparallel/passes/counts.py:14 Tally.summary  (xǁTallyǁsummary__mutmut_5)"
+    assert lines[7].strip().startswith("-") and "reason or 'no reason'" in lines[7]
+    assert lines[8].strip().startswith("+") and "reason and 'no reason'" in lines[8]
     assert lines[9] == "  autoparallel/passes/demo.py:8 walk  (x_walk__mutmut_2)"
     assert "no coverage (1):" in lines and "timeout (1):" in lines and "error (2):" in lines
     assert "  autoparallel/passes/demo.py _helper  (x__helper__mutmut_2) [mutmut: suspicious]" in lines
@@ -175,7 +171,7 @@ def test_format_table_by_function_and_without_diffs():
     lines = table.splitlines()
     assert lines[0].split()[0] == "function"
     assert [ln.split()[0] for ln in lines[1:5]] == [
-        "autoparallel/passes/cleanup.py::CleanupReport.summary",
+        "autoparallel/passes/counts.py::Tally.summary",
         "autoparallel/passes/demo.py::_helper",
         "autoparallel/passes/demo.py::walk",
         "total",
@@ -184,7 +180,7 @@ def test_format_table_by_function_and_without_diffs():
 
 
 def test_one_file_has_no_total_row():
-    mutants = [m for m in _mutants() if m.file.endswith("cleanup.py")]
+    mutants = [m for m in _mutants() if m.file.endswith("counts.py")]
     assert not any(ln.startswith("total") for ln in L.format_table(mutants).splitlines())
 
 
