@@ -35,8 +35,8 @@ from torch._inductor.custom_graph_pass import CustomPartitionerFn
 from torch.utils.checkpoint import CheckpointPolicy
 
 from autoparallel import meta as M
+from autoparallel import patches
 from autoparallel.partition import REPLAY_PATCH, ReplaySavesPartitioner, label_partition
-from autoparallel.passes import registry
 
 OVERLAP_PATCH = "overlap_config_persists"
 SECOND_COMPILE = "second_compile"
@@ -224,7 +224,7 @@ class _Partitioner(CustomPartitionerFn):
 
     def __call__(self, gm, joint_inputs, **kwargs):
         if self.collective_passes is not None:
-            from autoparallel.passes.pipeline import tag_joint
+            from autoparallel.passes.collective import tag_joint
 
             # Bucketing tags are written on this compile's joint graph (roles first: the tagger
             # finds param-derived all-gathers and gradient-terminal reduce-scatters by role).
@@ -247,7 +247,7 @@ class _Partitioner(CustomPartitionerFn):
         if self.on_partition is not None:
             self.on_partition(fw, bw)
         if self.collective_passes is not None:
-            from autoparallel.passes.pipeline import bucket_fw_bw
+            from autoparallel.passes.collective import bucket_fw_bw
 
             fw, bw, metrics = bucket_fw_bw(fw, bw, self.collective_passes)
             if self.on_collective_passes is not None:
@@ -307,25 +307,25 @@ def autoparallel_backend(
     ``on_partition(fw, bw)`` sees the second compile's partition; ``on_compile(stage, gm)`` is
     called when a graph is compiled (``stage`` "forward" or "backward", the backward lazily on
     the first ``.backward()``) with the compile-time configuration in force.
-    ``collective_passes`` (an ``autoparallel.passes.pipeline.CollectivePassesConfig``): tag this
+    ``collective_passes`` (an ``autoparallel.passes.collective.CollectivePassesConfig``): tag this
     compile's joint graph for pre-overlap bucketing and run the collective passes (chained
     all-gather fusion, bucketing, optional CPU overlap scheduling) on the split graphs before they
     are compiled; ``on_collective_passes(fw, bw, metrics)`` sees the result. Bucketed graphs are
     rank-specific: compile on each rank. ``group_dims`` (the module's ``group_dims``) is attached
     to the split graphs so passes and stats can name process groups by mesh dim. Patches are read
-    when the backend runs, so ``registry.disabled(...)`` around ``torch.compile``'s first call
+    when the backend runs, so ``patches.disabled(...)`` around ``torch.compile``'s first call
     takes effect.
     """
     if compiler not in ("aot_eager", "inductor"):
         raise ValueError(f"unknown compiler {compiler!r}; use 'aot_eager' or 'inductor'")
 
     def backend(gm: fx.GraphModule, example_inputs):
-        inner = ReplaySavesPartitioner() if registry.enabled(REPLAY_PATCH) else _stock_partition
+        inner = ReplaySavesPartitioner() if patches.enabled(REPLAY_PATCH) else _stock_partition
         partitioner = _Partitioner(
             inner, on_partition, dynamo_input_roles(gm), collective_passes, on_collective_passes, group_dims
         )
         overlap = dict(OVERLAP_SCHEDULING_PATCHES) if overlap_scheduling else {}
-        persist = registry.enabled(OVERLAP_PATCH)
+        persist = patches.enabled(OVERLAP_PATCH)
         compiler_patches = overlap if persist else {}
         with contextlib.ExitStack() as stack:
             if enable_ac:

@@ -73,12 +73,12 @@ MODULE_GROUPS = {
     "trainer": (
         "tests/golden/test_trainer_goldens.py",
         "tests/parity/test_trainer_parity.py",
-        "tests/unit/test_trainer_memory.py",
-        "tests/unit/test_trainer_sac.py",
-        "tests/unit/test_trainer_trace.py",
+        "tests/unit/autoparallel/trainer/test_trainer_memory.py",
+        "tests/unit/autoparallel/trainer/test_sac.py",
+        "tests/unit/autoparallel/trainer/test_trace.py",
     ),
     # its module fixture ``traced`` traces three scenarios.
-    "pre-overlap-bucketing": ("tests/unit/test_pre_overlap_bucketing.py",),
+    "pre-overlap-bucketing": ("tests/unit/autoparallel/passes/test_pre_overlap_bucketing.py",),
 }
 _GROUP_OF_MODULE = {m: g for g, mods in MODULE_GROUPS.items() for m in mods}
 

@@ -52,7 +52,7 @@ def main(argv: list[str] | None = None) -> int:
 
             return report_main(args)
         if args.command == "mutate":
-            from verify.mutation import main as mutate_main
+            from verify.mutation.cli import main as mutate_main
 
             return mutate_main(args)
         if args.command == "scale":
@@ -60,7 +60,7 @@ def main(argv: list[str] | None = None) -> int:
 
             return scale_main(args)
         if args.command == "goldens":
-            from verify.golden_cli import main as goldens_main
+            from verify.goldens.cli import main as goldens_main
 
             return goldens_main(args)
     except ValueError as e:  # bad preset / plan / mesh: a one-line message, not a traceback

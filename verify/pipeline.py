@@ -31,7 +31,7 @@ def collective_stage_configs(bucket_cap_mb: float = 25.0) -> dict:
     ``topo_span_bucketing``: Inductor's overlap scheduler (CPU roofline estimator) whose FSDP
     pre-bucketing is topo-span bounded; ``fuse_chained_allgathers``: dp->tp chains fused.
     """
-    from autoparallel.passes.pipeline import CollectivePassesConfig
+    from autoparallel.passes.collective import CollectivePassesConfig
     from autoparallel.passes.pre_overlap_bucketing import PreOverlapConfig
 
     return {
@@ -118,7 +118,7 @@ def run_pipeline(scenario: Scenario, *, stages: tuple[str, ...] = STAGE_NAMES, b
 def _run_pipeline(scenario: Scenario, stages: tuple[str, ...], bucket_cap_mb: float) -> PipelineRun:
     from autoparallel.mesh import fake_world
     from autoparallel.partition import apply_placement
-    from autoparallel.passes.pipeline import CollectivePassesConfig, bucket_fw_bw
+    from autoparallel.passes.collective import CollectivePassesConfig, bucket_fw_bw
     from verify.scenario import compile_pipeline
 
     unknown = sorted(set(stages) - set(STAGE_NAMES))

@@ -99,7 +99,7 @@ class GoldenChecker:
     """Compares text against its golden file; failures name the file and the update command."""
 
     def __init__(self, snapshot, request: pytest.FixtureRequest):
-        from verify.goldens import GoldenTextExtension
+        from verify.goldens.syrupy_ext import GoldenTextExtension
 
         self._snapshot = snapshot.use_extension(GoldenTextExtension)
         self._request = request

@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 
 from autoparallel.mesh import MeshSpec
-from verify import golden_catalog
+from verify.goldens import catalog as golden_catalog
 from verify.parity import compare_tensors, compare_traces, merge_reports
 from verify.pipeline import PipelineRun, Stage, run_pipeline
 from verify.scenario import (
@@ -139,7 +139,7 @@ def format_report(report: dict) -> str:
     lines.append("")
     goldens = report.get("goldens")
     if goldens is None:
-        lines.append("goldens: none for this scenario (see verify/golden_catalog.py)")
+        lines.append("goldens: none for this scenario (see verify/goldens/catalog.py)")
     else:
         lines.append("goldens: " + ", ".join(f"{k} {v}" for k, v in goldens.items()))
     p = report.get("parity")

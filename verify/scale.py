@@ -113,7 +113,7 @@ def run_once(scenario: Scenario, bucket_cap_mb: float, progress: Callable[[str],
 
     from autoparallel.mesh import fake_world
     from autoparallel.partition import apply_placement
-    from autoparallel.passes.pipeline import CollectivePassesConfig, bucket_fw_bw
+    from autoparallel.passes.collective import CollectivePassesConfig, bucket_fw_bw
     from verify.scenario import compile_pipeline
 
     stages: list[dict] = []

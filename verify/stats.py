@@ -19,7 +19,7 @@ Conventions (stable; goldens depend on them):
   trace-time hint (``optimization_hint``).
 * ``max_consec_compute_between_rs``: for each pair of consecutive reduce-scatter launches in graph
   order, the number of FLOP-counted compute nodes between them (mm, bmm, addmm, SDPA, ...:
-  ``autoparallel.passes.graph_utils.is_flop_compute``, what Inductor's overlap scheduler calls a
+  ``autoparallel.fx_utils.is_flop_compute``, what Inductor's overlap scheduler calls a
   compute node and what the seeds' telemetry counts); the maximum over pairs (0 with fewer than
   two reduce-scatters). One definition, shared with the overlap pass's own log line.
 * **Saved tensors** of a forward/backward pair: the backward graph's placeholders that are not
@@ -44,8 +44,8 @@ import torch.fx as fx
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from autoparallel import meta as M
+from autoparallel.fx_utils import max_consec_compute_between_rs
 from autoparallel.mesh import dim_label, group_dims_of
-from autoparallel.passes.graph_utils import max_consec_compute_between_rs
 from verify.canon import _group_name_of, graph_and_owner, group_arg
 
 __all__ = [

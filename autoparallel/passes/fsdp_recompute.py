@@ -32,8 +32,8 @@ from torch import fx
 from torch.utils.checkpoint import CheckpointPolicy
 
 from autoparallel import meta as M
-from autoparallel.passes import registry
-from autoparallel.passes.graph_utils import ALL_GATHER, WAIT, is_dtype_cast, node_val, tensor_bytes
+from autoparallel import patches
+from autoparallel.fx_utils import ALL_GATHER, WAIT, is_dtype_cast, node_val, tensor_bytes
 
 log = logging.getLogger(__name__)
 
@@ -142,7 +142,7 @@ def mark_fsdp_all_gather_recomputation(graph: fx.Graph | fx.GraphModule, reshard
     if isinstance(graph, fx.GraphModule):
         graph = graph.graph
     _check_waits(graph)
-    chain_fix = registry.enabled(PATCH)
+    chain_fix = patches.enabled(PATCH)
     report = FsdpTagReport()
     for ag in list(graph.nodes):
         if not is_fsdp_all_gather(ag):

@@ -35,9 +35,9 @@ import torch
 from torch import fx
 
 from autoparallel import meta as M
+from autoparallel import patches
+from autoparallel.fx_utils import ALL_GATHER, WAIT, group_of, node_val, wait_of
 from autoparallel.mesh import FLAT_SEP, dim_label
-from autoparallel.passes import registry
-from autoparallel.passes.graph_utils import ALL_GATHER, WAIT, group_of, node_val, wait_of
 
 log = logging.getLogger(__name__)
 
@@ -255,7 +255,7 @@ def fuse_chained_allgathers(
                 "fuse_chained_allgathers needs the graph's group-name -> mesh-dim map: pass "
                 "group_dims=mesh.group_dims or attach it with autoparallel.mesh.attach_group_dims"
             )
-    if not registry.enabled(PATCH):
+    if not patches.enabled(PATCH):
         log.info("fuse_chained_allgathers: disabled (AUTOPARALLEL_DISABLE); nothing fused")
         return 0
     all_gathers = list(g.find_nodes(op="call_function", target=ALL_GATHER))

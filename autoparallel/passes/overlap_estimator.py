@@ -34,7 +34,7 @@ import torch
 from torch import fx
 from torch.utils import _pytree as pytree
 
-from autoparallel.passes.graph_utils import (
+from autoparallel.fx_utils import (
     ALL_GATHER,
     ALL_GATHER_OUT,
     ALL_REDUCE,

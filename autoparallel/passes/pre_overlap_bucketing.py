@@ -31,8 +31,8 @@ from torch import fx
 from torch.utils import _pytree as pytree
 
 from autoparallel import meta as M
-from autoparallel.passes import registry
-from autoparallel.passes.graph_utils import (
+from autoparallel import patches
+from autoparallel.fx_utils import (
     ALL_GATHER,
     ALL_GATHER_OUT,
     ALL_REDUCE,
@@ -244,7 +244,7 @@ def bucket_tagged_collectives(
     config = config if config is not None else PreOverlapConfig()
     graph = gm.graph
     before = collective_counts(graph)
-    if not registry.enabled(PATCH):
+    if not patches.enabled(PATCH):
         log.info("pre_overlap_bucketing: disabled (AUTOPARALLEL_DISABLE); graph left as is")
         return PreOverlapResult(False, before, dict(before))
     result = PreOverlapResult(True, before, {})

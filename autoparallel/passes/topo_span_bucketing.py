@@ -35,8 +35,8 @@ from typing import Any
 
 from torch import fx
 
-from autoparallel.passes import registry
-from autoparallel.passes.graph_utils import (
+from autoparallel import patches
+from autoparallel.fx_utils import (
     ALL_GATHER,
     ALL_GATHER_OUT,
     WAIT,
@@ -404,8 +404,8 @@ def topo_span_bucketing_installed(config: TopoSpanConfig | None = None) -> Itera
     import torch._inductor.fx_passes.fsdp as fsdp_mod
 
     config = config if config is not None else TopoSpanConfig()
-    patches = tuple(p for p in (PRIMARY_FSDP_GROUP, TOPO_SPAN_BUCKETING) if registry.enabled(p))
-    inst = Installation(config, patches)
+    in_force = tuple(p for p in (PRIMARY_FSDP_GROUP, TOPO_SPAN_BUCKETING) if patches.enabled(p))
+    inst = Installation(config, in_force)
 
     def primary(gm):
         groups, size = identify_fsdp_groups(gm)
@@ -425,9 +425,9 @@ def topo_span_bucketing_installed(config: TopoSpanConfig | None = None) -> Itera
         return buckets
 
     swaps = []
-    if PRIMARY_FSDP_GROUP in patches:
+    if PRIMARY_FSDP_GROUP in in_force:
         swaps.append((fsdp_mod, "identify_fsdp_groups", primary))
-    if TOPO_SPAN_BUCKETING in patches:
+    if TOPO_SPAN_BUCKETING in in_force:
         swaps.append((bucketing_mod, "greedy_bucket_collective_by_mb", greedy))
     saved = []
     try:

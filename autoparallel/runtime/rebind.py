@@ -12,8 +12,8 @@ from collections.abc import Mapping
 
 from torch import fx
 
+from autoparallel.fx_utils import GROUP_ARG, group_arg_index, group_of
 from autoparallel.mesh import attach_group_dims, dim_label, group_dims_of
-from autoparallel.passes.graph_utils import GROUP_ARG, group_arg_index, group_of
 
 
 def rebind_groups(gm: fx.GraphModule, target_dims: Mapping[str, str]) -> fx.GraphModule:

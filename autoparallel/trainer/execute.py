@@ -14,7 +14,7 @@ from collections.abc import Sequence
 
 import torch
 
-from autoparallel.passes.registry import enabled
+from autoparallel.patches import enabled
 from autoparallel.trainer.trace import TracedStep
 
 __all__ = ["accumulate_grads", "run_traced"]

@@ -35,9 +35,9 @@ import torch.fx as fx
 from torch.utils.checkpoint import CheckpointPolicy
 
 from autoparallel import meta as M
+from autoparallel.fx_utils import WAIT
 from autoparallel.models.llama3 import OpSACState
-from autoparallel.passes.graph_utils import WAIT
-from autoparallel.passes.registry import enabled
+from autoparallel.patches import enabled
 from autoparallel.trainer.regions import region_of
 from autoparallel.trainer.trace import TracedStep, copy_graph_module, is_backward_node
 

@@ -42,7 +42,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from torch.nn.utils.stateless import _reparametrize_module
 
 from autoparallel import meta as M
-from autoparallel.passes.registry import enabled
+from autoparallel.patches import enabled
 
 __all__ = [
     "LOSS_ROLE",

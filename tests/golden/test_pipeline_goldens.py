@@ -1,12 +1,12 @@
 """Goldens of every pipeline stage: a change to tracing or a pass shows up as a text diff.
 
-Scenarios and stage names come from verify.golden_catalog / verify.pipeline, which the report
+Scenarios and stage names come from verify.goldens.catalog / verify.pipeline, which the report
 uses too. Regenerate with `python -m verify goldens --update` and review the diff.
 """
 
 import pytest
 
-from verify.golden_catalog import ALL_SCENARIOS, GOLDEN_SCENARIOS, counts_text, stage_text
+from verify.goldens.catalog import ALL_SCENARIOS, GOLDEN_SCENARIOS, counts_text, stage_text
 from verify.pipeline import STAGE_NAMES, run_pipeline
 
 

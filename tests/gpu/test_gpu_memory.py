@@ -1,6 +1,6 @@
 """Graph trainer peak memory on CUDA, from the caching allocator (reserved and active peaks).
 
-The same comparisons as tests/unit/test_trainer_memory.py (which measures on CPU everywhere):
+The same comparisons as tests/unit/autoparallel/trainer/test_trainer_memory.py (which measures on CPU everywhere):
 traced op SAC + remat vs eager ``apply_ac(model, "op")`` within 1.10x, grad-mode-on execution
 clearly higher, remat lower than the same tagged graph without remat. Plus a per-rank
 comparison on a 2-GPU NCCL world through the same entry point the CPU gloo test uses.
@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from autoparallel.passes.registry import disabled
+from autoparallel.patches import disabled
 from autoparallel.trainer import run_traced
 from verify.launch import run_gated
 from verify.memory import compare_peaks, peak_memory, ratio

@@ -16,8 +16,8 @@ from autoparallel.mesh import build_mesh, fake_world
 from autoparallel.parallelize import ParallelProgram, split_batch
 from autoparallel.parallelize.program import clean_fqn
 from autoparallel.partition import apply_placement
+from autoparallel.passes.collective import bucket_fw_bw, tag_joint
 from autoparallel.passes.fuse_chained_allgathers import fuse_chained_allgathers
-from autoparallel.passes.pipeline import bucket_fw_bw, tag_joint
 from autoparallel.runtime import run_on_world
 from autoparallel.runtime.rebind import rebind_groups
 from autoparallel.runtime.steps import primals_by_role, train_steps

@@ -25,8 +25,7 @@ from torch import fx
 from torch._inductor.pattern_matcher import stable_topological_sort
 
 from autoparallel import meta as M
-from autoparallel.mesh import build_mesh, fake_world
-from autoparallel.passes.graph_utils import (
+from autoparallel.fx_utils import (
     ALL_GATHER,
     ALL_GATHER_OUT,
     ALL_REDUCE,
@@ -35,6 +34,7 @@ from autoparallel.passes.graph_utils import (
     collective_bytes,
     group_of,
 )
+from autoparallel.mesh import build_mesh, fake_world
 from autoparallel.passes.pre_overlap_bucketing import (
     PreOverlapConfig,
     bucket_tagged_collectives,

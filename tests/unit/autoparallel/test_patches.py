@@ -6,10 +6,10 @@ from pathlib import Path
 
 import pytest
 
-from autoparallel.passes import registry
-from autoparallel.passes.registry import PATCHES, disabled, enabled
+from autoparallel import patches
+from autoparallel.patches import PATCHES, disabled, enabled
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 
 
 def _test_names(path: Path) -> set[str]:
@@ -53,8 +53,8 @@ def test_every_guard_id_exists():
 
 
 def test_missing_guard_check_names_the_patch():
-    fake = registry.Patch("fake_patch", "s", "d", ("tests/unit/test_registry.py::test_gone",))
-    assert missing_guards([fake]) == ["fake_patch: tests/unit/test_registry.py::test_gone"]
+    fake = patches.Patch("fake_patch", "s", "d", ("tests/unit/autoparallel/test_patches.py::test_gone",))
+    assert missing_guards([fake]) == ["fake_patch: tests/unit/autoparallel/test_patches.py::test_gone"]
 
 
 def test_unknown_patch_names_are_errors_listing_the_known_ones(monkeypatch):
@@ -63,19 +63,19 @@ def test_unknown_patch_names_are_errors_listing_the_known_ones(monkeypatch):
     with pytest.raises(ValueError, match=r"unknown patch name\(s\) \['nope'\] in disabled"):
         with disabled("nope"):
             pass
-    monkeypatch.setenv(registry.ENV_VAR, "nope, also_nope")
+    monkeypatch.setenv(patches.ENV_VAR, "nope, also_nope")
     with pytest.raises(ValueError, match=r"\['also_nope', 'nope'\] in \$AUTOPARALLEL_DISABLE; known patches"):
-        registry.disabled_from_env()
+        patches.disabled_from_env()
 
 
 @pytest.mark.skipif(not PATCHES, reason="no patches registered yet")
 def test_env_and_scope_disable_and_restore(monkeypatch):
     name = sorted(PATCHES)[0]
-    monkeypatch.delenv(registry.ENV_VAR, raising=False)
+    monkeypatch.delenv(patches.ENV_VAR, raising=False)
     assert enabled(name)
     with disabled(name):
         assert not enabled(name)
     assert enabled(name)
-    monkeypatch.setenv(registry.ENV_VAR, f" {name} ,")
+    monkeypatch.setenv(patches.ENV_VAR, f" {name} ,")
     assert not enabled(name)
-    assert os.environ[registry.ENV_VAR] == f" {name} ,"
+    assert os.environ[patches.ENV_VAR] == f" {name} ,"

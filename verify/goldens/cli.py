@@ -9,16 +9,9 @@ from __future__ import annotations
 
 import subprocess
 import sys
-from pathlib import Path
 
-from verify.goldens import GOLDENS_DIR
-
-
-def repo_root() -> Path:
-    root = Path(__file__).resolve().parent.parent
-    if not (root / "tests").is_dir():
-        raise ValueError(f"{root} has no tests/ directory: run from a source checkout (pip install -e .)")
-    return root
+from verify.goldens.text import GOLDENS_DIR
+from verify.repo import repo_root
 
 
 def main(args) -> int:

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from autoparallel import meta as M
+from autoparallel.fx_utils import group_of, is_dtype_cast
 from autoparallel.mesh import fake_world
-from autoparallel.passes.graph_utils import group_of, is_dtype_cast
 from verify.scenario import Scenario
 
 _c10d = torch.ops._c10d_functional

@@ -1,4 +1,4 @@
-"""The composed collective passes (autoparallel/passes/pipeline.py) on hand-built FX graphs:
+"""The composed collective passes (autoparallel/passes/collective.py) on hand-built FX graphs:
 which passes run for which config, the per-graph metrics they return, and bad input.
 
 The forward graph has two parameter all-gathers on ``dp`` and one ``dp -> tp`` chain (fusable);
@@ -15,11 +15,10 @@ import torch
 from torch import fx
 
 from autoparallel import meta as M
+from autoparallel.fx_utils import ALL_GATHER, ALL_GATHER_OUT, group_of
 from autoparallel.mesh import fake_world
-from autoparallel.passes import pipeline
-from autoparallel.passes.graph_utils import ALL_GATHER, ALL_GATHER_OUT, group_of
-from autoparallel.passes.overlap_estimator import OverlapResult, RooflineConfig
-from autoparallel.passes.pipeline import (
+from autoparallel.passes import collective
+from autoparallel.passes.collective import (
     CollectivePassesConfig,
     GraphPassMetrics,
     PipelineMetrics,
@@ -27,6 +26,7 @@ from autoparallel.passes.pipeline import (
     bucket_joint,
     tag_joint,
 )
+from autoparallel.passes.overlap_estimator import OverlapResult, RooflineConfig
 from autoparallel.passes.pre_overlap_bucketing import (
     TAG_FSDP_AG,
     TAG_GRAD_AR,
@@ -141,9 +141,9 @@ def test_default_config_runs_fusion_then_bucketing(mesh):
 
 def test_passes_log_counts_per_graph(mesh, caplog):
     fw, bw = _tagged(mesh)
-    with caplog.at_level(logging.INFO, logger="autoparallel.passes.pipeline"):
+    with caplog.at_level(logging.INFO, logger="autoparallel.passes.collective"):
         bucket_fw_bw(fw, bw)
-    msgs = [r.getMessage() for r in caplog.records if r.name == "autoparallel.passes.pipeline"]
+    msgs = [r.getMessage() for r in caplog.records if r.name == "autoparallel.passes.collective"]
     assert msgs == [
         "collective passes on fw: "
         "{'all_gather': (4, 2), 'reduce_scatter': (0, 0), 'all_reduce': (0, 0)}",
@@ -228,7 +228,7 @@ def test_schedule_overlap_gets_its_configs_and_keeps_graph_meta(mesh, monkeypatc
         new.graph.output(())
         return OverlapResult(new, [bm], [], 5, ())
 
-    monkeypatch.setattr(pipeline, "schedule_overlap_on_cpu", fake_schedule)
+    monkeypatch.setattr(collective, "schedule_overlap_on_cpu", fake_schedule)
     topo, roof = TopoSpanConfig(max_topo_span=3), RooflineConfig(link_gbps=1.0)
     cfg = CollectivePassesConfig(schedule_overlap=True, topo_span=topo, roofline=roof)
     fw2, bw2, metrics = bucket_fw_bw(fw, bw, cfg)
@@ -307,7 +307,7 @@ def test_bucket_joint_tags_then_buckets(mesh):
 
 def test_bucket_joint_uses_the_given_config(mesh, caplog):
     gm = _joint(mesh)
-    with caplog.at_level(logging.INFO, logger="autoparallel.passes.pipeline"):
+    with caplog.at_level(logging.INFO, logger="autoparallel.passes.collective"):
         _, metrics = bucket_joint(gm, CollectivePassesConfig(pre_overlap_bucketing=False))
     assert metrics.counts["joint"]["all_gather"] == (2, 2)
     assert metrics.graphs["joint"].pre_overlap is None

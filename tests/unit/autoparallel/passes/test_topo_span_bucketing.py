@@ -16,8 +16,8 @@ import torch._inductor.fx_passes.bucketing as bucketing_mod
 import torch._inductor.fx_passes.fsdp as fsdp_mod
 from torch import fx
 
+from autoparallel.fx_utils import ALL_GATHER, REDUCE_SCATTER
 from autoparallel.mesh import fake_world
-from autoparallel.passes.graph_utils import ALL_GATHER, REDUCE_SCATTER
 from autoparallel.passes.topo_span_bucketing import (
     TopoSpanConfig,
     fsdp_all_gathers,
@@ -524,7 +524,7 @@ def test_greedy_needs_a_wait_user(mesh):
 
 
 def test_group_size_of(mesh):
-    from autoparallel.passes.graph_utils import ALL_REDUCE
+    from autoparallel.fx_utils import ALL_REDUCE
     from autoparallel.passes.topo_span_bucketing import group_size_of
 
     b = GraphBuilder(mesh_groups(mesh))

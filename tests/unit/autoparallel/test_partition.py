@@ -13,8 +13,8 @@ from torch import fx
 from torch.utils.checkpoint import CheckpointPolicy
 
 from autoparallel import meta as M
+from autoparallel.fx_utils import ALL_GATHER, WAIT
 from autoparallel.partition import PLACEMENT_STEPS, ReplaySavesPartitioner
-from autoparallel.passes.graph_utils import ALL_GATHER, WAIT
 from verify.scenario import Scenario, compile_pipeline
 
 aten = torch.ops.aten

@@ -8,10 +8,10 @@ import re
 import pytest
 import torch
 
+from autoparallel import patches
+from autoparallel.fx_utils import ALL_GATHER, WAIT
 from autoparallel.mesh import fake_world
-from autoparallel.passes import registry
 from autoparallel.passes.fuse_chained_allgathers import fuse_chained_allgathers
-from autoparallel.passes.graph_utils import ALL_GATHER, WAIT
 from verify.strategies import GraphBuilder, mesh_groups
 
 aten = torch.ops.aten
@@ -110,7 +110,7 @@ def test_chain_over_two_dims_of_a_3d_mesh_is_kept():
 def test_disabled_patch_fuses_nothing(mesh):
     b = GraphBuilder(mesh_groups(mesh))
     gm = _out(b, _chain(b, "dp", "tp"))
-    with registry.disabled("fuse_chained_allgathers"):
+    with patches.disabled("fuse_chained_allgathers"):
         assert fuse_chained_allgathers(gm, mesh.group_dims) == 0
     assert len(_ag_groups(gm)) == 2
 

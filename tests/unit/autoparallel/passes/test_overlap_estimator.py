@@ -15,8 +15,8 @@ import operator
 import pytest
 import torch
 
+from autoparallel.fx_utils import ALL_GATHER_OUT
 from autoparallel.mesh import fake_world
-from autoparallel.passes.graph_utils import ALL_GATHER_OUT
 from autoparallel.passes.overlap_estimator import (
     RooflineConfig,
     RooflineEstimator,
@@ -297,8 +297,8 @@ def test_installation_routes_the_scheduler_roofline_and_restores_it(b):
 def test_schedule_overlap_on_cpu_uses_both_configs(b, mesh, monkeypatch, caplog, explicit):
     import logging
 
+    from autoparallel.fx_utils import max_consec_compute_between_rs
     from autoparallel.passes import overlap_estimator
-    from autoparallel.passes.graph_utils import max_consec_compute_between_rs
     from autoparallel.passes.topo_span_bucketing import TopoSpanConfig
 
     made = []

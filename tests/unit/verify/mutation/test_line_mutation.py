@@ -1,4 +1,4 @@
-"""verify.line_mutation's parsing and reporting, on canned mutmut 3.8 output (mutmut never runs here)."""
+"""verify.mutation.lines's parsing and reporting, on canned mutmut 3.8 output (mutmut never runs here)."""
 
 import io
 import textwrap
@@ -7,7 +7,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from verify import line_mutation as L
+from verify.mutation import lines as L
 
 RESULTS = textwrap.dedent(
     """\
@@ -256,9 +256,9 @@ def test_verify_cli_exit_status_and_table(monkeypatch, capsys, surviving, expect
     monkeypatch.setattr(L, "run", fake_run)
     assert main(["mutate", "--lines", "-n", "2"]) == expected
     assert seen["max_children"] == 2 and seen["max_examples"] == L.DEFAULT_MAX_EXAMPLES
-    assert "autoparallel/passes/registry.py" not in seen["files"]
+    assert "autoparallel/patches.py" not in seen["files"]
     assert "autoparallel/passes/fsdp_recompute.py" in seen["files"]
-    assert "tests/unit/test_fsdp_recompute.py" in seen["tests"]
+    assert "tests/unit/autoparallel/passes/test_fsdp_recompute.py" in seen["tests"]
     assert not seen["workdir"].exists()  # the temporary scratch directory is removed
     out = capsys.readouterr().out
     assert out.splitlines()[1].split()[:2] == ["autoparallel/passes/demo.py", "2"]

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from autoparallel import meta as M
-from autoparallel.passes.registry import disabled
+from autoparallel.patches import disabled
 from autoparallel.trainer import run_traced
 from verify.launch import gated_backend, run_gated
 from verify.memory import PeakMemory, compare_peaks, peak_memory, ratio, static_peak

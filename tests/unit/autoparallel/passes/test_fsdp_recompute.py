@@ -14,13 +14,13 @@ from torch import fx, nn
 from torch.utils.checkpoint import CheckpointPolicy
 
 from autoparallel import meta as M
-from autoparallel.passes import registry
+from autoparallel import patches
+from autoparallel.fx_utils import ALL_GATHER, WAIT
 from autoparallel.passes.cleanup import CleanupReport, cleanup_graph
 from autoparallel.passes.fsdp_recompute import (
     is_fsdp_all_gather,
     mark_fsdp_all_gather_recomputation,
 )
-from autoparallel.passes.graph_utils import ALL_GATHER, WAIT
 
 aten = torch.ops.aten
 MUST_RECOMPUTE, MUST_SAVE = CheckpointPolicy.MUST_RECOMPUTE, CheckpointPolicy.MUST_SAVE
@@ -162,7 +162,7 @@ def test_no_reshard_after_forward_saves_chain_end(chain, saved):
 
 def test_disabled_chain_fix_tags_only_all_gather_and_wait():
     g, n = _fsdp_graph(chain=("permute",))
-    with registry.disabled("fsdp_chain_recompute"):
+    with patches.disabled("fsdp_chain_recompute"):
         mark_fsdp_all_gather_recomputation(g)
     assert [k for k, v in n.items() if M.RECOMPUTE in v.meta] == ["ag", "wait"]
 

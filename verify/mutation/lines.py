@@ -1,6 +1,6 @@
 """Line-level mutation of ``autoparallel/passes`` with mutmut 3 (``python -m verify mutate --lines``).
 
-The patch-level harness (verify/mutation.py) asks "does some test notice when a whole fix is
+The patch-level harness (verify/mutation/patches.py) asks "does some test notice when a whole fix is
 turned off?"; this one asks it for every small edit mutmut can make inside a function of the
 passes (``<`` to ``<=``, ``+ 1``, ``and`` to ``or``, a string or constant changed, a call argument
 dropped, ...). Results use the same vocabulary and table layout: per file (or per function, with
@@ -15,7 +15,7 @@ What runs
       re-tests the whole suite, and the patch-level harness already covers it). mutmut only mutates
       code inside functions and skips decorated functions (except ``@staticmethod`` and
       ``@classmethod``); module-level code is never mutated.
-    * Tests: ``tests/unit/test_fsdp_recompute.py``, ``test_topo_span_bucketing.py``,
+    * Tests: ``tests/unit/autoparallel/passes/test_fsdp_recompute.py``, ``test_topo_span_bucketing.py``,
       ``test_pre_overlap_bucketing.py``, ``test_fuse_chained_allgathers.py``,
       ``test_passes_pipeline.py``, ``test_overlap_estimator.py``, ``test_graph_utils.py`` and
       ``tests/property/`` (those that exist). mutmut records once which tests reach which function
@@ -41,7 +41,7 @@ Cost
     Not part of CI or of any pytest tier: it runs every selected test once per mutant that a test
     reaches. Measured on the shared 2-core development box (other jobs running): the default set
     (8 files, 1764 mutants) took 1 h 40 min with ``-n 2``; fsdp_recompute.py plus cleanup.py
-    (214 mutants, tests/unit/test_fsdp_recompute.py only) took 8 min with ``-n 2`` and 21 min with
+    (214 mutants, tests/unit/autoparallel/passes/test_fsdp_recompute.py only) took 8 min with ``-n 2`` and 21 min with
     ``-n 1``. Functions that the property tests reach are the slow part (about 20 s of tests per
     surviving mutant at 10 examples). Install mutmut with ``pip install -e .[mutation]``.
 
@@ -50,9 +50,9 @@ Usage
     python -m verify mutate --lines --json -n 2        # one JSON object; -n: mutmut workers
                                                        # (0/auto: all cores); --patch and
                                                        # --timeout apply to patch-level only
-    python -m verify.line_mutation --files autoparallel/passes/fsdp_recompute.py \\
-        --tests tests/unit/test_fsdp_recompute.py --by function --workdir /tmp/mm
-    python -m verify.line_mutation --report-only --workdir /tmp/mm --by function   # re-report
+    python -m verify.mutation.lines --files autoparallel/passes/fsdp_recompute.py \\
+        --tests tests/unit/autoparallel/passes/test_fsdp_recompute.py --by function --workdir /tmp/mm
+    python -m verify.mutation.lines --report-only --workdir /tmp/mm --by function   # re-report
 
 Exit status: 0 when every mutant was killed (or timed out), 1 when any survived, had no coverage
 or ended in an error, or when mutmut could not run. Progress goes to stderr.
@@ -75,18 +75,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from verify.mutation import STATES
-from verify.outcome_log import ENV as OUTCOME_ENV
+from verify.mutation.outcome_log import ENV as OUTCOME_ENV
 
 PASSES_DIR = "autoparallel/passes"
 EXCLUDED_FILES = ("__init__.py", "registry.py")
 DEFAULT_TESTS = (
-    "tests/unit/test_fsdp_recompute.py",
-    "tests/unit/test_topo_span_bucketing.py",
-    "tests/unit/test_pre_overlap_bucketing.py",
-    "tests/unit/test_fuse_chained_allgathers.py",
-    "tests/unit/test_passes_pipeline.py",
-    "tests/unit/test_overlap_estimator.py",
-    "tests/unit/test_graph_utils.py",
+    "tests/unit/autoparallel/passes/test_fsdp_recompute.py",
+    "tests/unit/autoparallel/passes/test_topo_span_bucketing.py",
+    "tests/unit/autoparallel/passes/test_pre_overlap_bucketing.py",
+    "tests/unit/autoparallel/passes/test_fuse_chained_allgathers.py",
+    "tests/unit/autoparallel/passes/test_collective.py",
+    "tests/unit/autoparallel/passes/test_overlap_estimator.py",
+    "tests/unit/autoparallel/test_fx_utils.py",
     "tests/property",
 )
 MAX_EXAMPLES_ENV = "AP_MUTATION_MAX_EXAMPLES"
@@ -343,7 +343,7 @@ def mutmut_config(files: Sequence[str], tests: Sequence[str], deselect: Sequence
         'source_paths = ["autoparallel"]',
         f"only_mutate = {_toml_list(files)}",
         f"pytest_add_cli_args_test_selection = {_toml_list(selection)}",
-        'pytest_add_cli_args = ["-p", "no:cacheprovider", "-p", "verify.line_mutation"]',
+        'pytest_add_cli_args = ["-p", "no:cacheprovider", "-p", "verify.mutation.lines"]',
         'process_isolation = "forkserver"',
         'forkserver_warmup = "collect"',
         f"timeout_multiplier = {float(timeout_multiplier)}",
@@ -414,12 +414,12 @@ def _mutmut_cmd() -> list[str]:
 
 
 def baseline(workdir: Path, tests: Sequence[str], max_examples: int, timeout_s: float | None = None) -> dict[str, str]:
-    """Outcomes (``verify.outcome_log``) of the selected tests on the unmutated copy."""
+    """Outcomes (``verify.mutation.outcome_log``) of the selected tests on the unmutated copy."""
     log = workdir / "baseline-outcomes.json"
     env = _env(max_examples)
     env[OUTCOME_ENV] = str(log)
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "verify.outcome_log",
-           "-p", "verify.line_mutation", "--rootdir", str(workdir), *tests]
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "verify.mutation.outcome_log",
+           "-p", "verify.mutation.lines", "--rootdir", str(workdir), *tests]
     proc = subprocess.run(cmd, cwd=workdir, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                           timeout=timeout_s)
     if not log.exists():
@@ -568,7 +568,7 @@ def _max_children(workers) -> int:
 
 
 def main(args) -> int:
-    from verify.golden_cli import repo_root
+    from verify.repo import repo_root
 
     root = repo_root()
 
@@ -629,7 +629,7 @@ def _report(args, r: LineMutationRun) -> int:
     return 1 if undetected or r.mutmut_exit != 0 else 0
 
 
-# --- pytest plugin (``-p verify.line_mutation``, loaded in mutmut's pytest runs) -----------------
+# --- pytest plugin (``-p verify.mutation.lines``, loaded in mutmut's pytest runs) -----------------
 
 
 def pytest_collection_modifyitems(items) -> None:
@@ -650,7 +650,7 @@ def pytest_collection_modifyitems(items) -> None:
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m verify.line_mutation", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m verify.mutation.lines", description=__doc__.split("\n\n")[0])
     p.add_argument("--files", nargs="+", help=f"files to mutate (default: {PASSES_DIR}/*.py except {', '.join(EXCLUDED_FILES)})")
     p.add_argument("--tests", nargs="+", help=f"test files or directories (default: {' '.join(DEFAULT_TESTS)})")
     p.add_argument("--by", choices=["file", "function"], default="file", help="one table row per file or per function")

@@ -23,10 +23,9 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from verify.outcome_log import ENV as OUTCOME_ENV
+from verify.mutation.outcome_log import ENV as OUTCOME_ENV
 
 DISABLE_ENV = "AUTOPARALLEL_DISABLE"
-STATES = ("killed", "survived", "no coverage", "timeout", "error")
 
 
 @dataclass
@@ -78,7 +77,7 @@ def run_guards(
         env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTEST_", "XDIST_"))}
         env[OUTCOME_ENV] = str(log)
         env[DISABLE_ENV] = disable
-        cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "verify.outcome_log",
+        cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "verify.mutation.outcome_log",
                "--snapshot-warn-unused", "-n", str(workers), *guards]
         t0 = time.perf_counter()
         proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
@@ -185,35 +184,3 @@ def format_table(results: Sequence[PatchResult]) -> str:
         if r.state != "killed" and r.detail:
             lines.append(f"  {r.name}: {r.state}: {r.detail.splitlines()[0]}")
     return "\n".join(lines)
-
-
-def main(args) -> int:
-    from autoparallel.passes.registry import PATCHES
-    from verify.golden_cli import repo_root
-
-    names = args.patch or list(PATCHES)
-    unknown = sorted(set(names) - set(PATCHES))
-    if unknown:
-        raise ValueError(f"unknown patch(es) {unknown}; known patches: {sorted(PATCHES)}")
-    if args.lines:
-        from verify.line_mutation import main as lines_main
-
-        return lines_main(args)
-    patches = [PATCHES[n] for n in names]
-    if not patches:
-        print("no patches registered", file=sys.stderr)
-        return 1
-
-    def progress(msg: str) -> None:
-        print(f"[mutate] {msg}", file=sys.stderr, flush=True)
-
-    t0 = time.perf_counter()
-    results = mutate(patches, workers=args.workers, timeout_s=args.timeout, cwd=repo_root(), progress=progress)
-    killed = sum(r.state == "killed" for r in results)
-    if args.json:
-        print(json.dumps({"patches": [r.to_dict() for r in results], "killed": killed, "total": len(results),
-                          "seconds": round(time.perf_counter() - t0, 1)}, indent=2))
-    else:
-        print(format_table(results))
-        print(f"total: {time.perf_counter() - t0:.1f}s")
-    return 0 if killed == len(results) else 1

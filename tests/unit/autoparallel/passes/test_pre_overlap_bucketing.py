@@ -12,9 +12,9 @@ import torch
 from torch._functorch.partitioners import default_partition
 
 from autoparallel import meta as M
+from autoparallel import patches
+from autoparallel.fx_utils import ALL_GATHER, REDUCE_SCATTER
 from autoparallel.mesh import attach_group_dims, fake_world
-from autoparallel.passes import registry
-from autoparallel.passes.graph_utils import ALL_GATHER, REDUCE_SCATTER
 from autoparallel.passes.pre_overlap_bucketing import (
     TAG_FSDP_AG,
     TAG_GRAD_AR,
@@ -179,7 +179,7 @@ def test_disabled_patch_leaves_graph_alone():
     with fake_world("dp=4,tp=2") as mesh:
         gm = _hand_graph(mesh)
         tag_collectives_for_bucketing(gm)
-        with registry.disabled("pre_overlap_bucketing"):
+        with patches.disabled("pre_overlap_bucketing"):
             res = bucket_tagged_collectives(gm)
         assert not res.enabled and res.after == res.before == collective_counts(gm)
 
@@ -367,7 +367,7 @@ def test_result_metrics_per_kind_and_disabled_flag():
         assert list(res.metrics) == ["all_gather", "reduce_scatter", "all_reduce"]
         assert res.metrics["reduce_scatter"].num_bucketed == 3
         assert res.summary() == "all_gather 5->2, reduce_scatter 3->1, all_reduce 1->1"
-        with registry.disabled("pre_overlap_bucketing"):
+        with patches.disabled("pre_overlap_bucketing"):
             off = bucket_tagged_collectives(_hand_graph(mesh))
         assert off.enabled is False and off.metrics == {}
         assert off.summary().endswith(" (patch disabled)")

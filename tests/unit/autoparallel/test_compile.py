@@ -8,7 +8,7 @@ from torch.utils.checkpoint import CheckpointPolicy
 
 from autoparallel import meta as M
 from autoparallel.compile import OVERLAP_SCHEDULING_PATCHES, ac_joint_pass, autoparallel_backend
-from autoparallel.passes.graph_utils import ALL_GATHER, WAIT
+from autoparallel.fx_utils import ALL_GATHER, WAIT
 
 aten = torch.ops.aten
 _overlap = torch._inductor.config.aten_distributed_optimizations

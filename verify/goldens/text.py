@@ -1,18 +1,17 @@
-"""Goldens: one reviewed text file per golden under ``goldens/<tests subdir>/<module>/<test>.txt``.
+"""Golden text: the file format, reading with corruption checks, and rendering graphs as goldens.
 
-Built on syrupy (``pytest --snapshot-update`` regenerates; goldens no test uses fail the run), with
-three additions a reviewer needs: the text is canonical (``verify.canon``) so a diff means the
-graph changed; every file starts with a format line so a truncated or foreign file is reported as
-corrupt, not diffed; and every failure names the file and the command that regenerates it.
+Goldens are one reviewed text file per golden under ``goldens/<tests subdir>/<module>/<test>.txt``,
+written through syrupy (``verify.goldens.syrupy_ext``, the only module that imports it;
+``pytest --snapshot-update`` regenerates, goldens no test uses fail the run). Three additions a
+reviewer needs: the text is canonical (``verify.canon``) so a diff means the graph changed; every
+file starts with a format line so a truncated or foreign file is reported as corrupt, not diffed;
+and every failure names the file and the command that regenerates it.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-
-from syrupy.extensions.single_file import SingleFileSnapshotExtension, WriteMode
-from syrupy.location import PyTestLocation
 
 FORMAT_LINE = "# autoparallel golden v1"
 UPDATE_COMMAND = "python -m verify goldens --update"
@@ -36,23 +35,6 @@ def goldens_root_for(test_file: str | Path) -> tuple[Path, Path]:
 def golden_dir_for(test_file: str | Path) -> Path:
     root, rel = goldens_root_for(test_file)
     return root / GOLDENS_DIR / rel.parent / rel.stem
-
-
-class GoldenTextExtension(SingleFileSnapshotExtension):
-    """One UTF-8 ``.txt`` per snapshot, under the top-level ``goldens/`` tree."""
-
-    _write_mode = WriteMode.TEXT
-    file_extension = "txt"
-
-    @classmethod
-    def dirname(cls, *, test_location: PyTestLocation) -> str:
-        return str(golden_dir_for(test_location.filepath))
-
-    def read_snapshot_data_from_location(self, *, snapshot_location: str, snapshot_name: str, session_id: str):
-        try:
-            return read_golden(snapshot_location)
-        except FileNotFoundError:
-            return None
 
 
 def read_golden(path: str | Path) -> str:

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from verify.mutation import GuardRun, classify, format_table, mutate
+from verify.mutation.patches import GuardRun, classify, format_table, mutate
 
 pytestmark = pytest.mark.xdist_group("mutation-harness")  # one worker runs the module fixture
 

@@ -37,7 +37,7 @@ def _register(name: str, summary: str, when_disabled: str, guards: tuple[str, ..
 
 # --- registered patches (keep in pipeline order) ----------------------------------------------
 
-# Entries are added by the issues that build each pass; see tests/unit/test_registry.py.
+# Entries are added by the issues that build each pass; see tests/unit/autoparallel/test_patches.py.
 
 # apply_placement boundary, first partition, second compile (pipeline steps 3-5).
 _register(
@@ -47,9 +47,9 @@ _register(
     "only the all-gather and its wait are tagged: the partitioner saves the first untagged node "
     "after the wait (the transposed gathered weight, 2.62 GiB on LLaMA-3 8B) and the cast shard",
     (
-        "tests/unit/test_fsdp_recompute.py::test_transposed_weight_after_wait_is_recomputed_not_saved",
-        "tests/unit/test_fsdp_recompute.py::test_recompute_tags_cast_all_gather_wait_and_chain",
-        "tests/unit/test_partition.py::test_no_all_gather_output_or_wait_saved_for_backward",
+        "tests/unit/autoparallel/passes/test_fsdp_recompute.py::test_transposed_weight_after_wait_is_recomputed_not_saved",
+        "tests/unit/autoparallel/passes/test_fsdp_recompute.py::test_recompute_tags_cast_all_gather_wait_and_chain",
+        "tests/unit/autoparallel/test_partition.py::test_no_all_gather_output_or_wait_saved_for_backward",
     ),
 )
 _register(
@@ -59,8 +59,8 @@ _register(
     "the second compile runs stock min_cut_rematerialization_partition, which makes its own "
     "save/recompute decisions (different saved set; with the AC pass it saves gathered weights)",
     (
-        "tests/unit/test_partition.py::test_second_compile_saves_exactly_what_first_saved",
-        "tests/unit/test_partition.py::test_ac_pass_in_second_compile_adds_no_save_and_no_all_gather",
+        "tests/unit/autoparallel/test_partition.py::test_second_compile_saves_exactly_what_first_saved",
+        "tests/unit/autoparallel/test_partition.py::test_ac_pass_in_second_compile_adds_no_save_and_no_all_gather",
     ),
 )
 _register(
@@ -70,7 +70,7 @@ _register(
     "lazily on the first .backward()",
     "the settings live in a config.patch context that has exited before the lazy backward "
     "compile: the backward is compiled without overlap scheduling (the bug #483 fixed)",
-    ("tests/unit/test_compile.py::test_overlap_config_in_force_when_backward_compiles",),
+    ("tests/unit/autoparallel/test_compile.py::test_overlap_config_in_force_when_backward_compiles",),
 )
 
 
@@ -82,8 +82,8 @@ _register(
     "when the chain's rank order is column-major)",
     "chains stay as two all-gathers on the two sub-groups (two launches per chain)",
     (
-        "tests/unit/test_fuse_chained_allgathers.py::test_fuses_direct_chain_both_directions",
-        "tests/unit/test_fuse_chained_allgathers.py::test_fuses_identity_view_chain",
+        "tests/unit/autoparallel/passes/test_fuse_chained_allgathers.py::test_fuses_direct_chain_both_directions",
+        "tests/unit/autoparallel/passes/test_fuse_chained_allgathers.py::test_fuses_identity_view_chain",
     ),
 )
 _register(
@@ -93,8 +93,8 @@ _register(
     "fw/bw graphs, before the overlap scheduler adds its per-group ordering dependencies",
     "no pre-bucketing: every per-parameter collective reaches the overlap scheduler on its own",
     (
-        "tests/unit/test_pre_overlap_bucketing.py::test_merges_tagged_collectives_on_hand_graph",
-        "tests/unit/test_pre_overlap_bucketing.py::test_split_fw_bw_graphs_are_bucketed",
+        "tests/unit/autoparallel/passes/test_pre_overlap_bucketing.py::test_merges_tagged_collectives_on_hand_graph",
+        "tests/unit/autoparallel/passes/test_pre_overlap_bucketing.py::test_split_fw_bw_graphs_are_bucketed",
     ),
 )
 _register(
@@ -103,8 +103,8 @@ _register(
     "most FSDP all-gathers (ties: the one seen first)",
     "upstream identify_fsdp_groups: every group with an FSDP-looking all-gather is bucketed",
     (
-        "tests/unit/test_topo_span_bucketing.py::test_identify_fsdp_groups_picks_primary_group",
-        "tests/unit/test_topo_span_bucketing.py::test_identify_fsdp_groups_ties_pick_one",
+        "tests/unit/autoparallel/passes/test_topo_span_bucketing.py::test_identify_fsdp_groups_picks_primary_group",
+        "tests/unit/autoparallel/passes/test_topo_span_bucketing.py::test_identify_fsdp_groups_ties_pick_one",
     ),
 )
 _register(
@@ -114,8 +114,8 @@ _register(
     "co-bucketing dependent collectives",
     "upstream greedy_bucket_collective_by_mb: only adjacent same-key collectives, no span bound",
     (
-        "tests/unit/test_topo_span_bucketing.py::test_greedy_bucket_splits_on_span_cap",
-        "tests/unit/test_topo_span_bucketing.py::test_greedy_bucket_merges_non_adjacent_same_key",
+        "tests/unit/autoparallel/passes/test_topo_span_bucketing.py::test_greedy_bucket_splits_on_span_cap",
+        "tests/unit/autoparallel/passes/test_topo_span_bucketing.py::test_greedy_bucket_merges_non_adjacent_same_key",
     ),
 )
 
@@ -128,9 +128,9 @@ _register(
     "make_fx marks no node as backward: the remat pass finds no backward region and is a no-op "
     "(nothing is recomputed, SAC saves no memory), and graph SAC cannot tell forward from backward",
     (
-        "tests/unit/test_trainer_trace.py::test_backward_nodes_carry_phase_tags",
-        "tests/unit/test_trainer_sac.py::test_remat_duplicates_recomputed_ops_into_backward",
-        "tests/unit/test_trainer_memory.py::test_remat_lowers_traced_peak",
+        "tests/unit/autoparallel/trainer/test_trace.py::test_backward_nodes_carry_phase_tags",
+        "tests/unit/autoparallel/trainer/test_sac.py::test_remat_duplicates_recomputed_ops_into_backward",
+        "tests/unit/autoparallel/trainer/test_trainer_memory.py::test_remat_lowers_traced_peak",
     ),
 )
 _register(
@@ -138,8 +138,8 @@ _register(
     "graph SAC (apply_sac_pass) tags forward nodes only; backward nodes are skipped at the source",
     "backward nodes get recompute tags too, and the remat pass duplicates backward ops",
     (
-        "tests/unit/test_trainer_sac.py::test_sac_tags_forward_nodes_only",
-        "tests/unit/test_trainer_sac.py::test_remat_duplicates_recomputed_ops_into_backward",
+        "tests/unit/autoparallel/trainer/test_sac.py::test_sac_tags_forward_nodes_only",
+        "tests/unit/autoparallel/trainer/test_sac.py::test_remat_duplicates_recomputed_ops_into_backward",
     ),
 )
 _register(
@@ -148,8 +148,8 @@ _register(
     "the graph runs with grad mode on: autograd records a second graph over it and the returned "
     "gradients keep every intermediate of the step alive (much higher peak memory)",
     (
-        "tests/unit/test_trainer_memory.py::test_no_grad_execution_lowers_peak",
-        "tests/unit/test_trainer_memory.py::test_traced_sac_peak_within_limit_of_eager_sac",
+        "tests/unit/autoparallel/trainer/test_trainer_memory.py::test_no_grad_execution_lowers_peak",
+        "tests/unit/autoparallel/trainer/test_trainer_memory.py::test_traced_sac_peak_within_limit_of_eager_sac",
     ),
 )
 

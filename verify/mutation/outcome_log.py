@@ -1,4 +1,4 @@
-"""A pytest plugin the mutation harness loads (``-p verify.outcome_log``) in its subprocesses.
+"""A pytest plugin the mutation harness loads (``-p verify.mutation.outcome_log``) in its subprocesses.
 
 It writes one JSON object ``{nodeid: outcome}`` to ``$AUTOPARALLEL_OUTCOME_LOG``, where outcome is
 ``passed``, ``failed`` (an assertion or exception in the test body), ``error`` (setup/teardown or

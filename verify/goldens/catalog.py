@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from verify.goldens import (
+from verify.goldens.text import (
     GOLDENS_DIR,
     collective_counts_text,
     graph_golden_text,

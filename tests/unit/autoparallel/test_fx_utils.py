@@ -1,4 +1,4 @@
-"""The shared node predicates of autoparallel/passes/graph_utils.py on small hand-built FX graphs
+"""The shared node predicates of autoparallel/fx_utils.py on small hand-built FX graphs
 (dtype casts, group arguments, sizes, group resolution, wait lookup, the compute-run metric)."""
 
 from __future__ import annotations
@@ -10,8 +10,7 @@ import torch
 import torch.distributed as dist
 from torch import fx
 
-from autoparallel.mesh import fake_world
-from autoparallel.passes.graph_utils import (
+from autoparallel.fx_utils import (
     ALL_GATHER,
     ALL_REDUCE,
     REDUCE_SCATTER,
@@ -27,6 +26,7 @@ from autoparallel.passes.graph_utils import (
     tensor_bytes,
     wait_of,
 )
+from autoparallel.mesh import fake_world
 from verify.strategies import GraphBuilder, mesh_groups
 
 aten = torch.ops.aten
