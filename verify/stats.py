@@ -46,7 +46,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from autoparallel import meta as M
 from autoparallel.fx_utils import max_consec_compute_between_rs
 from autoparallel.mesh import dim_label, group_dims_of
-from verify.canon import _group_name_of, graph_and_owner, group_arg
+from verify.canon import _group_name_of, canonical_names, graph_and_owner, group_arg
 
 __all__ = [
     "CATEGORIES",
@@ -59,6 +59,10 @@ __all__ = [
     "graph_stats",
     "partition_stats",
     "static_peak_bytes",
+    "static_liveness",
+    "StaticLiveness",
+    "Contributor",
+    "node_phase",
     "format_stats_table",
     "human_bytes",
 ]
@@ -421,22 +425,38 @@ def _fw_saved_outputs(fw_graph: fx.Graph, bw_graph: fx.Graph) -> list[tuple[fx.N
     return list(zip(saved, tensor_outs[len(tensor_outs) - len(saved) :], strict=True))
 
 
-def static_peak_bytes(
-    fw_gm: fx.GraphModule | fx.Graph, bw_gm: fx.GraphModule | fx.Graph | None = None
-) -> int:
-    """Static peak memory (bytes) of running ``fw_gm`` then ``bw_gm``, from FakeTensor vals.
+@dataclass
+class _Walk:
+    """The storage-level liveness walk shared by ``static_peak_bytes`` and ``static_liveness``."""
 
-    Model: memory is counted per tensor storage (``untyped_storage().nbytes()``), so views and
-    other aliases of one storage count once; ``wait_tensor`` returns its input's storage. Nodes
-    run in graph order. A storage is allocated when the first node holding it runs and freed
-    after the last node that uses any node holding it; the peak is taken after each node's
-    allocations, before that node's frees. Forward placeholders (parameters, inputs) and
-    ``get_attr`` constants are live for the whole run. Forward outputs consumed by the backward
-    (the values behind its non-tangent placeholders, matched by name, else by position, see
-    ``_fw_saved_outputs``) stay live until their last use in the backward; other forward outputs are released
-    when the forward ends. Tangents are allocated when the backward starts; backward outputs stay
-    live to the end. With ``bw_gm=None`` the graph's outputs stay live to the end.
-    """
+    steps: list[fx.Node]
+    bw_graph: fx.Graph | None
+    size: dict[Any, int]
+    alloc_at: dict[Any, int]
+    last_use: dict[Any, float]
+    origin: dict[Any, fx.Node]  # the first node holding each storage
+
+    def series(self) -> list[int]:
+        """Live bytes after each step's allocations, before its frees (where the peak is taken)."""
+        frees: dict[int, int] = {}
+        allocs: dict[int, int] = {}
+        for key, s in self.alloc_at.items():
+            allocs[s] = allocs.get(s, 0) + self.size[key]
+            end = self.last_use[key]
+            if end != _INF:
+                frees[int(end)] = frees.get(int(end), 0) + self.size[key]
+        out = []
+        mem = 0
+        for s in range(len(self.steps)):
+            mem += allocs.get(s, 0)
+            out.append(mem)
+            mem -= frees.get(s, 0)
+        return out
+
+
+def _liveness_walk(
+    fw_gm: fx.GraphModule | fx.Graph, bw_gm: fx.GraphModule | fx.Graph | None
+) -> _Walk:
     fw_graph, _ = graph_and_owner(fw_gm)
     bw_graph = graph_and_owner(bw_gm)[0] if bw_gm is not None else None
     steps: list[fx.Node] = list(fw_graph.nodes) + (
@@ -449,6 +469,7 @@ def static_peak_bytes(
     stor = _Storages()
     alloc_at: dict[Any, int] = {}
     last_use: dict[Any, float] = {}
+    origin: dict[Any, fx.Node] = {}
 
     def use(keys: Iterable, s: float) -> None:
         for key in keys:
@@ -466,24 +487,109 @@ def static_peak_bytes(
             if key not in alloc_at:
                 alloc_at[key] = 0 if resident else s  # parameters/inputs/constants: from the start
                 last_use[key] = s
+                origin[key] = node
         use(keys, _INF if resident else s)
         final = node.op == "output" and (node.graph is not fw_graph or bw_graph is None)
         for inp in node.all_input_nodes:
             use(stor.keys[inp], _INF if final else s)
+    return _Walk(steps, bw_graph, stor.size, alloc_at, last_use, origin)
 
-    frees: dict[int, int] = {}
-    allocs: dict[int, int] = {}
-    for key, s in alloc_at.items():
-        allocs[s] = allocs.get(s, 0) + stor.size[key]
-        end = last_use[key]
-        if end != _INF:
-            frees[int(end)] = frees.get(int(end), 0) + stor.size[key]
-    mem = peak = 0
-    for s in range(len(steps)):
-        mem += allocs.get(s, 0)
-        peak = max(peak, mem)
-        mem -= frees.get(s, 0)
-    return peak
+
+def static_peak_bytes(
+    fw_gm: fx.GraphModule | fx.Graph, bw_gm: fx.GraphModule | fx.Graph | None = None
+) -> int:
+    """Static peak memory (bytes) of running ``fw_gm`` then ``bw_gm``, from FakeTensor vals.
+
+    Model: memory is counted per tensor storage (``untyped_storage().nbytes()``), so views and
+    other aliases of one storage count once; ``wait_tensor`` returns its input's storage. Nodes
+    run in graph order. A storage is allocated when the first node holding it runs and freed
+    after the last node that uses any node holding it; the peak is taken after each node's
+    allocations, before that node's frees. Forward placeholders (parameters, inputs) and
+    ``get_attr`` constants are live for the whole run. Forward outputs consumed by the backward
+    (the values behind its non-tangent placeholders, matched by name, else by position, see
+    ``_fw_saved_outputs``) stay live until their last use in the backward; other forward outputs are released
+    when the forward ends. Tangents are allocated when the backward starts; backward outputs stay
+    live to the end. With ``bw_gm=None`` the graph's outputs stay live to the end.
+    """
+    return max(_liveness_walk(fw_gm, bw_gm).series(), default=0)
+
+
+def node_phase(node: fx.Node) -> str:
+    """``backward`` for a node tagged as backward (graph trainer phase, AOT joint graphs'
+    partitioner tag), else ``forward``."""
+    if (node.meta.get(M.CUSTOM) or {}).get(M.PHASE) == M.PHASE_BACKWARD:
+        return "backward"
+    return "backward" if node.meta.get(M.PARTITIONER_TAG) == "is_backward" else "forward"
+
+
+@dataclass
+class Contributor:
+    """A storage live at the peak: the node that first holds it (canonical name), its phase and
+    size."""
+
+    name: str
+    phase: str
+    bytes: int
+
+
+@dataclass
+class StaticLiveness:
+    """Static live bytes through a forward (and backward) run, per node, on the model of
+    :func:`static_peak_bytes` (``max(live) == static_peak_bytes``).
+
+    ``names``/``phases``/``live``: one entry per node in run order (canonical names, as the
+    graph text prints them; names restart in the backward, hence the phases). ``peak_step``: the
+    first step reaching the peak. ``at_peak``: every storage live there, largest first; their
+    bytes sum to the peak.
+    """
+
+    names: list[str]
+    phases: list[str]
+    live: list[int]
+    peak_bytes: int
+    peak_step: int
+    at_peak: list[Contributor]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "at_peak": [c.__dict__ for c in self.at_peak],
+            "live": self.live,
+            "names": self.names,
+            "peak_bytes": self.peak_bytes,
+            "peak_step": self.peak_step,
+            "phases": self.phases,
+        }
+
+
+def static_liveness(
+    fw_gm: fx.GraphModule | fx.Graph, bw_gm: fx.GraphModule | fx.Graph | None = None
+) -> StaticLiveness:
+    """The series behind :func:`static_peak_bytes`, with the storages live at the peak named."""
+
+    walk = _liveness_walk(fw_gm, bw_gm)
+    live = walk.series()
+    names = dict(canonical_names(fw_gm))
+    bw_names = canonical_names(bw_gm) if bw_gm is not None else {}
+
+    def name(node: fx.Node) -> str:
+        if node.graph is walk.bw_graph:
+            return bw_names.get(node, "return")
+        return names.get(node, "return")
+
+    def phase(node: fx.Node) -> str:
+        return "backward" if node.graph is walk.bw_graph else node_phase(node)
+
+    peak = max(live, default=0)
+    peak_step = live.index(peak) if live else 0
+    at_peak = [
+        Contributor(name(walk.origin[key]), phase(walk.origin[key]), walk.size[key])
+        for key, s in walk.alloc_at.items()
+        if s <= peak_step <= walk.last_use[key]
+    ]
+    at_peak.sort(key=lambda c: (-c.bytes, c.phase, c.name))
+    return StaticLiveness(
+        [name(n) for n in walk.steps], [phase(n) for n in walk.steps], live, peak, peak_step, at_peak
+    )
 
 
 # --- PartitionStats -----------------------------------------------------------------------------

@@ -20,6 +20,7 @@ from verify.stats import (
     human_bytes,
     node_category,
     partition_stats,
+    static_liveness,
     static_peak_bytes,
 )
 
@@ -230,6 +231,41 @@ def test_static_peak_matches_saved_values_by_name():
     # Forward outputs ordered (c, x, b): position would pair placeholder "b" with x; names fix it.
     fw, bw = _fw_bw(("b", "primals_2"), fw_out_order="cxb", tangent_role=True)
     assert static_peak_bytes(fw, bw) == 3072
+
+
+def test_static_liveness_is_the_series_behind_the_peak():
+    fw, bw = _fw_bw(("saved_b", "saved_x"))
+    liv = static_liveness(fw, bw)
+    assert liv.peak_bytes == static_peak_bytes(fw, bw) == max(liv.live) == 3072
+    assert liv.phases == ["forward"] * 7 + ["backward"] * 10
+    assert liv.names[:7] == ["arg_0", "arg_1", "mm_0", "view_0", "relu_0", "sum_0", "return"]
+    # at the peak (gx): the canonical name of the node, in the backward
+    assert (liv.names[liv.peak_step], liv.phases[liv.peak_step]) == ("mul_1", "backward")
+    assert liv.live[:5] == [1280, 1280, 1536, 1536, 1792]  # w + x resident, a, then b (view free)
+    assert liv.live[-1] == 1024 + 256 + 1024 + 256  # w, x and the two gradients stay
+    contributors = [(c.name, c.phase, c.bytes) for c in liv.at_peak]
+    assert contributors == [
+        ("mm_0", "backward", 1024),  # gw
+        ("arg_0", "forward", 1024),  # w
+        ("mul_0", "backward", 256),  # g
+        ("mul_1", "backward", 256),  # gx
+        ("arg_1", "forward", 256),  # x
+        ("relu_0", "forward", 256),  # b, saved for the backward
+    ]
+    assert sum(c.bytes for c in liv.at_peak) == liv.peak_bytes
+    assert json.loads(json.dumps(liv.to_dict()))["peak_step"] == liv.peak_step
+
+
+def test_static_liveness_of_one_graph_reads_backward_tags():
+    fw, _ = _fw_bw(("saved_b", "saved_x"))
+    for node in fw.graph.nodes:
+        if node.name in ("b", "c"):
+            node.meta[M.CUSTOM] = {M.PHASE: M.PHASE_BACKWARD}
+        if node.name == "av":
+            node.meta[M.PARTITIONER_TAG] = "is_backward"
+    liv = static_liveness(fw)
+    assert liv.phases == ["forward"] * 3 + ["backward"] * 3 + ["forward"]
+    assert liv.peak_bytes == static_peak_bytes(fw)
 
 
 def test_partition_stats_and_table():
