@@ -55,6 +55,7 @@ __all__ = [
     "GraphStats",
     "PartitionStats",
     "collective_kind",
+    "collective_node_bytes",
     "node_category",
     "graph_stats",
     "partition_stats",
@@ -202,6 +203,12 @@ def _collective_bytes(node: fx.Node, kind: str) -> int:
         if isinstance(s, fx.Node):
             total += _value_bytes(_val(s, f"the bytes of collective {node.name!r}"), s)
     return total
+
+
+def collective_node_bytes(node: fx.Node) -> int:
+    """Bytes of one collective launch, by the module's convention (0 for a non-collective)."""
+    kind = collective_kind(node)
+    return _collective_bytes(node, kind) if kind is not None else 0
 
 
 def _group_label(node: fx.Node, group_dims: Mapping[str, str]) -> str:
