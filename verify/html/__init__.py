@@ -18,14 +18,19 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
-from verify.html.records import (
-    Parity,
-    StageRecord,
-    parity_from_report,
-    records_from_pipeline_run,
-    trainer_records,
-)
+_FROM_RECORDS = ("Parity", "StageRecord", "parity_from_report", "records_from_pipeline_run", "trainer_records")
+
+
+def __getattr__(name: str) -> Any:
+    # Lazy, so ``verify.html.browser`` (imported by the pytest plugin's browser gate) stays light.
+    if name in _FROM_RECORDS:
+        from verify.html import records
+
+        return getattr(records, name)
+    raise AttributeError(f"module 'verify.html' has no attribute {name!r}")
+
 
 __all__ = [
     "Parity",
@@ -41,9 +46,9 @@ PAGE_NAME = "index.html"
 
 
 def build_report_page(
-    records: Sequence[StageRecord], *, title: str, subtitle: str = "", mesh=None, roofline=None
+    records: Sequence[Any], *, title: str, subtitle: str = "", mesh=None, roofline=None
 ) -> str:
-    """The page's HTML for ``records`` (in pipeline order). ``mesh`` (a ``MeshSpec``) gives the
+    """The page's HTML for ``records`` (``StageRecord``s, in pipeline order). ``mesh`` (a ``MeshSpec``) gives the
     group sizes of collectives whose schema has none (all-reduce) once the fake world is gone;
     ``roofline``: the estimator's ``RooflineConfig`` (default: one H100)."""
     from verify.html.page import build_page
@@ -54,7 +59,7 @@ def build_report_page(
 
 
 def write_report(
-    records: Sequence[StageRecord], out_dir: str | Path, *, title: str, subtitle: str = "",
+    records: Sequence[Any], out_dir: str | Path, *, title: str, subtitle: str = "",
     mesh=None, roofline=None,
 ) -> Path:
     """Write ``out_dir/index.html`` (creating ``out_dir``) and return its path."""

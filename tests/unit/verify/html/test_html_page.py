@@ -170,3 +170,22 @@ def test_golden_sections_round_trip_and_replace_only_what_changed():
     changed = golden_with_current(text, {"forward": "x: f32[3]\n"})
     assert changed == text.replace("x: f32[2]", "x: f32[3]")
     assert golden_with_current(text, {"graph": "z\n"}).endswith("\n== graph ==\nz\n")
+
+
+@pytest.mark.xdist_group("trainer")  # shares the traced debug steps of the trainer tests
+def test_graph_trainer_page_shows_measured_memory_beside_the_static():
+    from verify.html import trainer_records
+
+    records = trainer_records("debug", batch=4)
+    assert [r.name for r in records] == ["traced_step", "sac_tagged", "sac_remat"]
+    html = build_report_page(records, title="graph trainer, debug preset")
+    secs = sections(html)
+    for name, chunk in secs.items():
+        figs = figures(chunk)
+        kinds = [f.get("data-figure") for f in figs]
+        assert kinds == ["memory", "measured-memory"], (name, kinds)
+        phases = {e.get("class") for e in figs[0].iter() if (e.get("class") or "").startswith("phase ")}
+        assert phases == {"phase phase-forward", "phase phase-backward"}, name
+    measured = {r.name: r.measured_memory.peak for r in records}
+    assert all(p > 0 for p in measured.values())
+    assert "data-same-as-previous" not in secs["sac_remat"]  # remat duplicates recomputed ops
