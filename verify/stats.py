@@ -333,7 +333,10 @@ class _Storages:
 
     Views share their base's FakeTensor storage already. ``wait_tensor`` (which returns its input
     at runtime) and a backward placeholder holding a saved forward value get fresh fake storages
-    from tracing; those are mapped onto the storage they really are.
+    from tracing; those are mapped onto the storage they really are. Storages are told apart per
+    graph: a partitioner copies a recomputed forward node into the backward together with its
+    ``meta["val"]``, so the two share a fake storage, but the copy allocates its own buffer at
+    run time (only saved placeholders carry a forward buffer into the backward).
     """
 
     def __init__(self) -> None:
@@ -354,7 +357,7 @@ class _Storages:
         raw, seen = [], set()
         for t in _tensors(v):
             st = t.untyped_storage()
-            ref = StorageWeakRef(st)
+            ref = (node.graph, StorageWeakRef(st))
             if ref not in seen:
                 seen.add(ref)
                 raw.append((ref, _hint(st.nbytes(), node)))

@@ -233,6 +233,38 @@ def test_static_peak_matches_saved_values_by_name():
     assert static_peak_bytes(fw, bw) == 3072
 
 
+def test_a_backward_recompute_with_a_copied_val_is_a_new_storage():
+    """Partitioners duplicate recomputed ops into the backward with the forward node's
+    ``meta["val"]`` (same FakeTensor storage). The copy is a new buffer at run time: it must not
+    keep the forward's buffer alive from the forward into the backward."""
+    fg = fx.Graph()
+    w = fg.placeholder("primals_1")  # f32[16, 16] 1024 B
+    x = fg.placeholder("primals_2")  # f32[4, 16] 256 B
+    big = fg.call_function(aten.mul.Tensor, (w, 2.0), name="big")  # 1024 B, recomputed later
+    y = fg.call_function(aten.mm.default, (x, big), name="y")  # 256 B
+    fg.output((fg.call_function(aten.sum.default, (y,), name="loss"), x, w))  # saves x and w
+    fw = _gm(fg, torch.randn(16, 16), torch.randn(4, 16))
+    bg = fx.Graph()
+    sx = bg.placeholder("primals_2")  # the saved x
+    w_b = bg.placeholder("primals_1")  # the saved w
+    tan = bg.placeholder("tangents_1")
+    big_b = bg.call_function(aten.mul.Tensor, (w_b, 2.0), name="big")  # the recompute
+    e = bg.call_function(aten.expand.default, (tan, [4, 16]))
+    gw = bg.call_function(aten.mm.default, (bg.call_function(aten.t.default, (sx,)), e))
+    gx = bg.call_function(aten.mm.default, (e, big_b))
+    bg.output((gw, gx))
+    bw = _gm(bg, torch.randn(4, 16), torch.randn(16, 16), torch.randn(()))
+    fw_big = next(n for n in fw.graph.nodes if n.name == "big")
+    big_b.meta[M.VAL] = fw_big.meta[M.VAL]  # what the partitioner's copy carries
+    liv = static_liveness(fw, bw)
+    fw_steps = len(fw.graph.nodes)
+    assert liv.live[fw_steps - 1] == 1024 + 256 + 4  # at the forward's return: w, x, loss
+    # backward, at gx: w, x, big again (1024), gw (1024), gx (256); the tangent is freed at e's
+    # last use, e (an alias of the tangent) too
+    assert liv.peak_bytes == static_peak_bytes(fw, bw) == 1024 + 256 + 1024 + 1024 + 256 + 4
+    assert (liv.names[liv.peak_step], liv.phases[liv.peak_step]) == ("mm_1", "backward")
+
+
 def test_static_liveness_is_the_series_behind_the_peak():
     fw, bw = _fw_bw(("saved_b", "saved_x"))
     liv = static_liveness(fw, bw)
