@@ -54,6 +54,8 @@ def build_report_page(
     from verify.html.page import build_page
     from verify.html.views import stage_view
 
+    if not records:
+        raise ValueError("no stage records: nothing to report (pass the pipeline's stages in order)")
     views = [stage_view(r, mesh=mesh, roofline=roofline) for r in records]
     return build_page(views, title=title, subtitle=subtitle)
 
@@ -63,9 +65,9 @@ def write_report(
     mesh=None, roofline=None,
 ) -> Path:
     """Write ``out_dir/index.html`` (creating ``out_dir``) and return its path."""
+    html = build_report_page(records, title=title, subtitle=subtitle, mesh=mesh, roofline=roofline)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     path = out / PAGE_NAME
-    html = build_report_page(records, title=title, subtitle=subtitle, mesh=mesh, roofline=roofline)
     path.write_text(html, encoding="utf-8")
     return path

@@ -136,6 +136,12 @@ def records_from_pipeline_run(
     compile's graphs as the collective stages' inputs, the stage's golden file (``goldens``) and
     parity from ``verify.report.run_parity``'s dict."""
     verdicts = parity_from_report(parity)
+    unknown = sorted(set(verdicts) - {s.name for s in run.stages})
+    if unknown:
+        raise ValueError(
+            f"parity names stage(s) {unknown} that the run does not have "
+            f"(stages: {[s.name for s in run.stages]}); run the pipeline with those stages"
+        )
     inputs = None
     if any(s.name == "second_compile" for s in run.stages):
         inputs = run.stage("second_compile").graphs
@@ -155,11 +161,27 @@ def records_from_pipeline_run(
     return out
 
 
+# The graph trainer's goldens (tests/golden/test_trainer_goldens.py): debug preset, op SAC,
+# sac_graphs' batch of 4, one file per stage.
+_TRAINER_GOLDEN = ("debug", "op", 4)
+_TRAINER_GOLDEN_FILE = "goldens/golden/test_trainer_goldens/test_op_sac_traced_step[{stage}].txt"
+
+
+def _trainer_golden(stage: str, key: tuple) -> str | None:
+    from verify.goldens.text import read_golden
+
+    if key != _TRAINER_GOLDEN or stage == "traced_step":
+        return None
+    path = Path(__file__).resolve().parents[2] / _TRAINER_GOLDEN_FILE.format(stage=stage)
+    return read_golden(path) if path.exists() else None
+
+
 def trainer_records(
-    preset: str = "tiny", *, policy: str = "op", batch: int = 2, measure: bool = True
+    preset: str = "debug", *, policy: str = "op", batch: int = 4, measure: bool = True
 ) -> list[StageRecord]:
-    """The graph trainer's stages (traced step, graph SAC tags, after remat) of ``preset``, each
-    with its measured CPU memory timeline (one step run for real) when ``measure``."""
+    """The graph trainer's stages of ``preset`` (``traced_step``; ``before_remat``: graph SAC
+    tags; ``after_remat``), each with its measured CPU memory timeline (one step run for real)
+    when ``measure``, and its golden where one exists (debug, op SAC, batch 4)."""
     from autoparallel.trainer import run_traced
     from verify.memory import memory_timeline
     from verify.trainer_stages import (
@@ -172,8 +194,8 @@ def trainer_records(
 
     steps = {
         "traced_step": traced_step(preset, batch=batch),
-        "sac_tagged": traced_sac_step(preset, batch=batch, policy=policy, remat=False),
-        "sac_remat": traced_sac_step(preset, batch=batch, policy=policy, remat=True),
+        "before_remat": traced_sac_step(preset, batch=batch, policy=policy, remat=False),
+        "after_remat": traced_sac_step(preset, batch=batch, policy=policy, remat=True),
     }
     out = []
     inputs = make_batches(preset, steps=1, batch=batch)[0]
@@ -188,5 +210,6 @@ def trainer_records(
 
             with intra_op_threads(1):
                 measured = memory_timeline(one_step)
-        out.append(StageRecord(name, step.gm, measured_memory=measured, refresh_vals=True))
+        golden = _trainer_golden(name, (preset, policy, batch))
+        out.append(StageRecord(name, step.gm, golden=golden, measured_memory=measured, refresh_vals=True))
     return out

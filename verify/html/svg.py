@@ -290,15 +290,16 @@ def buckets_svg(panels: Sequence[BucketPanel], *, title: str) -> str:
         n = len(p.buckets)
         fill = max((sum(b.member_bytes) / b.cap_bytes for b in p.buckets if b.cap_bytes), default=0.0)
         members = sum(len(b.members) for b in p.buckets)
+        bound_text = "no topo span bound" if p.max_topo_span is None else f"max_topo_span {p.max_topo_span}"
         body.append(_el("text", text=f"{p.graph} {p.kind} [{p.dim}]: {n} bucket(s) of {members} "
-                        f"collectives; fullest at {fill:.1%} of its cap", x=float(LEFT),
+                        f"collectives; fullest at {fill:.1%} of its cap; {bound_text}", x=float(LEFT),
                         y=y + 10, font_weight="bold", class_="panel-title"))
         y += 16
         col = PLOT_W / max(n, 1)
         w = max(min(col * 0.8, 28.0), 0.6)
         # bytes against the cap: 100% of the cap at the dashed line
         top = max([1.0] + [sum(b.member_bytes) / b.cap_bytes for b in p.buckets if b.cap_bytes])
-        top = max(top, 1.0) * 1.05
+        top = max(top, 1.0) * 1.15  # headroom for the percentages
         cap_y = y + bar_h - bar_h / top
         body.append(_el("text", text="bytes / cap", x=float(LEFT - 6), y=y + bar_h / 2, text_anchor="end"))
         body.append(_el("line", x1=float(LEFT), y1=y + bar_h, x2=float(LEFT + PLOT_W), y2=y + bar_h, stroke="#444"))
@@ -325,18 +326,13 @@ def buckets_svg(panels: Sequence[BucketPanel], *, title: str) -> str:
         y += bar_h + 8
         # topo span against the bound
         bound = p.max_topo_span
-        smax = max([b.span for b in p.buckets] + [bound or 0, 1]) * 1.05
+        smax = max([b.span for b in p.buckets] + [bound or 0, 1]) * 1.3  # headroom for the labels
         body.append(_el("text", text="topo span", x=float(LEFT - 6), y=y + span_h / 2, text_anchor="end"))
         body.append(_el("line", x1=float(LEFT), y1=y + span_h, x2=float(LEFT + PLOT_W), y2=y + span_h, stroke="#444"))
         if bound is not None:
             by = y + span_h - span_h * bound / smax
             body.append(_el("line", f"max_topo_span = {bound}", x1=float(LEFT), y1=by, x2=float(LEFT + PLOT_W),
                             y2=by, stroke="#c0392b", stroke_dasharray="5 3", class_="span-bound"))
-            body.append(_el("text", text=f"max_topo_span {bound}", x=float(LEFT + PLOT_W), y=by + 11,
-                            text_anchor="end", fill="#c0392b"))
-        else:
-            body.append(_el("text", text="no topo span bound", x=float(LEFT + PLOT_W), y=y + 10,
-                            text_anchor="end", fill="#777"))
         for i, b in enumerate(p.buckets):
             x = LEFT + col * i + (col - w) / 2
             h = span_h * b.span / smax
@@ -397,10 +393,10 @@ def overlap_svg(timeline, *, title: str) -> str:
             more = f" (+{c.hidden_count - len(c.hidden)} more)" if c.hidden_count > len(c.hidden) else ""
             tip = (f"{c.name} ({c.kind}, {human_bytes(c.nbytes)}): {c.duration:.3f} ms; hides behind "
                    f"{hidden}{more}; exposed {c.exposed:.3f} ms")
-            body.append(_el("rect", tip, x=LEFT + c.start * scale, y=y + 3,
-                            width=max(c.duration * scale, 0.5), height=lane_h - 6,
+            width = max(c.duration * scale, 0.5)
+            body.append(_el("rect", tip, x=LEFT + c.start * scale, y=y + 3, width=width, height=lane_h - 6,
                             fill=kind_color(c.kind), class_=f"collective kind-{c.kind}",
-                            stroke="#c0392b" if c.exposed > 0 else None))
+                            stroke="#c0392b" if c.exposed > 0 and width >= 4 else None))
     y += lane_h + 6
     body += _x_axis_ms(y, total)
     y += 30

@@ -86,7 +86,8 @@ def test_buckets_draw_members_against_the_cap_and_span_against_the_bound():
     assert float(spans[0].get("height")) > float(spans[1].get("height"))  # 7 vs 3
     unbounded = parse(svg.buckets_svg(_bucket_panels(None), title="b"))
     assert count(unbounded, "span-bound") == 0
-    assert any(e.text == "no topo span bound" for e in unbounded.iter(f"{NS}text"))
+    assert any("; no topo span bound" in (e.text or "") for e in unbounded.iter(f"{NS}text"))
+    assert any("; max_topo_span 5" in (e.text or "") for e in root.iter(f"{NS}text"))
     empty = parse(svg.buckets_svg([], title="none"))
     assert any(e.text == "no merged buckets" for e in empty.iter(f"{NS}text"))
 
