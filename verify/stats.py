@@ -511,7 +511,9 @@ def static_peak_bytes(
     """Static peak memory (bytes) of running ``fw_gm`` then ``bw_gm``, from FakeTensor vals.
 
     Model: memory is counted per tensor storage (``untyped_storage().nbytes()``), so views and
-    other aliases of one storage count once; ``wait_tensor`` returns its input's storage. Nodes
+    other aliases of one storage count once; ``wait_tensor`` returns its input's storage; a
+    backward node holding a forward node's fake storage (a recompute copied with its
+    ``meta["val"]``) is a buffer of its own, only saved placeholders alias the forward. Nodes
     run in graph order. A storage is allocated when the first node holding it runs and freed
     after the last node that uses any node holding it; the peak is taken after each node's
     allocations, before that node's frees. Forward placeholders (parameters, inputs) and
