@@ -48,6 +48,9 @@ def unavailable_reason() -> str | None:
     except ImportError:
         return "the Python package playwright is not installed (pip install -e '.[browser]')"
     if chromium_path() is None:
+        env = os.environ.get("AP_CHROMIUM")
+        if env:
+            return f"AP_CHROMIUM={env} does not exist"
         return "no Chromium: install the Debian package (apt-get install -y chromium) or set AP_CHROMIUM"
     return None
 

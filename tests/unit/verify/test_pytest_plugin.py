@@ -66,17 +66,12 @@ def test_gpu_tests_skip_with_a_reason_without_cuda(project):
     assert "browser test cannot run: " in out.stdout
 
 
-def test_require_browser_turns_the_skip_into_a_failure(project):
-    out = run(project, "--require-browser", "-k", "browser")
-    assert out.returncode == 1 and "1 error" in out.stdout, out.stdout
-    assert "--require-browser is set" in out.stdout
-
-
-def test_require_gpu_turns_skips_into_failures_and_order_reverses(project):
-    out = run(project, "--require-gpu", "--run-slow", "--ap-order", "reverse", "-vv")
+def test_require_gpu_and_browser_turn_skips_into_failures_and_order_reverses(project):
+    out = run(project, "--require-gpu", "--require-browser", "--run-slow", "--ap-order", "reverse", "-vv")
     assert out.returncode == 1
-    assert "2 passed, 1 skipped, 2 errors" in out.stdout  # failed in setup: the test cannot run here
+    assert "2 passed, 3 errors" in out.stdout  # failed in setup: the test cannot run here
     assert "--require-gpu is set: GPU CI must not pass by skipping" in out.stdout
+    assert "browser test cannot run: " in out.stdout and "--require-browser is set" in out.stdout
     ran = [line.split("::")[1].split()[0] for line in out.stdout.splitlines() if line.startswith("test_gates.py::")]
     assert ran == ["test_in_browser", "test_plain", "test_slow", "test_needs_two_gpus", "test_needs_gpu"], out.stdout
 
