@@ -179,6 +179,22 @@ def test_wait_aliases_its_input_in_static_peak():
     assert static_peak_bytes(_gm(g, torch.randn(4, 16))) == 4352
 
 
+def test_an_out_variant_returns_its_out_buffer_in_static_peak():
+    g = fx.Graph()
+    x = g.placeholder("x")  # 256 B, live throughout
+    buf = g.call_function(aten.empty.memory_format, ([32, 16],), {"dtype": torch.float32})  # 2048 B
+    ag = g.call_function(c10d.all_gather_into_tensor_out.default, (x, 8, "1"), {"out": buf})
+    w = g.call_function(c10d.wait_tensor.default, (ag,))
+    r = g.call_function(aten.relu.default, (w,))  # 2048 B
+    g.output((r, g.call_function(aten.sum.default, (buf,))))  # buf read again after the relu
+    gm = _gm(g, torch.randn(4, 16))
+    from torch._guards import detect_fake_mode
+
+    with detect_fake_mode([ag.meta[M.VAL]]):  # a re-trace gives the result a storage of its own
+        ag.meta[M.VAL] = torch.empty(32, 16)
+    assert static_peak_bytes(gm) == 256 + 2048 + 2048 + 4  # the out buffer counted once, not twice
+
+
 def _fw_bw(bw_names: tuple[str, str], fw_out_order: str = "cbx", tangent_role: bool = False):
     """A forward/backward pair with a hand-computed peak.
 
