@@ -51,6 +51,7 @@ __all__ = [
     "peak_memory",
     "ratio",
     "static_peak",
+    "with_fresh_vals",
 ]
 
 _MiB = float(1 << 20)
@@ -300,7 +301,7 @@ def compare_peaks(
 # --------------------------------------------------------------------------------------------
 
 
-def _with_fresh_vals(gm: fx.GraphModule) -> fx.GraphModule:
+def with_fresh_vals(gm: fx.GraphModule) -> fx.GraphModule:
     """A copy of ``gm`` whose nodes hold freshly propagated FakeTensor values."""
     from torch._guards import detect_fake_mode
     from torch.fx.passes.fake_tensor_prop import FakeTensorProp
@@ -332,4 +333,4 @@ def static_peak(gm: fx.GraphModule, *, refresh: bool = True) -> int:
     """
     from verify.stats import static_peak_bytes
 
-    return static_peak_bytes(_with_fresh_vals(gm) if refresh else gm)
+    return static_peak_bytes(with_fresh_vals(gm) if refresh else gm)

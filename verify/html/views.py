@@ -20,6 +20,7 @@ from verify.canon import canonical_names, canonicalize
 from verify.html.records import Parity, StageRecord
 from verify.html.svg import BucketPanel, BucketView
 from verify.html.timeline import OverlapTimeline, overlap_timeline
+from verify.memory import with_fresh_vals
 from verify.stats import (
     StaticLiveness,
     collective_kind,
@@ -235,12 +236,6 @@ def _timeline(gm: fx.GraphModule, mesh: MeshSpec | None, roofline) -> OverlapTim
 # --- the view -----------------------------------------------------------------------------------
 
 
-def _fresh(gm: fx.GraphModule) -> fx.GraphModule:
-    from verify.memory import _with_fresh_vals
-
-    return _with_fresh_vals(gm)
-
-
 def stage_view(record: StageRecord, *, mesh: MeshSpec | None = None, roofline=None) -> StageView:
     """Everything the page shows of one stage (see the module docstring)."""
     graphs = record.graph_list
@@ -248,11 +243,11 @@ def stage_view(record: StageRecord, *, mesh: MeshSpec | None = None, roofline=No
     if isinstance(record.graphs, tuple):
         fw, bw = record.graphs
         st = partition_stats(fw, bw)
-        liveness = static_liveness(*(_fresh(g) for g in (fw, bw))) if record.refresh_vals else static_liveness(fw, bw)
+        liveness = static_liveness(*(with_fresh_vals(g) for g in (fw, bw))) if record.refresh_vals else static_liveness(fw, bw)
         per_graph = [st.fw, st.bw]
     else:
         st = graph_stats(record.graphs)
-        liveness = static_liveness(_fresh(record.graphs) if record.refresh_vals else record.graphs)
+        liveness = static_liveness(with_fresh_vals(record.graphs) if record.refresh_vals else record.graphs)
         per_graph = [st]
     collectives: dict[tuple[str, str], tuple[int, int]] = {}
     for g in per_graph:
