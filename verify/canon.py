@@ -61,7 +61,7 @@ import torch.fx as fx
 from autoparallel import meta as M
 from autoparallel.mesh import dim_label, group_dims_of
 
-__all__ = ["canonicalize", "canonicalize_pair", "SymbolNamer"]
+__all__ = ["canonical_names", "canonicalize", "canonicalize_pair", "SymbolNamer"]
 
 _ADDR_RE = re.compile(r"0x[0-9a-fA-F]+")
 _NON_IDENT_RE = re.compile(r"\W+")
@@ -346,6 +346,21 @@ def graph_and_owner(gm: fx.GraphModule | fx.Graph) -> tuple[fx.Graph, Any]:
     if isinstance(gm, fx.Graph):
         return gm, gm.owning_module
     raise TypeError(f"expected an fx.GraphModule or fx.Graph, got {type(gm).__name__}")
+
+
+def canonical_names(gm: fx.GraphModule | fx.Graph) -> dict[fx.Node, str]:
+    """Each node's name in the canonical text (the output node has none), so pictures and
+    tables can name nodes as the graph text a reviewer reads does."""
+    graph, _ = graph_and_owner(gm)
+    namer = _Namer()
+    position = 0
+    for node in graph.nodes:
+        if node.op == "placeholder":
+            namer.placeholder(node, position)
+            position += 1
+        elif node.op != "output":
+            namer.op(node)
+    return namer.names
 
 
 def _canonical_lines(

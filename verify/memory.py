@@ -44,11 +44,14 @@ import torch.fx as fx
 from autoparallel import meta as M
 
 __all__ = [
+    "MemoryTimeline",
     "PeakMemory",
     "compare_peaks",
+    "memory_timeline",
     "peak_memory",
     "ratio",
     "static_peak",
+    "with_fresh_vals",
 ]
 
 _MiB = float(1 << 20)
@@ -177,7 +180,7 @@ def _allocation_events(prof: Any) -> list[Any]:
     return events
 
 
-def _cpu_peak(fn: Callable[[], Any], detailed: bool) -> PeakMemory:
+def _profile_cpu(fn: Callable[[], Any], detailed: bool) -> tuple[Any, list[Any]]:
     from torch.profiler import ProfilerActivity, profile
 
     with profile(
@@ -187,26 +190,68 @@ def _cpu_peak(fn: Callable[[], Any], detailed: bool) -> PeakMemory:
         with_stack=detailed,
     ) as prof:
         fn()
-    events = _allocation_events(prof)
+    return prof, _allocation_events(prof)
+
+
+def _replay(events: list[Any]) -> list[tuple[int, int]]:
+    """``(time ns, bytes held by blocks allocated during the call)`` after each event."""
     live: dict[int, int] = {}  # pointer -> bytes, for blocks allocated during the call
-    current = peak = 0
+    current = 0
+    out = []
     for ev in events:
         fields = ev.extra_fields
         if fields.alloc_size > 0:
             live[fields.ptr] = fields.alloc_size
             current += fields.alloc_size
-            peak = max(peak, current)
         else:
             # A free of a block allocated before the call is skipped: the profiler reports such
             # frees only when the block was allocated under an earlier profiling session, so
             # counting them would make the number depend on what was profiled before.
             current -= live.pop(fields.ptr, 0)
+        out.append((ev.start_time_ns, current))
+    return out
+
+
+def _cpu_peak(fn: Callable[[], Any], detailed: bool) -> PeakMemory:
+    prof, events = _profile_cpu(fn, detailed)
+    peak = max((b for _, b in _replay(events)), default=0)
     return PeakMemory(
         device="cpu",
         source="cpu-profiler",
         peak=peak,
         events=len(events),
         profile=prof if detailed else None,
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryTimeline:
+    """Measured CPU memory over one call: ``times_ms[i]`` (from the first allocation event) and
+    ``bytes[i]`` held after event ``i`` by blocks allocated during the call (the quantity
+    :func:`peak_memory` takes the maximum of, so ``peak == max(bytes)``)."""
+
+    times_ms: tuple[float, ...]
+    bytes: tuple[int, ...]
+
+    @property
+    def peak(self) -> int:
+        return max(self.bytes, default=0)
+
+
+def memory_timeline(fn: Callable[[], Any], *, warmup: int = 1) -> MemoryTimeline:
+    """Run ``fn()`` ``warmup`` times, then profile one more call on CPU and return its memory
+    timeline (allocation events replayed as :func:`peak_memory` does)."""
+    if not callable(fn):
+        raise ValueError(f"memory_timeline: fn must be callable, got {type(fn).__name__}")
+    if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 0:
+        raise ValueError(f"memory_timeline: warmup must be an int >= 0, got {warmup!r}")
+    for _ in range(warmup):
+        fn()
+    _, events = _profile_cpu(fn, False)
+    points = _replay(events)
+    t0 = points[0][0] if points else 0
+    return MemoryTimeline(
+        tuple((t - t0) / 1e6 for t, _ in points), tuple(b for _, b in points)
     )
 
 
@@ -256,7 +301,7 @@ def compare_peaks(
 # --------------------------------------------------------------------------------------------
 
 
-def _with_fresh_vals(gm: fx.GraphModule) -> fx.GraphModule:
+def with_fresh_vals(gm: fx.GraphModule) -> fx.GraphModule:
     """A copy of ``gm`` whose nodes hold freshly propagated FakeTensor values."""
     from torch._guards import detect_fake_mode
     from torch.fx.passes.fake_tensor_prop import FakeTensorProp
@@ -288,4 +333,4 @@ def static_peak(gm: fx.GraphModule, *, refresh: bool = True) -> int:
     """
     from verify.stats import static_peak_bytes
 
-    return static_peak_bytes(_with_fresh_vals(gm) if refresh else gm)
+    return static_peak_bytes(with_fresh_vals(gm) if refresh else gm)

@@ -3,7 +3,9 @@
 Markers ``gpu`` and ``multigpu(n)`` skip, with a reason, where CUDA or enough GPUs are missing;
 ``--require-gpu`` turns those skips into failures so a GPU CI job can never pass by skipping.
 Tests marked ``slow`` (cold Inductor compiles) run only with ``--run-slow``; CI runs them in a
-step of their own so the default tier stays fast.
+step of their own so the default tier stays fast. Tests marked ``browser`` (the HTML report in
+headless Chromium) skip, with the reason, where Chromium or Playwright is missing;
+``--require-browser`` turns that skip into a failure for a CI step that installed them.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import pytest
 
 REQUIRE_GPU = "--require-gpu"
 RUN_SLOW = "--run-slow"
+REQUIRE_BROWSER = "--require-browser"
 ORDER = "--ap-order"
 
 
@@ -28,6 +31,12 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         action="store_true",
         default=False,
         help="also run tests marked slow (cold Inductor compiles); CI runs them in their own step",
+    )
+    group.addoption(
+        REQUIRE_BROWSER,
+        action="store_true",
+        default=False,
+        help="fail (instead of skip) tests marked browser when Chromium or Playwright is missing",
     )
     group.addoption(
         ORDER,
@@ -55,6 +64,9 @@ def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", f"slow: cold Inductor compiles; skipped unless {RUN_SLOW}")
     config.addinivalue_line("markers", "gpu: needs a CUDA device; skipped without one unless --require-gpu")
     config.addinivalue_line("markers", "multigpu(n): needs n CUDA devices; skipped with fewer unless --require-gpu")
+    config.addinivalue_line(
+        "markers", f"browser: needs headless Chromium + playwright; skipped without them unless {REQUIRE_BROWSER}"
+    )
 
 
 def _cuda_device_count() -> int:
@@ -84,6 +96,14 @@ def gpu_gate_reason(item: pytest.Item) -> str | None:
 def pytest_runtest_setup(item: pytest.Item) -> None:
     if item.get_closest_marker("slow") is not None and not item.config.getoption(RUN_SLOW):
         pytest.skip(f"slow (cold Inductor compile): run with {RUN_SLOW}; .ci/run runs these in their own step")
+    if item.get_closest_marker("browser") is not None:
+        from verify.html.browser import unavailable_reason
+
+        why = unavailable_reason()
+        if why is not None:
+            if item.config.getoption(REQUIRE_BROWSER):
+                pytest.fail(f"browser test cannot run: {why}, and {REQUIRE_BROWSER} is set", pytrace=False)
+            pytest.skip(f"browser test cannot run: {why}")
     reason = gpu_gate_reason(item)
     if reason is None:
         return

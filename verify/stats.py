@@ -46,7 +46,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from autoparallel import meta as M
 from autoparallel.fx_utils import max_consec_compute_between_rs
 from autoparallel.mesh import dim_label, group_dims_of
-from verify.canon import _group_name_of, graph_and_owner, group_arg
+from verify.canon import _group_name_of, canonical_names, graph_and_owner, group_arg
 
 __all__ = [
     "CATEGORIES",
@@ -55,10 +55,15 @@ __all__ = [
     "GraphStats",
     "PartitionStats",
     "collective_kind",
+    "collective_node_bytes",
     "node_category",
     "graph_stats",
     "partition_stats",
     "static_peak_bytes",
+    "static_liveness",
+    "StaticLiveness",
+    "Contributor",
+    "node_phase",
     "format_stats_table",
     "human_bytes",
 ]
@@ -200,6 +205,12 @@ def _collective_bytes(node: fx.Node, kind: str) -> int:
     return total
 
 
+def collective_node_bytes(node: fx.Node) -> int:
+    """Bytes of one collective launch, by the module's convention (0 for a non-collective)."""
+    kind = collective_kind(node)
+    return _collective_bytes(node, kind) if kind is not None else 0
+
+
 def _group_label(node: fx.Node, group_dims: Mapping[str, str]) -> str:
     g = group_arg(node)
     if g is None:
@@ -322,7 +333,10 @@ class _Storages:
 
     Views share their base's FakeTensor storage already. ``wait_tensor`` (which returns its input
     at runtime) and a backward placeholder holding a saved forward value get fresh fake storages
-    from tracing; those are mapped onto the storage they really are.
+    from tracing; those are mapped onto the storage they really are. Storages are told apart per
+    graph: a partitioner copies a recomputed forward node into the backward together with its
+    ``meta["val"]``, so the two share a fake storage, but the copy allocates its own buffer at
+    run time (only saved placeholders carry a forward buffer into the backward).
     """
 
     def __init__(self) -> None:
@@ -343,7 +357,7 @@ class _Storages:
         raw, seen = [], set()
         for t in _tensors(v):
             st = t.untyped_storage()
-            ref = StorageWeakRef(st)
+            ref = (node.graph, StorageWeakRef(st))
             if ref not in seen:
                 seen.add(ref)
                 raw.append((ref, _hint(st.nbytes(), node)))
@@ -421,22 +435,58 @@ def _fw_saved_outputs(fw_graph: fx.Graph, bw_graph: fx.Graph) -> list[tuple[fx.N
     return list(zip(saved, tensor_outs[len(tensor_outs) - len(saved) :], strict=True))
 
 
-def static_peak_bytes(
-    fw_gm: fx.GraphModule | fx.Graph, bw_gm: fx.GraphModule | fx.Graph | None = None
-) -> int:
-    """Static peak memory (bytes) of running ``fw_gm`` then ``bw_gm``, from FakeTensor vals.
+@dataclass
+class _Walk:
+    """The storage-level liveness walk shared by ``static_peak_bytes`` and ``static_liveness``."""
 
-    Model: memory is counted per tensor storage (``untyped_storage().nbytes()``), so views and
-    other aliases of one storage count once; ``wait_tensor`` returns its input's storage. Nodes
-    run in graph order. A storage is allocated when the first node holding it runs and freed
-    after the last node that uses any node holding it; the peak is taken after each node's
-    allocations, before that node's frees. Forward placeholders (parameters, inputs) and
-    ``get_attr`` constants are live for the whole run. Forward outputs consumed by the backward
-    (the values behind its non-tangent placeholders, matched by name, else by position, see
-    ``_fw_saved_outputs``) stay live until their last use in the backward; other forward outputs are released
-    when the forward ends. Tangents are allocated when the backward starts; backward outputs stay
-    live to the end. With ``bw_gm=None`` the graph's outputs stay live to the end.
-    """
+    steps: list[fx.Node]
+    bw_graph: fx.Graph | None
+    size: dict[Any, int]
+    alloc_at: dict[Any, int]
+    last_use: dict[Any, float]
+    origin: dict[Any, fx.Node]  # the first node holding each storage
+
+    def series(self) -> list[int]:
+        """Live bytes after each step's allocations, before its frees (where the peak is taken)."""
+        frees: dict[int, int] = {}
+        allocs: dict[int, int] = {}
+        for key, s in self.alloc_at.items():
+            allocs[s] = allocs.get(s, 0) + self.size[key]
+            end = self.last_use[key]
+            if end != _INF:
+                frees[int(end)] = frees.get(int(end), 0) + self.size[key]
+        out = []
+        mem = 0
+        for s in range(len(self.steps)):
+            mem += allocs.get(s, 0)
+            out.append(mem)
+            mem -= frees.get(s, 0)
+        return out
+
+
+def _written_alias_arg(node: fx.Node) -> fx.Node | None:
+    """The argument whose buffer an op returns, by its schema (``Tensor(a!) out -> Tensor(a!)``:
+    ``all_gather_into_tensor_out``, in-place ops). A re-trace may give the result a fake storage
+    of its own; at run time it is the argument's buffer."""
+    target = node.target
+    if node.op != "call_function" or not isinstance(target, torch._ops.OpOverload):
+        return None
+    rets = target._schema.returns
+    if len(rets) != 1 or rets[0].alias_info is None or not rets[0].alias_info.is_write:
+        return None
+    sets = rets[0].alias_info.before_set
+    for i, arg in enumerate(target._schema.arguments):
+        info = arg.alias_info
+        if info is None or not info.is_write or not (info.before_set & sets):
+            continue
+        value = node.args[i] if not arg.kwarg_only and i < len(node.args) else node.kwargs.get(arg.name)
+        return value if isinstance(value, fx.Node) else None
+    return None
+
+
+def _liveness_walk(
+    fw_gm: fx.GraphModule | fx.Graph, bw_gm: fx.GraphModule | fx.Graph | None
+) -> _Walk:
     fw_graph, _ = graph_and_owner(fw_gm)
     bw_graph = graph_and_owner(bw_gm)[0] if bw_gm is not None else None
     steps: list[fx.Node] = list(fw_graph.nodes) + (
@@ -449,6 +499,7 @@ def static_peak_bytes(
     stor = _Storages()
     alloc_at: dict[Any, int] = {}
     last_use: dict[Any, float] = {}
+    origin: dict[Any, fx.Node] = {}
 
     def use(keys: Iterable, s: float) -> None:
         for key in keys:
@@ -460,30 +511,120 @@ def static_peak_bytes(
             alias_of = [k for a in saved_of[node] for k in stor.keys[a]]
         elif is_wait(node) and node.args and isinstance(node.args[0], fx.Node):
             alias_of = stor.keys[node.args[0]]  # wait_tensor returns its input
+        elif (written := _written_alias_arg(node)) is not None:
+            alias_of = stor.keys[written]  # an out= / in-place op returns its argument's buffer
         keys = stor.compute(node, alias_of)
         resident = node.op in ("placeholder", "get_attr") and node.graph is fw_graph
         for key in keys:
             if key not in alloc_at:
                 alloc_at[key] = 0 if resident else s  # parameters/inputs/constants: from the start
                 last_use[key] = s
+                origin[key] = node
         use(keys, _INF if resident else s)
         final = node.op == "output" and (node.graph is not fw_graph or bw_graph is None)
         for inp in node.all_input_nodes:
             use(stor.keys[inp], _INF if final else s)
+    return _Walk(steps, bw_graph, stor.size, alloc_at, last_use, origin)
 
-    frees: dict[int, int] = {}
-    allocs: dict[int, int] = {}
-    for key, s in alloc_at.items():
-        allocs[s] = allocs.get(s, 0) + stor.size[key]
-        end = last_use[key]
-        if end != _INF:
-            frees[int(end)] = frees.get(int(end), 0) + stor.size[key]
-    mem = peak = 0
-    for s in range(len(steps)):
-        mem += allocs.get(s, 0)
-        peak = max(peak, mem)
-        mem -= frees.get(s, 0)
-    return peak
+
+def static_peak_bytes(
+    fw_gm: fx.GraphModule | fx.Graph, bw_gm: fx.GraphModule | fx.Graph | None = None
+) -> int:
+    """Static peak memory (bytes) of running ``fw_gm`` then ``bw_gm``, from FakeTensor vals.
+
+    Model: memory is counted per tensor storage (``untyped_storage().nbytes()``), so views and
+    other aliases of one storage count once; ``wait_tensor`` returns its input's storage, an op
+    whose schema returns a written argument (``out=``, in-place) returns that argument's; a
+    backward node holding a forward node's fake storage (a recompute copied with its
+    ``meta["val"]``) is a buffer of its own, only saved placeholders alias the forward. Nodes
+    run in graph order. A storage is allocated when the first node holding it runs and freed
+    after the last node that uses any node holding it; the peak is taken after each node's
+    allocations, before that node's frees. Forward placeholders (parameters, inputs) and
+    ``get_attr`` constants are live for the whole run. Forward outputs consumed by the backward
+    (the values behind its non-tangent placeholders, matched by name, else by position, see
+    ``_fw_saved_outputs``) stay live until their last use in the backward; other forward outputs are released
+    when the forward ends. Tangents are allocated when the backward starts; backward outputs stay
+    live to the end. With ``bw_gm=None`` the graph's outputs stay live to the end.
+    """
+    return max(_liveness_walk(fw_gm, bw_gm).series(), default=0)
+
+
+def node_phase(node: fx.Node) -> str:
+    """``backward`` for a node tagged as backward (graph trainer phase, AOT joint graphs'
+    partitioner tag), else ``forward``."""
+    if (node.meta.get(M.CUSTOM) or {}).get(M.PHASE) == M.PHASE_BACKWARD:
+        return "backward"
+    return "backward" if node.meta.get(M.PARTITIONER_TAG) == "is_backward" else "forward"
+
+
+@dataclass
+class Contributor:
+    """A storage live at the peak: the node that first holds it (canonical name), its phase and
+    size."""
+
+    name: str
+    phase: str
+    bytes: int
+
+
+@dataclass
+class StaticLiveness:
+    """Static live bytes through a forward (and backward) run, per node, on the model of
+    :func:`static_peak_bytes` (``max(live) == static_peak_bytes``).
+
+    ``names``/``phases``/``live``: one entry per node in run order (canonical names, as the
+    graph text prints them; names restart in the backward, hence the phases). ``peak_step``: the
+    first step reaching the peak. ``at_peak``: every storage live there, largest first; their
+    bytes sum to the peak.
+    """
+
+    names: list[str]
+    phases: list[str]
+    live: list[int]
+    peak_bytes: int
+    peak_step: int
+    at_peak: list[Contributor]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "at_peak": [c.__dict__ for c in self.at_peak],
+            "live": self.live,
+            "names": self.names,
+            "peak_bytes": self.peak_bytes,
+            "peak_step": self.peak_step,
+            "phases": self.phases,
+        }
+
+
+def static_liveness(
+    fw_gm: fx.GraphModule | fx.Graph, bw_gm: fx.GraphModule | fx.Graph | None = None
+) -> StaticLiveness:
+    """The series behind :func:`static_peak_bytes`, with the storages live at the peak named."""
+
+    walk = _liveness_walk(fw_gm, bw_gm)
+    live = walk.series()
+    names = dict(canonical_names(fw_gm))
+    bw_names = canonical_names(bw_gm) if bw_gm is not None else {}
+
+    def name(node: fx.Node) -> str:
+        if node.graph is walk.bw_graph:
+            return bw_names.get(node, "return")
+        return names.get(node, "return")
+
+    def phase(node: fx.Node) -> str:
+        return "backward" if node.graph is walk.bw_graph else node_phase(node)
+
+    peak = max(live, default=0)
+    peak_step = live.index(peak) if live else 0
+    at_peak = [
+        Contributor(name(walk.origin[key]), phase(walk.origin[key]), walk.size[key])
+        for key, s in walk.alloc_at.items()
+        if s <= peak_step <= walk.last_use[key]
+    ]
+    at_peak.sort(key=lambda c: (-c.bytes, c.phase, c.name))
+    return StaticLiveness(
+        [name(n) for n in walk.steps], [phase(n) for n in walk.steps], live, peak, peak_step, at_peak
+    )
 
 
 # --- PartitionStats -----------------------------------------------------------------------------

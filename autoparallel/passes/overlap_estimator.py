@@ -26,7 +26,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -115,10 +115,20 @@ def _accessed_bytes(t: torch.Tensor) -> int:
 
 
 class RooflineEstimator:
-    """``estimator(node, override_size) -> ms | None``, the scheduler's custom estimation hook."""
+    """``estimator(node, override_size) -> ms | None``, the scheduler's custom estimation hook.
 
-    def __init__(self, config: RooflineConfig | None = None):
+    ``group_size(node)`` gives a collective's group size; the default reads its ``group_size``
+    argument or asks the running world. A report that estimates graphs after their fake world
+    is gone passes one computed from the mesh.
+    """
+
+    def __init__(
+        self,
+        config: RooflineConfig | None = None,
+        group_size: Callable[[fx.Node], int] | None = None,
+    ):
         self.config = config if config is not None else RooflineConfig()
+        self.group_size = group_size if group_size is not None else group_size_of
 
     def compute_ms(self, node: fx.Node) -> float:
         """Roofline time of one op: views and nodes without a tensor value cost nothing."""
@@ -162,7 +172,7 @@ class RooflineEstimator:
     def collective_ms(self, node: fx.Node, override_size: int | None = None) -> float:
         """Ring model: all-gather / reduce-scatter move ``(n-1)/n`` of the full buffer per rank,
         all-reduce twice that; plus a fixed launch latency."""
-        n = group_size_of(node)
+        n = self.group_size(node)
         if override_size is not None:
             nbytes = int(override_size)
         elif node.target in (ALL_GATHER, ALL_GATHER_OUT):

@@ -88,6 +88,29 @@ def check_cap_mb(cap_mb: Any, what: str = "bucket cap") -> float:
     return float(cap_mb)
 
 
+@dataclass(frozen=True)
+class BucketRecord:
+    """One bucket of two or more collectives, as planned (before merging renames anything).
+
+    ``members``: the collectives' node names in graph order, with their bytes; ``group``: their
+    process group name; ``cap_bytes``: the byte cap of this bucket's index; ``span``: topological
+    rank of the last member minus the first's; ``closed_by``: why the bucket ended (``bytes``:
+    the next collective would exceed the cap, ``span``: it would exceed ``max_topo_span``,
+    ``end``: no collective of its key was left). Reports draw buckets from these.
+    """
+
+    group: str | None
+    members: tuple[str, ...]
+    member_bytes: tuple[int, ...]
+    cap_bytes: int
+    span: int
+    closed_by: str
+
+    @property
+    def nbytes(self) -> int:
+        return sum(self.member_bytes)
+
+
 @dataclass
 class BucketingMetrics:
     """What one bucketing call did (logged at INFO, returned to the caller)."""
@@ -100,6 +123,7 @@ class BucketingMetrics:
     closed_by_span: int = 0
     skipped_dependent: int = 0  # collectives left alone: dependent on their key's open bucket
     max_topo_span: int | None = None
+    buckets: list[BucketRecord] = field(default_factory=list)  # in graph order of first members
 
     def summary(self) -> str:
         return (
@@ -242,7 +266,7 @@ def plan_buckets(
             cap_cache[idx] = int(mb * _MB)
         return cap_cache[idx]
 
-    def close(b: _OpenBucket) -> None:
+    def close(b: _OpenBucket, closed_by: str) -> None:
         if len(b.members) > 1:
             bucket = [cands[i] for i in b.members]
             out.append(bucket)
@@ -250,6 +274,16 @@ def plan_buckets(
             metrics.num_bucketed += len(bucket)
             span = ranks[bucket[-1]] - ranks[bucket[0]]
             metrics.max_observed_span = max(metrics.max_observed_span, span)
+            metrics.buckets.append(
+                BucketRecord(
+                    group_of(bucket[0]),
+                    tuple(n.name for n in bucket),
+                    tuple(sizes[i] for i in b.members),
+                    cap_bytes(b.idx),
+                    span,
+                    closed_by,
+                )
+            )
 
     open_buckets: dict[Any, _OpenBucket] = {}
     for i, c in enumerate(cands):
@@ -260,8 +294,10 @@ def plan_buckets(
             continue
         if b.nbytes + size > cap_bytes(b.idx):
             metrics.closed_by_bytes += 1
+            reason = "bytes"
         elif max_topo_span is not None and rank - b.first_rank > max_topo_span:
             metrics.closed_by_span += 1
+            reason = "span"
         elif reach.dependent(i, b.bits, b.members[0]):
             metrics.skipped_dependent += 1
             continue
@@ -271,11 +307,13 @@ def plan_buckets(
             b.nbytes += size
             reach.contract(b.bits)
             continue
-        close(b)
+        close(b, reason)
         open_buckets[key] = _OpenBucket([i], 1 << i, size, rank, b.idx + 1)
     for b in open_buckets.values():
-        close(b)
+        close(b, "end")
     out.sort(key=lambda bucket: ranks[bucket[0]])
+    order = {bucket[0].name: k for k, bucket in enumerate(out)}
+    metrics.buckets.sort(key=lambda rec: order[rec.members[0]])
     return out
 
 
@@ -449,6 +487,7 @@ def group_size_of(node: fx.Node) -> int:
 
 
 __all__ = [
+    "BucketRecord",
     "BucketingMetrics",
     "Buckets",
     "CandidateReachability",

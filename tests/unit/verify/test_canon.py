@@ -15,7 +15,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
 from autoparallel import meta as M
-from verify.canon import canonicalize, canonicalize_pair
+from verify.canon import canonical_names, canonicalize, canonicalize_pair
 
 aten = torch.ops.aten
 c10d = torch.ops._c10d_functional
@@ -71,6 +71,19 @@ return:
 def test_exact_text_renames_per_op_in_graph_order():
     gm = _fsdp_like({}, "1", "3")
     assert canonicalize(gm, title="fsdp-like") == FSDP_LIKE_TEXT
+
+
+def test_canonical_names_are_the_names_the_text_prints():
+    gm = _fsdp_like({"mm": "zz_mm"}, "1", "3")
+    names = canonical_names(gm)
+    nodes = [n for n in gm.graph.nodes if n.op != "output"]
+    expected = [
+        "input:0", "param:layers.0.wq.weight", "all_gather_into_tensor_0", "wait_tensor_0",
+        "t_0", "mm_0", "mm_1", "reduce_scatter_tensor_0", "wait_tensor_1", "sum_0",
+    ]  # fmt: skip
+    assert [names[n] for n in nodes] == expected and len(names) == len(nodes)
+    lines = canonicalize(gm).splitlines()
+    assert all(line.startswith(f"{name}: ") for name, line in zip(expected, lines, strict=False))
 
 
 def test_original_node_and_group_names_do_not_matter():

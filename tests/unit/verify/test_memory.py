@@ -9,7 +9,14 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 from autoparallel import meta as M
 from verify.launch import gated_backend, run_gated
-from verify.memory import PeakMemory, compare_peaks, peak_memory, ratio, static_peak
+from verify.memory import (
+    PeakMemory,
+    compare_peaks,
+    memory_timeline,
+    peak_memory,
+    ratio,
+    static_peak,
+)
 from verify.stats import static_peak_bytes
 
 MB4 = 1_000_000  # float32 elements in 4 MB
@@ -56,6 +63,21 @@ def test_frees_of_older_memory_do_not_change_the_peak():
 
     pm = peak_memory(swap, device="cpu", warmup=0)
     assert 4_000_000 <= pm.peak < 4_000_000 + 64 * 1024, pm.describe()
+
+
+def test_memory_timeline_steps_through_the_known_pattern():
+    tl = memory_timeline(_known_pattern)
+    assert len(tl.times_ms) == len(tl.bytes) >= 4
+    assert list(tl.times_ms) == sorted(tl.times_ms) and tl.times_ms[0] == 0.0
+    assert 12_000_000 <= tl.peak < 12_000_000 + 64 * 1024
+    big = [b for b in tl.bytes if b >= 3_900_000]  # small allocator noise aside
+    levels = [round(b / 4_000_000) for b in big]
+    assert [lv for i, lv in enumerate(levels) if i == 0 or lv != levels[i - 1]] == [1, 2, 1, 3, 2]
+    assert tl.bytes[-1] < 64 * 1024  # all freed at the end
+    with pytest.raises(ValueError, match="fn must be callable"):
+        memory_timeline(None)
+    with pytest.raises(ValueError, match="warmup must be an int >= 0"):
+        memory_timeline(lambda: None, warmup=True)
 
 
 def test_warmup_calls_and_bad_arguments():

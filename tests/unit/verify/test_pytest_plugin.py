@@ -1,5 +1,6 @@
 """The plugin's gates: gpu / multigpu(n) skip with a reason, --require-gpu turns that into a
-failure, and slow tests run only with --run-slow (checked in a throwaway project)."""
+failure, slow tests run only with --run-slow, and browser tests skip (or, with
+--require-browser, fail) where Chromium is missing (checked in a throwaway project)."""
 
 import os
 import subprocess
@@ -29,12 +30,17 @@ TESTS = textwrap.dedent(
 
     def test_plain():
         pass
+
+    @pytest.mark.browser
+    def test_in_browser():
+        pass
     """
 )
 
 
-def run(project, *args):
+def run(project, *args, chromium="/nonexistent/chromium"):
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTEST_", "XDIST_"))}
+    env["AP_CHROMIUM"] = chromium
     return subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-rs", "-n", "0", "-p", "no:cacheprovider", *args],
         cwd=project, capture_output=True, text=True, timeout=120, env=env,
@@ -53,19 +59,21 @@ def project(tmp_path_factory):
 def test_gpu_tests_skip_with_a_reason_without_cuda(project):
     out = run(project)
     assert out.returncode == 0, out.stdout
-    assert "1 passed, 3 skipped" in out.stdout
+    assert "1 passed, 4 skipped" in out.stdout
     assert "needs 1 CUDA device(s), found 0" in out.stdout
     assert "needs 2 CUDA device(s), found 0" in out.stdout
     assert "slow (cold Inductor compile): run with --run-slow" in out.stdout
+    assert "browser test cannot run: " in out.stdout
 
 
-def test_require_gpu_turns_skips_into_failures_and_order_reverses(project):
-    out = run(project, "--require-gpu", "--run-slow", "--ap-order", "reverse", "-vv")
+def test_require_gpu_and_browser_turn_skips_into_failures_and_order_reverses(project):
+    out = run(project, "--require-gpu", "--require-browser", "--run-slow", "--ap-order", "reverse", "-vv")
     assert out.returncode == 1
-    assert "2 passed, 2 errors" in out.stdout  # failed in setup: the test cannot run here
+    assert "2 passed, 3 errors" in out.stdout  # failed in setup: the test cannot run here
     assert "--require-gpu is set: GPU CI must not pass by skipping" in out.stdout
+    assert "browser test cannot run: " in out.stdout and "--require-browser is set" in out.stdout
     ran = [line.split("::")[1].split()[0] for line in out.stdout.splitlines() if line.startswith("test_gates.py::")]
-    assert ran == ["test_plain", "test_slow", "test_needs_two_gpus", "test_needs_gpu"], out.stdout
+    assert ran == ["test_in_browser", "test_plain", "test_slow", "test_needs_two_gpus", "test_needs_gpu"], out.stdout
 
 
 def test_order_option_rejects_nonsense(project):

@@ -20,6 +20,7 @@ from verify.stats import (
     human_bytes,
     node_category,
     partition_stats,
+    static_liveness,
     static_peak_bytes,
 )
 
@@ -178,6 +179,22 @@ def test_wait_aliases_its_input_in_static_peak():
     assert static_peak_bytes(_gm(g, torch.randn(4, 16))) == 4352
 
 
+def test_an_out_variant_returns_its_out_buffer_in_static_peak():
+    g = fx.Graph()
+    x = g.placeholder("x")  # 256 B, live throughout
+    buf = g.call_function(aten.empty.memory_format, ([32, 16],), {"dtype": torch.float32})  # 2048 B
+    ag = g.call_function(c10d.all_gather_into_tensor_out.default, (x, 8, "1"), {"out": buf})
+    w = g.call_function(c10d.wait_tensor.default, (ag,))
+    r = g.call_function(aten.relu.default, (w,))  # 2048 B
+    g.output((r, g.call_function(aten.sum.default, (buf,))))  # buf read again after the relu
+    gm = _gm(g, torch.randn(4, 16))
+    from torch._guards import detect_fake_mode
+
+    with detect_fake_mode([ag.meta[M.VAL]]):  # a re-trace gives the result a storage of its own
+        ag.meta[M.VAL] = torch.empty(32, 16)
+    assert static_peak_bytes(gm) == 256 + 2048 + 2048 + 4  # the out buffer counted once, not twice
+
+
 def _fw_bw(bw_names: tuple[str, str], fw_out_order: str = "cbx", tangent_role: bool = False):
     """A forward/backward pair with a hand-computed peak.
 
@@ -230,6 +247,73 @@ def test_static_peak_matches_saved_values_by_name():
     # Forward outputs ordered (c, x, b): position would pair placeholder "b" with x; names fix it.
     fw, bw = _fw_bw(("b", "primals_2"), fw_out_order="cxb", tangent_role=True)
     assert static_peak_bytes(fw, bw) == 3072
+
+
+def test_a_backward_recompute_with_a_copied_val_is_a_new_storage():
+    """Partitioners duplicate recomputed ops into the backward with the forward node's
+    ``meta["val"]`` (same FakeTensor storage). The copy is a new buffer at run time: it must not
+    keep the forward's buffer alive from the forward into the backward."""
+    fg = fx.Graph()
+    w = fg.placeholder("primals_1")  # f32[16, 16] 1024 B
+    x = fg.placeholder("primals_2")  # f32[4, 16] 256 B
+    big = fg.call_function(aten.mul.Tensor, (w, 2.0), name="big")  # 1024 B, recomputed later
+    y = fg.call_function(aten.mm.default, (x, big), name="y")  # 256 B
+    fg.output((fg.call_function(aten.sum.default, (y,), name="loss"), x, w))  # saves x and w
+    fw = _gm(fg, torch.randn(16, 16), torch.randn(4, 16))
+    bg = fx.Graph()
+    sx = bg.placeholder("primals_2")  # the saved x
+    w_b = bg.placeholder("primals_1")  # the saved w
+    tan = bg.placeholder("tangents_1")
+    big_b = bg.call_function(aten.mul.Tensor, (w_b, 2.0), name="big")  # the recompute
+    e = bg.call_function(aten.expand.default, (tan, [4, 16]))
+    gw = bg.call_function(aten.mm.default, (bg.call_function(aten.t.default, (sx,)), e))
+    gx = bg.call_function(aten.mm.default, (e, big_b))
+    bg.output((gw, gx))
+    bw = _gm(bg, torch.randn(4, 16), torch.randn(16, 16), torch.randn(()))
+    fw_big = next(n for n in fw.graph.nodes if n.name == "big")
+    big_b.meta[M.VAL] = fw_big.meta[M.VAL]  # what the partitioner's copy carries
+    liv = static_liveness(fw, bw)
+    fw_steps = len(fw.graph.nodes)
+    assert liv.live[fw_steps - 1] == 1024 + 256 + 4  # at the forward's return: w, x, loss
+    # backward, at gx: w, x, big again (1024), gw (1024), gx (256); the tangent is freed at e's
+    # last use, e (an alias of the tangent) too
+    assert liv.peak_bytes == static_peak_bytes(fw, bw) == 1024 + 256 + 1024 + 1024 + 256 + 4
+    assert (liv.names[liv.peak_step], liv.phases[liv.peak_step]) == ("mm_1", "backward")
+
+
+def test_static_liveness_is_the_series_behind_the_peak():
+    fw, bw = _fw_bw(("saved_b", "saved_x"))
+    liv = static_liveness(fw, bw)
+    assert liv.peak_bytes == static_peak_bytes(fw, bw) == max(liv.live) == 3072
+    assert liv.phases == ["forward"] * 7 + ["backward"] * 10
+    assert liv.names[:7] == ["arg_0", "arg_1", "mm_0", "view_0", "relu_0", "sum_0", "return"]
+    # at the peak (gx): the canonical name of the node, in the backward
+    assert (liv.names[liv.peak_step], liv.phases[liv.peak_step]) == ("mul_1", "backward")
+    assert liv.live[:5] == [1280, 1280, 1536, 1536, 1792]  # w + x resident, a, then b (view free)
+    assert liv.live[-1] == 1024 + 256 + 1024 + 256  # w, x and the two gradients stay
+    contributors = [(c.name, c.phase, c.bytes) for c in liv.at_peak]
+    assert contributors == [
+        ("mm_0", "backward", 1024),  # gw
+        ("arg_0", "forward", 1024),  # w
+        ("mul_0", "backward", 256),  # g
+        ("mul_1", "backward", 256),  # gx
+        ("arg_1", "forward", 256),  # x
+        ("relu_0", "forward", 256),  # b, saved for the backward
+    ]
+    assert sum(c.bytes for c in liv.at_peak) == liv.peak_bytes
+    assert json.loads(json.dumps(liv.to_dict()))["peak_step"] == liv.peak_step
+
+
+def test_static_liveness_of_one_graph_reads_backward_tags():
+    fw, _ = _fw_bw(("saved_b", "saved_x"))
+    for node in fw.graph.nodes:
+        if node.name in ("b", "c"):
+            node.meta[M.CUSTOM] = {M.PHASE: M.PHASE_BACKWARD}
+        if node.name == "av":
+            node.meta[M.PARTITIONER_TAG] = "is_backward"
+    liv = static_liveness(fw)
+    assert liv.phases == ["forward"] * 3 + ["backward"] * 3 + ["forward"]
+    assert liv.peak_bytes == static_peak_bytes(fw)
 
 
 def test_partition_stats_and_table():

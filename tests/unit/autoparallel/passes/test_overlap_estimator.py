@@ -215,6 +215,19 @@ def test_all_reduce_moves_twice_the_buffer(b):
     assert EST(ar) == approx(0.0052048)
 
 
+def test_group_size_can_come_from_the_caller(b):
+    ar = b.all_reduce(b.placeholder("g", (8, 64)), "tp").args[0]  # the world says 2
+    asked = []
+
+    def eight(node):
+        asked.append(node)
+        return 8
+
+    est = RooflineEstimator(CFG, group_size=eight)
+    assert est.collective_ms(ar) == approx(LAT_MS + 2 * 2048 * 7 / 8 / LINK * 1e3)
+    assert asked == [ar]
+
+
 def test_all_gather_out_uses_its_output(b, mesh):
     x, buf = b.placeholder("x", (2, 64)), b.placeholder("buf", (8, 64))
     ag = b.call(ALL_GATHER_OUT, x, 4, mesh.group_name("dp"), out=buf)

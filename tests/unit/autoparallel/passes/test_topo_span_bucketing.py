@@ -360,6 +360,25 @@ def test_bucket_caps_are_asked_per_bucket_index(mesh):
     assert (m.num_candidates, m.num_buckets, m.num_bucketed, m.closed_by_bytes) == (7, 3, 7, 2)
 
 
+def test_bucket_records_name_members_bytes_cap_span_and_closure(mesh):
+    gm = _fsdp_graph(mesh, ["dp"] * 7, ag_bytes=4096, gap=2)
+    ags = _ags(gm)
+    ranks = {n: i for i, n in enumerate(gm.graph.nodes)}
+    caps = {0: _cap(2), 1: _cap(10)}
+    span_bound = ranks[ags[5]] - ranks[ags[2]]  # bucket 1 ends on span before ags[6]
+    buckets = plan_buckets(gm.graph, ags, _group_key, caps.__getitem__, span_bound)
+    recs = buckets.metrics.buckets
+    assert [r.members for r in recs] == [tuple(n.name for n in b) for b in buckets]
+    assert [len(r.members) for r in recs] == [2, 4]
+    assert [r.closed_by for r in recs] == ["bytes", "span"]
+    assert [r.cap_bytes for r in recs] == [2 * 4096, 10 * 4096]
+    assert recs[0].member_bytes == (4096, 4096) and recs[1].nbytes == 4 * 4096
+    assert recs[1].span == ranks[ags[5]] - ranks[ags[2]]
+    assert {r.group for r in recs} == {ags[0].args[2]}
+    tail = plan_buckets(gm.graph, ags[:3], _group_key, lambda _i: 10, None)
+    assert [r.closed_by for r in tail.metrics.buckets] == ["end"]
+
+
 def test_span_bound_is_inclusive_and_observed_span_is_exact(mesh):
     gm = _fsdp_graph(mesh, ["dp"] * 3, ag_bytes=4096, gap=3)
     ags = _ags(gm)

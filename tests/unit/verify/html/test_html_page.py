@@ -1,0 +1,213 @@
+"""The HTML report page on the tiny fsdp and fsdp_tp pipelines: a section per stage with its
+stats table, graphs and pictures (each well-formed SVG), diffs exactly where something differs,
+parity and golden verdicts, and an embedded payload nothing in a graph can break out of."""
+
+from __future__ import annotations
+
+import functools
+import json
+import re
+import xml.etree.ElementTree as ET
+
+import pytest
+
+from verify.canon import canonicalize
+from verify.goldens.catalog import GOLDEN_SCENARIOS
+from verify.goldens.text import render_golden
+from verify.html import build_report_page, records_from_pipeline_run
+from verify.html.page import build_page
+from verify.html.views import golden_sections, golden_with_current
+from verify.pipeline import STAGE_NAMES, run_pipeline
+
+SIDS = sorted(GOLDEN_SCENARIOS)  # tiny-fsdp-dp8, tiny-fsdp_tp-dp4tp2
+BUCKETING_STAGES = {"pre_overlap_bucketing", "topo_span_bucketing"}
+
+
+def _grouped(sids):
+    # the golden tests' xdist group: the pipeline run is built once per worker
+    return [pytest.param(sid, marks=pytest.mark.xdist_group(sid)) for sid in sids]
+
+
+def _run(sid):
+    return run_pipeline(GOLDEN_SCENARIOS[sid])
+
+
+def _page(sid, records=None) -> str:
+    if records is None:
+        return _default_page(sid)
+    return build_report_page(records, title=f"report {sid}", mesh=GOLDEN_SCENARIOS[sid].mesh_spec)
+
+
+@functools.cache
+def _default_page(sid) -> str:  # built once per worker: the tests only read it
+    return _page(sid, records_from_pipeline_run(_run(sid)))
+
+
+def sections(html: str) -> dict[str, str]:
+    parts = re.split(r"(?=<section class=stage )", html)[1:]
+    out = {}
+    for part in parts:
+        name = re.match(r"<section class=stage id='[^']+' data-stage='([^']+)'>", part).group(1)
+        out[name] = part.split("</section>", 1)[0]
+    return out
+
+
+def figures(chunk: str) -> list[ET.Element]:
+    """Every <svg> in ``chunk``, parsed (a malformed one fails here)."""
+    return [ET.fromstring(s) for s in re.findall(r"<svg .*?</svg>", chunk, re.S)]
+
+
+def payload(html: str) -> dict:
+    text = re.search(r"<script type='application/json' id=ap-data>(.*?)</script>", html, re.S).group(1)
+    return json.loads(text)
+
+
+def stage_texts(stage) -> str:
+    if isinstance(stage.graphs, tuple):
+        return "".join(f"== {k} ==\n{canonicalize(g)}" for k, g in zip(("forward", "backward"), stage.graphs, strict=True))
+    return canonicalize(stage.graphs)
+
+
+@pytest.mark.parametrize("sid", _grouped(SIDS))
+def test_every_stage_has_its_table_graphs_and_pictures(sid, shared_pipeline_runs):
+    html = _page(sid)
+    assert html.startswith("<!DOCTYPE html>") and "http" not in html.replace("http://www.w3.org/2000/svg", "")
+    secs = sections(html)
+    assert list(secs) == list(STAGE_NAMES)
+    run = _run(sid)
+    for name, chunk in secs.items():
+        stage = run.stage(name)
+        n_graphs = len(stage.graph_list)
+        kinds = [f.get("data-figure") for f in figures(chunk)]
+        assert "<table class=stats>" in chunk, name
+        assert kinds.count("memory") == 1, (name, kinds)
+        assert kinds.count("overlap") == n_graphs, (name, kinds)  # every graph has collectives
+        assert kinds.count("buckets") == (1 if name in BUCKETING_STAGES else 0), (name, kinds)
+        assert kinds.count("measured-memory") == 0
+        assert chunk.count("<details class='graph'") == n_graphs
+        assert "data-golden='matches'" in chunk and "diff-golden" not in chunk
+    chart = figures(html.split("<section class=stage", 1)[0])
+    assert [f.get("data-figure") for f in chart] == ["collective-bytes"]
+
+
+@pytest.mark.parametrize("sid", _grouped(SIDS))
+def test_diffs_against_the_previous_stage_exactly_where_graphs_differ(sid, shared_pipeline_runs):
+    html = _page(sid)
+    secs = sections(html)
+    data = payload(html)
+    run = _run(sid)
+    texts = [stage_texts(s) for s in run.stages]
+    assert "diff-prev" not in secs[STAGE_NAMES[0]]
+    for i, name in enumerate(STAGE_NAMES[1:], start=1):
+        differs = texts[i] != texts[i - 1]
+        m = re.search(r"<details class='diff diff-prev' data-diff='(\d+)'>", secs[name])
+        assert (m is not None) == differs, name
+        if m is None:
+            assert "data-same-as-previous" in secs[name]
+            continue
+        d = data["diffs"][int(m.group(1))]
+        assert (d["a_name"], d["b_name"]) == (STAGE_NAMES[i - 1], name)
+        assert data["texts"][d["a"]] == texts[i - 1] and data["texts"][d["b"]] == texts[i]
+        assert any(op[0] != "e" for op in d["ops"])
+    # every text a graph <details> points at is that graph's canonical text
+    for name, chunk in secs.items():
+        idx = [int(i) for i in re.findall(r"data-text='(\d+)'", chunk)]
+        assert [data["texts"][i] for i in idx] == [canonicalize(g) for g in run.stage(name).graph_list]
+
+
+@pytest.mark.xdist_group("tiny-fsdp-dp8")
+def test_a_changed_golden_gets_a_side_by_side_diff(shared_pipeline_runs):
+    sid = "tiny-fsdp-dp8"
+    records = records_from_pipeline_run(_run(sid))
+    target = records[2]  # second_compile
+    assert target.golden is not None and "mm_0" in target.golden
+    lines = target.golden.split("\n")
+    k = next(i for i, ln in enumerate(lines) if ln.startswith("mm_0:"))
+    lines[k] = lines[k] + "  {edited}"
+    target.golden = "\n".join(lines)
+    html = _page(sid, records)
+    secs = sections(html)
+    assert [n for n, c in secs.items() if "diff-golden" in c] == [target.name]
+    assert "data-golden='differs'" in secs[target.name]
+    m = re.search(r"<details class='diff diff-golden' data-diff='(\d+)'>", secs[target.name])
+    d = payload(html)["diffs"][int(m.group(1))]
+    changed = [op for op in d["ops"] if op[0] != "e"]
+    assert changed == [["r", k, k + 1, k, k + 1]]
+
+
+@pytest.mark.xdist_group("tiny-fsdp-dp8")
+def test_parity_verdicts_and_bucket_members(shared_pipeline_runs):
+    sid = "tiny-fsdp-dp8"
+    parity = {
+        "mesh": "dp=2", "steps": 2, "single_device_max_abs_diff": 3e-7,
+        "vs_eager": {
+            "joint": {"bitwise": True, "tensors": 44, "mismatches": 0, "max_abs_diff": 0.0},
+            "first_partition": {"bitwise": False, "tensors": 44, "mismatches": 3, "max_abs_diff": 1e-3},
+            "second_compile": {"bitwise": True, "tensors": 44, "mismatches": 0, "max_abs_diff": 0.0},
+        },
+    }
+    secs = sections(_page(sid, records_from_pipeline_run(_run(sid), parity=parity)))
+    assert "data-parity='ok'" in secs["joint"] and "single-device eager max |diff| 3.00e-07" in secs["joint"]
+    assert "data-parity='bad'" in secs["first_partition"] and "3 of 44 tensors differ" in secs["first_partition"]
+    assert "parity: not run for this stage" in secs["pre_overlap_bucketing"]
+    table = secs["pre_overlap_bucketing"].split("<table class=buckets>", 1)[1]
+    assert "param:layers.0.attention.wq.weight (all_gather_into_tensor_2)" in table
+    assert "grad:layers.0.attention.wq.weight" in table  # reduce-scatter members name their gradient
+
+
+def test_payload_cannot_close_the_script_element():
+    from verify.html.synthetic import synthetic_views
+
+    (view,) = synthetic_views(stages=1, fw_nodes=20, bw_nodes=20, collectives=3, buckets=2)
+    evil = "x: f32[] = aten.mm.default('</script><script>alert(1)</script>')\n"
+    view.texts = {"forward": evil, "backward": "<!-- & -->\n"}
+    html = build_page([view], title="t")
+    assert html.count("</script>") == 2  # the payload's and the code's own closing tags
+    assert payload(html)["texts"][:2] == [evil, "<!-- & -->\n"]
+
+
+def test_golden_sections_round_trip_and_replace_only_what_changed():
+    text = render_golden("t", [("header", "preset: tiny"), ("stats", "a  1\n"), ("forward", "x: f32[2]\n"),
+                               ("backward", "y: f32[2]\n")])
+    head, secs = golden_sections(text)
+    assert head == ["# autoparallel golden v1", "# t"]
+    assert [n for n, _ in secs] == ["header", "stats", "forward", "backward"]
+    assert golden_with_current(text, {"stats": "a  1\n", "forward": "x: f32[2]\n"}) == text
+    changed = golden_with_current(text, {"forward": "x: f32[3]\n"})
+    assert changed == text.replace("x: f32[2]", "x: f32[3]")
+    assert golden_with_current(text, {"graph": "z\n"}).endswith("\n== graph ==\nz\n")
+
+
+@pytest.mark.xdist_group("trainer")  # shares the traced debug steps of the trainer tests
+def test_graph_trainer_page_shows_measured_memory_beside_the_static():
+    from verify.html import trainer_records
+
+    records = trainer_records("debug", batch=4)
+    assert [r.name for r in records] == ["traced_step", "before_remat", "after_remat"]
+    html = build_report_page(records, title="graph trainer, debug preset")
+    secs = sections(html)
+    for name, chunk in secs.items():
+        figs = figures(chunk)
+        kinds = [f.get("data-figure") for f in figs]
+        assert kinds == ["memory", "measured-memory"], (name, kinds)
+        phases = {e.get("class") for e in figs[0].iter() if (e.get("class") or "").startswith("phase ")}
+        assert phases == {"phase phase-forward", "phase phase-backward"}, name
+    measured = {r.name: r.measured_memory.peak for r in records}
+    assert all(p > 0 for p in measured.values())
+    assert "data-same-as-previous" not in secs["after_remat"]  # remat duplicates recomputed ops
+    # the trainer's reviewed goldens, matched by the page's own comparison
+    assert "data-golden='none'" in secs["traced_step"]
+    assert "data-golden='matches'" in secs["before_remat"] and "data-golden='matches'" in secs["after_remat"]
+
+
+def test_bad_input_is_named():
+    from types import SimpleNamespace
+
+    from verify.html import write_report
+
+    with pytest.raises(ValueError, match="no stage records"):
+        write_report([], "unused", title="t")
+    run = SimpleNamespace(stages=[SimpleNamespace(name="joint", graphs=None)], metrics={})
+    parity = {"vs_eager": {"second_compile": {"bitwise": True, "tensors": 1, "mismatches": 0, "max_abs_diff": 0.0}}}
+    with pytest.raises(ValueError, match=r"parity names stage\(s\) \['second_compile'\]"):
+        records_from_pipeline_run(run, parity=parity, goldens=False)

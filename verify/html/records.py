@@ -1,0 +1,215 @@
+"""What the page is built from: one ``StageRecord`` per pipeline stage, and adapters that make
+them from what the project produces today (``verify.pipeline.run_pipeline``, the graph
+trainer's stages, ``verify.report``'s parity dict).
+
+A record holds graphs and pass metrics as the pipeline left them; ``verify.html.views`` turns it
+into plain data and ``verify.html.page`` into HTML. A pipeline driver with a per-stage observer
+builds one record per callback and hands the list to ``verify.html.write_report``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from torch import fx
+
+__all__ = [
+    "Parity",
+    "StageRecord",
+    "parity_from_report",
+    "records_from_pipeline_run",
+    "trainer_records",
+]
+
+Graphs = fx.GraphModule | tuple[fx.GraphModule, fx.GraphModule]
+
+
+@dataclass
+class Parity:
+    """Parity of one stage. ``bitwise``: losses and grads equal to the eager parallel program
+    (None: not compared); ``oracle_max_abs_diff``: against single-device eager, with
+    ``oracle_tolerance`` when the check has one."""
+
+    bitwise: bool | None
+    tensors: int = 0
+    mismatches: int = 0
+    max_abs_diff: float = 0.0
+    mesh: str = ""
+    steps: int = 0
+    oracle_max_abs_diff: float | None = None
+    oracle_tolerance: float | None = None
+
+    @property
+    def ok(self) -> bool | None:
+        if self.bitwise is False:
+            return False
+        if self.oracle_tolerance is not None and self.oracle_max_abs_diff is not None:
+            if not self.oracle_max_abs_diff <= self.oracle_tolerance:
+                return False
+        return self.bitwise
+
+    def describe(self) -> str:
+        parts = []
+        if self.bitwise is True:
+            parts.append(f"bitwise equal to eager ({self.tensors} tensors, gloo {self.mesh}, {self.steps} steps)")
+        elif self.bitwise is False:
+            parts.append(
+                f"NOT bitwise: {self.mismatches} of {self.tensors} tensors differ "
+                f"(max |diff| {self.max_abs_diff:.2e})"
+            )
+        if self.oracle_max_abs_diff is not None:
+            tol = f" (tolerance {self.oracle_tolerance:.0e})" if self.oracle_tolerance is not None else ""
+            parts.append(f"single-device eager max |diff| {self.oracle_max_abs_diff:.2e}{tol}")
+        return "; ".join(parts) or "not compared"
+
+
+@dataclass
+class StageRecord:
+    """One stage of a pipeline run, as the page shows it.
+
+    ``graphs``: the stage's graph or (forward, backward) pair; ``metrics``: the collective passes'
+    ``PipelineMetrics`` when the stage ran them; ``inputs``: the graphs the stage's pass ran on
+    (names bucket members by parameter / gradient); ``golden``: the text of the stage's reviewed
+    golden file, None when it has none; ``parity``; ``measured_memory``: a
+    ``verify.memory.MemoryTimeline`` of running the stage for real (graph trainer);
+    ``refresh_vals``: re-propagate fake values before the static liveness walk (graphs whose
+    passes copied a value onto duplicated nodes, see ``verify.memory.static_peak``).
+    """
+
+    name: str
+    graphs: Graphs
+    metrics: Any = None
+    inputs: Graphs | None = None
+    golden: str | None = None
+    parity: Parity | None = None
+    measured_memory: Any = None
+    refresh_vals: bool = False
+
+    @property
+    def graph_list(self) -> list[tuple[str, fx.GraphModule]]:
+        if isinstance(self.graphs, tuple):
+            fw, bw = self.graphs
+            return [("forward", fw), ("backward", bw)]
+        return [("graph", self.graphs)]
+
+
+def parity_from_report(parity: Mapping[str, Any] | None) -> dict[str, Parity]:
+    """Per stage, from ``verify.report.run_parity``'s dict (the joint stage also gets the
+    single-device comparison, which is made against it)."""
+    if not parity:
+        return {}
+    out = {}
+    for stage, r in parity["vs_eager"].items():
+        out[stage] = Parity(
+            bitwise=bool(r["bitwise"]),
+            tensors=int(r["tensors"]),
+            mismatches=int(r["mismatches"]),
+            max_abs_diff=float(r["max_abs_diff"]),
+            mesh=str(parity.get("mesh", "")),
+            steps=int(parity.get("steps", 0)),
+        )
+    single = parity.get("single_device_max_abs_diff")
+    if single is not None and "joint" in out:
+        out["joint"].oracle_max_abs_diff = float(single)
+    return out
+
+
+def _golden_text(run, stage_name: str) -> str | None:
+    from verify.goldens import catalog
+    from verify.goldens.text import read_golden
+
+    sid = catalog.scenario_id(run.scenario)
+    if sid is None or sid not in catalog.GOLDEN_SCENARIOS:
+        return None
+    root = Path(__file__).resolve().parents[2]
+    path = catalog.golden_path(root, catalog.STAGE_TEST, f"{sid}-{stage_name}")
+    return read_golden(path) if path.exists() else None
+
+
+def records_from_pipeline_run(
+    run, *, parity: Mapping[str, Any] | None = None, goldens: bool = True
+) -> list[StageRecord]:
+    """One record per stage of a ``verify.pipeline.PipelineRun``: its metrics, the second
+    compile's graphs as the collective stages' inputs, the stage's golden file (``goldens``) and
+    parity from ``verify.report.run_parity``'s dict."""
+    verdicts = parity_from_report(parity)
+    unknown = sorted(set(verdicts) - {s.name for s in run.stages})
+    if unknown:
+        raise ValueError(
+            f"parity names stage(s) {unknown} that the run does not have "
+            f"(stages: {[s.name for s in run.stages]}); run the pipeline with those stages"
+        )
+    inputs = None
+    if any(s.name == "second_compile" for s in run.stages):
+        inputs = run.stage("second_compile").graphs
+    out = []
+    for stage in run.stages:
+        metrics = run.metrics.get(stage.name)
+        out.append(
+            StageRecord(
+                name=stage.name,
+                graphs=stage.graphs,
+                metrics=metrics,
+                inputs=inputs if metrics is not None else None,
+                golden=_golden_text(run, stage.name) if goldens else None,
+                parity=verdicts.get(stage.name),
+            )
+        )
+    return out
+
+
+# The graph trainer's goldens (tests/golden/test_trainer_goldens.py): debug preset, op SAC,
+# sac_graphs' batch of 4, one file per stage.
+_TRAINER_GOLDEN = ("debug", "op", 4)
+_TRAINER_GOLDEN_FILE = "goldens/golden/test_trainer_goldens/test_op_sac_traced_step[{stage}].txt"
+
+
+def _trainer_golden(stage: str, key: tuple) -> str | None:
+    from verify.goldens.text import read_golden
+
+    if key != _TRAINER_GOLDEN or stage == "traced_step":
+        return None
+    path = Path(__file__).resolve().parents[2] / _TRAINER_GOLDEN_FILE.format(stage=stage)
+    return read_golden(path) if path.exists() else None
+
+
+def trainer_records(
+    preset: str = "debug", *, policy: str = "op", batch: int = 4, measure: bool = True
+) -> list[StageRecord]:
+    """The graph trainer's stages of ``preset`` (``traced_step``; ``before_remat``: graph SAC
+    tags; ``after_remat``), each with its measured CPU memory timeline (one step run for real)
+    when ``measure``, and its golden where one exists (debug, op SAC, batch 4)."""
+    from autoparallel.trainer import run_traced
+    from verify.memory import memory_timeline
+    from verify.trainer_stages import (
+        intra_op_threads,
+        make_batches,
+        make_model,
+        traced_sac_step,
+        traced_step,
+    )
+
+    steps = {
+        "traced_step": traced_step(preset, batch=batch),
+        "before_remat": traced_sac_step(preset, batch=batch, policy=policy, remat=False),
+        "after_remat": traced_sac_step(preset, batch=batch, policy=policy, remat=True),
+    }
+    out = []
+    inputs = make_batches(preset, steps=1, batch=batch)[0]
+    for name, step in steps.items():
+        measured = None
+        if measure:
+            model = make_model(preset)
+
+            def one_step(step=step, model=model):
+                model.zero_grad(set_to_none=True)  # the measured step allocates its gradients
+                run_traced(step, model, inputs)
+
+            with intra_op_threads(1):
+                measured = memory_timeline(one_step)
+        golden = _trainer_golden(name, (preset, policy, batch))
+        out.append(StageRecord(name, step.gm, golden=golden, measured_memory=measured, refresh_vals=True))
+    return out
