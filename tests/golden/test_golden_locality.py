@@ -18,8 +18,8 @@ from autoparallel.mesh import fake_world
 from autoparallel.models.llama3 import FeedForward, TransformerBlock
 from autoparallel.parallelize import build_joint_graph
 from autoparallel.partition import apply_placement
-from verify.goldens.catalog import ALL_SCENARIOS, stage_text
-from verify.pipeline import Stage, run_pipeline
+from verify.goldens.catalog import ALL_SCENARIOS, golden_run, stage_text
+from verify.pipeline import Stage
 
 SID = "tiny-fsdp-dp8"
 pytestmark = pytest.mark.xdist_group(SID)  # the golden tests' worker has the baseline run
@@ -81,7 +81,7 @@ def _double_gate(model):
     [pytest.param(_scale_attention, True, id="block-residual-scale"), pytest.param(_double_gate, False, id="ffn-mid-op")],
 )
 def test_one_inserted_op_changes_at_most_ten_golden_lines(edit, partition, shared_pipeline_runs):
-    base = run_pipeline(ALL_SCENARIOS[SID])
+    base = golden_run(SID)
     for name, new in _golden_texts_with(edit, partition=partition).items():
         old = stage_text(SID, base.stage(name))
         assert new != old, f"{name}: the inserted op must show"
