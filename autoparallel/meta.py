@@ -29,6 +29,10 @@ PHASE_FORWARD = "forward"
 REMAT_PASS_TAG = "remat_pass_tag"
 REMAT_PASS_TAG_BACKWARD = "is_backward"
 AC_REGION = "ac_region_id"  # int: the activation-checkpointing region (transformer block) of a node
+# str: path of the innermost module whose forward created the node ("layers.0.attention.wq"; an
+# FSDP/DDP parametrization is named after its parameter, "layers.0.attention.wq.weight"); backward
+# nodes inherit their forward node's. Canonical golden names are numbered per op within it.
+MODULE_PATH = "ap_module_path"
 
 # --- autoparallel's own node.meta keys ------------------------------------------------------
 # Pre-overlap bucketing eligibility ("fsdp_ag", "grad_rs", "grad_ar"), written on a joint graph

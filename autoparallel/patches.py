@@ -70,7 +70,10 @@ _register(
     "lazily on the first .backward()",
     "the settings live in a config.patch context that has exited before the lazy backward "
     "compile: the backward is compiled without overlap scheduling (the bug #483 fixed)",
-    ("tests/unit/autoparallel/test_compile.py::test_overlap_config_in_force_when_backward_compiles",),
+    (
+        "tests/unit/autoparallel/test_compile.py::test_overlap_config_in_force_when_backward_compiles",
+        "tests/unit/autoparallel/test_compile_inductor.py::test_inductor_overlap_config_in_force_when_the_lazy_backward_compiles",
+    ),
 )
 
 

@@ -7,21 +7,42 @@ order (graph order is a topological order; a pass that reorders nodes shows up i
     # tiny mlp, forward
     input:0: f32[8, 32]
     param:fc1.weight: f32[64, 32]
-    t_0: f32[32, 64] = aten.t.default(param:fc1.weight)
-    mm_0: f32[8, 64] = aten.mm.default(input:0, t_0)
-    all_gather_into_tensor_0: f32[32, 16] = _c10d_functional.all_gather_into_tensor.default(arg_2, 8, dp)  {recompute=MUST_RECOMPUTE ac=ap}
-    wait_tensor_0: f32[32, 16] = _c10d_functional.wait_tensor.default(all_gather_into_tensor_0)
+    fc1/t_0: f32[32, 64] = aten.t.default(param:fc1.weight)
+    fc1/mm_0: f32[8, 64] = aten.mm.default(input:0, fc1/t_0)
+    fc2.weight/all_gather_into_tensor_0: f32[32, 16] = _c10d_functional.all_gather_into_tensor.default(arg_2, 8, dp)  {recompute=MUST_RECOMPUTE ac=ap}
+    fc2.weight/wait_tensor_0: f32[32, 16] = _c10d_functional.wait_tensor.default(fc2.weight/all_gather_into_tensor_0)
     return:
       loss = sum_0
-      grad:fc1.weight = mm_1
+      grad:fc1.weight = fc1/mm_1
 
 Rules:
 
 * **Names.** Placeholders are named by ``node.meta[ROLE]`` (``param:<fqn>``, ``input:<i>``,
-  ``tangent:<i>``, ...) and otherwise ``arg_<position>``. Every other node is ``<op>_<k>`` where
-  ``<op>`` is the op's short name (``aten.mm.default`` -> ``mm``, ``operator.getitem`` ->
-  ``getitem``) and ``k`` counts that op's nodes in graph order. The full target, overload
-  included, is printed on the right-hand side.
+  ``tangent:<i>``, ...) and otherwise ``arg_<position>``. Every other node is
+  ``<scope>/<op>_<k>`` where ``<op>`` is the op's short name (``aten.mm.default`` -> ``mm``,
+  ``operator.getitem`` -> ``getitem``) and ``k`` counts that op's nodes *within the scope*, in
+  graph order. The scope keeps names local: a node inserted into one layer renumbers only nodes
+  of that layer, not every later node of the graph. It is, first found:
+
+  1. the module path the tracer recorded (``custom[MODULE_PATH]``, see
+     ``autoparallel.parallelize.module_paths``; backward nodes carry their forward node's),
+  2. the innermost entry of ``nn_module_stack`` (make_fx / Dynamo traces), normalized to a dotted
+     path (Dynamo's ``L['self'].layers[0]`` -> ``layers.0``; the stack's keys, which Dynamo
+     makes from object ids, are never read),
+  3. the AC region (``custom[AC_REGION]`` = ``i`` -> ``ac<i>``),
+  4. the scope of the node's latest (in graph order) input that has one by rules 1-3 (gradient
+     accumulation, a detach the partitioner adds, bucketing glue). Never a borrowed scope, so a
+     chain of such nodes does not move as a whole when its head changes; the latest input, so
+     a gradient accumulation keeps its scope when an earlier contribution gets a new producer,
+  5. none: the node is ``<op>_<k>``, counted per op over the graph's unscoped nodes.
+
+  Backward nodes (AOT's ``partitioner_tag == "is_backward"``, the graph trainer's
+  ``custom[PHASE] == "backward"``) are ``<scope>/bw/<op>_<k>`` with their own counters, counted
+  from the end of the graph: a module's backward runs its forward ops in reverse, so an op
+  appended to a module's forward renumbers nothing, forward or backward, and one inserted
+  earlier renumbers only the later same-op nodes of that module in both.
+
+  The full target, overload included, is printed on the right-hand side.
 * **Process groups.** The ``group_name`` argument of any op whose schema has one (the
   ``_c10d_functional`` collectives) prints as its mesh-dim label (``dp``, ``tp``, ``dp*tp``),
   looked up in ``group_dims`` (argument, else ``gm.meta[GM_GROUP_DIMS]``). A group the map does
@@ -308,35 +329,90 @@ def _tags_text(node: fx.Node) -> str:
     return "  {" + " ".join(parts) + "}" if parts else ""
 
 
-class _Namer:
-    def __init__(self) -> None:
-        self.names: dict[fx.Node, str] = {}
-        self._used: set[str] = set()
-        self._counts: dict[str, int] = {}
+_STACK_ROOT_RE = re.compile(r"^L\[['\"][^'\"]*['\"]\]\.?")  # Dynamo's root: L['self'].
+_STACK_INDEX_RE = re.compile(r"\[['\"]?([^'\"\]]+)['\"]?\]")
 
-    def _take(self, name: str) -> str:
-        self._used.add(name)
-        return name
 
-    def placeholder(self, node: fx.Node, position: int) -> str:
-        role = node.meta.get(M.ROLE)
-        base = str(role) if role is not None else f"arg_{position}"
-        name, k = base, 1
-        while name in self._used:  # duplicate roles: keep every name unique
-            name, k = f"{base}~{k}", k + 1
-        self.names[node] = self._take(name)
-        return name
+def _stack_path(entry: Any) -> str:
+    """Dotted module path of one ``nn_module_stack`` value (``(path, type)`` or a path)."""
+    path = entry[0] if isinstance(entry, tuple) else entry
+    path = _STACK_ROOT_RE.sub("", str(path))
+    path = _STACK_INDEX_RE.sub(r".\1", path)
+    return path.strip(".")
 
-    def op(self, node: fx.Node) -> str:
-        short = _op_short_name(node)
-        while True:
-            k = self._counts.get(short, 0)
-            self._counts[short] = k + 1
-            name = f"{short}_{k}"
-            if name not in self._used:
-                break
-        self.names[node] = self._take(name)
-        return name
+
+def own_scope(node: fx.Node) -> str | None:
+    """The naming scope a node's metadata gives it (rules 1-3 of the module docstring)."""
+    custom = node.meta.get(M.CUSTOM) or {}
+    path = custom.get(M.MODULE_PATH)
+    if path:
+        return str(path)
+    stack = node.meta.get(M.NN_MODULE_STACK)
+    if stack:
+        path = _stack_path(list(stack.values())[-1])
+        if path:
+            return path
+    region = custom.get(M.AC_REGION)
+    if region is not None:
+        return f"ac{region}"
+    return None
+
+
+def _is_backward(node: fx.Node) -> bool:
+    """AOT's ``partitioner_tag`` or the graph trainer's ``custom[PHASE]`` says backward."""
+    if node.meta.get(M.PARTITIONER_TAG) == "is_backward":
+        return True
+    return (node.meta.get(M.CUSTOM) or {}).get(M.PHASE) == M.PHASE_BACKWARD
+
+
+def node_names(graph: fx.Graph) -> dict[fx.Node, str]:
+    """Canonical name of every node but the output (see the module docstring, "Names")."""
+    names: dict[fx.Node, str] = {}
+    used: set[str] = set()
+    scope_of: dict[fx.Node, str | None] = {}
+    own: set[fx.Node] = set()  # nodes whose scope came from their own metadata
+    index: dict[fx.Node, int] = {}  # graph position of the non-placeholder nodes
+    forward, backward = [], []
+    position = 0
+    for node in graph.nodes:
+        if node.op == "output":
+            continue
+        if node.op == "placeholder":
+            role = node.meta.get(M.ROLE)
+            base = str(role) if role is not None else f"arg_{position}"
+            position += 1
+            name, k = base, 1
+            while name in used:  # duplicate roles: keep every name unique
+                name, k = f"{base}~{k}", k + 1
+            used.add(name)
+            names[node] = name
+            continue
+        scope = own_scope(node)
+        if scope is not None:
+            own.add(node)
+        else:  # the latest input with a scope of its own: no chains of borrowed scopes
+            scoped = [a for a in node.all_input_nodes if a in own]
+            scope = scope_of[max(scoped, key=index.__getitem__)] if scoped else None
+        scope_of[node] = scope
+        index[node] = len(index)
+        (backward if _is_backward(node) else forward).append(node)
+    counts: dict[tuple[str | None, bool, str], int] = {}
+    # Backward nodes count from the end: the backward runs a scope's ops in reverse, so an op
+    # appended to a module's forward renumbers nothing in either direction.
+    for is_bw, nodes in ((False, forward), (True, backward[::-1])):
+        for node in nodes:
+            scope, short = scope_of[node], _op_short_name(node)
+            base = "/".join(p for p in (scope, "bw" if is_bw else None, short) if p)
+            key = (scope, is_bw, short)
+            while True:
+                k = counts.get(key, 0)
+                counts[key] = k + 1
+                name = f"{base}_{k}"
+                if name not in used:
+                    break
+            used.add(name)
+            names[node] = name
+    return names
 
 
 def graph_and_owner(gm: fx.GraphModule | fx.Graph) -> tuple[fx.Graph, Any]:
@@ -352,15 +428,7 @@ def canonical_names(gm: fx.GraphModule | fx.Graph) -> dict[fx.Node, str]:
     """Each node's name in the canonical text (the output node has none), so pictures and
     tables can name nodes as the graph text a reviewer reads does."""
     graph, _ = graph_and_owner(gm)
-    namer = _Namer()
-    position = 0
-    for node in graph.nodes:
-        if node.op == "placeholder":
-            namer.placeholder(node, position)
-            position += 1
-        elif node.op != "output":
-            namer.op(node)
-    return namer.names
+    return node_names(graph)
 
 
 def _canonical_lines(
@@ -373,12 +441,20 @@ def _canonical_lines(
     graph, owner = graph_and_owner(gm)
     if group_dims is None:
         group_dims = group_dims_of(owner) if owner is not None else {}
-    namer = _Namer()
+    names = node_names(graph)
+    defined: set[fx.Node] = set()
     lines: list[str] = []
+    user = None  # the node whose arguments are being printed
 
     def arg_text(a: Any) -> str:
         if isinstance(a, fx.Node):
-            return namer.names.get(a, f"<unknown {a.name}>")
+            if a not in defined:
+                raise ValueError(
+                    f"node {user.name!r} ({_target_text(user)}) uses {a.name!r} "
+                    + ("before it is defined: the graph is not in topological order (graph.lint())"
+                       if a in names else "which is not a node of this graph")
+                )
+            return names[a]
         text = _container_text(a, arg_text)
         return text if text is not None else _const_text(a, syms)
 
@@ -392,17 +468,15 @@ def _canonical_lines(
         except ValueError as e:
             raise ValueError(f"{e}, or pass group_dims={{name: label}} to canonicalize()") from None
 
-    position = 0
     for node in graph.nodes:
+        user = node
         if node.op == "output":
             lines.extend(_output_lines(node, arg_text))
             continue
+        name = names[node]
         if node.op == "placeholder":
-            name = namer.placeholder(node, position)
-            position += 1
             rhs = ""
         else:
-            name = namer.op(node)
             args = list(node.args)
             kwargs = dict(node.kwargs)
             gidx = _group_arg_index(node.target)
@@ -437,6 +511,7 @@ def _canonical_lines(
         else:
             typ = ""
         lines.append(f"{name}{typ}{rhs}{_tags_text(node)}")
+        defined.add(node)
     return lines
 
 

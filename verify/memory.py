@@ -21,6 +21,11 @@
   ``detailed=True`` turns ``record_shapes`` and ``with_stack`` on and keeps the profiler in
   ``PeakMemory.profile`` for callers that want the timeline or per-op tables.
 
+The CUDA statistics are read through an allocator object with ``torch.cuda``'s memory API
+(``synchronize``, ``empty_cache``, ``reset_peak_memory_stats``, ``memory_allocated``,
+``memory_stats``, ``current_device``); ``peak_memory(allocator=...)`` replaces ``torch.cuda``, so
+the CUDA path is tested on machines without a GPU. The CPU replay is :func:`replay_peak`.
+
 On both devices ``peak`` is "allocated during the call, above the start"; on CUDA, frees of
 memory that existed before the call (``zero_grad(set_to_none=True)`` at the start of a step)
 do lower it, on CPU they do not. Compare measurements from one device only (:func:`ratio`
@@ -35,7 +40,7 @@ two nodes sharing one fake storage would be counted as one long-lived tensor.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import torch
@@ -50,6 +55,8 @@ __all__ = [
     "memory_timeline",
     "peak_memory",
     "ratio",
+    "replay_peak",
+    "replay_series",
     "static_peak",
     "with_fresh_vals",
 ]
@@ -97,19 +104,19 @@ class PeakMemory:
         return f"{', '.join(parts)} [{self.device}, {self.source}]"
 
 
-def _resolve_device(device: torch.device | str | None) -> torch.device:
+def _resolve_device(device: torch.device | str | None, allocator: Any) -> torch.device:
     if device is None:
         return (
-            torch.device("cuda", torch.cuda.current_device())
-            if torch.cuda.is_available()
+            torch.device("cuda", allocator.current_device())
+            if allocator is not torch.cuda or torch.cuda.is_available()
             else torch.device("cpu")
         )
     dev = torch.device(device)
     if dev.type == "cuda":
-        if not torch.cuda.is_available():
+        if allocator is torch.cuda and not torch.cuda.is_available():
             raise ValueError(f"peak_memory: device {dev} requested but CUDA is not available")
         if dev.index is None:
-            dev = torch.device("cuda", torch.cuda.current_device())
+            dev = torch.device("cuda", allocator.current_device())
     elif dev.type != "cpu":
         raise ValueError(f"peak_memory: device must be 'cpu' or 'cuda[:i]', got {device!r}")
     return dev
@@ -121,6 +128,7 @@ def peak_memory(
     device: torch.device | str | None = None,
     warmup: int = 1,
     detailed: bool = False,
+    allocator: Any = None,
 ) -> PeakMemory:
     """Run ``fn()`` ``warmup`` times, then measure the peak memory of one more call.
 
@@ -128,27 +136,30 @@ def peak_memory(
     device the work runs on explicitly in tests: a CPU workload measured on a CUDA machine with
     ``device=None`` would report the (idle) GPU. ``fn``'s return value is dropped before the
     measurement ends, so what it returns is counted only while it was alive inside the call.
+    ``allocator``: where CUDA statistics come from (default ``torch.cuda``; see the module
+    docstring); with one given, ``device=None`` means its current device.
     """
     if not callable(fn):
         raise ValueError(f"peak_memory: fn must be callable, got {type(fn).__name__}")
     if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 0:
         raise ValueError(f"peak_memory: warmup must be an int >= 0, got {warmup!r}")
-    dev = _resolve_device(device)
+    allocator = torch.cuda if allocator is None else allocator
+    dev = _resolve_device(device, allocator)
     for _ in range(warmup):
         fn()
     if dev.type == "cuda":
-        return _cuda_peak(fn, dev)
+        return _cuda_peak(fn, dev, allocator)
     return _cpu_peak(fn, detailed)
 
 
-def _cuda_peak(fn: Callable[[], Any], dev: torch.device) -> PeakMemory:
-    torch.cuda.synchronize(dev)
-    torch.cuda.empty_cache()
-    torch.cuda.reset_peak_memory_stats(dev)
-    baseline = torch.cuda.memory_allocated(dev)
+def _cuda_peak(fn: Callable[[], Any], dev: torch.device, cuda: Any) -> PeakMemory:
+    cuda.synchronize(dev)
+    cuda.empty_cache()
+    cuda.reset_peak_memory_stats(dev)
+    baseline = cuda.memory_allocated(dev)
     fn()
-    torch.cuda.synchronize(dev)
-    stats = torch.cuda.memory_stats(dev)
+    cuda.synchronize(dev)
+    stats = cuda.memory_stats(dev)
     return PeakMemory(
         device=str(dev),
         source="cuda-allocator",
@@ -180,6 +191,38 @@ def _allocation_events(prof: Any) -> list[Any]:
     return events
 
 
+def replay_series(events: Iterable[tuple[int, int]]) -> list[int]:
+    """Bytes held by blocks allocated during the events, after each of the time-ordered
+    ``(pointer, size)`` events (size > 0: allocation; size <= 0: free of that pointer).
+
+    A free of a block allocated before the events is skipped: the profiler reports such frees
+    only when the block was allocated under an earlier profiling session, so counting them would
+    make the number depend on what was profiled before. A pointer allocated again while live (a
+    lost free event) replaces the old block instead of being counted twice.
+    """
+    live: dict[int, int] = {}  # pointer -> bytes, for blocks allocated during the events
+    current = 0
+    out = []
+    for ptr, size in events:
+        if size > 0:
+            current += size - live.get(ptr, 0)
+            live[ptr] = size
+        else:
+            current -= live.pop(ptr, 0)
+        out.append(current)
+    return out
+
+
+def replay_peak(events: Iterable[tuple[int, int]]) -> int:
+    """Peak of :func:`replay_series`: the most bytes held at once by blocks allocated during
+    the events."""
+    return max(replay_series(events), default=0)
+
+
+def _pointer_sizes(events: list[Any]) -> list[tuple[int, int]]:
+    return [(ev.extra_fields.ptr, ev.extra_fields.alloc_size) for ev in events]
+
+
 def _profile_cpu(fn: Callable[[], Any], detailed: bool) -> tuple[Any, list[Any]]:
     from torch.profiler import ProfilerActivity, profile
 
@@ -193,28 +236,9 @@ def _profile_cpu(fn: Callable[[], Any], detailed: bool) -> tuple[Any, list[Any]]
     return prof, _allocation_events(prof)
 
 
-def _replay(events: list[Any]) -> list[tuple[int, int]]:
-    """``(time ns, bytes held by blocks allocated during the call)`` after each event."""
-    live: dict[int, int] = {}  # pointer -> bytes, for blocks allocated during the call
-    current = 0
-    out = []
-    for ev in events:
-        fields = ev.extra_fields
-        if fields.alloc_size > 0:
-            live[fields.ptr] = fields.alloc_size
-            current += fields.alloc_size
-        else:
-            # A free of a block allocated before the call is skipped: the profiler reports such
-            # frees only when the block was allocated under an earlier profiling session, so
-            # counting them would make the number depend on what was profiled before.
-            current -= live.pop(fields.ptr, 0)
-        out.append((ev.start_time_ns, current))
-    return out
-
-
 def _cpu_peak(fn: Callable[[], Any], detailed: bool) -> PeakMemory:
     prof, events = _profile_cpu(fn, detailed)
-    peak = max((b for _, b in _replay(events)), default=0)
+    peak = replay_peak(_pointer_sizes(events))
     return PeakMemory(
         device="cpu",
         source="cpu-profiler",
@@ -248,11 +272,9 @@ def memory_timeline(fn: Callable[[], Any], *, warmup: int = 1) -> MemoryTimeline
     for _ in range(warmup):
         fn()
     _, events = _profile_cpu(fn, False)
-    points = _replay(events)
-    t0 = points[0][0] if points else 0
-    return MemoryTimeline(
-        tuple((t - t0) / 1e6 for t, _ in points), tuple(b for _, b in points)
-    )
+    held = replay_series(_pointer_sizes(events))
+    t0 = events[0].start_time_ns if events else 0
+    return MemoryTimeline(tuple((ev.start_time_ns - t0) / 1e6 for ev in events), tuple(held))
 
 
 # --------------------------------------------------------------------------------------------

@@ -24,22 +24,27 @@ STAGE_NAMES: tuple[str, ...] = (
 )
 
 
-def collective_stage_configs(bucket_cap_mb: float = 25.0) -> dict:
+def collective_stage_configs(bucket_cap_mb: float = 25.0, topo_span=None) -> dict:
     """Each collective pass as its own stage, applied to the second compile's split graphs.
 
     ``pre_overlap_bucketing``: tag on the joint graph, merge at ``bucket_cap_mb``;
     ``topo_span_bucketing``: Inductor's overlap scheduler (CPU roofline estimator) whose FSDP
-    pre-bucketing is topo-span bounded; ``fuse_chained_allgathers``: dp->tp chains fused.
+    pre-bucketing is topo-span bounded (``topo_span``: a TopoSpanConfig, default its defaults);
+    ``fuse_chained_allgathers``: dp->tp chains fused.
     """
     from autoparallel.passes.collective import CollectivePassesConfig
     from autoparallel.passes.pre_overlap_bucketing import PreOverlapConfig
+    from autoparallel.passes.topo_span_bucketing import TopoSpanConfig
 
     return {
         "pre_overlap_bucketing": CollectivePassesConfig(
             pre_overlap=PreOverlapConfig(bucket_cap_mb=bucket_cap_mb), fuse_chained_allgathers=False
         ),
         "topo_span_bucketing": CollectivePassesConfig(
-            fuse_chained_allgathers=False, pre_overlap_bucketing=False, schedule_overlap=True
+            topo_span=topo_span if topo_span is not None else TopoSpanConfig(),
+            fuse_chained_allgathers=False,
+            pre_overlap_bucketing=False,
+            schedule_overlap=True,
         ),
         "fuse_chained_allgathers": CollectivePassesConfig(fuse_chained_allgathers=True, pre_overlap_bucketing=False),
     }
@@ -104,18 +109,21 @@ def reuse_pipeline_runs() -> Iterator[None]:
         _shared_runs = outer
 
 
-def run_pipeline(scenario: Scenario, *, stages: tuple[str, ...] = STAGE_NAMES, bucket_cap_mb: float = 25.0) -> PipelineRun:
+def run_pipeline(
+    scenario: Scenario, *, stages: tuple[str, ...] = STAGE_NAMES, bucket_cap_mb: float = 25.0, topo_span=None
+) -> PipelineRun:
     """Trace, first partition, second compile (aot_eager-style) and each collective pass on the
-    second compile's split graphs, on one fake world (graphs of rank 0: bucketing is rank-specific)."""
+    second compile's split graphs, on one fake world (graphs of rank 0: bucketing is rank-specific).
+    ``bucket_cap_mb`` / ``topo_span``: see ``collective_stage_configs``."""
     if _shared_runs is None:
-        return _run_pipeline(scenario, tuple(stages), bucket_cap_mb)
-    key = (scenario, tuple(stages), bucket_cap_mb)
+        return _run_pipeline(scenario, tuple(stages), bucket_cap_mb, topo_span)
+    key = (scenario, tuple(stages), bucket_cap_mb, topo_span)
     if key not in _shared_runs:
         _shared_runs[key] = _run_pipeline(*key)
     return _shared_runs[key]
 
 
-def _run_pipeline(scenario: Scenario, stages: tuple[str, ...], bucket_cap_mb: float) -> PipelineRun:
+def _run_pipeline(scenario: Scenario, stages: tuple[str, ...], bucket_cap_mb: float, topo_span) -> PipelineRun:
     from autoparallel.mesh import fake_world
     from autoparallel.partition import apply_placement
     from autoparallel.passes.collective import CollectivePassesConfig, bucket_fw_bw
@@ -143,7 +151,7 @@ def _run_pipeline(scenario: Scenario, stages: tuple[str, ...], bucket_cap_mb: fl
             Stage("second_compile", cs.second_compile),
         ]
         metrics = {}
-        for name, config in collective_stage_configs(bucket_cap_mb).items():
+        for name, config in collective_stage_configs(bucket_cap_mb, topo_span).items():
             if name in stages:
                 fw, bw = (_copy_graph(g) for g in cs.second_compile)
                 fw, bw, metrics[name] = bucket_fw_bw(fw, bw, config)

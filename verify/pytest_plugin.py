@@ -176,16 +176,11 @@ class GoldenChecker:
         self.check_text(text, name=name)
 
 
-def _unified_diff(path, text: str, limit: int = 200) -> str:
-    import difflib
+def _unified_diff(path, text: str) -> str:
+    """Summary of changed sections, then the stats table's diff, then the graphs' (uncut)."""
+    from verify.goldens import golden_diff, read_golden
 
-    from verify.goldens import read_golden
-
-    old = read_golden(path).splitlines()
-    lines = list(difflib.unified_diff(old, text.splitlines(), f"golden {path.name}", "produced now", lineterm="", n=2))
-    if len(lines) > limit:
-        lines = lines[:limit] + [f"... {len(lines) - limit} more diff lines"]
-    return "\n".join(lines)
+    return golden_diff(read_golden(path), text, name=path.name)
 
 
 @pytest.fixture

@@ -99,7 +99,7 @@ def run_parity(scenario: Scenario, steps: int = 2) -> dict:
 def build_report(scenario: Scenario, *, parity: bool = True) -> dict:
     progress(f"running the pipeline for {scenario.header()} ...")
     t0 = time.perf_counter()
-    run = run_pipeline(scenario)
+    run = run_pipeline(scenario, **golden_catalog.pipeline_options(scenario))
     progress(f"{len(run.stages)} stage(s) in {time.perf_counter() - t0:.1f}s")
     return {
         "preset": scenario.preset,

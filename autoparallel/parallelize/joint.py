@@ -21,6 +21,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from autoparallel import meta as M
 from autoparallel.mesh import ParallelMesh, attach_group_dims
+from autoparallel.parallelize.module_paths import annotate_module_paths
 from autoparallel.parallelize.plan import ParallelPlan, ParamSharding
 from autoparallel.parallelize.program import LossFn, ParallelProgram, clean_fqn, split_batch
 
@@ -96,7 +97,8 @@ def build_joint_graph(
     try:
         from torch._functorch.aot_autograd import aot_export_joint_with_descriptors
 
-        jd = aot_export_joint_with_descriptors(stack, program, fake_inputs)
+        with annotate_module_paths(program.model):
+            jd = aot_export_joint_with_descriptors(stack, program, fake_inputs)
     except BaseException:
         stack.close()
         raise

@@ -6,8 +6,14 @@ uses too. Regenerate with `python -m verify goldens --update` and review the dif
 
 import pytest
 
-from verify.goldens.catalog import ALL_SCENARIOS, GOLDEN_SCENARIOS, counts_text, stage_text
-from verify.pipeline import STAGE_NAMES, run_pipeline
+from verify.goldens.catalog import (
+    ALL_SCENARIOS,
+    GOLDEN_SCENARIOS,
+    counts_text,
+    golden_run,
+    stage_text,
+)
+from verify.pipeline import STAGE_NAMES
 
 
 def _grouped(sids):
@@ -19,9 +25,9 @@ def _grouped(sids):
 @pytest.mark.parametrize("stage", STAGE_NAMES)
 @pytest.mark.parametrize("sid", _grouped(GOLDEN_SCENARIOS))
 def test_stage_graph(sid, stage, golden, shared_pipeline_runs):
-    golden.check_text(stage_text(sid, run_pipeline(ALL_SCENARIOS[sid]).stage(stage)))
+    golden.check_text(stage_text(sid, golden_run(sid).stage(stage)))
 
 
 @pytest.mark.parametrize("sid", _grouped(ALL_SCENARIOS))
 def test_collective_counts(sid, golden, shared_pipeline_runs):
-    golden.check_text(counts_text(sid, run_pipeline(ALL_SCENARIOS[sid])))
+    golden.check_text(counts_text(sid, golden_run(sid)))

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from autoparallel.passes.topo_span_bucketing import TopoSpanConfig
 from verify.goldens.text import (
     GOLDENS_DIR,
     collective_counts_text,
@@ -15,12 +16,23 @@ from verify.goldens.text import (
     header_text,
     render_golden,
 )
-from verify.pipeline import PipelineRun, Stage
+from verify.pipeline import PipelineRun, Stage, run_pipeline
 from verify.scenario import Scenario
 
 GOLDEN_SCENARIOS: dict[str, Scenario] = {
     "tiny-fsdp-dp8": Scenario(preset="tiny", plan="fsdp", mesh="dp=8"),
     "tiny-fsdp_tp-dp4tp2": Scenario(preset="tiny", plan="fsdp_tp", mesh="dp=4,tp=2"),
+    # gradients all-reduced, no all-gathers: pre-overlap bucketing merges the grad_ar all-reduces
+    "tiny-ddp-dp8": Scenario(preset="tiny", plan="ddp", mesh="dp=8"),
+    # bf16 shards gathered (cast before the all-gather), gradients reduce-scattered in fp32
+    "tiny-fsdp-bf16-dp8": Scenario(preset="tiny", plan="fsdp", mesh="dp=8", param_dtype="bf16", reduce_dtype="fp32"),
+    # caps small enough that buckets split: by bytes in pre_overlap_bucketing, by topological
+    # span in topo_span_bucketing (PIPELINE_OPTIONS; tests/golden/test_golden_scenarios.py checks)
+    "tiny-fsdp-dp4-split": Scenario(preset="tiny", plan="fsdp", mesh="dp=4"),
+}
+# Pass settings of scenarios whose goldens are not at the pipeline's defaults (shown in the header).
+PIPELINE_OPTIONS: dict[str, dict] = {
+    "tiny-fsdp-dp4-split": {"bucket_cap_mb": 0.1, "topo_span": TopoSpanConfig(max_topo_span=60)},
 }
 # Scenarios that get only the collective-count golden (a one-line-per-stage table).
 COUNTS_ONLY_SCENARIOS: dict[str, Scenario] = {
@@ -40,13 +52,37 @@ def scenario_id(scenario: Scenario) -> str | None:
     return None
 
 
+def pipeline_options(scenario: Scenario) -> dict:
+    """``run_pipeline`` keyword arguments the scenario's goldens were made with ({} = defaults)."""
+    return dict(PIPELINE_OPTIONS.get(scenario_id(scenario), {}))
+
+
+def golden_run(sid: str) -> PipelineRun:
+    """The pipeline run behind scenario ``sid``'s goldens."""
+    return run_pipeline(ALL_SCENARIOS[sid], **PIPELINE_OPTIONS.get(sid, {}))
+
+
+def _options_text(options: dict) -> str:
+    parts = []
+    for k, v in sorted(options.items()):
+        if isinstance(v, TopoSpanConfig):
+            parts += [f"max_topo_span={v.max_topo_span}", f"overlap_bucket_cap_mb={v.bucket_cap_mb}"]
+        else:
+            parts.append(f"{k}={v}")
+    return " ".join(parts)
+
+
 def header(scenario: Scenario, stage: str) -> dict[str, str]:
-    return {
+    out = {
         "preset": scenario.preset,
         "mesh": str(scenario.mesh_spec),
         "plan": scenario.plan_obj().describe(),
-        "stage": stage,
     }
+    options = pipeline_options(scenario)
+    if options:
+        out["passes"] = _options_text(options)
+    out["stage"] = stage
+    return out
 
 
 def stage_text(sid: str, stage: Stage) -> str:

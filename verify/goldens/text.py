@@ -10,6 +10,7 @@ and every failure names the file and the command that regenerates it.
 
 from __future__ import annotations
 
+import difflib
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
@@ -111,3 +112,75 @@ def collective_counts_text(rows: Sequence[tuple[str, object]]) -> str:
         table.append((name, *cells))
     widths = [max(len(r[i]) for r in table) for i in range(len(table[0]))]
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in table)
+
+
+# --- diffs a reviewer reads ---------------------------------------------------------------------
+
+_STATS_SECTION = "stats"
+
+
+def golden_sections(text: str) -> list[tuple[str, int, list[str]]]:
+    """``(section name, first line index, lines)`` in file order; lines before the first
+    ``== name ==`` line form the section ``""`` (format line and title). The blank line that
+    ``render_golden`` puts before a section header belongs to that section."""
+    sections: list[tuple[str, int, list[str]]] = [("", 0, [])]
+    for i, line in enumerate(text.splitlines()):
+        if line.startswith("== ") and line.endswith(" ==") and len(line) > 6:
+            prev = sections[-1][2]
+            blank = bool(prev) and prev[-1] == ""
+            if blank:
+                prev.pop()
+            sections.append((line[3:-3], i - blank, [""] * blank + [line]))
+        else:
+            sections[-1][2].append(line)
+    return sections
+
+
+def _hunks(old: list[str], new: list[str], old_at: int, new_at: int, context: int) -> list[list[str]]:
+    """Unified-diff hunks of one section, with line numbers of the whole file."""
+    matcher = difflib.SequenceMatcher(None, old, new, autojunk=False)
+    out = []
+    for group in matcher.get_grouped_opcodes(context):
+        i1, i2, j1, j2 = group[0][1], group[-1][2], group[0][3], group[-1][4]
+        hunk = [f"@@ -{old_at + i1 + 1},{i2 - i1} +{new_at + j1 + 1},{j2 - j1} @@"]
+        for tag, a1, a2, b1, b2 in group:
+            if tag == "equal":
+                hunk += [" " + ln for ln in old[a1:a2]]
+            else:
+                hunk += ["-" + ln for ln in old[a1:a2]] + ["+" + ln for ln in new[b1:b2]]
+        out.append(hunk)
+    return out
+
+
+def golden_diff(old: str, new: str, *, name: str = "golden", context: int = 2) -> str:
+    """The diff a failing golden prints: a summary of hunks per section first, then the stats
+    table's diff (what changed in counts, bytes, saved tensors, peak memory), then every other
+    changed section in file order. Nothing is cut: the summary says how long the rest is."""
+    old_secs = {n: (at, lines) for n, at, lines in golden_sections(old)}
+    new_secs = {n: (at, lines) for n, at, lines in golden_sections(new)}
+    order = [n for n, _, _ in golden_sections(new)] + [n for n in old_secs if n not in new_secs]
+    diffs: dict[str, list[list[str]]] = {}
+    for sec in order:
+        o_at, o_lines = old_secs.get(sec, (len(old.splitlines()), []))
+        n_at, n_lines = new_secs.get(sec, (len(new.splitlines()), []))
+        hunks = _hunks(o_lines, n_lines, o_at, n_at, context)
+        if hunks:
+            diffs[sec] = hunks
+    if not diffs:
+        return f"{name}: no difference"
+    summary = []
+    for sec, hunks in diffs.items():
+        plus = sum(ln.startswith("+") for h in hunks for ln in h[1:])
+        minus = sum(ln.startswith("-") for h in hunks for ln in h[1:])
+        summary.append(f"{sec or 'title'}: {len(hunks)} hunk(s), +{plus} -{minus}")
+    unchanged = [n or "title" for n in order if n not in diffs]
+    total = sum(len(h) for hunks in diffs.values() for h in hunks)
+    lines = [f"{name}: changed sections: " + "; ".join(summary) + (f" (unchanged: {', '.join(unchanged)})" if unchanged else "")]
+    lines.append(f"full diff below ({total} lines), the stats table first")
+    lines += [f"--- golden {name}", "+++ produced now"]
+    first = [_STATS_SECTION] if _STATS_SECTION in diffs else []
+    for sec in first + [s for s in diffs if s != _STATS_SECTION]:
+        lines.append(f"== {sec or 'title'} ==")
+        for hunk in diffs[sec]:
+            lines += hunk
+    return "\n".join(lines)

@@ -436,7 +436,9 @@ def _relay(stream, progress: Callable[[str], None], every_s: float = 20.0) -> li
     import codecs
 
     seen: list[str] = []
-    last_status, last_t = "", 0.0
+    # -inf, not 0.0: time.monotonic() counts from boot, so on a machine up for less than
+    # ``every_s`` a 0.0 start would swallow the first running count.
+    last_status, last_t = "", float("-inf")
     buf = ""
     read = getattr(stream, "read1", stream.read)  # read1: what is there now, not a full 4 KiB
     decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")

@@ -19,8 +19,8 @@ _outcomes: dict[str, str] = {}
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:
     if report.when == "call":
         _outcomes[report.nodeid] = "skipped" if report.skipped else ("passed" if report.passed else "failed")
-    elif report.failed:
-        _outcomes[report.nodeid] = "error"
+    elif report.failed and _outcomes.get(report.nodeid) != "failed":
+        _outcomes[report.nodeid] = "error"  # setup/teardown; a failed body stays a failure
     elif report.skipped and report.nodeid not in _outcomes:
         _outcomes[report.nodeid] = "skipped"
 

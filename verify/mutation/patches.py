@@ -4,7 +4,8 @@ States (Stryker's vocabulary): ``killed`` (a guard ran and failed with the patch
 ``survived`` (every guard still passed), ``no coverage`` (the patch names no guard), ``timeout``
 (the disabled run exceeded the per-patch limit) and ``error`` (a guard failed, errored, was
 skipped or missing with the patch *enabled*, or only errored when disabled: a crash during
-collection or setup does not count as a kill).
+collection or setup does not count as a kill, and neither does a guard that did not run at all
+with the patch disabled; only a guard that ran and failed kills).
 
 All guards first run once together with every patch enabled; then each patch's guards run in a
 fresh pytest subprocess with ``AUTOPARALLEL_DISABLE=<patch>``.
@@ -123,7 +124,14 @@ def classify(guards: Sequence[str], baseline: GuardRun, disabled: GuardRun | Non
     outs = [o for g in guards for o in disabled.for_guard(g)]
     if any(o == "failed" for o in outs):
         return "killed", ""
-    if outs and all(o == "passed" for o in outs):
+    not_run = [g for g in guards if not disabled.for_guard(g)]
+    if not_run:  # e.g. its module failed to import with the patch off: it proved nothing
+        errors = disabled.collection_errors()
+        return "error", (
+            f"guard(s) not run with the patch disabled: {not_run}"
+            + (f"; collection errors: {errors}" if errors else "") + f"\n{disabled.tail}"
+        )
+    if all(o == "passed" for o in outs):
         return "survived", "every guard passed with the patch disabled"
     return "error", f"disabled run: {_summarize(outs)} (errors are not kills)\n{disabled.tail}"
 

@@ -252,8 +252,8 @@ def _tagged_graph() -> fx.GraphModule:
 TAGGED_TEXT = """\
 arg_0: f32[2, 4]
 all_gather_into_tensor_0: f32[4, 4] = _c10d_functional.all_gather_into_tensor.default(arg_0, 2, dp)  {recompute=MUST_RECOMPUTE ac=ap bucket=fsdp_ag}
-wait_tensor_0: f32[4, 4] = _c10d_functional.wait_tensor.default(all_gather_into_tensor_0)  {recompute=PREFER_SAVE ac=3 phase=backward}
-var_mean_0: (f32[4, 1], f32[4, 1]) = aten.var_mean.correction(wait_tensor_0, [1], correction=0, keepdim=True)  {must_save[0,1] phase=forward}
+bw/wait_tensor_0: f32[4, 4] = _c10d_functional.wait_tensor.default(all_gather_into_tensor_0)  {recompute=PREFER_SAVE ac=3 phase=backward}
+var_mean_0: (f32[4, 1], f32[4, 1]) = aten.var_mean.correction(bw/wait_tensor_0, [1], correction=0, keepdim=True)  {must_save[0,1] phase=forward}
 getitem_0: f32[4, 1] = operator.getitem(var_mean_0, 0)  {must_save=False}
 clone_0: f32[4, 1] = aten.clone.default(getitem_0, memory_format=torch.contiguous_format)
 _kwarg_sink_0: bf16[4, 1] = seeded_graph._kwarg_sink(clone_0, names={'a', 'b', 'c', 'k', 'q', 'zz'}, opts={'alpha': torch.float16, 'beta': inf, 'mid': 's', 'zeta': 1.5e-05})
