@@ -19,7 +19,7 @@ from verify.html.page import build_page
 from verify.html.views import golden_sections, golden_with_current
 from verify.pipeline import STAGE_NAMES, run_pipeline
 
-SIDS = sorted(GOLDEN_SCENARIOS)  # tiny-fsdp-dp8, tiny-fsdp_tp-dp4tp2
+SIDS = ["tiny-fsdp-dp8", "tiny-fsdp_tp-dp4tp2"]  # the issue asks for page structure on these two
 BUCKETING_STAGES = {"pre_overlap_bucketing", "topo_span_bucketing"}
 
 
@@ -120,9 +120,9 @@ def test_a_changed_golden_gets_a_side_by_side_diff(shared_pipeline_runs):
     sid = "tiny-fsdp-dp8"
     records = records_from_pipeline_run(_run(sid))
     target = records[2]  # second_compile
-    assert target.golden is not None and "mm_0" in target.golden
+    assert target.golden is not None
     lines = target.golden.split("\n")
-    k = next(i for i, ln in enumerate(lines) if ln.startswith("mm_0:"))
+    k = next(i for i, ln in enumerate(lines) if ln.split(":", 1)[0].endswith("/mm_0"))
     lines[k] = lines[k] + "  {edited}"
     target.golden = "\n".join(lines)
     html = _page(sid, records)
@@ -151,7 +151,7 @@ def test_parity_verdicts_and_bucket_members(shared_pipeline_runs):
     assert "data-parity='bad'" in secs["first_partition"] and "3 of 44 tensors differ" in secs["first_partition"]
     assert "parity: not run for this stage" in secs["pre_overlap_bucketing"]
     table = secs["pre_overlap_bucketing"].split("<table class=buckets>", 1)[1]
-    assert "param:layers.0.attention.wq.weight (all_gather_into_tensor_2)" in table
+    assert "param:layers.0.attention.wq.weight (layers.0.attention.wq.weight/all_gather_into_tensor_0)" in table
     assert "grad:layers.0.attention.wq.weight" in table  # reduce-scatter members name their gradient
 
 
