@@ -103,6 +103,7 @@ def test_goldens_command_finds_and_deletes_unused_goldens(project, capsys):
     kept = project / "goldens" / "test_a" / "test_one.txt"
     assert kept.exists()
     assert run_goldens(project, update=False, workers="0") == 0
+    assert "unused goldens: none (every one of the 1 golden files was read)" in capsys.readouterr().out
     stray = project / "goldens" / "test_a" / "test_removed_long_ago.txt"
     stray.write_text(render_golden("t", []))
     capsys.readouterr()

@@ -28,6 +28,7 @@ USAGE_LOG_ENV = "AUTOPARALLEL_GOLDENS_LOG"  # a directory: one JSON file per pyt
 class UnusedCheck:
     unused: list[Path]  # golden files no test read (empty when not checked)
     not_checked: str = ""  # why the check could not be made ("" when it was)
+    files: int = 0  # golden files looked at
 
 
 def find_unused(root: Path, log_dir: Path) -> UnusedCheck:
@@ -49,7 +50,7 @@ def find_unused(root: Path, log_dir: Path) -> UnusedCheck:
     used = {Path(u) for r in records for u in r["used"]}
     goldens = root / GOLDENS_DIR
     files = sorted(p for p in goldens.rglob("*") if p.is_file() and not p.name.startswith(".")) if goldens.is_dir() else []
-    return UnusedCheck([p for p in files if p.resolve() not in used])
+    return UnusedCheck([p for p in files if p.resolve() not in used], files=len(files))
 
 
 def run_goldens(root: Path, *, update: bool, workers: str = "auto", pytest_args=()) -> int:
@@ -83,6 +84,8 @@ def run_goldens(root: Path, *, update: bool, workers: str = "auto", pytest_args=
         for p in check.unused:
             print(f"  {rel(p)}")
         rc = rc or 1
+    else:
+        print(f"unused goldens: none (every one of the {check.files} golden files was read)")
     if update and rc == 0:
         status = subprocess.run(
             ["git", "status", "--short", "--", GOLDENS_DIR], cwd=root, capture_output=True, text=True
