@@ -1,5 +1,6 @@
-"""Shared fixtures. The verify pytest plugin (fixtures, markers, --require-gpu) is loaded through
-its pytest11 entry point; this file only holds helpers specific to this repository's tests."""
+"""Shared fixtures. The verify pytest plugin (fixtures, markers, --ap-* options) is loaded through
+its pytest11 entry point and switched on by ``autoparallel_verify = true`` in pyproject.toml; this
+file only holds helpers specific to this repository's tests."""
 
 import json
 import os

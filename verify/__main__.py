@@ -1,4 +1,9 @@
-"""``python -m verify {report, goldens, mutate, scale}``: the equivalence layer's command line."""
+"""``python -m verify {report, goldens, mutate, scale}``: the equivalence layer's command line.
+
+Every flag is checked where it is parsed, so a bad value is one line that names the flag
+(``argument --layers: ...``), never a traceback or a bare ``int()`` message. ``$AUTOPARALLEL_DISABLE``
+is checked before any command runs.
+"""
 
 from __future__ import annotations
 
@@ -6,40 +11,108 @@ import argparse
 import sys
 
 
+def _flag_type(check, what: str):
+    """An argparse ``type`` from ``check(text) -> value`` that raises ValueError; argparse then
+    prints ``argument --flag: <message>``."""
+
+    def parse(text: str):
+        try:
+            return check(text)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+
+    parse.__name__ = what  # argparse names the type in some messages
+    return parse
+
+
+def _positive(kind):
+    def check(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise ValueError(f"takes a positive {kind.__name__}, got {text!r}") from None
+        if not value > 0:
+            raise ValueError(f"takes a positive {kind.__name__}, got {text!r}")
+        return value
+
+    return _flag_type(check, f"positive {kind.__name__}")
+
+
+def _layer_list(text: str) -> list[int]:
+    parts = [p.strip() for p in text.split(",")]
+    if not all(p.isdigit() and int(p) > 0 for p in parts):
+        raise ValueError(f"takes positive ints like 32 or 2,8,32, got {text!r}")
+    return [int(p) for p in parts]
+
+
+def _workers(text: str) -> str:
+    if text == "auto" or text.isdigit():
+        return text
+    raise ValueError(f"takes 'auto' or a number of workers >= 0, got {text!r}")
+
+
+def _preset(text: str) -> str:
+    from autoparallel.models.llama3 import model_args
+
+    model_args(text)  # ValueError naming the valid presets
+    return text
+
+
+def _mesh(text: str) -> str:
+    from autoparallel.mesh import MeshSpec
+
+    return str(MeshSpec.parse(text))
+
+
+def _dtype(text: str) -> str:
+    from verify.scenario import _dtype as lookup
+
+    lookup(text)
+    return text
+
+
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m verify", description=__doc__)
+    p = argparse.ArgumentParser(prog="python -m verify", description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="command", required=True)
+    preset = _flag_type(_preset, "preset")
+    mesh = _flag_type(_mesh, "mesh")
+    dtype = _flag_type(_dtype, "dtype")
+    workers = _flag_type(_workers, "workers")
 
     r = sub.add_parser("report", help="pipeline stages, collectives and parity for one scenario")
-    r.add_argument("--preset", default="tiny", help="model preset: tiny, debug, 8b (default: tiny)")
+    r.add_argument("--preset", default="tiny", type=preset, help="model preset: tiny, debug, 8b (default: tiny)")
     r.add_argument("--plan", default="fsdp", choices=["fsdp", "fsdp_tp", "ddp"], help="parallel plan (default: fsdp)")
-    r.add_argument("--mesh", default="dp=8", help="mesh, e.g. dp=8 or dp=4,tp=2 (default: dp=8)")
+    r.add_argument("--mesh", default="dp=8", type=mesh, help="mesh, e.g. dp=8 or dp=4,tp=2 (default: dp=8)")
     r.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
     r.add_argument("--no-parity", action="store_true", help="skip the gloo parity run")
+    r.add_argument("--parity-anyway", action="store_true",
+                   help="run parity even for a model above the size limit (it runs the model for real)")
 
     g = sub.add_parser("goldens", help="regenerate (--update) or check (--check) the golden files")
     mode = g.add_mutually_exclusive_group(required=True)
     mode.add_argument("--update", action="store_true", help="rewrite goldens from the current code, delete unused ones")
     mode.add_argument("--check", action="store_true", help="fail on any changed, missing, corrupt or unused golden")
-    g.add_argument("-n", dest="workers", default="auto", help="pytest-xdist workers (default: auto)")
+    g.add_argument("-n", dest="workers", default="auto", type=workers, help="pytest-xdist workers (default: auto)")
     g.add_argument("pytest_args", nargs="*", help="extra pytest arguments (after --)")
 
     m = sub.add_parser("mutate", help="disable each registered patch and require its guard tests to fail")
     m.add_argument("--patch", action="append", help="only this patch (repeatable)")
     m.add_argument("--json", action="store_true", help="print one JSON object")
-    m.add_argument("-n", dest="workers", default="0", help="pytest-xdist workers per run (default: 0)")
-    m.add_argument("--timeout", type=float, default=300.0, help="seconds allowed per disabled run (default: 300)")
+    m.add_argument("-n", dest="workers", default="0", type=workers, help="pytest-xdist workers per run (default: 0)")
+    m.add_argument("--timeout", type=_positive(float), default=300.0,
+                   help="seconds allowed per disabled run (default: 300)")
     m.add_argument("--lines", action="store_true", help="line-level mutation of autoparallel/passes with mutmut (slow)")
 
     sc = sub.add_parser("scale", help="benchmark every pipeline stage on real-size graphs (fake world)")
-    sc.add_argument("--preset", default="8b", help="model preset (default: 8b)")
-    sc.add_argument("--layers", default=None, help="override n_layers; a list like 2,8,32 prints a scaling table")
-    sc.add_argument("--mesh", default="dp=16,tp=8", help="mesh (default: dp=16,tp=8)")
+    sc.add_argument("--preset", default="8b", type=preset, help="model preset (default: 8b)")
+    sc.add_argument("--layers", default=None, type=_flag_type(_layer_list, "layers"),
+                    help="override n_layers; a list like 2,8,32 prints a scaling table")
+    sc.add_argument("--mesh", default="dp=16,tp=8", type=mesh, help="mesh (default: dp=16,tp=8)")
     sc.add_argument("--plan", default="fsdp_tp", choices=["fsdp", "fsdp_tp", "ddp"], help="plan (default: fsdp_tp)")
-    sc.add_argument("--repeat", type=int, default=1, help="runs per size; seconds are medians (default: 1)")
-    sc.add_argument("--bucket-cap-mb", type=float, default=25.0, help="pre-overlap bucket cap (default: 25)")
-    sc.add_argument("--param-dtype", default=None, help="FSDP mixed-precision param dtype, e.g. bf16 (default: none)")
-    sc.add_argument("--reduce-dtype", default=None, help="FSDP gradient reduce dtype, e.g. fp32 (default: none)")
+    sc.add_argument("--repeat", type=_positive(int), default=1, help="runs per size; seconds are medians (default: 1)")
+    sc.add_argument("--bucket-cap-mb", type=_positive(float), default=25.0, help="pre-overlap bucket cap (default: 25)")
+    sc.add_argument("--param-dtype", default=None, type=dtype, help="FSDP mixed-precision param dtype, e.g. bf16 (default: none)")
+    sc.add_argument("--reduce-dtype", default=None, type=dtype, help="FSDP gradient reduce dtype, e.g. fp32 (default: none)")
     sc.add_argument("--json", action="store_true", help="print one JSON object")
     return p
 
@@ -47,6 +120,9 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
+        from autoparallel.patches import disabled_from_env
+
+        disabled_from_env()  # an unknown name in $AUTOPARALLEL_DISABLE stops every command here
         if args.command == "report":
             from verify.report import main as report_main
 

@@ -1,128 +1,364 @@
-"""pytest plugin of the equivalence layer (loaded through the ``pytest11`` entry point).
+"""pytest plugin of the equivalence layer (``pytest11`` entry point ``verify.pytest_plugin``).
 
-Markers ``gpu`` and ``multigpu(n)`` skip, with a reason, where CUDA or enough GPUs are missing;
-``--require-gpu`` turns those skips into failures so a GPU CI job can never pass by skipping.
-Tests marked ``slow`` (cold Inductor compiles) run only with ``--run-slow``; CI runs them in a
-step of their own so the default tier stays fast. Tests marked ``browser`` (the HTML report in
-headless Chromium) skip, with the reason, where Chromium or Playwright is missing;
-``--require-browser`` turns that skip into a failure for a CI step that installed them.
+Installing this package puts the plugin into every pytest run of the environment, so it is inert
+unless the project opts in with the ini setting ``autoparallel_verify = true`` (this repository
+sets it in ``pyproject.toml``; ``-o autoparallel_verify=true`` opts in for one run). In a project
+that has not opted in it registers that ini key and its ``--ap-*`` options (namespaced, so they
+cannot collide with a project's own ``--run-slow``) and nothing else: no marker, no fixture, no
+skip, no reordering. Passing an ``--ap-*`` option there is a usage error that says how to opt in.
+``-p verify.pytest_plugin`` is harmless where the package is installed (the entry point has the
+module's name, so pytest sees one plugin) and loads it where the checkout is only on the path.
+
+Opted in:
+
+* markers ``gpu`` and ``multigpu(n)`` skip, with a reason, where CUDA or enough GPUs are missing;
+  ``--ap-require-gpu`` turns those skips into failures;
+* tests marked ``slow`` (cold Inductor compiles) run only with ``--ap-run-slow``;
+* tests marked ``browser`` (the HTML report in headless Chromium) skip, with the reason, where
+  Chromium or Playwright is missing; ``--ap-require-browser`` turns that skip into a failure for
+  a CI step that installed them;
+* ``--ap-order reverse|shuffle:SEED`` reorders the tests (they must not depend on order);
+* ``--ap-gpu-ci`` (what ``.ci/gpu`` runs): only the ``gpu`` tests and the ``multigpu(n)`` tests
+  with ``n`` <= the visible GPU count run, any skip among them fails the run, and the summary
+  says how many ``multigpu`` tests could not run for lack of GPUs (``--ap-gpu-count N``
+  overrides the visible count the gates and the selection use);
+* fixture ``golden`` (``verify.goldens``), which also reports the goldens it used when
+  ``python -m verify goldens`` asks (``$AUTOPARALLEL_GOLDENS_LOG``), so that command can find
+  goldens no test uses;
+* ``$AUTOPARALLEL_DISABLE`` is checked before any test runs (an unknown patch name is a usage
+  error) and shown in the header;
+* PyTorch's structured-trace records (logger ``torch.__trace``: empty messages whose payload is
+  meant for tlparse) stay out of captured logs; pytest >= 9 attaches its handlers to that
+  logger, and a failing test printed hundreds of empty ``DEBUG`` lines.
 """
 
 from __future__ import annotations
 
+import json
+import logging
+import os
+
 import pytest
 
-REQUIRE_GPU = "--require-gpu"
-RUN_SLOW = "--run-slow"
-REQUIRE_BROWSER = "--require-browser"
+OPT_IN_INI = "autoparallel_verify"
+REQUIRE_GPU = "--ap-require-gpu"
+RUN_SLOW = "--ap-run-slow"
+REQUIRE_BROWSER = "--ap-require-browser"
 ORDER = "--ap-order"
+GPU_CI = "--ap-gpu-ci"
+GPU_COUNT = "--ap-gpu-count"
+_OPTIONS = {REQUIRE_GPU: "ap_require_gpu", RUN_SLOW: "ap_run_slow", REQUIRE_BROWSER: "ap_require_browser",
+            ORDER: "ap_order", GPU_CI: "ap_gpu_ci", GPU_COUNT: "ap_gpu_count"}
+_ACTIVE = "autoparallel-verify-active"
+_TRACE_LOGGER = "torch.__trace"
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
-    group = parser.getgroup("autoparallel-verify")
-    group.addoption(
-        REQUIRE_GPU,
-        action="store_true",
+    parser.addini(
+        OPT_IN_INI,
+        type="bool",
         default=False,
-        help="fail (instead of skip) tests marked gpu/multigpu when CUDA or enough GPUs are missing",
+        help="turn on autoparallel's verify plugin (markers gpu/multigpu/slow, fixture golden, --ap-* options)",
     )
-    group.addoption(
-        RUN_SLOW,
-        action="store_true",
-        default=False,
-        help="also run tests marked slow (cold Inductor compiles); CI runs them in their own step",
-    )
-    group.addoption(
-        REQUIRE_BROWSER,
-        action="store_true",
-        default=False,
-        help="fail (instead of skip) tests marked browser when Chromium or Playwright is missing",
-    )
-    group.addoption(
-        ORDER,
-        default="file",
-        help="test order: 'file' (default), 'reverse', or 'shuffle:SEED'; proves tests do not depend on order",
-    )
+    group = parser.getgroup("autoparallel-verify", "autoparallel verify (needs autoparallel_verify = true)")
+    group.addoption(REQUIRE_GPU, action="store_true", default=False,
+                    help="fail (instead of skip) tests marked gpu/multigpu when CUDA or enough GPUs are missing")
+    group.addoption(RUN_SLOW, action="store_true", default=False,
+                    help="also run tests marked slow (cold Inductor compiles); CI runs them in their own step")
+    group.addoption(REQUIRE_BROWSER, action="store_true", default=False,
+                    help="fail (instead of skip) tests marked browser when Chromium or Playwright is missing")
+    group.addoption(ORDER, default=None,
+                    help="test order: 'file' (default), 'reverse', or 'shuffle:SEED'; proves tests do not depend on order")
+    group.addoption(GPU_CI, action="store_true", default=False,
+                    help="GPU CI: run only gpu and multigpu(n <= visible GPUs) tests; any skip fails the run")
+    group.addoption(GPU_COUNT, type=_gpu_count, default=None, metavar="N",
+                    help="the visible GPU count the gates and --ap-gpu-ci use (default: torch.cuda.device_count())")
 
 
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    order = config.getoption(ORDER)
-    if order == "file":
-        return
-    if order == "reverse":
-        items.reverse()
-        return
-    kind, _, seed = order.partition(":")
-    if kind != "shuffle" or not seed.isdigit():
-        raise pytest.UsageError(f"{ORDER} takes 'file', 'reverse' or 'shuffle:SEED', got {order!r}")
-    import random
+def _gpu_count(text: str) -> int:
+    import argparse
 
-    random.Random(int(seed)).shuffle(items)
+    try:
+        n = int(text)
+    except ValueError:
+        n = -1
+    if n < 0:
+        raise argparse.ArgumentTypeError(f"takes an int >= 0, got {text!r}")
+    return n
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    config.addinivalue_line("markers", f"slow: cold Inductor compiles; skipped unless {RUN_SLOW}")
-    config.addinivalue_line("markers", "gpu: needs a CUDA device; skipped without one unless --require-gpu")
-    config.addinivalue_line("markers", "multigpu(n): needs n CUDA devices; skipped with fewer unless --require-gpu")
-    config.addinivalue_line(
-        "markers", f"browser: needs headless Chromium + playwright; skipped without them unless {REQUIRE_BROWSER}"
-    )
+    if not config.getini(OPT_IN_INI):
+        given = [flag for flag, dest in _OPTIONS.items() if config.getoption(dest) not in (None, False)
+                 or config.getoption(dest) == 0 and dest == "ap_gpu_count"]
+        if given:
+            raise pytest.UsageError(
+                f"{', '.join(given)}: autoparallel's verify plugin is off in this project; opt in with "
+                f"`{OPT_IN_INI} = true` in its pytest ini (or -o {OPT_IN_INI}=true)"
+            )
+        return
+    config.pluginmanager.register(VerifyPlugin(config), _ACTIVE)
 
 
-def _cuda_device_count() -> int:
+def cuda_device_count(config: pytest.Config) -> int:
+    """The visible GPU count: ``--ap-gpu-count`` if given, else what torch sees."""
+    forced = config.getoption("ap_gpu_count")
+    if forced is not None:
+        return forced
     import torch
 
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
-def gpu_gate_reason(item: pytest.Item) -> str | None:
-    """Why ``item`` cannot run on this machine (None if it can)."""
-    needed = 0
-    if item.get_closest_marker("gpu") is not None:
-        needed = 1
+def gpus_needed(item: pytest.Item) -> int:
+    """How many CUDA devices ``item`` needs: 1 for ``gpu``, n for ``multigpu(n)``, else 0."""
+    needed = 1 if item.get_closest_marker("gpu") is not None else 0
     marker = item.get_closest_marker("multigpu")
     if marker is not None:
-        if not marker.args or not isinstance(marker.args[0], int) or marker.args[0] < 1:
+        n = marker.args[0] if marker.args else None
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
             raise pytest.UsageError(f"{item.nodeid}: use @pytest.mark.multigpu(n) with an int n >= 1")
-        needed = max(needed, marker.args[0])
-    if not needed:
-        return None
-    have = _cuda_device_count()
-    if have >= needed:
-        return None
-    return f"needs {needed} CUDA device(s), found {have}"
+        needed = max(needed, n)
+    return needed
 
 
-def pytest_runtest_setup(item: pytest.Item) -> None:
-    if item.get_closest_marker("slow") is not None and not item.config.getoption(RUN_SLOW):
-        pytest.skip(f"slow (cold Inductor compile): run with {RUN_SLOW}; .ci/run runs these in their own step")
-    if item.get_closest_marker("browser") is not None:
-        from verify.html.browser import unavailable_reason
-
-        why = unavailable_reason()
-        if why is not None:
-            if item.config.getoption(REQUIRE_BROWSER):
-                pytest.fail(f"browser test cannot run: {why}, and {REQUIRE_BROWSER} is set", pytrace=False)
-            pytest.skip(f"browser test cannot run: {why}")
-    reason = gpu_gate_reason(item)
-    if reason is None:
-        return
-    if item.config.getoption(REQUIRE_GPU):
-        pytest.fail(f"{reason} and {REQUIRE_GPU} is set: GPU CI must not pass by skipping", pytrace=False)
-    pytest.skip(reason)
+def gpu_ci_selection(items, have: int) -> tuple[list, list, list]:
+    """(run, lacking, other): the GPU tests that fit ``have`` GPUs, the multigpu tests that need
+    more, and every test that needs no GPU."""
+    run, lacking, other = [], [], []
+    for item in items:
+        needed = gpus_needed(item)
+        if not needed:
+            other.append(item)
+        elif needed <= have:
+            run.append(item)
+        else:
+            lacking.append(item)
+    return run, lacking, other
 
 
-# --- goldens ------------------------------------------------------------------------------------
+class _DropStructuredTrace(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.name != _TRACE_LOGGER
+
+
+class VerifyPlugin:
+    """Everything the plugin does, registered only in projects that opted in."""
+
+    def __init__(self, config: pytest.Config):
+        self.config = config
+        self._have: int | None = None
+        self._trace_filter = _DropStructuredTrace()
+        self._filtered: list[logging.Handler] = []
+        self._gpu_ci_lacking: list[tuple[str, int]] = []
+        self._gpu_ci_run = 0
+        self._skipped: dict[str, str] = {}
+        self._goldens = _GoldenUsage.from_env(config)
+
+    # --- set-up ---------------------------------------------------------------------------------
+
+    def pytest_configure(self, config: pytest.Config) -> None:
+        # Called when registered (pytest_configure is historic).
+        from autoparallel.patches import disabled_from_env
+
+        try:
+            disabled_from_env()
+        except ValueError as e:
+            raise pytest.UsageError(str(e)) from None
+        config.addinivalue_line("markers", f"slow: cold Inductor compiles; skipped unless {RUN_SLOW}")
+        config.addinivalue_line("markers", f"gpu: needs a CUDA device; skipped without one unless {REQUIRE_GPU}")
+        config.addinivalue_line("markers", f"multigpu(n): needs n CUDA devices; skipped with fewer unless {REQUIRE_GPU}")
+        config.addinivalue_line(
+            "markers", f"browser: needs headless Chromium + playwright; skipped without them unless {REQUIRE_BROWSER}"
+        )
+        order = config.getoption("ap_order") or "file"
+        kind, _, seed = order.partition(":")
+        if order not in ("file", "reverse") and not (kind == "shuffle" and seed.isdigit()):
+            raise pytest.UsageError(f"{ORDER} takes 'file', 'reverse' or 'shuffle:SEED', got {order!r}")
+        if config.getoption("ap_gpu_ci") and self.have() == 0:
+            raise pytest.UsageError(
+                f"{GPU_CI}: no CUDA device is visible ({_torch_description()}); GPU CI needs at least one GPU"
+            )
+
+    def pytest_sessionstart(self, session: pytest.Session) -> None:
+        # pytest's logging plugin is registered after pytest_configure (trylast); by now it is.
+        logging_plugin = session.config.pluginmanager.get_plugin("logging-plugin")
+        for name in ("caplog_handler", "report_handler"):
+            handler = getattr(logging_plugin, name, None)
+            if handler is not None:
+                handler.addFilter(self._trace_filter)
+                self._filtered.append(handler)
+
+    def pytest_unconfigure(self, config: pytest.Config) -> None:
+        for handler in self._filtered:
+            handler.removeFilter(self._trace_filter)
+        self._filtered.clear()
+
+    def have(self) -> int:
+        if self._have is None:
+            self._have = cuda_device_count(self.config)
+        return self._have
+
+    def pytest_report_header(self, config: pytest.Config) -> list[str]:
+        from autoparallel.patches import ENV_VAR, disabled_from_env
+
+        lines = []
+        off = disabled_from_env()
+        if off:
+            lines.append(f"autoparallel: ${ENV_VAR} disables patches {sorted(off)}")
+        if config.getoption("ap_gpu_ci"):
+            lines.append(f"autoparallel GPU CI: {self.have()} visible GPU(s), {_torch_description()}")
+        return lines
+
+    # --- collection -----------------------------------------------------------------------------
+
+    @pytest.hookimpl(tryfirst=True)
+    def pytest_collection_modifyitems(self, config: pytest.Config, items: list[pytest.Item]) -> None:
+        # tryfirst: before -k/-m deselect anything, so the goldens log sees every golden test.
+        self._goldens.collected(items)
+        if config.getoption("ap_gpu_ci"):
+            run, lacking, other = gpu_ci_selection(items, self.have())
+            self._gpu_ci_run = len(run)
+            self._gpu_ci_lacking = [(item.nodeid, gpus_needed(item)) for item in lacking]
+            if lacking or other:
+                config.hook.pytest_deselected(items=lacking + other)
+            items[:] = run
+        order = config.getoption("ap_order") or "file"
+        if order == "reverse":
+            items.reverse()
+        elif order.startswith("shuffle:"):
+            import random
+
+            random.Random(int(order.partition(":")[2])).shuffle(items)
+
+    # --- running --------------------------------------------------------------------------------
+
+    def pytest_runtest_setup(self, item: pytest.Item) -> None:
+        gpu_ci = self.config.getoption("ap_gpu_ci")
+        if item.get_closest_marker("slow") is not None and not (gpu_ci or self.config.getoption("ap_run_slow")):
+            pytest.skip(f"slow (cold Inductor compile): run with {RUN_SLOW}; .ci/run runs these in their own step")
+        if item.get_closest_marker("browser") is not None:
+            from verify.html.browser import unavailable_reason
+
+            why = unavailable_reason()
+            if why is not None:
+                if self.config.getoption("ap_require_browser"):
+                    pytest.fail(f"browser test cannot run: {why}, and {REQUIRE_BROWSER} is set", pytrace=False)
+                pytest.skip(f"browser test cannot run: {why}")
+        needed = gpus_needed(item)
+        if not needed or needed <= self.have():
+            return
+        reason = f"needs {needed} CUDA device(s), found {self.have()}"
+        if gpu_ci or self.config.getoption("ap_require_gpu"):
+            pytest.fail(f"{reason} and {REQUIRE_GPU} is set: GPU CI must not pass by skipping", pytrace=False)
+        pytest.skip(reason)
+
+    def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
+        if report.skipped:
+            self._skipped.setdefault(report.nodeid, str(report.longrepr[-1]) if isinstance(report.longrepr, tuple) else "")
+        if report.when == "call" and report.passed:
+            self._goldens.passed(report.nodeid)
+
+    def pytest_sessionfinish(self, session: pytest.Session) -> None:
+        self._goldens.write(is_worker=hasattr(self.config, "workerinput"))
+        if self.config.getoption("ap_gpu_ci") and self._skipped and not hasattr(self.config, "workerinput"):
+            session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+    def pytest_terminal_summary(self, terminalreporter) -> None:
+        if not self.config.getoption("ap_gpu_ci"):
+            return
+        tr = terminalreporter
+        have = self.have()
+        tr.section("autoparallel GPU CI")
+        tr.write_line(f"{self._gpu_ci_run} GPU test(s) selected for {have} visible GPU(s)")
+        if self._gpu_ci_lacking:
+            tr.write_line(f"{len(self._gpu_ci_lacking)} multigpu test(s) could not run for lack of GPUs:")
+            for nodeid, needed in self._gpu_ci_lacking:
+                tr.write_line(f"  {nodeid}: needs {needed} GPUs, {have} visible")
+        else:
+            tr.write_line("0 multigpu tests could not run for lack of GPUs")
+        if self._skipped:
+            tr.write_line(f"FAILED: {len(self._skipped)} GPU test(s) skipped; GPU CI must not pass by skipping:")
+            for nodeid, why in self._skipped.items():
+                tr.write_line(f"  {nodeid}: {why}")
+
+    # --- goldens --------------------------------------------------------------------------------
+
+    @pytest.fixture
+    def golden(self, request: pytest.FixtureRequest, snapshot) -> GoldenChecker:
+        """Golden files under goldens/ (one per test); see verify.goldens."""
+        # ``snapshot`` (syrupy's fixture) as a parameter: syrupy marks the test syrupy_snapshot,
+        # which is how ``python -m verify goldens`` selects the golden tests.
+        from verify.goldens import golden_dir_for
+
+        try:
+            golden_dir_for(request.path)
+        except ValueError as e:
+            pytest.fail(f"{e} (goldens/ mirrors tests/)", pytrace=False)
+        return GoldenChecker(snapshot, request, self._goldens)
+
+
+def _torch_description() -> str:
+    import torch
+
+    return f"torch {torch.__version__}, CUDA {'available' if torch.cuda.is_available() else 'not available'}"
+
+
+class _GoldenUsage:
+    """What ``python -m verify goldens`` needs to find unused goldens: the golden tests collected
+    (before any deselection), those that passed, the golden files they read, and whether the
+    whole test tree was collected. One JSON file per process under ``$AUTOPARALLEL_GOLDENS_LOG``."""
+
+    def __init__(self, config: pytest.Config, directory: str | None):
+        self.config = config
+        self.directory = directory
+        self.tests: set[str] = set()
+        self.passed_tests: set[str] = set()
+        self.used: set[str] = set()
+
+    @classmethod
+    def from_env(cls, config: pytest.Config) -> _GoldenUsage:
+        from verify.goldens.cli import USAGE_LOG_ENV
+
+        return cls(config, os.environ.get(USAGE_LOG_ENV) or None)
+
+    def collected(self, items) -> None:
+        if self.directory:
+            self.tests.update(i.nodeid for i in items if "golden" in getattr(i, "fixturenames", ()))
+
+    def passed(self, nodeid: str) -> None:
+        if self.directory:
+            self.passed_tests.add(nodeid)
+
+    def use(self, path) -> None:
+        if self.directory:
+            self.used.add(str(path))
+
+    def write(self, *, is_worker: bool) -> None:
+        if not self.directory:
+            return
+        record = {
+            "worker": is_worker,
+            "whole_tree": self.config.args_source in (pytest.Config.ArgsSource.TESTPATHS,
+                                                      pytest.Config.ArgsSource.INVOCATION_DIR),
+            "tests": sorted(self.tests),
+            "passed": sorted(self.passed_tests),
+            "used": sorted(self.used),
+        }
+        path = os.path.join(self.directory, f"usage-{os.getpid()}.json")
+        with open(path, "w", encoding="utf-8") as f:
+            json.dump(record, f)
 
 
 class GoldenChecker:
     """Compares text against its golden file; failures name the file and the update command."""
 
-    def __init__(self, snapshot, request: pytest.FixtureRequest):
+    def __init__(self, snapshot, request: pytest.FixtureRequest, usage: _GoldenUsage | None = None):
         from verify.goldens.syrupy_ext import GoldenTextExtension
 
         self._snapshot = snapshot.use_extension(GoldenTextExtension)
         self._request = request
+        self._usage = usage
 
     def path_for(self, name: str | None = None):
         from pathlib import Path
@@ -135,6 +371,8 @@ class GoldenChecker:
 
         snap = self._snapshot(name=name) if name else self._snapshot
         path = self.path_for(name)
+        if self._usage is not None:
+            self._usage.use(path.resolve())
         updating = bool(self._request.config.option.update_snapshots)
         if not updating and not path.exists():
             pytest.fail(
@@ -181,9 +419,3 @@ def _unified_diff(path, text: str) -> str:
     from verify.goldens import golden_diff, read_golden
 
     return golden_diff(read_golden(path), text, name=path.name)
-
-
-@pytest.fixture
-def golden(snapshot, request) -> GoldenChecker:
-    """Golden files under goldens/; see verify.goldens."""
-    return GoldenChecker(snapshot, request)

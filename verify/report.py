@@ -44,12 +44,20 @@ def stage_summaries(stage: Stage) -> list[dict]:
     return out
 
 
-def golden_status(run: PipelineRun) -> dict[str, str] | None:
-    """Per stage: does it match its reviewed golden? None when the scenario has no goldens."""
+GOLDENS_NOT_CHECKED = "not checked (no goldens/ directory here: run from a source checkout, pip install -e .)"
+
+
+def golden_status(run: PipelineRun, root: Path | None = None) -> dict[str, str] | str | None:
+    """Per stage: does it match its reviewed golden? None when the scenario has no goldens, and
+    GOLDENS_NOT_CHECKED where the goldens are not installed (a wheel carries no goldens/).
+
+    Plain text comparison with the files (no syrupy): the base install shows it too."""
     sid = golden_catalog.scenario_id(run.scenario)
     if sid is None:
         return None
-    root = Path(__file__).resolve().parent.parent
+    root = root if root is not None else Path(__file__).resolve().parent.parent
+    if not (root / golden_catalog.GOLDENS_DIR).is_dir():
+        return GOLDENS_NOT_CHECKED
     out = {}
     if sid in golden_catalog.GOLDEN_SCENARIOS:
         for stage in run.stages:
@@ -140,6 +148,8 @@ def format_report(report: dict) -> str:
     goldens = report.get("goldens")
     if goldens is None:
         lines.append("goldens: none for this scenario (see verify/goldens/catalog.py)")
+    elif isinstance(goldens, str):
+        lines.append(f"goldens: {goldens}")
     else:
         lines.append("goldens: " + ", ".join(f"{k} {v}" for k, v in goldens.items()))
     p = report.get("parity")
@@ -154,8 +164,41 @@ def format_report(report: dict) -> str:
     return "\n".join(lines)
 
 
+# Parity runs the model for real: each gloo rank builds the whole fp32 model, and the
+# single-device reference holds fp32 weights and gradients. Above this many parameters (tens of
+# GB) the report refuses unless asked (--parity-anyway); LLaMA-3 8B has 8.03e9.
+PARITY_MAX_PARAMS = 1_000_000_000
+
+
+def parity_memory_lower_bound(scenario: Scenario, params: int) -> int:
+    """Bytes parity needs at least: the full fp32 model per rank, plus weights and gradients of
+    the single-device reference (activations, optimizer state and the traced runs come on top)."""
+    ranks = parity_mesh(scenario.mesh_spec).world_size
+    return (ranks + 2) * 4 * params
+
+
+def check_parity_size(scenario: Scenario, *, anyway: bool) -> None:
+    from verify.scenario import parameter_count
+    from verify.stats import human_bytes
+
+    params = parameter_count(scenario)
+    if params <= PARITY_MAX_PARAMS or anyway:
+        return
+    need = parity_memory_lower_bound(scenario, params)
+    raise ValueError(
+        f"--preset {scenario.preset}: parity runs the model for real ({params / 1e9:.2f} B parameters, above the "
+        f"{PARITY_MAX_PARAMS / 1e9:.0f} B limit) and needs at least {human_bytes(need)} of RAM; pass --no-parity "
+        f"for the graphs only, or --parity-anyway to run it"
+    )
+
+
 def main(args) -> int:
+    from verify.scenario import check_flags
+
     scenario = Scenario(preset=args.preset, plan=args.plan, mesh=args.mesh)
+    check_flags(scenario)
+    if not args.no_parity:
+        check_parity_size(scenario, anyway=args.parity_anyway)
     report = build_report(scenario, parity=not args.no_parity)
     if args.json:
         print(json.dumps(report, indent=2, sort_keys=False))

@@ -225,9 +225,9 @@ def format_scaling(results: list[dict]) -> str:
 
 
 def main(args) -> int:
-    layers = [int(x) for x in str(args.layers).split(",")] if args.layers else [None]
-    if any(n is not None and n < 1 for n in layers):
-        raise ValueError(f"--layers takes positive ints, got {args.layers!r}")
+    from verify.scenario import check_flags
+
+    layers = args.layers or [None]  # parsed and checked by verify.__main__
 
     def progress(msg: str) -> None:
         print(f"[scale] {msg}", file=sys.stderr, flush=True)
@@ -259,6 +259,7 @@ def main(args) -> int:
         param_dtype=args.param_dtype,
         reduce_dtype=args.reduce_dtype,
     )
+    check_flags(scenario)
     progress(f"{scenario.header()}: {len(SCALE_STAGES)} stages")
     result = run_scale(scenario, repeat=args.repeat, bucket_cap_mb=args.bucket_cap_mb, progress=progress)
     print(json.dumps(result, indent=2) if args.json else format_scale(result))

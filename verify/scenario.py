@@ -101,6 +101,19 @@ def _dtype(name: str) -> torch.dtype:
         raise ValueError(f"unknown dtype {name!r}; valid: {sorted(_DTYPES)}") from None
 
 
+def check_flags(scenario: Scenario) -> None:
+    """ValueError naming the command-line flags when the preset, plan and mesh do not fit
+    together (a dim that does not divide, a plan dim the mesh lacks), before anything runs."""
+    try:
+        scenario.plan_obj().resolve(scenario.model(device="meta"), scenario.mesh_spec)
+    except ValueError as e:
+        raise ValueError(f"--plan {scenario.plan} --mesh {scenario.mesh_spec} --preset {scenario.preset}: {e}") from None
+
+
+def parameter_count(scenario: Scenario) -> int:
+    return sum(p.numel() for p in scenario.model(device="meta").parameters())
+
+
 @dataclass
 class RankParity:
     """What one rank computed with each executor, plus its mesh coordinate."""

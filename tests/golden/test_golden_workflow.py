@@ -27,6 +27,7 @@ def project(tmp_path: Path):
     # no:hypothesispytest: the inner runs use no hypothesis, and its import is most of their startup.
     (tmp_path / "pytest.ini").write_text(
         "[pytest]\ntestpaths = tests\naddopts = -p no:cacheprovider -p no:hypothesispytest\n"
+        "autoparallel_verify = true\n"
     )
     (tmp_path / "tests").mkdir()
     return tmp_path
@@ -87,6 +88,42 @@ def test_missing_changed_corrupt_and_unused_goldens(project):
     assert unused.returncode == 1
     assert "unused" in unused.stdout
     assert golden.parent.joinpath("test_stale.txt").exists(), "only an explicit update deletes goldens"
+
+
+def test_goldens_command_finds_and_deletes_unused_goldens(project, capsys):
+    """`python -m verify goldens`: a stray golden fails --check (named), and --update deletes it;
+    a narrowed run cannot tell, says so and deletes nothing."""
+    from verify.goldens.cli import run_goldens
+
+    write_test(project, "mm_0 = aten.mm(a, b)")
+    # A test without a golden, as in this repository: `-m syrupy_snapshot` deselects it, and then
+    # syrupy's own unused detection is off (the case this command exists for).
+    (project / "tests" / "test_plain.py").write_text("def test_plain():\n    pass\n")
+    assert run_goldens(project, update=True, workers="0") == 0
+    kept = project / "goldens" / "test_a" / "test_one.txt"
+    assert kept.exists()
+    assert run_goldens(project, update=False, workers="0") == 0
+    assert "unused goldens: none (every one of the 1 golden files was read)" in capsys.readouterr().out
+    stray = project / "goldens" / "test_a" / "test_removed_long_ago.txt"
+    stray.write_text(render_golden("t", []))
+    capsys.readouterr()
+
+    assert run_goldens(project, update=False, workers="0") == 1
+    out = capsys.readouterr().out
+    assert "1 unused golden(s): no test reads them" in out
+    assert "goldens/test_a/test_removed_long_ago.txt" in out and "test_one" not in out
+    assert stray.exists(), "--check never deletes"
+
+    assert run_goldens(project, update=False, workers="0", pytest_args=["-k", "nothing_matches"]) == 5
+    assert "unused goldens: not checked (1 golden test(s) did not pass" in capsys.readouterr().out
+    run_goldens(project, update=False, workers="0", pytest_args=["tests/test_a.py"])
+    assert "unused goldens: not checked (the run was given paths" in capsys.readouterr().out
+    assert stray.exists()
+
+    assert run_goldens(project, update=True, workers="0") == 0
+    assert "deleted unused golden goldens/test_a/test_removed_long_ago.txt" in capsys.readouterr().out
+    assert not stray.exists() and kept.exists()
+    assert run_goldens(project, update=False, workers="0") == 0
 
 
 def test_goldens_live_under_a_tests_directory(tmp_path):

@@ -4,7 +4,8 @@ The same comparisons as tests/unit/autoparallel/trainer/test_trainer_memory.py (
 traced op SAC + remat vs eager ``apply_ac(model, "op")`` within 1.10x, grad-mode-on execution
 clearly higher, remat lower than the same tagged graph without remat. Plus a per-rank
 comparison on a 2-GPU NCCL world through the same entry point the CPU gloo test uses.
-Skipped (with a reason) without CUDA; ``--require-gpu`` turns the skips into failures.
+Skipped (with a reason) without CUDA; ``--ap-require-gpu`` turns the skips into failures, and
+``.ci/gpu`` runs them (a skip there fails the run).
 """
 
 from __future__ import annotations
@@ -94,6 +95,7 @@ def test_cuda_remat_lowers_traced_peak(cuda_peaks, metric):
 
 
 @pytest.mark.multigpu(2)
+@pytest.mark.timeout(420)  # above run_gated's own 300 s limit, which names the ranks still running
 def test_per_rank_sac_peak_on_nccl():
     """Each rank: traced SAC vs eager SAC peak (reserved and active) after an NCCL all-reduce."""
     results = run_gated(rank_sac_memory, 2, args=(PRESET, BATCH), require_gpu=True, timeout_s=300)

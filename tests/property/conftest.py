@@ -3,8 +3,14 @@
 ``autoparallel`` (default): 200 examples per property, no deadline (graph building and merging
 take milliseconds, tracing in a merge can take more on a loaded machine). ``ci`` (loaded when the
 ``CI`` environment variable is set): the same, derandomized and without the example database, so
-a CI run is reproducible. Importing ``torch.testing._internal.common_utils`` loads PyTorch's own
-profile, so the chosen profile is loaded again before every test.
+a CI run is reproducible. ``ci-random`` (``--hypothesis-profile=ci-random``): random, without the
+example database; ``.ci/run`` runs the properties once more this way with ``--hypothesis-seed``
+set to a fresh seed it prints, so what a random run finds can be replayed from the log.
+``--hypothesis-profile`` picks any of them. Importing ``torch.testing._internal.common_utils``
+loads PyTorch's own profile, so the chosen profile is loaded again before every test.
+
+Local runs keep Hypothesis' example database in ``.hypothesis/`` (in the working directory): a
+failure found once is replayed first by every later local run until it is fixed.
 """
 
 from __future__ import annotations
@@ -23,11 +29,12 @@ settings.register_profile(
 settings.register_profile(
     "ci", parent=settings.get_profile("autoparallel"), derandomize=True, database=None
 )
+settings.register_profile("ci-random", parent=settings.get_profile("autoparallel"), database=None)
 PROFILE = "ci" if os.environ.get("CI") else "autoparallel"
 settings.load_profile(PROFILE)
 
 
 @pytest.fixture(autouse=True)
-def _hypothesis_profile():
-    settings.load_profile(PROFILE)
+def _hypothesis_profile(request):
+    settings.load_profile(request.config.getoption("--hypothesis-profile", None) or PROFILE)
     yield

@@ -17,6 +17,7 @@ from __future__ import annotations
 import operator
 from collections import deque
 
+import pytest
 import torch
 import torch._inductor.fx_passes.bucketing as B
 from hypothesis import given, settings
@@ -44,6 +45,8 @@ from autoparallel.passes.pre_overlap_bucketing import (
 from autoparallel.passes.topo_span_bucketing import greedy_bucket_collective_by_mb
 from autoparallel.runtime import run_on_world
 from verify.strategies import (
+    GraphSpec,
+    OpSpec,
     build_synthetic,
     example_inputs,
     graph_specs,
@@ -173,6 +176,31 @@ def _extended_ancestors(node: fx.Node) -> set[fx.Node]:
     return seen
 
 
+class _Replacements:
+    """Which node took over each node a merge replaced, from FX's replace hook (old node -> the
+    new node's name). A collective's recorded input can be the wait of another collective that
+    a later merge erases (a dp all-reduce feeding a tp all-reduce): the data then lives in the
+    node that replaced the wait, and the record must be read through it."""
+
+    def __init__(self) -> None:
+        self.by: dict[fx.Node, fx.Node] = {}
+
+    def __call__(self, old: fx.Node, new: str, user: fx.Node) -> None:
+        # Called before ``user`` is rewired, while the new node is in the graph.
+        self.by[old] = next(n for n in old.graph.nodes if n.name == new)
+
+    def resolve(self, node: fx.Node, alive: set[fx.Node]) -> fx.Node | None:
+        """The live node that holds ``node``'s data now (None if ``node`` was erased unreplaced,
+        e.g. a cast folded into a merge)."""
+        seen = set()
+        while node not in alive:
+            if node in seen or node not in self.by:
+                return None
+            seen.add(node)
+            node = self.by[node]
+        return node
+
+
 def _record(coll: fx.Node, kind: str) -> dict:
     wait = next(iter(coll.users))
     src = coll.args[0]
@@ -195,9 +223,12 @@ def _record(coll: fx.Node, kind: str) -> dict:
     }
 
 
-def _check_consumers(graph: fx.Graph, records: dict[fx.Node, dict]) -> dict[fx.Node, list[fx.Node]]:
+def _check_consumers(
+    graph: fx.Graph, records: dict[fx.Node, dict], replaced: _Replacements
+) -> dict[fx.Node, list[fx.Node]]:
     """Each original collective's consumers read from one collective of the same kind and group
-    that depends on its input; returns {collective read: originals mapped to it}."""
+    that depends on its input (or on what replaced it); returns {collective read: originals
+    mapped to it}."""
     alive = set(graph.nodes)
     mapping: dict[fx.Node, list[fx.Node]] = {}
     for coll, rec in records.items():
@@ -217,8 +248,10 @@ def _check_consumers(graph: fx.Graph, records: dict[fx.Node, dict]) -> dict[fx.N
             assert src.target in _MERGED[rec["kind"]] and group_of(src) == rec["group"], (
                 src.format_node()
             )
-            assert rec["sources"] & _extended_ancestors(src), (
-                f"{src.name} does not depend on {coll.name}'s input"
+            sources = {r for n in rec["sources"] if (r := replaced.resolve(n, alive)) is not None}
+            assert sources, f"the input of {coll.name} was erased and nothing replaced it"
+            assert sources & _extended_ancestors(src), (
+                f"{src.name} does not depend on {coll.name}'s input ({sorted_names(sources)})"
             )
             targets.add(src)
         assert len(targets) <= 1, (
@@ -279,11 +312,13 @@ def _check_topo_span_merges(gm, cap_mb, span, kind_list):
     for kind in kind_list:
         buckets = _greedy(gm, kind, cap_mb, span)
         records = {c: _record(c, kind) for b in buckets for c in b}
-        for bucket in buckets:
-            MERGE[kind](gm.graph, bucket)
+        replaced = _Replacements()
+        with gm._set_replace_hook(replaced):
+            for bucket in buckets:
+                MERGE[kind](gm.graph, bucket)
         stable_topological_sort(gm.graph)
         gm.graph.lint()
-        mapping = _check_consumers(gm.graph, records)
+        mapping = _check_consumers(gm.graph, records, replaced)
         # One merged collective per bucket (members whose result nobody reads are exempt).
         read = {c for cs in mapping.values() for c in cs}
         expected = [set(b) & read for b in buckets]
@@ -301,9 +336,11 @@ def _check_pre_overlap_pass(gm, cap_mb):
         if n.target is t and M.bucket_tag(n) is not None
     }
     before = collective_counts(gm)
-    res = bucket_tagged_collectives(gm, PreOverlapConfig(bucket_cap_mb=cap_mb))
+    replaced = _Replacements()
+    with gm._set_replace_hook(replaced):
+        res = bucket_tagged_collectives(gm, PreOverlapConfig(bucket_cap_mb=cap_mb))
     gm.graph.lint()
-    mapping = _check_consumers(gm.graph, records)
+    mapping = _check_consumers(gm.graph, records, replaced)
     for originals in mapping.values():
         if len(originals) > 1:  # a merged bucket (one collective alone may exceed the cap)
             assert sum(records[o]["bytes"] for o in originals) <= int(cap_mb * 2**20)
@@ -313,6 +350,62 @@ def _check_pre_overlap_pass(gm, cap_mb):
 
 def sorted_names(nodes):
     return sorted(n.name for n in nodes)
+
+
+# dp all-reduce -> tp all-reduce, twice, every result read by compute: merging the dp bucket
+# erases the waits the tp all-reduces read (the shape a random run found with
+# --hypothesis-seed=217354428517753943996502434058705235289).
+_CHAINED_ALL_REDUCES = GraphSpec(
+    hidden=8,
+    batch=2,
+    ops=(
+        OpSpec("act_all_reduce", a=0, label="dp"),  # x -> w0
+        OpSpec("act_all_reduce", a=0, label="tp"),  # w0 -> w1
+        OpSpec("act_all_reduce", a=2, label="dp"),  # x -> w2
+        OpSpec("act_all_reduce", a=0, label="tp"),  # w2 -> w3
+        OpSpec("binary", a=3, b=1),  # w0 + w2
+        OpSpec("binary", a=3, b=1),  # w1 + w3
+    ),
+)
+
+
+def test_oracle_follows_inputs_that_another_buckets_merge_replaced():
+    with fake_world(MESH) as mesh:
+        gm = build_synthetic(_CHAINED_ALL_REDUCES, mesh_groups(mesh)).gm
+        buckets = _greedy(gm, "all_reduce", 1.0, None)
+        assert sorted(len(b) for b in buckets) == [2, 2]
+        records = {c: _record(c, "all_reduce") for b in buckets for c in b}
+        replaced = _Replacements()
+        with gm._set_replace_hook(replaced):
+            for bucket in buckets:
+                MERGE["all_reduce"](gm.graph, bucket)
+        stable_topological_sort(gm.graph)
+        gm.graph.lint()
+        stale = [c for c, r in records.items() if not r["sources"] <= set(gm.graph.nodes)]
+        assert len(stale) == 2, "the tp all-reduces' recorded inputs (dp waits) must be gone"
+        mapping = _check_consumers(gm.graph, records, replaced)
+        assert sorted(map(len, mapping.values())) == [2, 2], "every original is read and checked"
+        # Without the replacements the record is stale: the oracle says so instead of passing.
+        with pytest.raises(AssertionError, match="was erased and nothing replaced it"):
+            _check_consumers(gm.graph, records, _Replacements())
+
+
+def test_oracle_rejects_a_merged_collective_that_reads_the_wrong_input():
+    """Negative test: a merge that feeds the bucket something else is caught."""
+    with fake_world(MESH) as mesh:
+        gm = build_synthetic(_CHAINED_ALL_REDUCES, mesh_groups(mesh)).gm
+        buckets = _greedy(gm, "all_reduce", 1.0, None)
+        records = {c: _record(c, "all_reduce") for b in buckets for c in b}
+        replaced = _Replacements()
+        with gm._set_replace_hook(replaced):
+            for bucket in buckets:
+                MERGE["all_reduce"](gm.graph, bucket)
+        # As if the merge had fed the tp bucket a value computed after it (w0 + w2).
+        later = [n for n in gm.graph.nodes if n.target is aten.add.Tensor][0]
+        for old in list(replaced.by):
+            replaced.by[old] = later
+        with pytest.raises(AssertionError, match="does not depend on"):
+            _check_consumers(gm.graph, records, replaced)
 
 
 # --- numerics on gloo -----------------------------------------------------------------------------

@@ -1,28 +1,92 @@
 """``python -m verify goldens --update|--check``: the one documented way to touch goldens.
 
-Both run the golden tests (every test using the ``golden``/``snapshot`` fixture) from the
-repository root with no path arguments, so syrupy sees the whole tree and reports (or, on
-update, deletes) goldens that no test uses any more.
+Both run the golden tests (``-m syrupy_snapshot``: every test using the ``golden``/``snapshot``
+fixture) from the repository root. Unused goldens are found here, not by syrupy: syrupy turns its
+unused-snapshot detection off as soon as a run deselects any test, which ``-m`` always does. The
+``golden`` fixture reports each golden file it reads (``$AUTOPARALLEL_GOLDENS_LOG``); when the run
+collected the whole test tree and every golden test ran and passed, a file under ``goldens/``
+that no test read is unused: ``--check`` fails naming it, ``--update`` deletes it. A narrower run
+(paths, ``-k``, a skipped or failing golden test) says why it could not check, and deletes nothing.
 """
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
 
-from verify.goldens.text import GOLDENS_DIR
+from verify.goldens.text import GOLDENS_DIR, UPDATE_COMMAND
 from verify.repo import repo_root
 
+USAGE_LOG_ENV = "AUTOPARALLEL_GOLDENS_LOG"  # a directory: one JSON file per pytest process
 
-def main(args) -> int:
-    root = repo_root()
-    cmd = [sys.executable, "-m", "pytest", "-q", "-m", "syrupy_snapshot", "-n", str(args.workers)]
-    if args.update:
+
+@dataclass
+class UnusedCheck:
+    unused: list[Path]  # golden files no test read (empty when not checked)
+    not_checked: str = ""  # why the check could not be made ("" when it was)
+    files: int = 0  # golden files looked at
+
+
+def find_unused(root: Path, log_dir: Path) -> UnusedCheck:
+    """Goldens under ``root/goldens`` that the logged run did not read, if the run can tell: it
+    collected the whole test tree and every golden test passed (a test that failed or was
+    skipped may not have read its golden)."""
+    records = [json.loads(p.read_text()) for p in sorted(log_dir.glob("usage-*.json"))]
+    main = [r for r in records if not r["worker"]]
+    if not main:
+        return UnusedCheck([], "pytest did not finish its session")
+    if not main[0]["whole_tree"]:
+        return UnusedCheck([], "the run was given paths, so it did not collect every golden test")
+    tests = set().union(*(r["tests"] for r in records))
+    passed = set().union(*(r["passed"] for r in records))
+    missing = sorted(tests - passed)
+    if missing:
+        return UnusedCheck([], f"{len(missing)} golden test(s) did not pass (failed, deselected or skipped), "
+                               f"e.g. {missing[0]}")
+    used = {Path(u) for r in records for u in r["used"]}
+    goldens = root / GOLDENS_DIR
+    files = sorted(p for p in goldens.rglob("*") if p.is_file() and not p.name.startswith(".")) if goldens.is_dir() else []
+    return UnusedCheck([p for p in files if p.resolve() not in used], files=len(files))
+
+
+def run_goldens(root: Path, *, update: bool, workers: str = "auto", pytest_args=()) -> int:
+    """Run the golden tests of the project at ``root``; check or update, unused goldens included."""
+    try:
+        import pytest  # noqa: F401
+        import syrupy  # noqa: F401
+    except ImportError as e:
+        raise ValueError(f"python -m verify goldens runs the golden tests and needs {e.name}: "
+                         f"pip install -e '.[test]'") from None
+    cmd = [sys.executable, "-m", "pytest", "-q", "-m", "syrupy_snapshot", "-n", str(workers)]
+    if update:
         cmd.append("--snapshot-update")
-    cmd += list(args.pytest_args)
+    cmd += list(pytest_args)
     print(f"[verify] {' '.join(cmd[2:])}", file=sys.stderr, flush=True)
-    rc = subprocess.call(cmd, cwd=root)
-    if args.update and rc == 0:
+    with tempfile.TemporaryDirectory(prefix="ap-goldens-") as log_dir:
+        import os
+
+        env = dict(os.environ, **{USAGE_LOG_ENV: log_dir})
+        rc = subprocess.call(cmd, cwd=root, env=env)
+        check = find_unused(root, Path(log_dir))
+    rel = lambda p: p.relative_to(root) if p.is_relative_to(root) else p  # noqa: E731
+    if check.not_checked:
+        print(f"unused goldens: not checked ({check.not_checked})")
+    elif check.unused and update:
+        for p in check.unused:
+            p.unlink()
+            print(f"deleted unused golden {rel(p)} (no test reads it)")
+    elif check.unused:
+        print(f"{len(check.unused)} unused golden(s): no test reads them; `{UPDATE_COMMAND}` deletes them:")
+        for p in check.unused:
+            print(f"  {rel(p)}")
+        rc = rc or 1
+    else:
+        print(f"unused goldens: none (every one of the {check.files} golden files was read)")
+    if update and rc == 0:
         status = subprocess.run(
             ["git", "status", "--short", "--", GOLDENS_DIR], cwd=root, capture_output=True, text=True
         ).stdout
@@ -31,3 +95,7 @@ def main(args) -> int:
         else:
             print("goldens unchanged")
     return rc
+
+
+def main(args) -> int:
+    return run_goldens(repo_root(), update=args.update, workers=args.workers, pytest_args=args.pytest_args)

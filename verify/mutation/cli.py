@@ -13,10 +13,14 @@ from verify.repo import repo_root
 
 
 def main(args) -> int:
+    try:
+        import pytest  # noqa: F401  (the guards run in pytest subprocesses)
+    except ImportError:
+        raise ValueError("python -m verify mutate runs the guard tests and needs pytest: pip install -e '.[test]'") from None
     names = args.patch or list(PATCHES)
     unknown = sorted(set(names) - set(PATCHES))
     if unknown:
-        raise ValueError(f"unknown patch(es) {unknown}; known patches: {sorted(PATCHES)}")
+        raise ValueError(f"--patch: unknown patch(es) {unknown}; known patches: {sorted(PATCHES)}")
     if args.lines:
         return lines_main(args)
     patches = [PATCHES[n] for n in names]

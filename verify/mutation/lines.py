@@ -430,15 +430,19 @@ def baseline(workdir: Path, tests: Sequence[str], max_examples: int, timeout_s: 
 _SPINNER = re.compile(r"^[⠀-⣿] ")
 
 
-def _relay(stream, progress: Callable[[str], None], every_s: float = 20.0) -> list[str]:
+def _relay(stream, progress: Callable[[str], None], every_s: float = 20.0,
+           clock: Callable[[], float] = time.monotonic) -> list[str]:
     """Forward mutmut's output as progress lines: spinner frames are dropped and its running
-    count (``n/total  🎉 ...``) is shown at most every ``every_s`` seconds. Returns all lines."""
+    count (``n/total  🎉 ...``) is shown at most every ``every_s`` seconds (the first one at
+    once, the last one always). Returns all lines.
+
+    ``clock`` has no defined origin (``time.monotonic`` counts from boot on Linux): only
+    differences between two of its readings mean anything, so the first count is not compared
+    with a made-up start time."""
     import codecs
 
     seen: list[str] = []
-    # -inf, not 0.0: time.monotonic() counts from boot, so on a machine up for less than
-    # ``every_s`` a 0.0 start would swallow the first running count.
-    last_status, last_t = "", float("-inf")
+    last_status, shown, last_t = "", "", None
     buf = ""
     read = getattr(stream, "read1", stream.read)  # read1: what is there now, not a full 4 KiB
     decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
@@ -456,14 +460,15 @@ def _relay(stream, progress: Callable[[str], None], every_s: float = 20.0) -> li
             seen.append(part)
             if re.match(r"^[⠀-⣿]?\s*\d+/\d+\s", part):
                 last_status = _SPINNER.sub("", part)
-                if time.monotonic() - last_t >= every_s:
+                now = clock()
+                if last_t is None or now - last_t >= every_s:
                     progress(last_status)
-                    last_t = time.monotonic()
+                    shown, last_t = last_status, now
             elif not _SPINNER.match(part):
                 progress(part)
     if buf.strip():
         seen.append(buf.strip())
-    if last_status:
+    if last_status and last_status != shown:
         progress(last_status)
     return seen
 

@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import json
 import os
+from typing import TYPE_CHECKING
 
-import pytest
+if TYPE_CHECKING:  # pytest loads this plugin; importing it for ENV needs no pytest (see verify/__init__)
+    import pytest
 
 ENV = "AUTOPARALLEL_OUTCOME_LOG"
 _outcomes: dict[str, str] = {}

@@ -112,6 +112,9 @@ def classify(guards: Sequence[str], baseline: GuardRun, disabled: GuardRun | Non
         return "no coverage", "the patch names no guard tests"
     base = {g: baseline.for_guard(g) for g in guards}
     missing = [g for g, o in base.items() if not o]
+    if missing and baseline.timed_out:
+        return "timeout", (f"the baseline run (every patch enabled) exceeded the time limit after "
+                           f"{baseline.seconds:.0f}s before these guards finished: {missing}")
     if missing:
         return "error", f"guard(s) not found or not run with the patch enabled: {missing}"
     bad = [g for g, o in base.items() if any(x != "passed" for x in o)]
@@ -151,11 +154,14 @@ def mutate(
         progress(f"baseline: {len(all_guards)} guard id(s) with every patch enabled ...")
         baseline = run_guards(all_guards, workers=workers, timeout_s=timeout_s * max(1, len(patches)), cwd=cwd)
         progress(f"baseline: {_summarize(baseline.outcomes.values())} in {baseline.seconds:.1f}s")
-    # pytest refuses the whole run when one id does not exist (exit 4): then each patch gets its
-    # own baseline, so one stale guard id cannot hide the others' results.
-    per_patch_baseline = baseline.returncode == 4 and not baseline.timed_out
+    # pytest refuses the whole run when one id does not exist (exit 4), and one hanging guard
+    # stops the whole run at the limit: then each patch gets its own baseline, so one stale or
+    # slow guard cannot hide the others' results.
+    missing_id = baseline.returncode == 4 and not baseline.timed_out
+    per_patch_baseline = (missing_id or baseline.timed_out) and len(patches) > 1
     if per_patch_baseline:
-        progress("baseline: a guard id does not exist; running baselines per patch")
+        why = "a guard id does not exist" if missing_id else "the combined run timed out"
+        progress(f"baseline: {why}; running baselines per patch")
     results = []
     for i, patch in enumerate(patches, 1):
         guards = tuple(patch.guards)

@@ -1,6 +1,7 @@
-"""The plugin's gates: gpu / multigpu(n) skip with a reason, --require-gpu turns that into a
-failure, slow tests run only with --run-slow, and browser tests skip (or, with
---require-browser, fail) where Chromium is missing (checked in a throwaway project)."""
+"""The plugin, run in throwaway projects: inert in a project that has not opted in; opted in, its
+gates (gpu / multigpu(n) skip with a reason, --ap-require-gpu fails instead, slow tests only with
+--ap-run-slow, browser tests skip where Chromium is missing and fail with --ap-require-browser), GPU CI's selection on fake device counts, $AUTOPARALLEL_DISABLE checked at start,
+and no structured-trace noise in a failing test's captured log."""
 
 import os
 import subprocess
@@ -9,6 +10,8 @@ import textwrap
 
 import pytest
 import torch
+
+from verify.pytest_plugin import OPT_IN_INI
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU behaviour")
 
@@ -24,6 +27,10 @@ TESTS = textwrap.dedent(
     def test_needs_two_gpus():
         pass
 
+    @pytest.mark.multigpu(4)
+    def test_needs_four_gpus():
+        pass
+
     @pytest.mark.slow
     def test_slow():
         pass
@@ -36,13 +43,16 @@ TESTS = textwrap.dedent(
         pass
     """
 )
+# no:hypothesispytest: the inner runs use no hypothesis, and its import is most of pytest's startup.
+OPTED_IN = f"[pytest]\naddopts = --strict-markers -p no:hypothesispytest -p no:cacheprovider\n{OPT_IN_INI} = true\n"
 
 
-def run(project, *args, chromium="/nonexistent/chromium"):
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTEST_", "XDIST_"))}
+def run(project, *args, env_extra=None, chromium="/nonexistent/chromium"):
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTEST_", "XDIST_", "AUTOPARALLEL_"))}
     env["AP_CHROMIUM"] = chromium
+    env.update(env_extra or {})
     return subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-rs", "-n", "0", "-p", "no:cacheprovider", *args],
+        [sys.executable, "-m", "pytest", "-q", "-rs", "-n", "0", *args],
         cwd=project, capture_output=True, text=True, timeout=120, env=env,
     )
 
@@ -50,8 +60,7 @@ def run(project, *args, chromium="/nonexistent/chromium"):
 @pytest.fixture(scope="module")
 def project(tmp_path_factory):
     root = tmp_path_factory.mktemp("gates")
-    # no:hypothesispytest: the inner runs use no hypothesis, and its import is most of pytest's startup.
-    (root / "pytest.ini").write_text("[pytest]\naddopts = --strict-markers -p no:hypothesispytest\n")
+    (root / "pytest.ini").write_text(OPTED_IN)
     (root / "test_gates.py").write_text(TESTS)
     return root
 
@@ -59,23 +68,167 @@ def project(tmp_path_factory):
 def test_gpu_tests_skip_with_a_reason_without_cuda(project):
     out = run(project)
     assert out.returncode == 0, out.stdout
-    assert "1 passed, 4 skipped" in out.stdout
+    assert "1 passed, 5 skipped" in out.stdout
     assert "needs 1 CUDA device(s), found 0" in out.stdout
     assert "needs 2 CUDA device(s), found 0" in out.stdout
-    assert "slow (cold Inductor compile): run with --run-slow" in out.stdout
+    assert "slow (cold Inductor compile): run with --ap-run-slow" in out.stdout
     assert "browser test cannot run: " in out.stdout
 
 
 def test_require_gpu_and_browser_turn_skips_into_failures_and_order_reverses(project):
-    out = run(project, "--require-gpu", "--require-browser", "--run-slow", "--ap-order", "reverse", "-vv")
+    out = run(project, "--ap-require-gpu", "--ap-require-browser", "--ap-run-slow", "--ap-order", "reverse", "-vv")
     assert out.returncode == 1
-    assert "2 passed, 3 errors" in out.stdout  # failed in setup: the test cannot run here
-    assert "--require-gpu is set: GPU CI must not pass by skipping" in out.stdout
-    assert "browser test cannot run: " in out.stdout and "--require-browser is set" in out.stdout
+    assert "2 passed, 4 errors" in out.stdout  # failed in setup: the test cannot run here
+    assert "--ap-require-gpu is set: GPU CI must not pass by skipping" in out.stdout
+    assert "browser test cannot run: " in out.stdout and "--ap-require-browser is set" in out.stdout
     ran = [line.split("::")[1].split()[0] for line in out.stdout.splitlines() if line.startswith("test_gates.py::")]
-    assert ran == ["test_in_browser", "test_plain", "test_slow", "test_needs_two_gpus", "test_needs_gpu"], out.stdout
+    assert ran == ["test_in_browser", "test_plain", "test_slow", "test_needs_four_gpus", "test_needs_two_gpus",
+                   "test_needs_gpu"], out.stdout
 
 
 def test_order_option_rejects_nonsense(project):
     bad = run(project, "--ap-order", "sideways", "--collect-only")
     assert bad.returncode == 4 and "--ap-order takes 'file', 'reverse' or 'shuffle:SEED'" in bad.stderr
+
+
+@pytest.mark.parametrize(
+    "gpus, ran, lacking",
+    [
+        (1, ["test_needs_gpu"], ["test_needs_two_gpus: needs 2 GPUs", "test_needs_four_gpus: needs 4 GPUs"]),
+        (2, ["test_needs_gpu", "test_needs_two_gpus"], ["test_needs_four_gpus: needs 4 GPUs"]),
+        (4, ["test_needs_gpu", "test_needs_two_gpus", "test_needs_four_gpus"], []),
+    ],
+)
+def test_gpu_ci_runs_what_fits_and_counts_what_does_not(project, gpus, ran, lacking):
+    """--ap-gpu-ci with a faked visible GPU count: the selected tests are trivial, so they pass."""
+    out = run(project, "--ap-gpu-ci", "--ap-gpu-count", str(gpus), "-rA")
+    assert out.returncode == 0, out.stdout
+    passed = [line.split("::")[1] for line in out.stdout.splitlines() if line.startswith("PASSED ")]
+    assert passed == ran, out.stdout
+    assert f"{len(ran)} GPU test(s) selected for {gpus} visible GPU(s)" in out.stdout
+    assert f"{len(lacking)} multigpu test(s) could not run for lack of GPUs" in out.stdout or (
+        not lacking and "0 multigpu tests could not run for lack of GPUs" in out.stdout
+    )
+    for line in lacking:
+        assert f"test_gates.py::{line}, {gpus} visible" in out.stdout
+
+
+def test_gpu_ci_fails_on_a_skip_and_without_gpus(tmp_path):
+    (tmp_path / "pytest.ini").write_text(OPTED_IN)
+    (tmp_path / "test_skips.py").write_text(textwrap.dedent(
+        """
+        import pytest
+
+        @pytest.mark.gpu
+        def test_skips_itself():
+            pytest.skip("needs a CUDA device")
+
+        @pytest.mark.gpu
+        def test_runs():
+            pass
+        """
+    ))
+    out = run(tmp_path, "--ap-gpu-ci", "--ap-gpu-count", "1")
+    assert out.returncode == 1, out.stdout
+    assert "1 passed, 1 skipped" in out.stdout
+    assert "FAILED: 1 GPU test(s) skipped; GPU CI must not pass by skipping" in out.stdout
+    assert "test_skips.py::test_skips_itself: Skipped: needs a CUDA device" in out.stdout
+    none = run(tmp_path, "--ap-gpu-ci")  # this machine: no CUDA
+    assert none.returncode == 4 and "--ap-gpu-ci: no CUDA device is visible" in none.stderr
+
+
+def test_unknown_patch_name_in_the_environment_is_a_usage_error(project):
+    out = run(project, "--collect-only", env_extra={"AUTOPARALLEL_DISABLE": "replay_saves_partitioner,fsdp_chain_recompte"})
+    assert out.returncode == 4
+    assert "unknown patch name(s) ['fsdp_chain_recompte'] in $AUTOPARALLEL_DISABLE" in out.stderr
+    assert "fsdp_chain_recompute" in out.stderr  # the known names are listed
+    ok = run(project, "--collect-only", "-v", env_extra={"AUTOPARALLEL_DISABLE": "replay_saves_partitioner"})
+    assert ok.returncode == 0 and "$AUTOPARALLEL_DISABLE disables patches ['replay_saves_partitioner']" in ok.stdout
+
+
+FOREIGN_CONFTEST = textwrap.dedent(
+    """
+    import pytest
+
+    def pytest_addoption(parser):
+        parser.addoption("--run-slow", action="store_true")  # the common idiom: must not collide
+
+    @pytest.fixture
+    def golden():
+        return "their own golden fixture"
+    """
+)
+FOREIGN_TESTS = textwrap.dedent(
+    """
+    import pytest
+
+    @pytest.mark.slow
+    def test_slow_runs_here():
+        pass
+
+    @pytest.mark.gpu
+    def test_gpu_marker_means_something_else_here():
+        pass
+
+    @pytest.mark.multigpu(8)
+    def test_multigpu_too():
+        pass
+
+    def test_their_golden(golden):
+        assert golden == "their own golden fixture"
+    """
+)
+
+
+def test_a_project_that_did_not_opt_in_is_untouched(tmp_path):
+    """Another project in the same environment: same outcomes with and without the plugin."""
+    (tmp_path / "pytest.ini").write_text("[pytest]\naddopts = -p no:hypothesispytest -p no:cacheprovider\n")
+    (tmp_path / "conftest.py").write_text(FOREIGN_CONFTEST)
+    (tmp_path / "test_foreign.py").write_text(FOREIGN_TESTS)
+    with_plugin = run(tmp_path, "-rA", "--run-slow")
+    without = run(tmp_path, "-rA", "--run-slow", "-p", "no:verify.pytest_plugin")
+    summary = lambda out: sorted(line for line in out.stdout.splitlines() if line.startswith(("PASSED", "FAILED", "ERROR", "SKIPPED")))  # noqa: E731
+    assert summary(with_plugin) == summary(without), with_plugin.stdout
+    assert len(summary(with_plugin)) == 4 and "4 passed" in with_plugin.stdout, with_plugin.stdout
+    assert "CUDA" not in with_plugin.stdout and "Inductor" not in with_plugin.stdout
+    markers = run(tmp_path, "--markers").stdout
+    assert "multigpu(n)" not in markers and "cold Inductor compiles" not in markers
+    fixtures = run(tmp_path, "--fixtures", "-v").stdout
+    assert "golden -- conftest.py" in fixtures and "pytest_plugin.py" not in fixtures
+    refused = run(tmp_path, "--ap-run-slow")
+    assert refused.returncode == 4 and f"opt in with `{OPT_IN_INI} = true`" in refused.stderr
+
+
+def test_golden_outside_a_tests_directory_is_a_clear_failure(tmp_path):
+    (tmp_path / "pytest.ini").write_text(OPTED_IN)
+    (tmp_path / "test_here.py").write_text("def test_g(golden):\n    golden.check_text('x')\n")
+    out = run(tmp_path)
+    assert out.returncode == 1
+    assert "golden tests must live under a 'tests/' directory (goldens/ mirrors tests/)" in out.stdout
+    assert "Traceback" not in out.stdout
+
+
+def test_failing_test_shows_no_structured_trace_records(tmp_path):
+    (tmp_path / "pytest.ini").write_text(OPTED_IN)
+    # The logger as torch._logging sets it up (always DEBUG, not propagating; pytest >= 9 attaches
+    # its capture handlers to it anyway), without importing torch: Dynamo's trace_structured
+    # writes one empty-message record per compile event.
+    (tmp_path / "test_compile.py").write_text(textwrap.dedent(
+        """
+        import logging
+
+        trace_log = logging.getLogger("torch.__trace")
+        trace_log.propagate = False
+        trace_log.setLevel(logging.DEBUG)
+
+        def test_fails_after_compiling():
+            logging.getLogger("mine").warning("a record of the test's own")
+            for _ in range(190):
+                trace_log.debug("", extra={"metadata": {}, "payload": None})
+            assert False
+        """
+    ))
+    out = run(tmp_path)
+    assert out.returncode == 1
+    assert "a record of the test's own" in out.stdout, "other log records are still shown"
+    assert "torch.__trace" not in out.stdout

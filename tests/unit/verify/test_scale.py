@@ -35,8 +35,3 @@ def test_scaling_table_ratios():
     assert "x8/2" in table and "x32/8" in table
     row = [line for line in table.splitlines() if line.startswith("trace")][0]
     assert row.split()[-2:] == ["4.00", "4.50"]
-
-
-def test_bad_layers_is_an_error(capsys):
-    assert main(["scale", "--preset", "tiny", "--layers", "0"]) == 2
-    assert "--layers takes positive ints" in capsys.readouterr().err

@@ -129,8 +129,9 @@ def test_closure_with_fork() -> None:
 def test_exception_in_rank_1() -> None:
     t0 = time.monotonic()
     with pytest.raises(RankFailedError) as info:
-        run_on_world(_raise_in_rank_1, 2, timeout_s=60)
-    assert time.monotonic() - t0 < 10
+        run_on_world(_raise_in_rank_1, 2, timeout_s=120)
+    # Reported when rank 1 dies, not at the world's limit; the margin holds on a loaded machine.
+    assert time.monotonic() - t0 < 60
     msg = str(info.value)
     assert "rank 1" in msg
     assert "ValueError: boom from rank one" in msg
@@ -164,7 +165,7 @@ def test_timeout_kills_world() -> None:
     with pytest.raises(WorldTimeoutError) as info:
         run_on_world(_sleep_in_rank_1, 2, timeout_s=3)
     elapsed = time.monotonic() - t0
-    assert elapsed < 10
+    assert elapsed < 60  # killed at the limit, not after the rank's hour of sleep (any load)
     assert info.value.running_ranks == [0, 1]  # rank 0 waits for rank 1 in the final barrier
     msg = str(info.value)
     assert "timeout_s=3" in msg

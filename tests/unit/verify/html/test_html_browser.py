@@ -1,6 +1,6 @@
 """The report page in a real browser (the system's headless Chromium through Playwright): it loads
 with no console errors, graph and diff sections expand into their lazy content, and a screenshot
-is written. Skips with the reason where Chromium or playwright is missing (``--require-browser``
+is written. Skips with the reason where Chromium or playwright is missing (``--ap-require-browser``
 makes that a failure). Render times are printed (``-s``), never asserted: they are benchmarks.
 """
 

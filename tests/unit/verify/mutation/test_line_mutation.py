@@ -223,14 +223,19 @@ class _Trickle(io.BytesIO):
         return super().read1(5)
 
 
-def test_relay_drops_spinner_frames_and_throttles_the_running_count():
-    out = _Trickle((
-        "⠋ Generating mutants⠙ Generating mutants\r    done in 10ms\n"
-        "⠋ 1/3  🎉 1 🫥 0  ⏰ 0  🤔 0  🙁 0  🔇 0  🧙 0\r⠙ 2/3  🎉 1 🫥 0  ⏰ 0  🤔 0  🙁 1  🔇 0  🧙 0\r"
-        "⠹ 3/3  🎉 2 🫥 0  ⏰ 0  🤔 0  🙁 1  🔇 0  🧙 0\n0.45 mutations/second\n"
-    ).encode())
+MUTMUT_OUTPUT = (
+    "⠋ Generating mutants⠙ Generating mutants\r    done in 10ms\n"
+    "⠋ 1/3  🎉 1 🫥 0  ⏰ 0  🤔 0  🙁 0  🔇 0  🧙 0\r⠙ 2/3  🎉 1 🫥 0  ⏰ 0  🤔 0  🙁 1  🔇 0  🧙 0\r"
+    "⠹ 3/3  🎉 2 🫥 0  ⏰ 0  🤔 0  🙁 1  🔇 0  🧙 0\n0.45 mutations/second\n"
+)
+
+
+# A monotonic clock has no defined origin: on Linux it is seconds since boot, so a machine booted
+# a minute ago reads about 60. The relay must behave the same at any origin.
+@pytest.mark.parametrize("origin", [0.0, 59.0, 1e6])
+def test_relay_drops_spinner_frames_and_throttles_the_running_count(origin):
     said = []
-    seen = L._relay(out, said.append, every_s=3600)
+    seen = L._relay(_Trickle(MUTMUT_OUTPUT.encode()), said.append, every_s=3600, clock=lambda: origin)
     assert said == [
         "done in 10ms",
         "1/3  🎉 1 🫥 0  ⏰ 0  🤔 0  🙁 0  🔇 0  🧙 0",
@@ -238,6 +243,15 @@ def test_relay_drops_spinner_frames_and_throttles_the_running_count():
         "3/3  🎉 2 🫥 0  ⏰ 0  🤔 0  🙁 1  🔇 0  🧙 0",  # the last count, always
     ]
     assert seen[-1] == "0.45 mutations/second"
+
+
+@pytest.mark.parametrize("origin", [0.0, 1e6])
+def test_relay_shows_a_count_again_once_every_s_has_passed(origin):
+    ticks = iter([origin, origin + 5, origin + 25])  # one reading per running count
+    said = []
+    L._relay(_Trickle(MUTMUT_OUTPUT.encode()), said.append, every_s=10, clock=lambda: next(ticks))
+    counts = [line.split()[0] for line in said if "/" in line.split()[0]]
+    assert counts == ["1/3", "3/3"]  # 2/3 came 5 s after 1/3; 3/3 is not repeated at the end
 
 
 @pytest.mark.parametrize("surviving, expected", [(True, 1), (False, 0)])

@@ -28,6 +28,9 @@ GUARDS = textwrap.dedent(
         if _disabled("p_slow"):
             time.sleep(60)
 
+    def test_hangs():
+        time.sleep(60)
+
     def test_broken():
         assert False, "fails even with every patch enabled"
 
@@ -76,7 +79,7 @@ def results(tmp_path_factory):
         FakePatch("p_param", (g + "test_param",)),
     ]
     out = mutate(patches, workers=0, timeout_s=4, cwd=root)
-    return {r.name: r for r in out}, out
+    return {r.name: r for r in out}, out, root
 
 
 @pytest.mark.parametrize(
@@ -92,16 +95,31 @@ def results(tmp_path_factory):
     ],
 )
 def test_states(results, name, state):
-    by_name, _ = results
+    by_name, _, _ = results
     assert by_name[name].state == state, by_name[name].detail
 
 
 def test_table_reports_kill_rate_and_reasons(results):
-    _, out = results
+    _, out, _ = results
     table = format_table(out)
     assert "kill rate: 2/7 patches killed (29%)" in table
     assert "p_weak: survived: every guard passed with the patch disabled" in table
     assert "p_broken: error: guard(s) do not pass with the patch enabled" in table
+
+
+def test_baseline_that_times_out_is_a_timeout_not_a_missing_guard(results):
+    """A guard that hangs with every patch enabled: the patch is reported as a timeout of its
+    baseline, and the other patch (run in the same combined baseline first) is still classified."""
+    _, _, root = results
+    g = "tests/test_guards.py::"
+    out = mutate([FakePatch("p_hangs", (g + "test_hangs",)), FakePatch("p_strong", (g + "test_strong",))],
+                 workers=0, timeout_s=4, cwd=root)
+    by_name = {r.name: r for r in out}
+    assert by_name["p_hangs"].state == "timeout", by_name["p_hangs"].detail
+    assert "baseline run (every patch enabled) exceeded the time limit" in by_name["p_hangs"].detail
+    assert by_name["p_strong"].state == "killed", by_name["p_strong"].detail
+    state, detail = classify((g + "test_hangs",), GuardRun(timed_out=True, seconds=9.0), None)
+    assert state == "timeout" and "not found" not in detail
 
 
 def test_missing_guard_id_is_an_error_not_a_kill():

@@ -1,0 +1,92 @@
+"""The CI scripts: both README lines are found between their markers (the main job installs no
+test extra), the main job's report check rejects incomplete reports, and .ci/gpu refuses a torch
+without CUDA (its selection is tested in test_pytest_plugin.py with faked GPU counts)."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from verify.pipeline import STAGE_NAMES
+from verify.report import format_report
+
+ROOT = Path(__file__).resolve().parents[3]
+
+
+def readme_line(marker: str) -> str:
+    """The line .ci/run runs (its readme_line function), through bash itself."""
+    script = ROOT / ".ci" / "run"
+    body = script.read_text()
+    fn = body[body.index("readme_line() {"):body.index("main_line=")]
+    out = subprocess.run(["bash", "-c", f"{fn}\nreadme_line {marker}"], cwd=ROOT, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    return out.stdout.strip()
+
+
+def test_both_readme_lines_are_found_and_the_main_job_is_the_base_install():
+    main = readme_line("ci-main-command")
+    tests = readme_line("ci-test-command")
+    assert main.startswith("python3 -m venv .venv && ") and main.endswith(".venv/bin/python -m verify report")
+    assert "-e . " in main and "[test]" not in main, "the main job must install no test extra"
+    assert "-e '.[test]'" in tests and tests.endswith(".venv/bin/pytest -n auto")
+    assert "-c constraints.txt" in main and "-c constraints.txt" in tests
+
+
+def sample_report(**changes) -> str:
+    stages = [{"name": "joint", "nodes": 5, "collectives": {}}]
+    stages += [{"name": f"{s} {half}", "nodes": 5, "collectives": {}} for s in STAGE_NAMES[1:] for half in ("fwd", "bwd")]
+    report = {
+        "preset": "tiny", "mesh": "dp=8", "plan": "fsdp", "params": {"count": 1, "fsdp_sharded": 1},
+        "stages": stages,
+        "goldens": {**dict.fromkeys(STAGE_NAMES, "matches"), "collective counts": "matches"},
+        "parity": {"mesh": "dp=2", "steps": 2, "seconds": 1.0, "single_device_max_abs_diff": 1e-8,
+                   "vs_eager": {s: {"bitwise": True, "mismatches": 0, "tensors": 4, "max_abs_diff": 0.0}
+                                for s in ("joint", "first_partition", "second_compile")}},
+    }
+    report.update(changes)
+    return format_report(report)
+
+
+def check(text: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(ROOT / ".ci" / "check_report.py")], input=text,
+                          capture_output=True, text=True)
+
+
+def test_report_check_accepts_a_complete_report():
+    import runpy
+
+    assert runpy.run_path(str(ROOT / ".ci" / "check_report.py"))["problems"](sample_report()) == []
+
+
+@pytest.mark.parametrize(
+    "mutate, problem",
+    [
+        (lambda t: "\n".join(ln for ln in t.splitlines() if not ln.startswith("topo_span_bucketing")),
+         "no table row for stage 'topo_span_bucketing'"),
+        (lambda t: t.replace("first_partition matches", "first_partition differs"), "goldens do not all match"),
+        (lambda t: "\n".join(ln for ln in t.splitlines() if not ln.startswith("goldens:")), "no 'goldens:' line"),
+        (lambda t: t.replace("parity on gloo", "skipped").replace("bitwise equal", "?"),
+         "parity of 'joint' is not reported bitwise equal"),
+        (lambda t: "", "no 'autoparallel report:' header line"),
+    ],
+)
+def test_report_check_rejects_an_incomplete_report(mutate, problem):
+    import runpy
+
+    problems = runpy.run_path(str(ROOT / ".ci" / "check_report.py"))["problems"]
+    found = problems(mutate(sample_report()))
+    assert any(problem in p for p in found), found
+
+
+def test_report_check_exits_1_naming_the_problem():
+    out = check(sample_report(goldens={"joint": "differs"}))
+    assert out.returncode == 1 and "ci: main job report: goldens do not all match" in out.stderr
+
+
+def test_gpu_ci_refuses_a_torch_without_cuda(tmp_path):
+    out = subprocess.run(["bash", str(ROOT / ".ci" / "gpu")], capture_output=True, text=True, timeout=120,
+                         env={"PATH": "/usr/bin:/bin", "PYTHON": sys.executable})
+    assert out.returncode == 1
+    assert "sees no CUDA device; GPU CI needs one" in out.stderr
+    assert not (ROOT / ".venv-gpu").exists(), "nothing is installed before the check"

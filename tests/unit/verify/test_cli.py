@@ -1,0 +1,65 @@
+"""python -m verify: every bad flag is one line on stderr that names the flag, exit status 2."""
+
+import pytest
+
+from verify.__main__ import main
+
+
+def run(argv) -> int:
+    try:
+        return main(argv)
+    except SystemExit as e:  # argparse rejects the flag while parsing
+        return e.code
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["report", "--mesh", "dp"], "argument --mesh: bad mesh 'dp'"),
+        (["report", "--preset", "huge"], "argument --preset: unknown preset 'huge'; valid presets: ['8b', 'debug', 'tiny']"),
+        (["report", "--mesh", "dp=3"],
+         "--plan fsdp --mesh dp=3 --preset tiny: parameter 'tok_embeddings.weight': dim 0 of size 256 is not "
+         "divisible by mesh dim 'dp' of size 3"),
+        (["report", "--plan", "fsdp_tp", "--mesh", "dp=8"],
+         "--plan fsdp_tp --mesh dp=8 --preset tiny: plan 'fsdp_tp': tp mesh dim 'tp' is not in mesh dp=8"),
+        (["report", "--preset", "8b"],
+         "--preset 8b: parity runs the model for real (8.03 B parameters, above the 1 B limit) and needs at least "
+         "119.7 GiB of RAM; pass --no-parity for the graphs only, or --parity-anyway to run it"),
+        (["scale", "--layers", "abc"], "argument --layers: takes positive ints like 32 or 2,8,32, got 'abc'"),
+        (["scale", "--layers", "2,0"], "argument --layers: takes positive ints like 32 or 2,8,32, got '2,0'"),
+        (["scale", "--repeat", "0"], "argument --repeat: takes a positive int, got '0'"),
+        (["scale", "--bucket-cap-mb", "x"], "argument --bucket-cap-mb: takes a positive float, got 'x'"),
+        (["scale", "--param-dtype", "fp8"], "argument --param-dtype: unknown dtype 'fp8'"),
+        (["scale", "--preset", "tiny", "--mesh", "dp=4,tp=3"],
+         "--plan fsdp_tp --mesh dp=4,tp=3 --preset tiny: parameter"),
+        (["mutate", "--timeout", "-1"], "argument --timeout: takes a positive float, got '-1'"),
+        (["mutate", "--timeout", "nan"], "argument --timeout: takes a positive float, got 'nan'"),
+        (["mutate", "--patch", "nope"], "--patch: unknown patch(es) ['nope']; known patches: ["),
+        (["mutate", "-n", "two"], "argument -n: takes 'auto' or a number of workers >= 0, got 'two'"),
+        (["goldens", "--check", "-n", "-1"], "argument -n: takes 'auto' or a number of workers >= 0, got '-1'"),
+    ],
+)
+def test_bad_flag_is_one_line_naming_the_flag(capsys, argv, message):
+    assert run(argv) == 2
+    err = capsys.readouterr().err
+    assert message in err, err
+    assert "Traceback" not in err
+
+
+def test_unknown_patch_in_the_environment_stops_every_command(capsys, monkeypatch):
+    monkeypatch.setenv("AUTOPARALLEL_DISABLE", "replay_saves_partitionr")
+    assert run(["report", "--no-parity"]) == 2
+    err = capsys.readouterr().err
+    assert "unknown patch name(s) ['replay_saves_partitionr'] in $AUTOPARALLEL_DISABLE" in err
+    assert "'replay_saves_partitioner'" in err  # the known names, to spot the typo
+
+
+def test_parity_anyway_lifts_the_size_limit():
+    from verify.report import PARITY_MAX_PARAMS, check_parity_size, parity_memory_lower_bound
+    from verify.scenario import Scenario, parameter_count
+
+    big = Scenario(preset="8b", plan="fsdp", mesh="dp=8")
+    assert parameter_count(big) > PARITY_MAX_PARAMS
+    check_parity_size(big, anyway=True)  # no error
+    check_parity_size(Scenario(preset="debug"), anyway=False)  # small models pass
+    assert parity_memory_lower_bound(big, 10) == (2 + 2) * 4 * 10  # 2 gloo ranks (dp=8 -> dp=2)
