@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import contextlib
 import operator
-import re
 from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
@@ -35,7 +34,7 @@ from torch._inductor.custom_graph_pass import CustomPartitionerFn
 from torch.utils.checkpoint import CheckpointPolicy
 
 from autoparallel import meta as M
-from autoparallel import patches
+from autoparallel import patches, roles
 from autoparallel.partition import REPLAY_PATCH, ReplaySavesPartitioner, label_partition
 
 OVERLAP_PATCH = "overlap_config_persists"
@@ -74,7 +73,7 @@ def _backward_nodes(graph: fx.Graph) -> set[fx.Node]:
     primals count as forward here)."""
     bw: set[fx.Node] = set()
     for node in graph.nodes:
-        if node.op == "placeholder" and str(node.target).startswith("tangents"):
+        if node.op == "placeholder" and roles.is_aot_tangent_name(node.target):
             bw.add(node)
         elif node.op != "output" and any(a in bw for a in node.all_input_nodes):
             bw.add(node)
@@ -134,45 +133,33 @@ def dynamo_input_roles(gm: fx.GraphModule, strip_prefix: str = "model.") -> list
     """Roles of a Dynamo graph's inputs, from their sources: ``param:<fqn>``, ``buffer:<fqn>``,
     ``input:<i>`` (None where the source says nothing). ``strip_prefix`` drops the
     ``ParallelModule`` container name so FQNs are the user's."""
-    roles: list[str | None] = []
+    out: list[str | None] = []
     for ph in gm.graph.find_nodes(op="placeholder"):
         grapharg = ph.meta.get(M.GRAPHARG)
         name = grapharg.source.name if grapharg is not None and grapharg.source is not None else ""
         name = name() if callable(name) else str(name)
-        path = _SOURCE_KEY.findall(name)
-        role = None
-        if path and path[-1][0] in ("_parameters", "_buffers"):
-            fqn = ".".join(key for _, key in path).removeprefix(strip_prefix)
-            role = f"{'param' if path[-1][0] == '_parameters' else 'buffer'}:{fqn}"
-        else:
-            m = _SOURCE_INPUT.match(name)
-            if m:
-                role = f"input:{m.group(1)}"
-        roles.append(role)
-    return roles
+        out.append(roles.of_source_name(name, strip_prefix))
+    return out
 
 
-_SOURCE_KEY = re.compile(r"\.(_modules|_parameters|_buffers)\['([^']+)'\]")
-_SOURCE_INPUT = re.compile(r"^L\['inputs'\]\[(\d+)\]$")
+def _grad_roles(input_roles: Sequence[str | None], out: fx.Node) -> list[str | None]:
+    """Gradient labels of a second-compile graph's outputs (``grad:<fqn>`` where AOT's descriptor
+    says "gradient of plain input i" and input i has a role), None elsewhere."""
+    from torch._functorch._aot_autograd import descriptors as D
+
+    labels: list[str | None] = []
+    for desc in out.meta.get(M.DESC) or [None] * len(out.args[0]):
+        is_grad = isinstance(desc, D.GradAOTOutput)
+        labels.append(roles.of_descriptor(desc, plain_inputs=input_roles) if is_grad else None)
+    return labels
 
 
 def _second_compile_roles(input_roles: Sequence[str | None], bw: fx.GraphModule) -> tuple[dict[str, str], list[str | None]]:
     """Placeholder roles by AOT name (``primals_<i+1>``, ``tangents_<k>``) and the backward's
     output roles (``grad:<fqn>``), from the Dynamo input roles."""
-    from torch._functorch._aot_autograd import descriptors as D
-
-    placeholder_roles = {f"primals_{i + 1}": r for i, r in enumerate(input_roles) if r is not None}
-    placeholder_roles["tangents_1"] = "tangent:loss"
-    out = bw.graph.output_node()
-    grad_roles: list[str | None] = []
-    for desc in out.meta.get(M.DESC) or [None] * len(out.args[0]):
-        role = None
-        if isinstance(desc, D.GradAOTOutput) and isinstance(desc.grad_of, D.PlainAOTInput):
-            src = input_roles[desc.grad_of.idx] if desc.grad_of.idx < len(input_roles) else None
-            if src is not None:
-                role = f"grad:{src.partition(':')[2]}"
-        grad_roles.append(role)
-    return placeholder_roles, grad_roles
+    placeholder_roles = {roles.aot_primal_name(i): r for i, r in enumerate(input_roles) if r is not None}
+    placeholder_roles[roles.aot_tangent_name(0)] = roles.tangent(roles.LOSS)
+    return placeholder_roles, _grad_roles(input_roles, bw.graph.output_node())
 
 
 def _label_joint(gm: fx.GraphModule, input_roles: Sequence[str | None]) -> None:
@@ -181,25 +168,22 @@ def _label_joint(gm: fx.GraphModule, input_roles: Sequence[str | None]) -> None:
     from torch._functorch._aot_autograd import descriptors as D
 
     for ph in gm.graph.find_nodes(op="placeholder"):
-        m = re.fullmatch(r"primals_(\d+)", ph.name)
-        if m and int(m.group(1)) - 1 < len(input_roles) and input_roles[int(m.group(1)) - 1]:
-            ph.meta[M.ROLE] = input_roles[int(m.group(1)) - 1]
+        i = roles.aot_primal_index(ph.name)
+        if i is not None and i < len(input_roles) and input_roles[i]:
+            ph.meta[M.ROLE] = input_roles[i]
     out = gm.graph.output_node()
     leaves = list(out.args[0])
+    grads = _grad_roles(input_roles, out)
     descs = out.meta.get(M.DESC) or [None] * len(leaves)
-    roles: list[str | None] = []
-    for leaf, desc in zip(leaves, descs, strict=True):
-        role = None
+    labels: list[str | None] = []
+    for leaf, desc, grad in zip(leaves, descs, grads, strict=True):
         if leaf is None:
-            pass
+            labels.append(None)
         elif isinstance(desc, D.PlainAOTOutput):
-            role = "loss" if desc.idx == 0 else f"output:{desc.idx}"
-        elif isinstance(desc, D.GradAOTOutput) and isinstance(desc.grad_of, D.PlainAOTInput):
-            src = input_roles[desc.grad_of.idx] if desc.grad_of.idx < len(input_roles) else None
-            if src is not None:
-                role = f"grad:{src.partition(':')[2]}"
-        roles.append(role)
-    out.meta[M.ROLE] = roles
+            labels.append(roles.user_output(desc.idx))
+        else:
+            labels.append(grad)
+    out.meta[M.ROLE] = labels
 
 
 class _Partitioner(CustomPartitionerFn):

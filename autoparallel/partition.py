@@ -31,6 +31,7 @@ from torch._inductor.custom_graph_pass import CustomPartitionerFn
 from torch.utils.checkpoint import CheckpointPolicy
 
 from autoparallel import meta as M
+from autoparallel import roles
 from autoparallel.mesh import attach_group_dims
 from autoparallel.passes.cleanup import cleanup_graph
 from autoparallel.passes.fsdp_recompute import mark_fsdp_all_gather_recomputation
@@ -45,8 +46,6 @@ PLACEMENT_STEPS = (STEP_CLEANUP, STEP_FSDP_TAGS, STEP_FIRST_PARTITION)
 
 REPLAY_PATCH = "replay_saves_partitioner"
 
-_SAVED_ROLE = "saved"
-
 
 # --- first partition: record the saves --------------------------------------------------------
 
@@ -55,14 +54,6 @@ def _is_saved_desc(desc: Any) -> bool:
     from torch._functorch._aot_autograd.descriptors import SavedForBackwardsAOTOutput
 
     return isinstance(desc, SavedForBackwardsAOTOutput)
-
-
-def _output_role(desc: Any, fallback: str) -> str:
-    from torch._functorch._aot_autograd import descriptors as D
-
-    if isinstance(desc, D.PlainAOTOutput):
-        return "loss" if desc.idx == 0 else f"output:{desc.idx}"
-    return fallback
 
 
 def saved_forward_outputs(fw_gm: fx.GraphModule, num_fwd_outputs: int) -> list[fx.Node]:
@@ -127,19 +118,20 @@ def label_partition(
     out = fw.graph.output_node()
     values = list(out.args[0])
     descs = out.meta.get(M.DESC) or [None] * len(values)
-    roles = []
+    labels = []
     k = 0
     for i, (v, d) in enumerate(zip(values, descs, strict=True)):
         saved = _is_saved_desc(d) if d is not None else i >= num_fwd_outputs
         if saved:
-            role = f"{_SAVED_ROLE}:{k}"
+            role = roles.saved(k)
             k += 1
             if isinstance(v, fx.Node):
                 saved_names.setdefault(v.name, role)
         else:
-            role = _output_role(d, "loss" if i == 0 else f"output:{i}")
-        roles.append(role)
-    out.meta[M.ROLE] = roles
+            # A user output: its descriptor says which one; without one, its position does.
+            role = roles.of_descriptor(d, name_unknown=False) or roles.user_output(i)
+        labels.append(role)
+    out.meta[M.ROLE] = labels
     for gm in (fw, bw):
         for ph in gm.graph.find_nodes(op="placeholder"):
             if ph.name in placeholder_roles:
@@ -244,8 +236,9 @@ def apply_placement(
     params = dict(params or {})
     buffers = dict(buffers or {})
     for ph in gm.graph.find_nodes(op="placeholder"):
-        kind, _, name = str(ph.meta.get(M.ROLE, "")).partition(":")
-        store = params if kind == "param" else buffers if kind == "buffer" else None
+        kind = roles.kind(ph.meta.get(M.ROLE))
+        store = params if kind == roles.PARAM else buffers if kind == roles.BUFFER else None
+        name = roles.name(ph.meta[M.ROLE]) if store is not None else None
         if store is not None and name not in store:
             v = ph.meta[M.VAL]
             store[name] = torch.empty(v.shape, dtype=v.dtype)

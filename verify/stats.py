@@ -44,6 +44,7 @@ import torch.fx as fx
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from autoparallel import meta as M
+from autoparallel import roles
 from autoparallel.fx_utils import max_consec_compute_between_rs
 from autoparallel.mesh import dim_label, group_dims_of
 from verify.canon import _group_name_of, graph_and_owner, group_arg
@@ -378,8 +379,8 @@ class _Storages:
 def _is_tangent(node: fx.Node) -> bool:
     role = node.meta.get(M.ROLE)
     if isinstance(role, str):
-        return role.startswith("tangent:")
-    return node.name.startswith("tangents")
+        return roles.is_tangent(role)
+    return roles.is_aot_tangent_name(node.name)
 
 
 def _saved_placeholders(bw_graph: fx.Graph) -> list[fx.Node]:

@@ -42,6 +42,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from torch.nn.utils.stateless import _reparametrize_module
 
 from autoparallel import meta as M
+from autoparallel import roles
 from autoparallel.patches import enabled
 
 __all__ = [
@@ -54,11 +55,7 @@ __all__ = [
     "trace_train_step",
 ]
 
-LOSS_ROLE = "loss"
-_PARAM = "param:"
-_BUFFER = "buffer:"
-_INPUT = "input:"
-_GRAD = "grad:"
+LOSS_ROLE = roles.LOSS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,14 +78,14 @@ class TracedStep:
     @property
     def input_roles(self) -> tuple[str, ...]:
         return (
-            tuple(_PARAM + f for f in self.param_fqns)
-            + tuple(_BUFFER + f for f in self.buffer_fqns)
-            + tuple(f"{_INPUT}{i}" for i in range(self.num_inputs))
+            tuple(roles.param(f) for f in self.param_fqns)
+            + tuple(roles.buffer(f) for f in self.buffer_fqns)
+            + tuple(roles.input_(i) for i in range(self.num_inputs))
         )
 
     @property
     def output_roles(self) -> tuple[str, ...]:
-        return (LOSS_ROLE,) + tuple(_GRAD + f for f in self.param_fqns)
+        return (roles.LOSS,) + tuple(roles.grad(f) for f in self.param_fqns)
 
     def with_graph(self, gm: fx.GraphModule) -> TracedStep:
         """The same step with ``gm`` (the result of a pass) as its graph."""
