@@ -5,7 +5,8 @@ partition's graphs run as FX interpreters under ``preserve_node_meta``, so the f
 carries the first partition's recompute tags and ``custom.ap_must_save`` records. The backend
 then applies, each scoped to this compile and restored afterwards:
 
-* optionally ``ac_joint_pass`` (``enable_ac``), through functorch's ``joint_custom_pass``;
+* optionally ``ac_joint_pass`` (``enable_ac``; ``autoparallel.passes.ac_joint``), through
+  functorch's ``joint_custom_pass``;
 * the ``ReplaySavesPartitioner`` (patch ``replay_saves_partitioner``), which saves exactly what the
   first partition saved;
 * optionally Inductor's overlap-scheduling settings (``overlap_scheduling``). They must still be in
@@ -24,18 +25,17 @@ scheduling needs a runtime estimator on CPU (it imports triton otherwise), so on
 from __future__ import annotations
 
 import contextlib
-import operator
 from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
 import torch
 from torch import fx
 from torch._inductor.custom_graph_pass import CustomPartitionerFn
-from torch.utils.checkpoint import CheckpointPolicy
 
 from autoparallel import meta as M
 from autoparallel import patches, roles
 from autoparallel.partition import REPLAY_PATCH, ReplaySavesPartitioner, label_partition
+from autoparallel.passes.ac_joint import ac_joint_pass
 
 OVERLAP_PATCH = "overlap_config_persists"
 SECOND_COMPILE = "second_compile"
@@ -52,79 +52,6 @@ Compiler = Literal["aot_eager", "inductor"]
 OnPartition = Callable[[fx.GraphModule, fx.GraphModule], None]
 OnCompile = Callable[[str, fx.GraphModule], None]  # ("forward" | "backward", graph)
 OnCollectivePasses = Callable[[fx.GraphModule, fx.GraphModule, Any], None]  # (fw, bw, PipelineMetrics)
-
-_SDPA_OPS = tuple(
-    getattr(torch.ops.aten, name).default
-    for name in (
-        "_scaled_dot_product_flash_attention",
-        "_scaled_dot_product_flash_attention_for_cpu",
-        "_scaled_dot_product_efficient_attention",
-        "_scaled_dot_product_cudnn_attention",
-    )
-    if hasattr(torch.ops.aten, name)
-)
-
-
-# --- AC joint pass ------------------------------------------------------------------------------
-
-
-def _backward_nodes(graph: fx.Graph) -> set[fx.Node]:
-    """Nodes that depend on a tangent: the backward proper (recomputed chains that only read
-    primals count as forward here)."""
-    bw: set[fx.Node] = set()
-    for node in graph.nodes:
-        if node.op == "placeholder" and roles.is_aot_tangent_name(node.target):
-            bw.add(node)
-        elif node.op != "output" and any(a in bw for a in node.all_input_nodes):
-            bw.add(node)
-    return bw
-
-
-def recomputable_forward_nodes(graph: fx.Graph) -> list[fx.Node]:
-    """Forward ops whose value the backward reads, directly or through other forward ops."""
-    bw = _backward_nodes(graph)
-    needed: set[fx.Node] = set()
-    stack = [a for n in bw for a in n.all_input_nodes if a not in bw]
-    while stack:
-        n = stack.pop()
-        if n in needed:
-            continue
-        needed.add(n)
-        stack.extend(a for a in n.all_input_nodes if a not in bw)
-    return [n for n in graph.nodes if n in needed and n.op == "call_function"]
-
-
-def ac_joint_pass(gm: fx.GraphModule, joint_inputs: Sequence[object] | None = None) -> fx.GraphModule:
-    """A minimal selective-AC policy on the joint graph (the reference's mm/SDPA policy).
-
-    Every forward op the backward needs and that carries no recompute tag yet gets
-    PREFER_RECOMPUTE, except what the policy keeps: SDPA outputs and every other ``mm``
-    (1st, 3rd, ... in graph order) get MUST_SAVE. Getitems are skipped (they follow their
-    multi-output parent) and so are collectives (communication is never an AC candidate here;
-    FSDP all-gathers already carry their own tags). All tags use ``AP_AC_GRAPH_ID``. There is
-    no memory-budget staging: this pass exists so the second compile sees AC tags, and the
-    replay partitioner can be checked not to save more because of them.
-    """
-    mm_seen = 0
-    for node in recomputable_forward_nodes(gm.graph):
-        if M.RECOMPUTE in node.meta or node.target is operator.getitem:
-            continue
-        t = node.target
-        if isinstance(t, torch._ops.OpOverload) and t.namespace == "_c10d_functional":
-            continue
-        if not isinstance(node.meta.get(M.VAL), (torch.Tensor, tuple, list)):
-            continue
-        policy = CheckpointPolicy.PREFER_RECOMPUTE
-        if t in _SDPA_OPS:
-            policy = CheckpointPolicy.MUST_SAVE
-        elif t is torch.ops.aten.mm.default:
-            if mm_seen % 2 == 0:
-                policy = CheckpointPolicy.MUST_SAVE
-            mm_seen += 1
-        node.meta[M.RECOMPUTE] = policy
-        node.meta[M.AC_GRAPH_ID] = M.AP_AC_GRAPH_ID
-    return gm
-
 
 # --- partitioner / compilers --------------------------------------------------------------------
 

@@ -21,6 +21,7 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
+from autoparallel import ac
 from autoparallel.models.llama3 import Transformer, apply_ac, build_model, model_args
 from autoparallel.runtime.steps import Executor
 from autoparallel.trainer import (
@@ -155,7 +156,7 @@ def traced_sac_step(
     batch: int = 4,
     seq: int | None = None,
     device: str = "cpu",
-    policy: str = "op",
+    policy: str = ac.OP,
     remat: bool = True,
 ) -> TracedStep:
     """The traced step with graph SAC ``policy``; ``remat=False`` gives the tagged graph
@@ -165,7 +166,7 @@ def traced_sac_step(
 
 
 def sac_graphs(
-    preset: str = "debug", *, policy: str = "op", batch: int = 4, seq: int | None = None
+    preset: str = "debug", *, policy: str = ac.OP, batch: int = 4, seq: int | None = None
 ) -> tuple[fx.GraphModule, fx.GraphModule]:
     """``(before_remat, after_remat)`` graphs of the traced step with graph SAC ``policy``.
 
@@ -232,10 +233,10 @@ def rank_sac_memory(
 
     batches = make_batches(preset, steps=1, batch=batch, seq=seq, seed=100 + rank, device=device)
     tokens, targets = batches[0]
-    eager = make_model(preset, ac="op", regions=False, device=device)
+    eager = make_model(preset, ac=ac.OP, regions=False, device=device)
     traced_model = make_model(preset, device=device)
     # Cached per process: forked (gloo) ranks reuse a trace their parent already made.
-    sac = traced_sac_step(preset, batch=batch, seq=seq, device=device, policy="op")
+    sac = traced_sac_step(preset, batch=batch, seq=seq, device=device, policy=ac.OP)
 
     def all_reduce_grads(model: torch.nn.Module) -> None:
         for p in model.parameters():

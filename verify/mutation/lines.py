@@ -86,6 +86,7 @@ DEFAULT_TESTS = (
     "tests/unit/autoparallel/passes/test_fuse_chained_allgathers.py",
     "tests/unit/autoparallel/passes/test_collective.py",
     "tests/unit/autoparallel/passes/test_overlap_estimator.py",
+    "tests/unit/autoparallel/passes/test_ac_joint.py",
     "tests/unit/autoparallel/test_fx_utils.py",
     "tests/property",
 )
