@@ -77,13 +77,7 @@ class PipelineRun:
         raise KeyError(f"no stage {name!r}; stages: {[s.name for s in self.stages]}")
 
 
-def _copy_graph(gm: fx.GraphModule) -> fx.GraphModule:
-    import copy
-    import warnings
-
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", FutureWarning)  # GraphModule deepcopy pickles pytree specs
-        return copy.deepcopy(gm)
+from autoparallel.fx_utils import copy_graph_module as _copy_graph  # noqa: E402
 
 
 _shared_runs: dict | None = None  # while reuse_pipeline_runs() is entered: arguments -> PipelineRun

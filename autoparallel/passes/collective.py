@@ -20,8 +20,10 @@ from dataclasses import dataclass, field
 from torch import fx
 
 from autoparallel import meta as M
+from autoparallel.passes.bucket_plan import BucketingMetrics
 from autoparallel.passes.fuse_chained_allgathers import fuse_chained_allgathers
-from autoparallel.passes.overlap_estimator import RooflineConfig, schedule_overlap_on_cpu
+from autoparallel.passes.overlap_estimator import RooflineConfig
+from autoparallel.passes.overlap_scheduling import schedule_overlap_on_cpu
 from autoparallel.passes.pre_overlap_bucketing import (
     PreOverlapConfig,
     PreOverlapResult,
@@ -30,7 +32,7 @@ from autoparallel.passes.pre_overlap_bucketing import (
     collective_counts,
     tag_collectives_for_bucketing,
 )
-from autoparallel.passes.topo_span_bucketing import BucketingMetrics, TopoSpanConfig
+from autoparallel.passes.topo_span_bucketing import TopoSpanConfig
 
 log = logging.getLogger(__name__)
 

@@ -13,7 +13,7 @@ independent. This pass merges them first, in two phases:
 2. :func:`bucket_tagged_collectives` runs on the **split** graphs (or any graph carrying tags):
    tagged collectives are grouped by (group, reduce op, dtype), bucketed greedily under
    ``bucket_cap_mb`` without an adjacency requirement and never together with one of their own
-   descendants (:func:`autoparallel.passes.topo_span_bucketing.plan_buckets`), merged with
+   descendants (:func:`autoparallel.passes.bucket_plan.plan_buckets`), merged with
    PyTorch's ``merge_*_bucket`` functions, and the graph is stable-topologically sorted.
 
 PyTorch's all-gather merge writes this rank's shard into a rank-dependent slice of the bucket, so
@@ -42,7 +42,7 @@ from autoparallel.fx_utils import (
     resolve_group,
     wait_of,
 )
-from autoparallel.passes.topo_span_bucketing import BucketingMetrics, check_cap_mb, plan_buckets
+from autoparallel.passes.bucket_plan import BucketingMetrics, check_cap_mb, plan_buckets
 
 log = logging.getLogger(__name__)
 

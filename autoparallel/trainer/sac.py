@@ -36,10 +36,10 @@ from torch.utils.checkpoint import CheckpointPolicy
 
 from autoparallel import meta as M
 from autoparallel.ac import FULL, OP, SAC_POLICIES, OpSACState
-from autoparallel.fx_utils import WAIT
+from autoparallel.fx_utils import WAIT, copy_graph_module
 from autoparallel.patches import enabled
 from autoparallel.trainer.regions import region_of
-from autoparallel.trainer.trace import TracedStep, copy_graph_module, is_backward_node
+from autoparallel.trainer.trace import TracedStep, is_backward_node
 
 __all__ = [
     "SAC_POLICIES",

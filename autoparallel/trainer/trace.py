@@ -49,7 +49,6 @@ __all__ = [
     "LOSS_ROLE",
     "TracedStep",
     "copy_forward_meta_to_backward",
-    "copy_graph_module",
     "is_backward_node",
     "is_forward_node",
     "trace_train_step",
@@ -366,18 +365,3 @@ def copy_forward_meta_to_backward(gm: fx.GraphModule) -> int:
                 node.meta[key] = copy.copy(src.meta[key])
         copied += 1
     return copied
-
-
-def copy_graph_module(gm: fx.GraphModule) -> fx.GraphModule:
-    """A copy of ``gm`` with its own nodes, so passes that tag in place leave ``gm`` untouched.
-
-    Node names and ``meta`` are kept (each node's meta dict is copied, values are shared);
-    ``gm.meta`` is copied too.
-    """
-    graph = fx.Graph()
-    env: dict[fx.Node, fx.Node] = {}
-    for node in gm.graph.nodes:
-        env[node] = graph.node_copy(node, lambda n: env[n])
-    out = fx.GraphModule(gm, graph)
-    out.meta = dict(gm.meta)
-    return out

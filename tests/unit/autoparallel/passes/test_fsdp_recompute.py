@@ -312,8 +312,9 @@ def test_cleanup_rejects_a_node_without_val_by_name():
     relu = next(n for n in gm.graph.nodes if n.target is aten.relu.default)
     del relu.meta[M.VAL]
     message = (
-        f"node 'relu' ({relu.format_node()}) has no meta['val']; the clean-up's no-op removal compares input "
-        "and output values: trace with make_fx/aot export or run FakeTensorProp first"
+        f"node 'relu' ({relu.format_node()}) has no meta['val'], needed for the clean-up's no-op removal "
+        "(it compares input and output values); propagate FakeTensor vals first (trace with make_fx/aot "
+        "or run FakeTensorProp)"
     )
     with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
         cleanup_graph(gm)

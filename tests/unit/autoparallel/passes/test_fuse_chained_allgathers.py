@@ -18,10 +18,7 @@ aten = torch.ops.aten
 H = 8
 
 
-@pytest.fixture
-def mesh():
-    with fake_world("dp=2,tp=2") as m:
-        yield m
+MESH = "dp=2,tp=2"  # the mesh fixture's world (tests/conftest.py)
 
 
 def _chain(b, first, second, views=()):

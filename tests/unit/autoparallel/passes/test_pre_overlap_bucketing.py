@@ -238,12 +238,6 @@ def test_tags_reach_the_first_partitions_recomputed_all_gathers():
 # --- tagging rules on small hand-built graphs ---------------------------------------------------
 
 
-@pytest.fixture
-def mesh():
-    with fake_world("dp=4,tp=2") as m:
-        yield m
-
-
 def test_param_derived_nodes(mesh):
     from autoparallel.passes.pre_overlap_bucketing import param_derived_nodes
 

@@ -11,10 +11,10 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import CheckpointPolicy
 
 from autoparallel import meta as M
+from autoparallel.fx_utils import copy_graph_module
 from autoparallel.trainer import (
     SAC_POLICIES,
     apply_sac_pass,
-    copy_graph_module,
     is_backward_node,
     is_forward_node,
     live_recomputable_values,
