@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import copy
+import warnings
 
 import torch
 from torch import fx
@@ -100,7 +101,10 @@ def copy_graph_module(gm: fx.GraphModule) -> fx.GraphModule:
     env: dict[fx.Node, fx.Node] = {}
     for node in gm.graph.nodes:
         env[node] = graph.node_copy(node, lambda n: env[n])
-    graph._codegen = copy.deepcopy(gm.graph._codegen)  # the calling convention (pytree specs)
+    with warnings.catch_warnings():
+        # Deep-copying pytree specs warns about a deprecation inside torch itself.
+        warnings.simplefilter("ignore", FutureWarning)
+        graph._codegen = copy.deepcopy(gm.graph._codegen)  # the calling convention (pytree specs)
     out = fx.GraphModule(gm, graph)
     out.meta = dict(gm.meta)
     return out

@@ -77,22 +77,8 @@ def test_unknown_compiler_is_an_error():
         autoparallel_backend(compiler="eager")
 
 
-class _FSDPToy(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.up = nn.Linear(16, 32, bias=False)
-        self.down = nn.Linear(32, 8, bias=False)
-
-    def forward(self, x):
-        return self.down(torch.relu(self.up(x)))
-
-
-def _mse(out, target):
-    return ((out - target) ** 2).mean()
-
-
 @pytest.mark.slow
-def test_inductor_backend_smoke(fresh_dynamo):
+def test_inductor_backend_smoke(fresh_dynamo, mlp):
     """Inductor compiles both partitions of a ParallelModule on CPU (cold, caches off) with the
     replay partitioner installed, and agrees with the first partition to float tolerance
     (Inductor fuses and reorders, so not bitwise). A two-layer FSDP model keeps the C++ kernel
@@ -107,7 +93,8 @@ def test_inductor_backend_smoke(fresh_dynamo):
     from autoparallel.partition import apply_placement
 
     torch.manual_seed(0)
-    model, plan = _FSDPToy(), ParallelPlan.fsdp()
+    make_model, _mse = mlp
+    model, plan = make_model(), ParallelPlan.fsdp()
     batch = (torch.randn(4, 16), torch.randn(4, 8))
     partitions = []
     with fake_world("dp=1") as mesh:  # one rank: the collectives are identities

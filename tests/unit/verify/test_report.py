@@ -4,6 +4,8 @@ import json
 
 import pytest
 
+from autoparallel.passes.collective import COLLECTIVE_PASS_NAMES
+from autoparallel.pipeline import STAGE_NAMES
 from verify.__main__ import main
 
 
@@ -18,12 +20,16 @@ def test_report_json_schema_golden_status_and_parity(capsys, shared_pipeline_run
     assert report["preset"] == "tiny" and report["mesh"] == "dp=8"
     assert report["params"] == {"count": 21, "fsdp_sharded": 21}
     names = [s["name"] for s in report["stages"]]
-    assert names[0] == "joint" and "second_compile fwd" in names and "pre_overlap_bucketing bwd" in names
+    sequence = [s["name"] for s in report["stages"] if not s["alternative"]]
+    assert sequence[:3] == ["joint", "cleanup", "fsdp_tagging"]
+    # the collective passes in the order the backend runs them, then each pass alone
+    assert sequence[-6:] == [f"{n} {g}" for n in COLLECTIVE_PASS_NAMES for g in ("fwd", "bwd")]
+    assert names[len(sequence):] == [f"{n} (alone) {g}" for n in COLLECTIVE_PASS_NAMES for g in ("fwd", "bwd")]
     joint = report["stages"][0]
     assert joint["collectives"]["all_gather"]["dp"]["count"] == 21
     assert set(joint["collectives"]["all_gather"]["dp"]) == {"count", "bytes"}
-    assert report["goldens"]["joint"] == "matches"
-    assert report["goldens"]["collective counts"] == "matches"
+    assert set(report["goldens"].values()) == {"matches"}
+    assert set(report["goldens"]) == {*STAGE_NAMES, "collective pass order", "collective counts"}
     parity = report["parity"]
     assert parity["mesh"] == "dp=2"
     assert set(parity["vs_eager"]) == {"joint", "first_partition", "second_compile"}
@@ -42,9 +48,13 @@ def test_report_text_format():
         "parity": {"mesh": "dp=2", "steps": 2, "seconds": 1.0, "single_device_max_abs_diff": 1e-8,
                    "vs_eager": {"joint": {"bitwise": False, "mismatches": 1, "tensors": 4, "max_abs_diff": 0.5}}},
     }
+    report["stages"].append({**report["stages"][0], "name": "p (alone)", "alternative": True})
     text = format_report(report)
     row = [line for line in text.splitlines() if line.startswith("joint")][0]
     assert row.split() == ["joint", "5", "1", "/", "2.0", "KiB"]
+    lines = text.splitlines()
+    i = lines.index(row)
+    assert lines[i + 1].startswith("alternatives: each collective pass alone") and lines[i + 2].startswith("p (alone)")
     assert "goldens: none for this scenario" in text
     assert "NOT bitwise: 1 of 4 tensors differ (max |diff| 5.00e-01)" in text
 
