@@ -36,6 +36,7 @@ from autoparallel import meta as M
 from autoparallel import patches, roles
 from autoparallel.partition import REPLAY_PATCH, ReplaySavesPartitioner, label_partition
 from autoparallel.passes.ac_joint import ac_joint_pass
+from autoparallel.passes.collective import bucket_fw_bw, tag_joint
 
 OVERLAP_PATCH = "overlap_config_persists"
 SECOND_COMPILE = "second_compile"
@@ -135,8 +136,6 @@ class _Partitioner(CustomPartitionerFn):
 
     def __call__(self, gm, joint_inputs, **kwargs):
         if self.collective_passes is not None:
-            from autoparallel.passes.collective import tag_joint
-
             # Bucketing tags are written on this compile's joint graph (roles first: the tagger
             # finds param-derived all-gathers and gradient-terminal reduce-scatters by role).
             _label_joint(gm, self.input_roles)
@@ -158,8 +157,6 @@ class _Partitioner(CustomPartitionerFn):
         if self.on_partition is not None:
             self.on_partition(fw, bw)
         if self.collective_passes is not None:
-            from autoparallel.passes.collective import bucket_fw_bw
-
             fw, bw, metrics = bucket_fw_bw(fw, bw, self.collective_passes)
             if self.on_collective_passes is not None:
                 self.on_collective_passes(fw, bw, metrics)

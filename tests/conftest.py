@@ -19,6 +19,10 @@ def _no_world_leaks():
         pytest.fail("test left a default process group initialized")
 
 
+# Fixtures import first-party modules when a test asks for them: this file is loaded by every pytest
+# process (each xdist worker, --collect-only, the goldens CLI's runs) before any test needs them.
+
+
 @pytest.fixture
 def mesh(request):
     """A fake world (``autoparallel.mesh.fake_world``) of the test module's ``MESH`` string, else

@@ -42,6 +42,7 @@ import torch
 import torch.fx as fx
 
 from autoparallel.fx_utils import copy_graph_module, node_val
+from verify.stats import static_peak_bytes
 
 __all__ = [
     "PeakMemory",
@@ -275,6 +276,4 @@ def static_peak(gm: fx.GraphModule, *, refresh: bool = True) -> int:
 
     ``refresh=True`` re-propagates fake values on a copy first (see the module docstring).
     """
-    from verify.stats import static_peak_bytes
-
     return static_peak_bytes(_with_fresh_vals(gm) if refresh else gm)

@@ -93,6 +93,8 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
 
 
 # --- goldens ------------------------------------------------------------------------------------
+# verify.* is imported inside the functions below, on use: this plugin is loaded by every pytest
+# run where the package is installed (pytest11), which must not import torch or syrupy.
 
 
 class GoldenChecker:

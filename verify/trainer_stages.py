@@ -18,6 +18,7 @@ import functools
 from collections.abc import Iterator
 
 import torch
+import torch.distributed as dist
 import torch.fx as fx
 import torch.nn.functional as F
 
@@ -31,6 +32,7 @@ from autoparallel.trainer import (
     sac_stages,
     trace_train_step,
 )
+from verify.memory import peak_memory, ratio
 
 __all__ = [
     "cross_entropy_loss",
@@ -227,10 +229,6 @@ def rank_sac_memory(
     ratios, whether the losses and the averaged gradients of the two runs are bitwise equal, and
     the largest gradient difference (CUDA attention backward kernels may use atomics).
     """
-    import torch.distributed as dist
-
-    from verify.memory import peak_memory, ratio
-
     batches = make_batches(preset, steps=1, batch=batch, seq=seq, seed=100 + rank, device=device)
     tokens, targets = batches[0]
     eager = make_model(preset, ac=ac.OP, regions=False, device=device)

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from verify.goldens import FORMAT_LINE, UPDATE_COMMAND, render_golden
+from verify.goldens import FORMAT_LINE, UPDATE_COMMAND, golden_dir_for, render_golden
 
 TEST_FILE = textwrap.dedent(
     """
@@ -90,8 +90,6 @@ def test_missing_changed_corrupt_and_unused_goldens(project):
 
 
 def test_goldens_live_under_a_tests_directory(tmp_path):
-    from verify.goldens import golden_dir_for
-
     assert golden_dir_for(tmp_path / "tests" / "golden" / "test_x.py") == tmp_path / "goldens" / "golden" / "test_x"
     with pytest.raises(ValueError, match="must live under a 'tests/' directory"):
         golden_dir_for(tmp_path / "elsewhere" / "test_x.py")

@@ -14,6 +14,7 @@ from torch.utils.checkpoint import CheckpointPolicy
 
 from autoparallel import ac
 from autoparallel.ac import OpSACState, op_sac_policy, restore_sac_meta
+from autoparallel.passes.ac_joint import ac_joint_pass
 
 SAVE = CheckpointPolicy.MUST_SAVE
 RECOMPUTE = CheckpointPolicy.PREFER_RECOMPUTE
@@ -114,8 +115,6 @@ def test_checkpoint_block_rejects_an_unknown_block_mode():
 
 def test_joint_pass_and_op_sac_agree_on_mm_and_sdpa():
     """The joint AC pass decides mm and SDPA as op SAC does within one block."""
-    from autoparallel.passes.ac_joint import ac_joint_pass
-
     g = fx.Graph()
     x = g.placeholder("primals_1")
     tan = g.placeholder("tangents_1")

@@ -6,6 +6,9 @@ import torch._dynamo
 from torch import nn
 
 from autoparallel.compile import OVERLAP_SCHEDULING_PATCHES, autoparallel_backend
+from autoparallel.mesh import fake_world
+from autoparallel.parallelize import ParallelPlan, ParallelProgram, build_joint_graph, split_batch
+from autoparallel.partition import apply_placement
 
 aten = torch.ops.aten
 _overlap = torch._inductor.config.aten_distributed_optimizations
@@ -83,15 +86,6 @@ def test_inductor_backend_smoke(fresh_dynamo, mlp):
     replay partitioner installed, and agrees with the first partition to float tolerance
     (Inductor fuses and reorders, so not bitwise). A two-layer FSDP model keeps the C++ kernel
     count (and the cold compile) small."""
-    from autoparallel.mesh import fake_world
-    from autoparallel.parallelize import (
-        ParallelPlan,
-        ParallelProgram,
-        build_joint_graph,
-        split_batch,
-    )
-    from autoparallel.partition import apply_placement
-
     torch.manual_seed(0)
     make_model, _mse = mlp
     model, plan = make_model(), ParallelPlan.fsdp()

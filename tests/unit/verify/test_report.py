@@ -7,6 +7,7 @@ import pytest
 from autoparallel.passes.collective import COLLECTIVE_PASS_NAMES
 from autoparallel.pipeline import STAGE_NAMES
 from verify.__main__ import main
+from verify.report import format_report
 
 
 # The report's default scenario is the golden scenario tiny-fsdp-dp8: in its xdist group, the
@@ -39,8 +40,6 @@ def test_report_json_schema_golden_status_and_parity(capsys, shared_pipeline_run
 
 
 def test_report_text_format():
-    from verify.report import format_report
-
     report = {
         "preset": "tiny", "mesh": "dp=2", "plan": "fsdp", "params": {"count": 1, "fsdp_sharded": 1},
         "stages": [{"name": "joint", "nodes": 5, "collectives": {"all_gather": {"dp": {"count": 1, "bytes": 2048}}}}],

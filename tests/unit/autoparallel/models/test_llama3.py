@@ -35,14 +35,7 @@ ADD = torch.ops.aten.add.Tensor
 SDPA_CPU = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny shapes gain nothing from intra-op threads, and spinning OpenMP workers get
-    slow on a busy 2-core box. Thread count does not change results bitwise on CPU."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 def _tokens(args: ModelArgs, bs: int = 2, seq: int | None = None, seed: int = 1) -> torch.Tensor:

@@ -5,6 +5,7 @@ is routed through our estimator, and the scheduler runs through topo-span bucket
 
 from __future__ import annotations
 
+import importlib
 import logging
 import sys
 
@@ -14,6 +15,7 @@ import torch._inductor.fx_passes.bucketing as bucketing_mod
 import torch._inductor.fx_passes.fsdp as fsdp_mod
 import torch._inductor.fx_passes.overlap_scheduling as sched
 
+import autoparallel.passes.topo_span_bucketing as topo_span_module
 from autoparallel.fx_utils import ALL_GATHER, REDUCE_SCATTER, max_consec_compute_between_rs
 from autoparallel.passes import overlap_scheduling
 from autoparallel.passes.overlap_estimator import RooflineConfig, RooflineEstimator
@@ -52,12 +54,9 @@ def test_installation_is_scoped_and_restored_on_error(mesh):
 
 
 def test_importing_the_pass_patches_nothing():
-    import importlib
-
-    import autoparallel.passes.topo_span_bucketing as mod
-
     up = (fsdp_mod.identify_fsdp_groups, bucketing_mod.greedy_bucket_collective_by_mb)
-    importlib.reload(mod)
+    importlib.reload(topo_span_module)
+    importlib.reload(overlap_scheduling)
     assert (fsdp_mod.identify_fsdp_groups, bucketing_mod.greedy_bucket_collective_by_mb) == up
     assert up[0].__module__ == "torch._inductor.fx_passes.fsdp"
 
