@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import sys
 
-from verify.pipeline import STAGE_NAMES
+from autoparallel.pipeline import STAGE_NAMES
 
 PARITY_STAGES = ("joint", "first_partition", "second_compile")
 

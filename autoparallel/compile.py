@@ -5,7 +5,8 @@ partition's graphs run as FX interpreters under ``preserve_node_meta``, so the f
 carries the first partition's recompute tags and ``custom.ap_must_save`` records. The backend
 then applies, each scoped to this compile and restored afterwards:
 
-* optionally ``ac_joint_pass`` (``enable_ac``), through functorch's ``joint_custom_pass``;
+* optionally ``ac_joint_pass`` (``enable_ac``; ``autoparallel.passes.ac_joint``), through
+  functorch's ``joint_custom_pass``;
 * the ``ReplaySavesPartitioner`` (patch ``replay_saves_partitioner``), which saves exactly what the
   first partition saved;
 * optionally Inductor's overlap-scheduling settings (``overlap_scheduling``). They must still be in
@@ -24,19 +25,18 @@ scheduling needs a runtime estimator on CPU (it imports triton otherwise), so on
 from __future__ import annotations
 
 import contextlib
-import operator
-import re
 from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
 import torch
 from torch import fx
 from torch._inductor.custom_graph_pass import CustomPartitionerFn
-from torch.utils.checkpoint import CheckpointPolicy
 
 from autoparallel import meta as M
-from autoparallel import patches
+from autoparallel import patches, roles
 from autoparallel.partition import REPLAY_PATCH, ReplaySavesPartitioner, label_partition
+from autoparallel.passes.ac_joint import ac_joint_pass
+from autoparallel.passes.collective import bucket_fw_bw, tag_joint
 
 OVERLAP_PATCH = "overlap_config_persists"
 SECOND_COMPILE = "second_compile"
@@ -54,79 +54,6 @@ OnPartition = Callable[[fx.GraphModule, fx.GraphModule], None]
 OnCompile = Callable[[str, fx.GraphModule], None]  # ("forward" | "backward", graph)
 OnCollectivePasses = Callable[[fx.GraphModule, fx.GraphModule, Any], None]  # (fw, bw, PipelineMetrics)
 
-_SDPA_OPS = tuple(
-    getattr(torch.ops.aten, name).default
-    for name in (
-        "_scaled_dot_product_flash_attention",
-        "_scaled_dot_product_flash_attention_for_cpu",
-        "_scaled_dot_product_efficient_attention",
-        "_scaled_dot_product_cudnn_attention",
-    )
-    if hasattr(torch.ops.aten, name)
-)
-
-
-# --- AC joint pass ------------------------------------------------------------------------------
-
-
-def _backward_nodes(graph: fx.Graph) -> set[fx.Node]:
-    """Nodes that depend on a tangent: the backward proper (recomputed chains that only read
-    primals count as forward here)."""
-    bw: set[fx.Node] = set()
-    for node in graph.nodes:
-        if node.op == "placeholder" and str(node.target).startswith("tangents"):
-            bw.add(node)
-        elif node.op != "output" and any(a in bw for a in node.all_input_nodes):
-            bw.add(node)
-    return bw
-
-
-def recomputable_forward_nodes(graph: fx.Graph) -> list[fx.Node]:
-    """Forward ops whose value the backward reads, directly or through other forward ops."""
-    bw = _backward_nodes(graph)
-    needed: set[fx.Node] = set()
-    stack = [a for n in bw for a in n.all_input_nodes if a not in bw]
-    while stack:
-        n = stack.pop()
-        if n in needed:
-            continue
-        needed.add(n)
-        stack.extend(a for a in n.all_input_nodes if a not in bw)
-    return [n for n in graph.nodes if n in needed and n.op == "call_function"]
-
-
-def ac_joint_pass(gm: fx.GraphModule, joint_inputs: Sequence[object] | None = None) -> fx.GraphModule:
-    """A minimal selective-AC policy on the joint graph (the reference's mm/SDPA policy).
-
-    Every forward op the backward needs and that carries no recompute tag yet gets
-    PREFER_RECOMPUTE, except what the policy keeps: SDPA outputs and every other ``mm``
-    (1st, 3rd, ... in graph order) get MUST_SAVE. Getitems are skipped (they follow their
-    multi-output parent) and so are collectives (communication is never an AC candidate here;
-    FSDP all-gathers already carry their own tags). All tags use ``AP_AC_GRAPH_ID``. There is
-    no memory-budget staging: this pass exists so the second compile sees AC tags, and the
-    replay partitioner can be checked not to save more because of them.
-    """
-    mm_seen = 0
-    for node in recomputable_forward_nodes(gm.graph):
-        if M.RECOMPUTE in node.meta or node.target is operator.getitem:
-            continue
-        t = node.target
-        if isinstance(t, torch._ops.OpOverload) and t.namespace == "_c10d_functional":
-            continue
-        if not isinstance(node.meta.get(M.VAL), (torch.Tensor, tuple, list)):
-            continue
-        policy = CheckpointPolicy.PREFER_RECOMPUTE
-        if t in _SDPA_OPS:
-            policy = CheckpointPolicy.MUST_SAVE
-        elif t is torch.ops.aten.mm.default:
-            if mm_seen % 2 == 0:
-                policy = CheckpointPolicy.MUST_SAVE
-            mm_seen += 1
-        node.meta[M.RECOMPUTE] = policy
-        node.meta[M.AC_GRAPH_ID] = M.AP_AC_GRAPH_ID
-    return gm
-
-
 # --- partitioner / compilers --------------------------------------------------------------------
 
 
@@ -134,45 +61,33 @@ def dynamo_input_roles(gm: fx.GraphModule, strip_prefix: str = "model.") -> list
     """Roles of a Dynamo graph's inputs, from their sources: ``param:<fqn>``, ``buffer:<fqn>``,
     ``input:<i>`` (None where the source says nothing). ``strip_prefix`` drops the
     ``ParallelModule`` container name so FQNs are the user's."""
-    roles: list[str | None] = []
+    out: list[str | None] = []
     for ph in gm.graph.find_nodes(op="placeholder"):
         grapharg = ph.meta.get(M.GRAPHARG)
         name = grapharg.source.name if grapharg is not None and grapharg.source is not None else ""
         name = name() if callable(name) else str(name)
-        path = _SOURCE_KEY.findall(name)
-        role = None
-        if path and path[-1][0] in ("_parameters", "_buffers"):
-            fqn = ".".join(key for _, key in path).removeprefix(strip_prefix)
-            role = f"{'param' if path[-1][0] == '_parameters' else 'buffer'}:{fqn}"
-        else:
-            m = _SOURCE_INPUT.match(name)
-            if m:
-                role = f"input:{m.group(1)}"
-        roles.append(role)
-    return roles
+        out.append(roles.of_source_name(name, strip_prefix))
+    return out
 
 
-_SOURCE_KEY = re.compile(r"\.(_modules|_parameters|_buffers)\['([^']+)'\]")
-_SOURCE_INPUT = re.compile(r"^L\['inputs'\]\[(\d+)\]$")
+def _grad_roles(input_roles: Sequence[str | None], out: fx.Node) -> list[str | None]:
+    """Gradient labels of a second-compile graph's outputs (``grad:<fqn>`` where AOT's descriptor
+    says "gradient of plain input i" and input i has a role), None elsewhere."""
+    from torch._functorch._aot_autograd import descriptors as D
+
+    labels: list[str | None] = []
+    for desc in out.meta.get(M.DESC) or [None] * len(out.args[0]):
+        is_grad = isinstance(desc, D.GradAOTOutput)
+        labels.append(roles.of_descriptor(desc, plain_inputs=input_roles) if is_grad else None)
+    return labels
 
 
 def _second_compile_roles(input_roles: Sequence[str | None], bw: fx.GraphModule) -> tuple[dict[str, str], list[str | None]]:
     """Placeholder roles by AOT name (``primals_<i+1>``, ``tangents_<k>``) and the backward's
     output roles (``grad:<fqn>``), from the Dynamo input roles."""
-    from torch._functorch._aot_autograd import descriptors as D
-
-    placeholder_roles = {f"primals_{i + 1}": r for i, r in enumerate(input_roles) if r is not None}
-    placeholder_roles["tangents_1"] = "tangent:loss"
-    out = bw.graph.output_node()
-    grad_roles: list[str | None] = []
-    for desc in out.meta.get(M.DESC) or [None] * len(out.args[0]):
-        role = None
-        if isinstance(desc, D.GradAOTOutput) and isinstance(desc.grad_of, D.PlainAOTInput):
-            src = input_roles[desc.grad_of.idx] if desc.grad_of.idx < len(input_roles) else None
-            if src is not None:
-                role = f"grad:{src.partition(':')[2]}"
-        grad_roles.append(role)
-    return placeholder_roles, grad_roles
+    placeholder_roles = {roles.aot_primal_name(i): r for i, r in enumerate(input_roles) if r is not None}
+    placeholder_roles[roles.aot_tangent_name(0)] = roles.tangent(roles.LOSS)
+    return placeholder_roles, _grad_roles(input_roles, bw.graph.output_node())
 
 
 def _label_joint(gm: fx.GraphModule, input_roles: Sequence[str | None]) -> None:
@@ -181,25 +96,22 @@ def _label_joint(gm: fx.GraphModule, input_roles: Sequence[str | None]) -> None:
     from torch._functorch._aot_autograd import descriptors as D
 
     for ph in gm.graph.find_nodes(op="placeholder"):
-        m = re.fullmatch(r"primals_(\d+)", ph.name)
-        if m and int(m.group(1)) - 1 < len(input_roles) and input_roles[int(m.group(1)) - 1]:
-            ph.meta[M.ROLE] = input_roles[int(m.group(1)) - 1]
+        i = roles.aot_primal_index(ph.name)
+        if i is not None and i < len(input_roles) and input_roles[i]:
+            ph.meta[M.ROLE] = input_roles[i]
     out = gm.graph.output_node()
     leaves = list(out.args[0])
+    grads = _grad_roles(input_roles, out)
     descs = out.meta.get(M.DESC) or [None] * len(leaves)
-    roles: list[str | None] = []
-    for leaf, desc in zip(leaves, descs, strict=True):
-        role = None
+    labels: list[str | None] = []
+    for leaf, desc, grad in zip(leaves, descs, grads, strict=True):
         if leaf is None:
-            pass
+            labels.append(None)
         elif isinstance(desc, D.PlainAOTOutput):
-            role = "loss" if desc.idx == 0 else f"output:{desc.idx}"
-        elif isinstance(desc, D.GradAOTOutput) and isinstance(desc.grad_of, D.PlainAOTInput):
-            src = input_roles[desc.grad_of.idx] if desc.grad_of.idx < len(input_roles) else None
-            if src is not None:
-                role = f"grad:{src.partition(':')[2]}"
-        roles.append(role)
-    out.meta[M.ROLE] = roles
+            labels.append(roles.user_output(desc.idx))
+        else:
+            labels.append(grad)
+    out.meta[M.ROLE] = labels
 
 
 class _Partitioner(CustomPartitionerFn):
@@ -224,8 +136,6 @@ class _Partitioner(CustomPartitionerFn):
 
     def __call__(self, gm, joint_inputs, **kwargs):
         if self.collective_passes is not None:
-            from autoparallel.passes.collective import tag_joint
-
             # Bucketing tags are written on this compile's joint graph (roles first: the tagger
             # finds param-derived all-gathers and gradient-terminal reduce-scatters by role).
             _label_joint(gm, self.input_roles)
@@ -247,8 +157,6 @@ class _Partitioner(CustomPartitionerFn):
         if self.on_partition is not None:
             self.on_partition(fw, bw)
         if self.collective_passes is not None:
-            from autoparallel.passes.collective import bucket_fw_bw
-
             fw, bw, metrics = bucket_fw_bw(fw, bw, self.collective_passes)
             if self.on_collective_passes is not None:
                 self.on_collective_passes(fw, bw, metrics)

@@ -1,9 +1,15 @@
-"""Small predicates over FX nodes that several passes share."""
+"""FX helpers that passes, runtime, trainer and verify share: collective predicates, the one
+"no meta['val']" error, graph copies, FLOP nodes."""
 
 from __future__ import annotations
 
+import copy
+import warnings
+
 import torch
 from torch import fx
+
+from autoparallel import meta as M
 
 _c10d = torch.ops._c10d_functional
 
@@ -41,6 +47,14 @@ def group_arg_index(node: fx.Node) -> int | None:
     return None
 
 
+def schema_arg(node: fx.Node, name: str):
+    """Argument ``name`` of an OpOverload call node, positional or keyword (None if absent)."""
+    for i, arg in enumerate(node.target._schema.arguments):
+        if arg.name == name:
+            return node.args[i] if i < len(node.args) else node.kwargs.get(name)
+    return None
+
+
 def group_of(node: fx.Node) -> str | None:
     """The process-group name a collective node uses (None for non-collectives)."""
     i = group_arg_index(node)
@@ -57,17 +71,43 @@ ALL_GATHER_OUT = _c10d.all_gather_into_tensor_out.default
 COLLECTIVE_LAUNCHES = frozenset({ALL_GATHER, ALL_GATHER_OUT, REDUCE_SCATTER, ALL_REDUCE})
 
 
-def node_val(node: fx.Node, why: str):
-    """``node.meta["val"]``, or a ValueError that names the node and says what to do."""
-    from autoparallel import meta as M
+def missing_val_error(node: fx.Node, why: str, hint: str = "") -> ValueError:
+    """The error for a node without ``meta["val"]``: it names the node, what needed the value
+    and how to get one (``hint``: a caller-specific way out, appended)."""
+    return ValueError(
+        f"node {node.name!r} ({node.format_node()}) has no meta['{M.VAL}'], needed for {why}; "
+        "propagate FakeTensor vals first (trace with make_fx/aot or run FakeTensorProp)" + hint
+    )
 
+
+def node_val(node: fx.Node, why: str):
+    """``node.meta["val"]``, or :func:`missing_val_error`."""
     try:
         return node.meta[M.VAL]
     except KeyError:
-        raise ValueError(
-            f"node {node.name!r} ({node.format_node()}) has no meta['val'], needed for {why}; "
-            "propagate FakeTensor vals first (trace with make_fx/aot or run FakeTensorProp)"
-        ) from None
+        raise missing_val_error(node, why) from None
+
+
+def copy_graph_module(gm: fx.GraphModule) -> fx.GraphModule:
+    """A copy of ``gm`` with its own graph and nodes, so a pass that rewrites or tags the copy in
+    place leaves ``gm`` untouched.
+
+    Node names are kept; each node's ``meta`` dict is copied (its values, FakeTensors included,
+    are shared: passes replace meta entries, they do not mutate them); ``gm.meta`` is copied too.
+    Cheaper than ``copy.deepcopy`` (no FakeTensor copies, no pickled pytree specs), which matters
+    on graphs of 8B-model size.
+    """
+    graph = fx.Graph(tracer_cls=gm.graph._tracer_cls)
+    env: dict[fx.Node, fx.Node] = {}
+    for node in gm.graph.nodes:
+        env[node] = graph.node_copy(node, lambda n: env[n])
+    with warnings.catch_warnings():
+        # Deep-copying pytree specs warns about a deprecation inside torch itself.
+        warnings.simplefilter("ignore", FutureWarning)
+        graph._codegen = copy.deepcopy(gm.graph._codegen)  # the calling convention (pytree specs)
+    out = fx.GraphModule(gm, graph)
+    out.meta = dict(gm.meta)
+    return out
 
 
 def tensor_bytes(t: torch.Tensor) -> int:
@@ -104,6 +144,14 @@ def resolve_group(node: fx.Node):
             "group of that name; rebind the graph to this world (autoparallel.runtime.rebind."
             "rebind_groups) or trace it on this world"
         ) from None
+
+
+def group_size_of(node: fx.Node) -> int:
+    """Group size of a collective: its ``group_size`` argument, else its live group's size."""
+    size = schema_arg(node, "group_size") if group_arg_index(node) is not None else None
+    if size is None:
+        size = resolve_group(node).size()
+    return int(size)
 
 
 def wait_of(node: fx.Node) -> fx.Node | None:

@@ -1,12 +1,14 @@
 """The apply_placement boundary, the first partition, and the replay partitioner of the second compile.
 
-``apply_placement(jg)`` turns a traced joint graph into a runnable ``ParallelModule`` in a fixed
-order (recorded on the result as ``steps``; the order is part of the contract):
+``apply_placement(jg)`` turns a traced joint graph into a runnable ``ParallelModule`` by running
+:data:`PLACEMENT_STEPS` in order (recorded on the result as ``steps``; the order is part of the
+contract, and ``autoparallel.pipeline`` makes one stage of each step):
 
 1. ``cleanup``: structural rewrites (DCE, no-op removal, view -> reshape). They come first so
    no tag is written on a node a rewrite later replaces.
-2. ``mark_fsdp_all_gather_recomputation``: recompute (or save) tags on FSDP all-gather chains,
-   written on the final structure, right before the compiler consumes the graph.
+2. ``fsdp_tagging`` (``mark_fsdp_all_gather_recomputation``): recompute (or save) tags on FSDP
+   all-gather chains, written on the final structure, right before the compiler consumes the
+   graph.
 3. ``first_partition``: ``aot_compile_joint_with_descriptors``. Its forward compiler records the
    partitioner's decision on the graph: every saved-for-backward output gets
    ``custom.ap_must_save`` (for a multi-output op the parent, with the getitem indices). Both
@@ -23,6 +25,7 @@ import logging
 import operator
 import time
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -31,21 +34,19 @@ from torch._inductor.custom_graph_pass import CustomPartitionerFn
 from torch.utils.checkpoint import CheckpointPolicy
 
 from autoparallel import meta as M
+from autoparallel import roles
 from autoparallel.mesh import attach_group_dims
-from autoparallel.passes.cleanup import cleanup_graph
-from autoparallel.passes.fsdp_recompute import mark_fsdp_all_gather_recomputation
+from autoparallel.passes.cleanup import CleanupReport, cleanup_graph
+from autoparallel.passes.fsdp_recompute import FsdpTagReport, mark_fsdp_all_gather_recomputation
 from autoparallel.runtime.parallel_module import ParallelModule, PartitionRecord
 
 log = logging.getLogger(__name__)
 
 STEP_CLEANUP = "cleanup"
-STEP_FSDP_TAGS = "mark_fsdp_all_gather_recomputation"
+STEP_FSDP_TAGS = "fsdp_tagging"
 STEP_FIRST_PARTITION = "first_partition"
-PLACEMENT_STEPS = (STEP_CLEANUP, STEP_FSDP_TAGS, STEP_FIRST_PARTITION)
 
 REPLAY_PATCH = "replay_saves_partitioner"
-
-_SAVED_ROLE = "saved"
 
 
 # --- first partition: record the saves --------------------------------------------------------
@@ -55,14 +56,6 @@ def _is_saved_desc(desc: Any) -> bool:
     from torch._functorch._aot_autograd.descriptors import SavedForBackwardsAOTOutput
 
     return isinstance(desc, SavedForBackwardsAOTOutput)
-
-
-def _output_role(desc: Any, fallback: str) -> str:
-    from torch._functorch._aot_autograd import descriptors as D
-
-    if isinstance(desc, D.PlainAOTOutput):
-        return "loss" if desc.idx == 0 else f"output:{desc.idx}"
-    return fallback
 
 
 def saved_forward_outputs(fw_gm: fx.GraphModule, num_fwd_outputs: int) -> list[fx.Node]:
@@ -127,19 +120,20 @@ def label_partition(
     out = fw.graph.output_node()
     values = list(out.args[0])
     descs = out.meta.get(M.DESC) or [None] * len(values)
-    roles = []
+    labels = []
     k = 0
     for i, (v, d) in enumerate(zip(values, descs, strict=True)):
         saved = _is_saved_desc(d) if d is not None else i >= num_fwd_outputs
         if saved:
-            role = f"{_SAVED_ROLE}:{k}"
+            role = roles.saved(k)
             k += 1
             if isinstance(v, fx.Node):
                 saved_names.setdefault(v.name, role)
         else:
-            role = _output_role(d, "loss" if i == 0 else f"output:{i}")
-        roles.append(role)
-    out.meta[M.ROLE] = roles
+            # A user output: its descriptor says which one; without one, its position does.
+            role = roles.of_descriptor(d, name_unknown=False) or roles.user_output(i)
+        labels.append(role)
+    out.meta[M.ROLE] = labels
     for gm in (fw, bw):
         for ph in gm.graph.find_nodes(op="placeholder"):
             if ph.name in placeholder_roles:
@@ -162,6 +156,140 @@ def _default_first_partition():
     return default_partition
 
 
+@dataclass
+class Placement:
+    """What the placement steps work on: the joint graph (cleaned and tagged in place), the
+    rank's local tensors, and the module the first partition makes (``module``)."""
+
+    jg: Any  # autoparallel.parallelize.JointGraph
+    params: dict[str, torch.Tensor]
+    buffers: dict[str, torch.Tensor]
+    reshard_after_forward: bool
+    partition_fn: Callable[..., Any]
+    done: list[str] = field(default_factory=list)
+    module: ParallelModule | None = None
+
+    def run(self, step: PlacementStep) -> Any:
+        """Run one step; its report (what the step says it did)."""
+        report = step.run(self)
+        self.done.append(step.name)
+        return report
+
+
+@dataclass(frozen=True)
+class PlacementStep:
+    """One step: ``run(placement) -> report``; ``patches``: the registered patches it applies."""
+
+    name: str
+    run: Callable[[Placement], Any]
+    summary: str
+    patches: tuple[str, ...] = ()
+
+
+def _cleanup(p: Placement) -> CleanupReport:
+    report = cleanup_graph(p.jg.gm)
+    log.info("apply_placement cleanup: %s", report.summary())
+    return report
+
+
+def _fsdp_tagging(p: Placement) -> FsdpTagReport:
+    tags = mark_fsdp_all_gather_recomputation(p.jg.gm.graph, p.reshard_after_forward)
+    p.jg.gm.recompile()
+    return tags
+
+
+def _first_partition(p: Placement) -> PartitionRecord:
+    """``aot_compile_joint_with_descriptors`` with the save-recording forward compiler; closes the
+    joint graph's export context (the compiled callable must run outside its fake mode)."""
+    from torch._functorch.aot_autograd import (
+        aot_compile_joint_with_descriptors,
+        boxed_nop_preserve_node_meta,
+    )
+
+    jg, gm = p.jg, p.jg.gm
+    t0 = time.perf_counter()
+    placeholder_roles = {ph.name: ph.meta[M.ROLE] for ph in gm.graph.find_nodes(op="placeholder") if M.ROLE in ph.meta}
+    grad_roles = jg.output_roles[jg.num_fwd_outputs :]
+    captured: dict[str, Any] = {}
+
+    def partition(joint, joint_inputs, **kwargs):
+        fw, bw = p.partition_fn(joint, joint_inputs, **kwargs)
+        captured["fw"], captured["bw"] = fw, bw
+        captured["num_fwd_outputs"] = kwargs.get("num_fwd_outputs", jg.num_fwd_outputs)
+        return fw, bw
+
+    def fw_compiler(fw_gm, example_inputs):
+        captured["fw_compiled"] = fw_gm
+        captured["saved"] = tag_saved_outputs(fw_gm, captured.get("num_fwd_outputs", jg.num_fwd_outputs))
+        return boxed_nop_preserve_node_meta(fw_gm, example_inputs)
+
+    try:
+        compiled = aot_compile_joint_with_descriptors(
+            jg.jd, partition_fn=partition, fw_compiler=fw_compiler, bw_compiler=boxed_nop_preserve_node_meta
+        )
+    finally:
+        jg.close()
+
+    fw = captured.get("fw_compiled", captured["fw"])
+    bw = captured["bw"]
+    label_partition(
+        fw,
+        bw,
+        num_fwd_outputs=captured["num_fwd_outputs"],
+        placeholder_roles=placeholder_roles,
+        grad_roles=grad_roles,
+        group_dims=jg.group_dims,
+        stage=STEP_FIRST_PARTITION,
+    )
+    record = PartitionRecord(fw, bw, [n.name for n in captured["saved"]], captured["num_fwd_outputs"])
+    for ph in gm.graph.find_nodes(op="placeholder"):
+        kind = roles.kind(ph.meta.get(M.ROLE))
+        store = p.params if kind == roles.PARAM else p.buffers if kind == roles.BUFFER else None
+        name = roles.name(ph.meta[M.ROLE]) if store is not None else None
+        if store is not None and name not in store:
+            v = ph.meta[M.VAL]
+            store[name] = torch.empty(v.shape, dtype=v.dtype)
+    p.module = ParallelModule(
+        compiled,
+        jg.input_roles,
+        p.params,
+        p.buffers,
+        first_partition=record,
+        steps=[*p.done, STEP_FIRST_PARTITION],
+        group_dims=jg.group_dims,
+    )
+    log.info("first partition saves %d values (%.2fs)", len(record.saved), time.perf_counter() - t0)
+    return record
+
+
+#: The apply_placement boundary, in order.
+PLACEMENT_STEPS: tuple[PlacementStep, ...] = (
+    PlacementStep(STEP_CLEANUP, _cleanup, "structural clean-up: CSE, no-op removal, DCE, view -> reshape"),
+    PlacementStep(
+        STEP_FSDP_TAGS,
+        _fsdp_tagging,
+        "recompute (or save) tags on the FSDP all-gather chains",
+        patches=("fsdp_chain_recompute",),
+    ),
+    PlacementStep(STEP_FIRST_PARTITION, _first_partition, "AOT partition; the saved values are recorded (ap_must_save)"),
+)
+PLACEMENT_STEP_NAMES: tuple[str, ...] = tuple(s.name for s in PLACEMENT_STEPS)
+
+
+def placement(
+    jg,
+    params: Mapping[str, torch.Tensor] | None = None,
+    buffers: Mapping[str, torch.Tensor] | None = None,
+    *,
+    reshard_after_forward: bool | None = None,
+    partition_fn: Callable[..., Any] | None = None,
+) -> Placement:
+    """The state :data:`PLACEMENT_STEPS` run on (see :func:`apply_placement` for the arguments)."""
+    if reshard_after_forward is None:
+        reshard_after_forward = jg.plan.reshard_after_forward
+    return Placement(jg, dict(params or {}), dict(buffers or {}), reshard_after_forward, partition_fn or _default_first_partition())
+
+
 def apply_placement(
     jg,
     params: Mapping[str, torch.Tensor] | None = None,
@@ -181,91 +309,10 @@ def apply_placement(
     Consumes ``jg``: its export context (fake mode) is closed after compiling, because the
     compiled callable must run outside it.
     """
-    from torch._functorch.aot_autograd import (
-        aot_compile_joint_with_descriptors,
-        boxed_nop_preserve_node_meta,
-    )
-
-    if reshard_after_forward is None:
-        reshard_after_forward = jg.plan.reshard_after_forward
-    partition_fn = partition_fn or _default_first_partition()
-    gm = jg.gm
-    steps: list[str] = []
-    t0 = time.perf_counter()
-
-    step_seconds: dict[str, float] = {}
-    t_step = time.perf_counter()
-    report = cleanup_graph(gm)
-    steps.append(STEP_CLEANUP)
-    step_seconds[STEP_CLEANUP], t_step = time.perf_counter() - t_step, time.perf_counter()
-    log.info("apply_placement cleanup: %s", report.summary())
-
-    tags = mark_fsdp_all_gather_recomputation(gm.graph, reshard_after_forward)
-    gm.recompile()
-    steps.append(STEP_FSDP_TAGS)
-    step_seconds[STEP_FSDP_TAGS], t_step = time.perf_counter() - t_step, time.perf_counter()
-
-    placeholder_roles = {ph.name: ph.meta[M.ROLE] for ph in gm.graph.find_nodes(op="placeholder") if M.ROLE in ph.meta}
-    grad_roles = jg.output_roles[jg.num_fwd_outputs :]
-    captured: dict[str, Any] = {}
-
-    def partition(joint, joint_inputs, **kwargs):
-        fw, bw = partition_fn(joint, joint_inputs, **kwargs)
-        captured["fw"], captured["bw"] = fw, bw
-        captured["num_fwd_outputs"] = kwargs.get("num_fwd_outputs", jg.num_fwd_outputs)
-        return fw, bw
-
-    def fw_compiler(fw_gm, example_inputs):
-        captured["fw_compiled"] = fw_gm
-        captured["saved"] = tag_saved_outputs(fw_gm, captured.get("num_fwd_outputs", jg.num_fwd_outputs))
-        return boxed_nop_preserve_node_meta(fw_gm, example_inputs)
-
-    try:
-        compiled = aot_compile_joint_with_descriptors(
-            jg.jd, partition_fn=partition, fw_compiler=fw_compiler, bw_compiler=boxed_nop_preserve_node_meta
-        )
-    finally:
-        jg.close()
-    steps.append(STEP_FIRST_PARTITION)
-    step_seconds[STEP_FIRST_PARTITION] = time.perf_counter() - t_step
-
-    fw = captured.get("fw_compiled", captured["fw"])
-    bw = captured["bw"]
-    label_partition(
-        fw,
-        bw,
-        num_fwd_outputs=captured["num_fwd_outputs"],
-        placeholder_roles=placeholder_roles,
-        grad_roles=grad_roles,
-        group_dims=jg.group_dims,
-        stage=STEP_FIRST_PARTITION,
-    )
-    record = PartitionRecord(fw, bw, [n.name for n in captured["saved"]], captured["num_fwd_outputs"])
-    params = dict(params or {})
-    buffers = dict(buffers or {})
-    for ph in gm.graph.find_nodes(op="placeholder"):
-        kind, _, name = str(ph.meta.get(M.ROLE, "")).partition(":")
-        store = params if kind == "param" else buffers if kind == "buffer" else None
-        if store is not None and name not in store:
-            v = ph.meta[M.VAL]
-            store[name] = torch.empty(v.shape, dtype=v.dtype)
-    mod = ParallelModule(
-        compiled,
-        jg.input_roles,
-        params,
-        buffers,
-        first_partition=record,
-        steps=steps,
-        group_dims=jg.group_dims,
-    )
-    mod.step_seconds = step_seconds  # wall seconds per step, for benchmarks (python -m verify scale)
-    log.info(
-        "apply_placement: %s; first partition saves %d values (%.2fs)",
-        tags.summary(),
-        len(record.saved),
-        time.perf_counter() - t0,
-    )
-    return mod
+    p = placement(jg, params, buffers, reshard_after_forward=reshard_after_forward, partition_fn=partition_fn)
+    for step in PLACEMENT_STEPS:
+        p.run(step)
+    return p.module
 
 
 # --- second compile: replay the first partition's saves ----------------------------------------

@@ -119,6 +119,8 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    # Each command imports only its own module, here: `python -m verify goldens` and `mutate`
+    # start without importing torch (they run pytest in a subprocess).
     try:
         from autoparallel.patches import disabled_from_env
 

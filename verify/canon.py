@@ -80,6 +80,7 @@ import torch
 import torch.fx as fx
 
 from autoparallel import meta as M
+from autoparallel.fx_utils import missing_val_error
 from autoparallel.mesh import dim_label, group_dims_of
 
 __all__ = ["canonical_names", "canonicalize", "canonicalize_pair", "SymbolNamer"]
@@ -295,12 +296,7 @@ def _resolve_attr(owner: Any, target: str) -> Any:
 
 
 def _missing_val_error(node: fx.Node) -> ValueError:
-    return ValueError(
-        f"node {node.name!r} ({node.op} {_target_text(node)}) has no meta['val']: canonical text "
-        "needs FakeTensor vals on every node. Run "
-        "torch.fx.passes.fake_tensor_prop.FakeTensorProp(gm).propagate(*inputs) or trace with "
-        "make_fx / aot_export, or pass require_val=False to omit shapes"
-    )
+    return missing_val_error(node, "canonical text (shapes inline)", "; or pass require_val=False to omit shapes")
 
 
 def _tags_text(node: fx.Node) -> str:

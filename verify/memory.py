@@ -46,7 +46,8 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from autoparallel import meta as M
+from autoparallel.fx_utils import copy_graph_module, node_val
+from verify.stats import static_peak_bytes
 
 __all__ = [
     "MemoryTimeline",
@@ -328,19 +329,8 @@ def with_fresh_vals(gm: fx.GraphModule) -> fx.GraphModule:
     from torch._guards import detect_fake_mode
     from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
-    graph = fx.Graph()
-    out = graph.graph_copy(gm.graph, {})  # node meta dicts are copied, so gm is not touched
-    graph.output(out)
-    copy_gm = fx.GraphModule(gm, graph)
-    vals = []
-    for node in copy_gm.graph.nodes:
-        if node.op == "placeholder":
-            if M.VAL not in node.meta:
-                raise ValueError(
-                    f"static_peak: placeholder {node.name!r} has no meta['{M.VAL}']; trace the graph "
-                    "with fake tensors (make_fx(tracing_mode='fake')) or run FakeTensorProp first"
-                )
-            vals.append(node.meta[M.VAL])
+    copy_gm = copy_graph_module(gm)  # node meta dicts are copied, so gm is not touched
+    vals = [node_val(ph, "static_peak (its fake inputs)") for ph in copy_gm.graph.find_nodes(op="placeholder")]
     mode = detect_fake_mode(vals)
     if mode is None:
         raise ValueError("static_peak: the placeholders' meta['val'] are not FakeTensors")
@@ -353,6 +343,4 @@ def static_peak(gm: fx.GraphModule, *, refresh: bool = True) -> int:
 
     ``refresh=True`` re-propagates fake values on a copy first (see the module docstring).
     """
-    from verify.stats import static_peak_bytes
-
     return static_peak_bytes(with_fresh_vals(gm) if refresh else gm)

@@ -350,6 +350,8 @@ class _GoldenUsage:
             json.dump(record, f)
 
 
+# verify.* is imported inside the functions below, on use: this plugin is loaded by every pytest
+# run where the package is installed (pytest11), which must not import torch or syrupy.
 class GoldenChecker:
     """Compares text against its golden file; failures name the file and the update command."""
 

@@ -1,8 +1,10 @@
 """``python -m verify report``: every stage of the pipeline for one scenario, in one table.
 
 Each stage is a graph (or a forward/backward pair) with its node count and collectives per kind
-and mesh dim (from ``verify.pipeline``, shared with the golden tests), whether it matches its golden,
-and parity on a small real world that keeps the plan's shape.
+and mesh dim (from ``verify.pipeline``, shared with the golden tests), in the order
+``autoparallel.pipeline`` runs them; then the alternatives (each collective pass alone on the
+second compile's graphs); whether each matches its golden; and parity on a small real world that
+keeps the plan's shape.
 """
 
 from __future__ import annotations
@@ -14,17 +16,20 @@ import time
 from pathlib import Path
 
 from autoparallel.mesh import MeshSpec
+from autoparallel.pipeline import JOINT, PipelineRun, StageResult
 from verify.goldens import catalog as golden_catalog
 from verify.parity import compare_tensors, compare_traces, merge_reports
-from verify.pipeline import PipelineRun, Stage, run_pipeline
-from verify.scenario import (
-    Scenario,
+from verify.parity_runs import (
+    COMPILE_EXECUTORS,
+    EAGER,
     gather_full_grads,
     run_compile_parity,
     run_joint_parity,
     single_device_step,
 )
-from verify.stats import graph_stats
+from verify.pipeline import params_summary, run_pipeline
+from verify.scenario import Scenario, check_flags, parameter_count
+from verify.stats import graph_stats, human_bytes
 
 COLLECTIVE_KINDS = ("all_gather", "reduce_scatter", "all_reduce")
 
@@ -33,26 +38,27 @@ def progress(msg: str) -> None:
     print(f"[verify] {msg}", file=sys.stderr, flush=True)
 
 
-def stage_summaries(stage: Stage) -> list[dict]:
-    """One entry per graph: ``joint``, or ``<stage> fwd`` and ``<stage> bwd``."""
+def stage_summaries(result: StageResult) -> list[dict]:
+    """One entry per graph: ``joint``, or ``<stage> fwd`` and ``<stage> bwd`` (``<pass> (alone)``
+    for an alternative, which also says ``"alternative": true``)."""
     out = []
-    for name, gm in stage.count_rows():
+    for name, gm in result.graph_rows():
         st = graph_stats(gm).to_dict()
         coll = {k: {} for k in COLLECTIVE_KINDS}
         coll.update(st["collectives"])
-        out.append({"name": name, "nodes": st["num_nodes"], "collectives": coll})
+        out.append({"name": name, "nodes": st["num_nodes"], "collectives": coll, "alternative": result.alternative})
     return out
 
 
 GOLDENS_NOT_CHECKED = "not checked (no goldens/ directory here: run from a source checkout, pip install -e .)"
 
 
-def golden_status(run: PipelineRun, root: Path | None = None) -> dict[str, str] | str | None:
+def golden_status(scenario: Scenario, run: PipelineRun, root: Path | None = None) -> dict[str, str] | str | None:
     """Per stage: does it match its reviewed golden? None when the scenario has no goldens, and
     GOLDENS_NOT_CHECKED where the goldens are not installed (a wheel carries no goldens/).
 
     Plain text comparison with the files (no syrupy): the base install shows it too."""
-    sid = golden_catalog.scenario_id(run.scenario)
+    sid = golden_catalog.scenario_id(scenario)
     if sid is None:
         return None
     root = root if root is not None else Path(__file__).resolve().parent.parent
@@ -60,11 +66,12 @@ def golden_status(run: PipelineRun, root: Path | None = None) -> dict[str, str] 
         return GOLDENS_NOT_CHECKED
     out = {}
     if sid in golden_catalog.GOLDEN_SCENARIOS:
-        for stage in run.stages:
-            text = golden_catalog.stage_text(sid, stage)
-            out[stage.name] = golden_catalog.compare_with_golden(
-                root, golden_catalog.STAGE_TEST, f"{sid}-{stage.name}", text
-            )
+        for stage in golden_catalog.GRAPH_GOLDEN_STAGES:
+            text = golden_catalog.stage_text(sid, golden_catalog.golden_result(run, stage))
+            out[stage] = golden_catalog.compare_with_golden(root, golden_catalog.STAGE_TEST, f"{sid}-{stage}", text)
+        out["collective pass order"] = golden_catalog.compare_with_golden(
+            root, golden_catalog.ORDER_TEST, sid, golden_catalog.order_text(sid, run)
+        )
     out["collective counts"] = golden_catalog.compare_with_golden(
         root, golden_catalog.COUNTS_TEST, sid, golden_catalog.counts_text(sid, run)
     )
@@ -90,11 +97,11 @@ def run_parity(scenario: Scenario, steps: int = 2) -> dict:
     t0 = time.perf_counter()
     joint_ranks = run_joint_parity(small, steps=steps)
     compile_ranks = run_compile_parity(small, steps=steps)
-    comparisons = {"joint": _merged(joint_ranks, "eager", "joint")}
-    for stage in ("first_partition", "second_compile"):
-        comparisons[stage] = _merged(compile_ranks, "eager", stage)
+    comparisons = {JOINT: _merged(joint_ranks, EAGER, JOINT)}
+    for stage in COMPILE_EXECUTORS[1:]:
+        comparisons[stage] = _merged(compile_ranks, EAGER, stage)
     _, grads = single_device_step(small)
-    single = compare_tensors(grads, gather_full_grads(small, joint_ranks, "joint"), a_name="single-device", b_name="joint")
+    single = compare_tensors(grads, gather_full_grads(small, joint_ranks, JOINT), a_name="single-device", b_name=JOINT)
     return {
         "mesh": str(small.mesh_spec),
         "steps": steps,
@@ -108,14 +115,14 @@ def build_report(scenario: Scenario, *, parity: bool = True) -> dict:
     progress(f"running the pipeline for {scenario.header()} ...")
     t0 = time.perf_counter()
     run = run_pipeline(scenario, **golden_catalog.pipeline_options(scenario))
-    progress(f"{len(run.stages)} stage(s) in {time.perf_counter() - t0:.1f}s")
+    progress(f"{len(run.results)} stage(s) and {len(run.alternatives)} alternative(s) in {time.perf_counter() - t0:.1f}s")
     return {
         "preset": scenario.preset,
         "plan": scenario.plan_obj().describe(),
         "mesh": str(scenario.mesh_spec),
-        "params": run.params,
-        "stages": [row for s in run.stages for row in stage_summaries(s)],
-        "goldens": golden_status(run),
+        "params": params_summary(run),
+        "stages": [row for r in [*run.results, *run.alternatives] for row in stage_summaries(r)],
+        "goldens": golden_status(scenario, run),
         "parity": run_parity(scenario) if parity else None,
     }
 
@@ -123,8 +130,6 @@ def build_report(scenario: Scenario, *, parity: bool = True) -> dict:
 def _cell(cs: dict | None) -> str:
     if not cs:
         return "-"
-    from verify.stats import human_bytes
-
     return f"{cs['count']} / {human_bytes(cs['bytes'])}"
 
 
@@ -142,7 +147,10 @@ def format_report(report: dict) -> str:
     for s in report["stages"]:
         rows.append([s["name"], str(s["nodes"])] + [_cell(s["collectives"].get(k, {}).get(d)) for k, d in cols])
     widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
-    for r in rows:
+    alternatives = [False] + [s.get("alternative", False) for s in report["stages"]]
+    for r, alternative, after_sequence in zip(rows, alternatives, [False, *alternatives[:-1]], strict=True):
+        if alternative and not after_sequence:
+            lines.append("alternatives: each collective pass alone on second_compile's graphs (for review; not a sequence)")
         lines.append("  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths, strict=True))).rstrip())
     lines.append("")
     goldens = report.get("goldens")
@@ -178,9 +186,6 @@ def parity_memory_lower_bound(scenario: Scenario, params: int) -> int:
 
 
 def check_parity_size(scenario: Scenario, *, anyway: bool) -> None:
-    from verify.scenario import parameter_count
-    from verify.stats import human_bytes
-
     params = parameter_count(scenario)
     if params <= PARITY_MAX_PARAMS or anyway:
         return
@@ -193,8 +198,6 @@ def check_parity_size(scenario: Scenario, *, anyway: bool) -> None:
 
 
 def main(args) -> int:
-    from verify.scenario import check_flags
-
     scenario = Scenario(preset=args.preset, plan=args.plan, mesh=args.mesh)
     check_flags(scenario)
     if not args.no_parity:

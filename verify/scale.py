@@ -1,5 +1,8 @@
 """``python -m verify scale``: every stage of the pipeline on graphs of real size, timed.
 
+The stages are ``autoparallel.pipeline.STAGES`` in order, then the alternatives (each collective
+pass alone on the second compile's graphs, ``<pass> (alone)``).
+
 Graphs are built on a fake world with fake tensors, so LLaMA-3 8B shapes at 128 ranks fit on one
 CPU. Per stage: wall seconds (median of ``--repeat``), process peak RSS after the stage, node
 count, collectives per kind and mesh dim, saved tensors, static peak memory,
@@ -20,20 +23,11 @@ import sys
 import time
 from collections.abc import Callable
 
-from verify.pipeline import _copy_graph, collective_stage_configs
-from verify.scenario import Scenario
+from autoparallel.passes.collective import COLLECTIVE_PASS_NAMES
+from autoparallel.pipeline import STAGE_NAMES, StageResult, run_pipeline
+from verify.pipeline import pipeline_options
+from verify.scenario import Scenario, check_flags
 from verify.stats import graph_stats, human_bytes, partition_stats
-
-SCALE_STAGES = (
-    "trace",
-    "cleanup",
-    "fsdp_tagging",
-    "first_partition",
-    "second_compile",
-    "pre_overlap_bucketing",
-    "topo_span_bucketing",
-    "fuse_chained_allgathers",
-)
 
 
 def _rss_gib() -> float:
@@ -108,43 +102,26 @@ def import_stage_modules() -> float:
 
 
 def run_once(scenario: Scenario, bucket_cap_mb: float, progress: Callable[[str], None]) -> list[dict]:
-    """One pass over every stage; a list of stage dicts (seconds and metrics)."""
-    import torch._dynamo
+    """One pass over every stage, then the alternatives; a list of stage dicts (seconds, metrics).
 
-    from autoparallel.mesh import fake_world
-    from autoparallel.partition import apply_placement
-    from autoparallel.passes.collective import CollectivePassesConfig, bucket_fw_bw
-    from verify.scenario import compile_pipeline
-
+    Stats are taken by an observer as each stage ends, on the live graphs (no copies: at 8B size
+    a copy per stage would cost memory and time that no stage spends)."""
     stages: list[dict] = []
-    n = len(SCALE_STAGES)
+    n = len(STAGE_NAMES) + len(COLLECTIVE_PASS_NAMES)
 
-    def record(name: str, seconds: float, graphs, **extra) -> None:
-        entry = {"name": name, "seconds": seconds, "rss_gib": round(_rss_gib(), 3)}
-        entry.update(_graph_fields(graphs))
-        entry.update(extra)
+    def record(result: StageResult) -> None:
+        entry = {"name": result.label, "seconds": result.seconds, "rss_gib": round(_rss_gib(), 3), "alternative": result.alternative}
+        entry.update(_graph_fields(result.graphs))
+        if result.name in COLLECTIVE_PASS_NAMES:
+            entry["bucketing"] = _bucketing_fields(result.report)
         stages.append(entry)
-        progress(f"[{len(stages)}/{n}] {name:<24} {seconds:7.2f}s  rss {entry['rss_gib']:.2f} GiB")
+        progress(f"[{len(stages)}/{n}] {entry['name']:<32} {result.seconds:7.2f}s  rss {entry['rss_gib']:.2f} GiB")
 
-    with fake_world(scenario.mesh_spec) as mesh:
-        t0 = time.perf_counter()
-        jg = scenario.trace(mesh)
-        record("trace", time.perf_counter() - t0, jg.gm)
-        module = apply_placement(jg)
-        for step, name in (("cleanup", "cleanup"), ("mark_fsdp_all_gather_recomputation", "fsdp_tagging")):
-            record(name, module.step_seconds[step], jg.gm)
-        record("first_partition", module.step_seconds["first_partition"], (module.first_partition.fw, module.first_partition.bw))
-        tag_only = CollectivePassesConfig(fuse_chained_allgathers=False, pre_overlap_bucketing=False)
-        t0 = time.perf_counter()
-        cs = compile_pipeline(scenario, mesh=mesh, module=module, collective_passes=tag_only)
-        record("second_compile", time.perf_counter() - t0, cs.second_compile)
-        for name, config in collective_stage_configs(bucket_cap_mb).items():
-            fw, bw = (_copy_graph(g) for g in cs.second_compile)
-            t0 = time.perf_counter()
-            fw, bw, metrics = bucket_fw_bw(fw, bw, config)
-            record(name, time.perf_counter() - t0, (fw, bw), bucketing=_bucketing_fields(metrics))
-    torch._dynamo.reset()
-    return stages
+    options = pipeline_options(bucket_cap_mb, snapshots=False)
+    run_pipeline(*scenario.pipeline_inputs(), options, observers=[record])
+    # The alternatives run right after the second compile (they read its graphs before the
+    # sequence rewrites them); the table lists the sequence first.
+    return sorted(stages, key=lambda e: e["alternative"])
 
 
 def run_scale(scenario: Scenario, *, repeat: int = 1, bucket_cap_mb: float = 25.0, progress=lambda m: None) -> dict:
@@ -185,7 +162,7 @@ def _count(coll: dict, kind: str) -> int:
 def format_scale(result: dict) -> str:
     lines = [
         f"scale: preset={result['preset']} layers={result['layers']} mesh={result['mesh']} plan={result['plan']}",
-        f"{'stage':<24} {'seconds':>8} {'rss GiB':>8} {'nodes':>12} {'AG fwd/bwd':>11} {'RS':>5} {'AR':>5} "
+        f"{'stage':<32} {'seconds':>8} {'rss GiB':>8} {'nodes':>12} {'AG fwd/bwd':>11} {'RS':>5} {'AR':>5} "
         f"{'saved':>14} {'static peak':>12} {'maxRS':>5}",
     ]
     for s in result["stages"]:
@@ -203,7 +180,7 @@ def format_scale(result: dict) -> str:
             rs, ar = _count(coll, "reduce_scatter"), _count(coll, "all_reduce")
             saved, peak = "-", "-"
         lines.append(
-            f"{s['name']:<24} {s['seconds']:>8.2f} {s['rss_gib']:>8.2f} {nodes_txt:>12} {ag:>11} {rs:>5} {ar:>5} "
+            f"{s['name']:<32} {s['seconds']:>8.2f} {s['rss_gib']:>8.2f} {nodes_txt:>12} {ag:>11} {rs:>5} {ar:>5} "
             f"{saved:>14} {peak:>12} {s['max_consec_compute_between_rs']:>5}"
         )
     lines.append(f"total {result['total_seconds']:.1f}s (imports {result['import_seconds']:.1f}s + stages, "
@@ -213,20 +190,18 @@ def format_scale(result: dict) -> str:
 
 def format_scaling(results: list[dict]) -> str:
     sizes = [r["layers"] for r in results]
-    head = f"{'stage':<24}" + "".join(f"{f'{n} layers':>12}" for n in sizes)
+    head = f"{'stage':<32}" + "".join(f"{f'{n} layers':>12}" for n in sizes)
     head += "".join(f"{f'x{b}/{a}':>10}" for a, b in zip(sizes, sizes[1:], strict=False))
     lines = ["per-stage seconds and time ratio between sizes (linear in layers = the size ratio)", head]
     for j, name in enumerate(s["name"] for s in results[0]["stages"]):
         secs = [r["stages"][j]["seconds"] for r in results]
-        row = f"{name:<24}" + "".join(f"{x:>12.2f}" for x in secs)
+        row = f"{name:<32}" + "".join(f"{x:>12.2f}" for x in secs)
         row += "".join(f"{(b / a if a > 0 else float('nan')):>10.2f}" for a, b in zip(secs, secs[1:], strict=False))
         lines.append(row)
     return "\n".join(lines)
 
 
 def main(args) -> int:
-    from verify.scenario import check_flags
-
     layers = args.layers or [None]  # parsed and checked by verify.__main__
 
     def progress(msg: str) -> None:
@@ -260,7 +235,7 @@ def main(args) -> int:
         reduce_dtype=args.reduce_dtype,
     )
     check_flags(scenario)
-    progress(f"{scenario.header()}: {len(SCALE_STAGES)} stages")
+    progress(f"{scenario.header()}: {len(STAGE_NAMES)} stages and {len(COLLECTIVE_PASS_NAMES)} alternatives")
     result = run_scale(scenario, repeat=args.repeat, bucket_cap_mb=args.bucket_cap_mb, progress=progress)
     print(json.dumps(result, indent=2) if args.json else format_scale(result))
     return 0

@@ -44,7 +44,8 @@ import torch.fx as fx
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from autoparallel import meta as M
-from autoparallel.fx_utils import max_consec_compute_between_rs
+from autoparallel import roles
+from autoparallel.fx_utils import max_consec_compute_between_rs, node_val
 from autoparallel.mesh import dim_label, group_dims_of
 from verify.canon import _group_name_of, canonical_names, graph_and_owner, group_arg
 
@@ -167,16 +168,6 @@ def _hint(x: Any, node: fx.Node) -> int:
     return int(x)
 
 
-def _val(node: fx.Node, why: str) -> Any:
-    if M.VAL not in node.meta:
-        raise ValueError(
-            f"node {node.name!r} ({node.op} {node.target}) has no meta['val'], needed for {why}: run "
-            "torch.fx.passes.fake_tensor_prop.FakeTensorProp(gm).propagate(*inputs) or trace with "
-            "make_fx / aot_export"
-        )
-    return node.meta[M.VAL]
-
-
 def _tensors(v: Any) -> list[torch.Tensor]:
     if isinstance(v, torch.Tensor):
         return [v]
@@ -195,13 +186,13 @@ def _value_bytes(v: Any, node: fx.Node) -> int:
 
 def _collective_bytes(node: fx.Node, kind: str) -> int:
     if kind == "all_gather":
-        return _value_bytes(_val(node, f"the bytes of collective {node.name!r}"), node)
+        return _value_bytes(node_val(node, f"the bytes of collective {node.name!r}"), node)
     src = node.args[0] if node.args else node.kwargs.get("input", node.kwargs.get("inputs"))
     srcs = src if isinstance(src, (list, tuple)) else [src]
     total = 0
     for s in srcs:
         if isinstance(s, fx.Node):
-            total += _value_bytes(_val(s, f"the bytes of collective {node.name!r}"), s)
+            total += _value_bytes(node_val(s, f"the bytes of collective {node.name!r}"), s)
     return total
 
 
@@ -324,7 +315,7 @@ def _resolve_attr(node: fx.Node) -> Any:
     for part in str(node.target).split("."):
         obj = getattr(obj, part, None)
     if obj is None:
-        _val(node, "static peak memory")  # raises, naming the node
+        node_val(node, "static peak memory")  # raises, naming the node
     return obj
 
 
@@ -353,7 +344,7 @@ class _Storages:
         if node.op == "get_attr" and M.VAL not in node.meta:  # a constant: use the attribute
             v = _resolve_attr(node)
         else:
-            v = _val(node, "static peak memory")
+            v = node_val(node, "static peak memory")
         raw, seen = [], set()
         for t in _tensors(v):
             st = t.untyped_storage()
@@ -392,8 +383,8 @@ class _Storages:
 def _is_tangent(node: fx.Node) -> bool:
     role = node.meta.get(M.ROLE)
     if isinstance(role, str):
-        return role.startswith("tangent:")
-    return node.name.startswith("tangents")
+        return roles.is_tangent(role)
+    return roles.is_aot_tangent_name(node.name)
 
 
 def _saved_placeholders(bw_graph: fx.Graph) -> list[fx.Node]:
@@ -659,7 +650,7 @@ def partition_stats(
     bw = graph_stats(bw_gm, group_dims=group_dims)
     count = nbytes = 0
     for ph in _saved_placeholders(graph_and_owner(bw_gm)[0]):
-        v = _val(ph, "the saved-tensor bytes")
+        v = node_val(ph, "the saved-tensor bytes")
         if isinstance(v, torch.Tensor):
             count += 1
             nbytes += _tensor_bytes(v, ph)

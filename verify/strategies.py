@@ -31,6 +31,7 @@ from torch import fx
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from autoparallel import meta as M
+from autoparallel import roles
 from autoparallel.mesh import ParallelMesh, attach_group_dims
 
 aten = torch.ops.aten
@@ -83,7 +84,7 @@ class GraphBuilder:
     def param(self, shape: Sequence[int], dtype=torch.float32) -> fx.Node:
         i = self._n_params
         self._n_params += 1
-        return self.placeholder(f"p{i}", shape, dtype, role=f"param:p{i}")
+        return self.placeholder(f"p{i}", shape, dtype, role=roles.param(f"p{i}"))
 
     def call(self, target, *args: Any, **kwargs: Any) -> fx.Node:
         node = self.graph.call_function(target, args, kwargs)
@@ -191,7 +192,7 @@ def build_synthetic(
     """Materialise ``spec`` with the given groups (label -> (name, size))."""
     b = GraphBuilder(groups, fake_mode)
     H, B = spec.hidden, spec.batch
-    acts = [b.placeholder("x", (B, H), role="input:0")]
+    acts = [b.placeholder("x", (B, H), role=roles.input_(0))]
     weights: list[fx.Node] = []
     grads: list[fx.Node] = []
 
@@ -266,8 +267,8 @@ def build_synthetic(
         else:
             raise ValueError(f"unknown op kind {k!r}; valid: {KINDS}")
     loss = b.call(aten.sum.default, acts[-1])
-    roles = ["loss", *(f"grad:g{i}" for i in range(len(grads)))]
-    return SyntheticGraph(spec, b.output([loss, *grads], roles))
+    labels = [roles.LOSS, *(roles.grad(f"g{i}") for i in range(len(grads)))]
+    return SyntheticGraph(spec, b.output([loss, *grads], labels))
 
 
 # Collectives are what the passes act on: draw them more often than plain compute.

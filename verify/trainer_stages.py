@@ -18,9 +18,11 @@ import functools
 from collections.abc import Iterator
 
 import torch
+import torch.distributed as dist
 import torch.fx as fx
 import torch.nn.functional as F
 
+from autoparallel import ac
 from autoparallel.models.llama3 import Transformer, apply_ac, build_model, model_args
 from autoparallel.runtime.steps import Executor
 from autoparallel.trainer import (
@@ -30,6 +32,7 @@ from autoparallel.trainer import (
     sac_stages,
     trace_train_step,
 )
+from verify.memory import peak_memory, ratio
 
 __all__ = [
     "cross_entropy_loss",
@@ -155,7 +158,7 @@ def traced_sac_step(
     batch: int = 4,
     seq: int | None = None,
     device: str = "cpu",
-    policy: str = "op",
+    policy: str = ac.OP,
     remat: bool = True,
 ) -> TracedStep:
     """The traced step with graph SAC ``policy``; ``remat=False`` gives the tagged graph
@@ -165,7 +168,7 @@ def traced_sac_step(
 
 
 def sac_graphs(
-    preset: str = "debug", *, policy: str = "op", batch: int = 4, seq: int | None = None
+    preset: str = "debug", *, policy: str = ac.OP, batch: int = 4, seq: int | None = None
 ) -> tuple[fx.GraphModule, fx.GraphModule]:
     """``(before_remat, after_remat)`` graphs of the traced step with graph SAC ``policy``.
 
@@ -226,16 +229,12 @@ def rank_sac_memory(
     ratios, whether the losses and the averaged gradients of the two runs are bitwise equal, and
     the largest gradient difference (CUDA attention backward kernels may use atomics).
     """
-    import torch.distributed as dist
-
-    from verify.memory import peak_memory, ratio
-
     batches = make_batches(preset, steps=1, batch=batch, seq=seq, seed=100 + rank, device=device)
     tokens, targets = batches[0]
-    eager = make_model(preset, ac="op", regions=False, device=device)
+    eager = make_model(preset, ac=ac.OP, regions=False, device=device)
     traced_model = make_model(preset, device=device)
     # Cached per process: forked (gloo) ranks reuse a trace their parent already made.
-    sac = traced_sac_step(preset, batch=batch, seq=seq, device=device, policy="op")
+    sac = traced_sac_step(preset, batch=batch, seq=seq, device=device, policy=ac.OP)
 
     def all_reduce_grads(model: torch.nn.Module) -> None:
         for p in model.parameters():

@@ -10,33 +10,24 @@ builds can be compared bitwise.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import hashlib
 import math
-from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.fx.traceback as fx_traceback
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.checkpoint import (
-    CheckpointPolicy,
-    checkpoint,
-    create_selective_checkpoint_contexts,
-    noop_context_fn,
-)
+
+from autoparallel import ac
 
 __all__ = [
     "PRESETS",
-    "SAC_SAVE_OPS",
     "VALID_AC_MODES",
     "Attention",
     "FeedForward",
     "ModelArgs",
-    "OpSACState",
     "RMSNorm",
     "Transformer",
     "TransformerBlock",
@@ -45,12 +36,8 @@ __all__ = [
     "build_model",
     "ffn_hidden_dim",
     "model_args",
-    "op_sac_context_fn",
-    "op_sac_policy",
-    "parse_ac_mode",
     "precompute_rope",
     "repeat_kv",
-    "restore_sac_meta",
 ]
 
 
@@ -288,176 +275,6 @@ class FeedForward(nn.Module):
 
 
 # --------------------------------------------------------------------------------------
-# Activation checkpointing policy (shared with graph-level SAC passes)
-# --------------------------------------------------------------------------------------
-
-
-def _existing_ops(names: tuple[str, ...], namespace: Any) -> frozenset:
-    ops = set()
-    for name in names:
-        packet = getattr(namespace, name, None)
-        if packet is not None and hasattr(packet, "default"):
-            ops.add(packet.default)
-    return frozenset(ops)
-
-
-_SDPA_OPS = _existing_ops(
-    (
-        "_scaled_dot_product_flash_attention",
-        "_scaled_dot_product_flash_attention_for_cpu",
-        "_scaled_dot_product_efficient_attention",
-        "_scaled_dot_product_cudnn_attention",
-        "_scaled_dot_product_fused_attention_overrideable",
-        "_scaled_dot_product_attention_math",
-        "_scaled_dot_product_attention_math_for_mps",
-    ),
-    torch.ops.aten,
-)
-
-#: Ops whose outputs op-selective AC saves. ``aten.mm`` is saved only at odd positions
-#: within a block, and ``aten.add.Tensor`` only for the block's first residual add;
-#: see :func:`op_sac_policy`.
-SAC_SAVE_OPS: frozenset = (
-    _SDPA_OPS
-    | _existing_ops(("reduce_scatter_tensor",), torch.ops._c10d_functional)
-    | frozenset({torch.ops.aten.mm.default, torch.ops.aten.max.default})
-)
-
-_MM = torch.ops.aten.mm.default
-_ADD = torch.ops.aten.add.Tensor
-
-
-def _is_residual_add(func: Any, args: tuple) -> bool:
-    """A residual add is an ``aten.add.Tensor`` whose two operands are both tensors.
-
-    It works on eager args (``torch.Tensor``) and on FX node args (``torch.fx.Node``).
-    Inside a block, the only other ``aten.add.Tensor`` is RMSNorm's ``+ eps``, whose
-    second operand is a Python scalar.
-    """
-    if func is not _ADD or len(args) < 2:
-        return False
-    tensor_like = (torch.Tensor, torch.fx.Node)
-    return isinstance(args[0], tensor_like) and isinstance(args[1], tensor_like)
-
-
-def op_sac_policy(
-    func: Any, *, mm_index: int | None = None, residual_add_index: int | None = None
-) -> CheckpointPolicy:
-    """Pure op-selective AC decision for one op of one transformer block.
-
-    Args:
-        func: the op (an ``OpOverload``, e.g. ``node.target`` of an FX ``call_function`` node).
-        mm_index: for ``aten.mm``, its 1-based position among the block's mms in forward
-            order. Odd positions are saved, even ones recomputed (1st, 3rd, 5th, ... saved).
-            Required when ``func`` is ``aten.mm.default``.
-        residual_add_index: for a residual ``aten.add.Tensor`` (two tensor operands), its
-            1-based position among the block's residual adds. Only the first is saved.
-            Pass ``None`` for a non-residual add (e.g. ``x + eps``).
-
-    Returns ``MUST_SAVE`` for SDPA (every ``aten._scaled_dot_product_*`` forward variant),
-    ``_c10d_functional.reduce_scatter_tensor``, ``aten.max.default``, odd mms and the first
-    residual add. Every other op gets ``PREFER_RECOMPUTE``.
-
-    Graph passes usually go through :class:`OpSACState`, which keeps the per-block counters::
-
-        state = OpSACState()                  # one per block (ac_graph_id) and per pass
-        for node in forward_nodes_of_block:   # in forward order
-            node.meta["recompute"] = state.decide(node.target, node.args)
-    """
-    if func is _MM:
-        if mm_index is None or mm_index < 1:
-            raise ValueError("op_sac_policy: aten.mm needs a 1-based mm_index")
-        return (
-            CheckpointPolicy.MUST_SAVE if mm_index % 2 == 1 else CheckpointPolicy.PREFER_RECOMPUTE
-        )
-    if func is _ADD:
-        if residual_add_index == 1:
-            return CheckpointPolicy.MUST_SAVE
-        return CheckpointPolicy.PREFER_RECOMPUTE
-    if func in SAC_SAVE_OPS or _is_sdpa_forward(func):
-        return CheckpointPolicy.MUST_SAVE
-    return CheckpointPolicy.PREFER_RECOMPUTE
-
-
-def _is_sdpa_forward(func: Any) -> bool:
-    """Any ``aten._scaled_dot_product_*`` forward overload, including ones this torch lacks."""
-    if not isinstance(func, torch._ops.OpOverload) or func.namespace != "aten":
-        return False
-    name = func._opname
-    return name.startswith("_scaled_dot_product_") and not name.endswith("_backward")
-
-
-@dataclass
-class OpSACState:
-    """Per-block counters that feed :func:`op_sac_policy`.
-
-    Make a new one for each block (and, in eager SAC, one per forward/recompute mode).
-    Then call :meth:`decide` once per op, in forward order. In an FX graph, feed it the
-    block's ``OpOverload`` nodes (``aten.detach`` included or not; it never moves a
-    counter). ``operator.getitem`` nodes of a multi-output op, such as SDPA's
-    ``(out, logsumexp)``, take their parent's decision, as they do under eager SAC tracing.
-    """
-
-    mm_count: int = 0
-    residual_add_count: int = 0
-
-    def decide(self, func: Any, args: tuple = ()) -> CheckpointPolicy:
-        """Advance the counters for ``func`` and return its policy.
-
-        ``args`` are the op's positional args (tensors or FX nodes). They are only used to
-        tell a residual add from ``x + scalar``.
-        """
-        mm_index = None
-        add_index = None
-        if func is _MM:
-            self.mm_count += 1
-            mm_index = self.mm_count
-        elif _is_residual_add(func, args):
-            self.residual_add_count += 1
-            add_index = self.residual_add_count
-        return op_sac_policy(func, mm_index=mm_index, residual_add_index=add_index)
-
-
-def op_sac_context_fn(ac_graph_id: int) -> tuple[Any, Any]:
-    """``context_fn`` for ``torch.utils.checkpoint.checkpoint`` implementing op-selective AC.
-
-    Each call (one per checkpointed forward) gets fresh counters, with separate counters
-    for forward and recompute mode. The caching context carries the int ``ac_graph_id``,
-    so graph nodes traced under it get ``meta["ac_graph_id"] == ac_graph_id``.
-    """
-    states = {False: OpSACState(), True: OpSACState()}
-
-    def policy(ctx: Any, func: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
-        return states[bool(ctx.is_recompute)].decide(func, args)
-
-    caching, cached = create_selective_checkpoint_contexts(policy)
-    caching.ac_graph_id = int(ac_graph_id)
-    return caching, cached
-
-
-_SAC_META_KEYS = ("recompute", "ac_graph_id")
-
-
-@contextlib.contextmanager
-def restore_sac_meta(keys: tuple[str, ...] = _SAC_META_KEYS) -> Iterator[None]:
-    """Undo SAC's writes to ``torch.fx.traceback.current_meta`` when the region ends.
-
-    Under make_fx / aot_export, ``_CachingTorchDispatchMode`` sets
-    ``current_meta["recompute"]`` and ``["ac_graph_id"]`` and never clears them. Every
-    node traced afterwards, including the whole backward, would then inherit the tag.
-    """
-    old = {k: fx_traceback.current_meta[k] for k in keys if k in fx_traceback.current_meta}
-    try:
-        yield
-    finally:
-        # Look the dict up again: preserve_node_meta() may have rebound the global.
-        cm = fx_traceback.current_meta
-        for k in keys:
-            cm.pop(k, None)
-        cm.update(old)
-
-
-# --------------------------------------------------------------------------------------
 # Transformer
 # --------------------------------------------------------------------------------------
 
@@ -483,24 +300,7 @@ class TransformerBlock(nn.Module):
         return h + self.feed_forward(self.ffn_norm(h))
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        if self.ac_mode is None:
-            return self._forward(x, cos, sin)
-        if self.ac_mode == "full":
-            context_fn: Callable[[], tuple[Any, Any]] = noop_context_fn
-        elif self.ac_mode == "op":
-            layer_id = self.layer_id
-
-            def context_fn() -> tuple[Any, Any]:
-                return op_sac_context_fn(layer_id)
-
-        else:
-            raise ValueError(
-                f"TransformerBlock.ac_mode must be None, 'full' or 'op', got {self.ac_mode!r}"
-            )
-        with restore_sac_meta():
-            return checkpoint(
-                self._forward, x, cos, sin, use_reentrant=False, context_fn=context_fn
-            )
+        return ac.checkpoint_block(self._forward, self.ac_mode, self.layer_id, x, cos, sin)
 
 
 class Transformer(nn.Module):
@@ -643,22 +443,7 @@ def build_model(
 # Activation checkpointing
 # --------------------------------------------------------------------------------------
 
-VALID_AC_MODES = ("none", "full", "layer:K", "op")
-_AC_MODES_MSG = "valid modes: None, 'none', 'full', 'layer:K' (K >= 1), 'op'"
-
-
-def parse_ac_mode(mode: str | None, n_layers: int) -> list[str | None]:
-    """Per-block ``ac_mode`` list for ``mode`` (see :func:`apply_ac`). Raises ValueError."""
-    if mode is None or mode == "none":
-        return [None] * n_layers
-    if mode in ("full", "op"):
-        return [mode] * n_layers
-    if isinstance(mode, str) and mode.startswith("layer:"):
-        k_str = mode[len("layer:") :]
-        if k_str.isascii() and k_str.isdigit() and int(k_str) >= 1:
-            k = int(k_str)
-            return ["full" if i % k == 0 else None for i in range(n_layers)]
-    raise ValueError(f"unknown activation checkpointing mode {mode!r}; {_AC_MODES_MSG}")
+VALID_AC_MODES = ac.AC_MODES
 
 
 def apply_ac(model: Transformer, mode: str | None) -> Transformer:
@@ -668,13 +453,13 @@ def apply_ac(model: Transformer, mode: str | None) -> Transformer:
       * ``None`` / ``"none"``: no AC (removes a previous setting).
       * ``"full"``: checkpoint every block (non-reentrant); only block inputs are saved.
       * ``"layer:K"``: fully checkpoint blocks whose index ``% K == 0``.
-      * ``"op"``: op-selective AC per block via :func:`op_sac_context_fn` / :func:`op_sac_policy`.
+      * ``"op"``: op-selective AC per block (``autoparallel.ac``: the policy graph SAC shares).
 
     Blocks are not wrapped, so parameter FQNs are unchanged. Every checkpoint call
-    restores ``current_meta`` afterwards (:func:`restore_sac_meta`), so SAC tags do not
-    leak into later graph nodes under make_fx / aot_export.
+    restores ``current_meta`` afterwards (``autoparallel.ac.restore_sac_meta``), so SAC tags do
+    not leak into later graph nodes under make_fx / aot_export.
     """
-    per_block = parse_ac_mode(mode, len(model.layers))
+    per_block = ac.parse_ac_mode(mode, len(model.layers))
     for block, block_mode in zip(model.layers, per_block, strict=True):
         block.ac_mode = block_mode
     return model

@@ -20,6 +20,7 @@ from torch._guards import detect_fake_mode
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from autoparallel import meta as M
+from autoparallel import roles
 from autoparallel.mesh import ParallelMesh, attach_group_dims
 from autoparallel.parallelize.module_paths import annotate_module_paths
 from autoparallel.parallelize.plan import ParallelPlan, ParamSharding
@@ -55,7 +56,7 @@ class JointGraph:
 
     @property
     def param_fqns(self) -> list[str]:
-        return [r.partition(":")[2] for r in self.input_roles if r.startswith("param:")]
+        return roles.names_of(self.input_roles, roles.PARAM)
 
     @property
     def num_params(self) -> int:
@@ -144,36 +145,15 @@ def _to_fake(root: nn.Module, fake_mode: FakeTensorMode) -> None:
                 store[name] = memo[id(t)]
 
 
-def _role_of_desc(desc) -> str | None:
-    from torch._functorch._aot_autograd import descriptors as D
-
-    if desc is None:
-        return None
-    if isinstance(desc, D.ParamAOTInput):
-        return f"param:{clean_fqn(desc.target)}"
-    if isinstance(desc, D.BufferAOTInput):
-        return f"buffer:{clean_fqn(desc.target)}"
-    if isinstance(desc, D.PlainAOTInput):
-        return f"input:{desc.idx}"
-    if isinstance(desc, D.TangentAOTInput):
-        return f"tangent:{_role_of_desc(desc.output)}"
-    if isinstance(desc, D.PlainAOTOutput):
-        return "loss" if desc.idx == 0 else f"output:{desc.idx}"
-    if isinstance(desc, D.GradAOTOutput):
-        inner = _role_of_desc(desc.grad_of)
-        return f"grad:{inner.partition(':')[2]}" if inner else None
-    return type(desc).__name__
-
-
 def _label_roles(gm: fx.GraphModule) -> tuple[list[str], list[str | None], int]:
     input_roles = []
     for node in gm.graph.find_nodes(op="placeholder"):
-        role = _role_of_desc(node.meta.get(M.DESC))
+        role = roles.of_descriptor(node.meta.get(M.DESC), fqn=clean_fqn)
         node.meta[M.ROLE] = role
         input_roles.append(role)
     out = gm.graph.output_node()
     descs = out.meta.get(M.DESC) or [None] * len(out.args[0])
-    output_roles = [_role_of_desc(d) for d in descs]
+    output_roles = [roles.of_descriptor(d, fqn=clean_fqn) for d in descs]
     out.meta[M.ROLE] = output_roles
-    num_fwd = sum(1 for r in output_roles if r is not None and not r.startswith("grad:"))
+    num_fwd = sum(1 for r in output_roles if r is not None and not roles.is_grad(r))
     return input_roles, output_roles, num_fwd

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 from torch import fx
 
-from autoparallel import meta as M
+from autoparallel.fx_utils import node_val
 
 
 @dataclass
@@ -55,12 +55,8 @@ def cleanup_graph(gm: fx.GraphModule) -> CleanupReport:
 
     graph = gm.graph
     for node in graph.nodes:
-        if node.op == "call_function" and M.VAL not in node.meta:
-            raise ValueError(
-                f"node {node.name!r} ({node.format_node()}) has no meta['val']; the clean-up's "
-                "no-op removal compares input and output values: trace with make_fx/aot export "
-                "or run FakeTensorProp first"
-            )
+        if node.op == "call_function":
+            node_val(node, "the clean-up's no-op removal (it compares input and output values)")
     before = {n.name: _op_name(n) for n in graph.nodes}
     graph = fx_graph_cse(graph)
     gm.graph = graph

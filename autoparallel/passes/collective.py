@@ -1,11 +1,16 @@
 """The collective passes of pipeline step 6, composed: what a compiler (and the report) calls.
 
 * :func:`tag_joint` on the joint graph, before the partition (pre-overlap bucketing tags);
-* :func:`bucket_fw_bw` on the split forward and backward graphs: chained all-gather fusion first
-  (a merged all-gather would break the chains), then pre-overlap bucketing, then optionally
-  Inductor's overlap scheduler with topo-span bucketing on CPU;
+* :func:`bucket_fw_bw` on the split forward and backward graphs: the passes of
+  :data:`COLLECTIVE_PASSES`, in that order, each where its config switch is on:
+  chained all-gather fusion first (a merged all-gather would break the chains), then pre-overlap
+  bucketing, then Inductor's overlap scheduler with topo-span bucketing (on CPU);
 * :func:`bucket_joint` runs tagging and bucketing on a joint graph itself (for reports and tests
   that have no split graphs).
+
+:data:`COLLECTIVE_PASSES` is the one list of these passes and their order: ``autoparallel_backend``
+runs it through :func:`bucket_fw_bw`, and ``autoparallel.pipeline`` makes one stage of each entry
+(so each pass has a name, an input graph and an output graph).
 
 Each returns per-graph collective counts before/after so stage counts can be reported. Graphs are
 mutated in place where the passes allow it (the overlap scheduler returns a new module). Merged
@@ -15,13 +20,16 @@ all-gathers are rank-specific: run this on each rank's graphs, in that rank's (f
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from torch import fx
 
 from autoparallel import meta as M
+from autoparallel.passes.bucket_plan import BucketingMetrics
 from autoparallel.passes.fuse_chained_allgathers import fuse_chained_allgathers
-from autoparallel.passes.overlap_estimator import RooflineConfig, schedule_overlap_on_cpu
+from autoparallel.passes.overlap_estimator import RooflineConfig
+from autoparallel.passes.overlap_scheduling import schedule_overlap_on_cpu
 from autoparallel.passes.pre_overlap_bucketing import (
     PreOverlapConfig,
     PreOverlapResult,
@@ -30,7 +38,7 @@ from autoparallel.passes.pre_overlap_bucketing import (
     collective_counts,
     tag_collectives_for_bucketing,
 )
-from autoparallel.passes.topo_span_bucketing import BucketingMetrics, TopoSpanConfig
+from autoparallel.passes.topo_span_bucketing import TopoSpanConfig
 
 log = logging.getLogger(__name__)
 
@@ -82,33 +90,98 @@ def tag_joint(gm: fx.GraphModule) -> TagCounts:
     return tag_collectives_for_bucketing(gm)
 
 
+def _fuse(gm: fx.GraphModule, config: CollectivePassesConfig, m: GraphPassMetrics) -> fx.GraphModule:
+    m.fused_chains = fuse_chained_allgathers(gm, gm.meta.get(M.GM_GROUP_DIMS))
+    return gm
+
+
+def _pre_overlap(gm: fx.GraphModule, config: CollectivePassesConfig, m: GraphPassMetrics) -> fx.GraphModule:
+    m.pre_overlap = bucket_tagged_collectives(gm, config.pre_overlap)
+    return gm
+
+
+def _schedule_overlap(gm: fx.GraphModule, config: CollectivePassesConfig, m: GraphPassMetrics) -> fx.GraphModule:
+    res = schedule_overlap_on_cpu(gm, config.topo_span, config.roofline)
+    res.gm.meta.update(gm.meta)
+    m.overlap_bucketing = res.bucketing_calls
+    m.max_consec_compute_between_rs = res.max_consec_compute_between_rs
+    return res.gm
+
+
+@dataclass(frozen=True)
+class CollectivePass:
+    """One collective pass on a split graph: ``run(gm, config, metrics) -> gm`` (it may return a
+    new module), switched on by ``enabled(config)``; ``patches``: the registered patches it is."""
+
+    name: str
+    enabled: Callable[[CollectivePassesConfig], bool]
+    run: Callable[[fx.GraphModule, CollectivePassesConfig, GraphPassMetrics], fx.GraphModule]
+    summary: str
+    patches: tuple[str, ...]
+
+
+#: The collective passes in the order they run on each split graph.
+COLLECTIVE_PASSES: tuple[CollectivePass, ...] = (
+    CollectivePass(
+        "fuse_chained_allgathers",
+        lambda c: c.fuse_chained_allgathers,
+        _fuse,
+        "dp->tp all-gather chains -> one all-gather on the flattened group",
+        ("fuse_chained_allgathers",),
+    ),
+    CollectivePass(
+        "pre_overlap_bucketing",
+        lambda c: c.pre_overlap_bucketing,
+        _pre_overlap,
+        "merge the collectives tagged on the joint graph into byte-capped buckets",
+        ("pre_overlap_bucketing",),
+    ),
+    CollectivePass(
+        "topo_span_bucketing",
+        lambda c: c.schedule_overlap,
+        _schedule_overlap,
+        "Inductor's overlap scheduler (CPU roofline) with topo-span-bounded FSDP bucketing",
+        ("primary_fsdp_group", "topo_span_bucketing"),
+    ),
+)
+COLLECTIVE_PASS_NAMES: tuple[str, ...] = tuple(p.name for p in COLLECTIVE_PASSES)
+
+
+def _selected(config: CollectivePassesConfig, only: Sequence[str] | None) -> list[CollectivePass]:
+    if only is None:
+        return [p for p in COLLECTIVE_PASSES if p.enabled(config)]
+    unknown = sorted(set(only) - set(COLLECTIVE_PASS_NAMES))
+    if unknown:
+        raise ValueError(f"unknown collective pass(es) {unknown}; passes: {list(COLLECTIVE_PASS_NAMES)}")
+    return [p for p in COLLECTIVE_PASSES if p.name in only]
+
+
 def _run(
-    name: str, gm: fx.GraphModule, config: CollectivePassesConfig
+    name: str, gm: fx.GraphModule, config: CollectivePassesConfig, only: Sequence[str] | None = None
 ) -> tuple[fx.GraphModule, GraphPassMetrics]:
     m = GraphPassMetrics(before=collective_counts(gm))
-    if config.fuse_chained_allgathers:
-        m.fused_chains = fuse_chained_allgathers(gm, gm.meta.get(M.GM_GROUP_DIMS))
-    if config.pre_overlap_bucketing:
-        m.pre_overlap = bucket_tagged_collectives(gm, config.pre_overlap)
-    if config.schedule_overlap:
-        res = schedule_overlap_on_cpu(gm, config.topo_span, config.roofline)
-        res.gm.meta.update(gm.meta)
-        gm = res.gm
-        m.overlap_bucketing = res.bucketing_calls
-        m.max_consec_compute_between_rs = res.max_consec_compute_between_rs
+    for p in _selected(config, only):
+        gm = p.run(gm, config, m)
     m.after = collective_counts(gm)
     log.info("collective passes on %s: %s", name, {k: (m.before[k], m.after[k]) for k in m.before})
     return gm, m
 
 
 def bucket_fw_bw(
-    fw: fx.GraphModule, bw: fx.GraphModule, config: CollectivePassesConfig | None = None
+    fw: fx.GraphModule,
+    bw: fx.GraphModule,
+    config: CollectivePassesConfig | None = None,
+    *,
+    only: Sequence[str] | None = None,
 ) -> tuple[fx.GraphModule, fx.GraphModule, PipelineMetrics]:
-    """Run the collective passes on split graphs whose nodes carry the joint graph's tags."""
+    """Run the collective passes on split graphs whose nodes carry the joint graph's tags.
+
+    The passes the config switches on run, in :data:`COLLECTIVE_PASSES` order; ``only`` (pass
+    names) runs exactly those instead, whatever the switches say (one pipeline stage per pass)."""
     config = config if config is not None else CollectivePassesConfig()
     metrics = PipelineMetrics()
-    fw, metrics.graphs["fw"] = _run("fw", fw, config)
-    bw, metrics.graphs["bw"] = _run("bw", bw, config)
+    fw, metrics.graphs["fw"] = _run("fw", fw, config, only)
+    bw, metrics.graphs["bw"] = _run("bw", bw, config, only)
     return fw, bw, metrics
 
 
@@ -124,6 +197,9 @@ def bucket_joint(
 
 
 __all__ = [
+    "COLLECTIVE_PASSES",
+    "COLLECTIVE_PASS_NAMES",
+    "CollectivePass",
     "CollectivePassesConfig",
     "GraphPassMetrics",
     "PipelineMetrics",

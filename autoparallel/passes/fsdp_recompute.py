@@ -32,7 +32,7 @@ from torch import fx
 from torch.utils.checkpoint import CheckpointPolicy
 
 from autoparallel import meta as M
-from autoparallel import patches
+from autoparallel import patches, roles
 from autoparallel.fx_utils import ALL_GATHER, WAIT, is_dtype_cast, node_val, tensor_bytes
 
 log = logging.getLogger(__name__)
@@ -65,7 +65,7 @@ def _is_param_placeholder(node: fx.Node) -> bool:
     """Whether a placeholder holds a parameter. Graphs without roles (hand-built) count every
     placeholder as one; graphs traced by autoparallel.parallelize say so in ``meta[ROLE]``."""
     role = node.meta.get(M.ROLE)
-    return role is None or str(role).startswith("param:")
+    return role is None or roles.is_param(role)
 
 
 def is_fsdp_all_gather(node: fx.Node) -> bool:

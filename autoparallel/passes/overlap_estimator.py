@@ -1,32 +1,21 @@
-"""Inductor's overlap scheduler on a CPU-only machine: an analytic roofline runtime estimator.
+"""An analytic roofline runtime estimator, so Inductor's overlap scheduler runs on a CPU.
 
 ``torch._inductor.fx_passes.overlap_scheduling.schedule_overlap_bucketing`` needs a runtime for
 every compute node and collective. Its own roofline (``estimate_roofline_runtime_ms``) asks
 ``torch.utils._runtime_estimation`` for the GPU's DRAM bandwidth and peak FLOPs, which imports
-triton, and it runs for every compute node even when a custom estimator is given. So:
-
-* :class:`RooflineEstimator` estimates from configurable peak rates (:class:`RooflineConfig`):
-  compute nodes by ``max(FLOPs / peak FLOPs, bytes moved / memory bandwidth)``, collectives by
-  bytes and group size with a ring model plus a fixed latency; it is passed to the scheduler as
-  ``custom_runtime_estimation``;
-* :func:`cpu_runtime_estimation_installed` replaces the scheduler module's
-  ``estimate_roofline_runtime_ms`` with the estimator for the scope of a ``with`` block and
-  restores it on exit (exceptions included);
-* :func:`schedule_overlap_on_cpu` runs the scheduler inside both that scope and
-  :func:`~autoparallel.passes.topo_span_bucketing.topo_span_bucketing_installed`, with analytic
-  compute and collective estimators (no benchmarking, no cross-rank alignment), and logs
-  ``max_consec_compute_between_rs`` of the result.
-
-The scheduler needs a running world (fake is fine) whose group names the graph uses, and
-FakeTensor ``val`` on every node.
+triton, and it runs for every compute node even when a custom estimator is given. So
+:class:`RooflineEstimator` estimates from configurable peak rates (:class:`RooflineConfig`):
+compute nodes by ``max(FLOPs / peak FLOPs, bytes moved / memory bandwidth)``, collectives by bytes
+and group size with a ring model plus a fixed latency. ``autoparallel.passes.overlap_scheduling``
+passes it to the scheduler (``custom_runtime_estimation``) and routes the built-in roofline
+through it.
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import math
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -34,21 +23,16 @@ import torch
 from torch import fx
 from torch.utils import _pytree as pytree
 
+from autoparallel import meta as M
 from autoparallel.fx_utils import (
     ALL_GATHER,
     ALL_GATHER_OUT,
     ALL_REDUCE,
     COLLECTIVE_LAUNCHES,
     WAIT,
-    max_consec_compute_between_rs,
+    group_size_of,
     node_val,
     tensor_bytes,
-)
-from autoparallel.passes.topo_span_bucketing import (
-    BucketingMetrics,
-    TopoSpanConfig,
-    group_size_of,
-    topo_span_bucketing_installed,
 )
 
 log = logging.getLogger(__name__)
@@ -137,12 +121,12 @@ class RooflineEstimator:
             return 0.0
         if isinstance(target, torch._ops.OpOverload) and target.is_view:
             return 0.0
-        out = node.meta.get("val")
+        out = node.meta.get(M.VAL)
         if out is None:
             return 0.0
 
         def val(a):
-            return a.meta.get("val") if isinstance(a, fx.Node) else a
+            return a.meta.get(M.VAL) if isinstance(a, fx.Node) else a
 
         args = pytree.tree_map(val, node.args)
         kwargs = pytree.tree_map(val, node.kwargs)
@@ -193,70 +177,12 @@ class RooflineEstimator:
             return self.collective_ms(node, override_size)
         if node.target is WAIT:
             return 0.0
-        if "val" not in node.meta:
+        if M.VAL not in node.meta:
             return None
         return self.compute_ms(node)
 
 
-@contextlib.contextmanager
-def cpu_runtime_estimation_installed(estimator: RooflineEstimator) -> Iterator[RooflineEstimator]:
-    """Route the overlap scheduler's built-in roofline through ``estimator`` (no triton import)."""
-    import torch._inductor.fx_passes.overlap_scheduling as sched
-
-    saved = sched.estimate_roofline_runtime_ms
-    sched.estimate_roofline_runtime_ms = estimator.compute_ms
-    try:
-        yield estimator
-    finally:
-        sched.estimate_roofline_runtime_ms = saved
-
-
-@dataclass
-class OverlapResult:
-    gm: fx.GraphModule
-    bucketing_calls: list[BucketingMetrics]
-    primary_groups: list[tuple[list[str], int | None]]
-    max_consec_compute_between_rs: int
-    patches: tuple[str, ...]
-
-
-def schedule_overlap_on_cpu(
-    gm: fx.GraphModule,
-    config: TopoSpanConfig | None = None,
-    roofline: RooflineConfig | None = None,
-    **scheduler_kwargs: Any,
-) -> OverlapResult:
-    """Run upstream ``schedule_overlap_bucketing`` on ``gm`` without triton or a GPU.
-
-    FSDP pre-bucketing inside it goes through topo-span bucketing (where enabled); extra keyword
-    arguments are passed to the scheduler (e.g. ``collective_bucketing=True``).
-    """
-    from torch._inductor.fx_passes.overlap_scheduling import schedule_overlap_bucketing
-
-    config = config if config is not None else TopoSpanConfig()
-    estimator = RooflineEstimator(roofline)
-    kwargs: dict[str, Any] = {
-        "max_compute_pre_fetch": config.max_compute_pre_fetch,
-        "custom_runtime_estimation": estimator,
-        "compute_estimator": "analytical",
-        "collective_estimator": "analytical",
-        "pre_bucketing_fsdp_collectives": True,
-        "pre_bucketing_fsdp_collectives_bucket_cap_mb": config.bucket_cap_mb,
-    }
-    kwargs.update(scheduler_kwargs)
-    with cpu_runtime_estimation_installed(estimator), topo_span_bucketing_installed(config) as inst:
-        new_gm = schedule_overlap_bucketing(gm, **kwargs)
-    new_gm.graph.lint()
-    new_gm.recompile()
-    metric = max_consec_compute_between_rs(new_gm.graph)
-    log.info("overlap scheduling: max_consec_compute_between_rs=%d", metric)
-    return OverlapResult(new_gm, inst.calls, inst.primary_groups, metric, inst.patches)
-
-
 __all__ = [
-    "OverlapResult",
     "RooflineConfig",
     "RooflineEstimator",
-    "cpu_runtime_estimation_installed",
-    "schedule_overlap_on_cpu",
 ]

@@ -13,7 +13,7 @@ independent. This pass merges them first, in two phases:
 2. :func:`bucket_tagged_collectives` runs on the **split** graphs (or any graph carrying tags):
    tagged collectives are grouped by (group, reduce op, dtype), bucketed greedily under
    ``bucket_cap_mb`` without an adjacency requirement and never together with one of their own
-   descendants (:func:`autoparallel.passes.topo_span_bucketing.plan_buckets`), merged with
+   descendants (:func:`autoparallel.passes.bucket_plan.plan_buckets`), merged with
    PyTorch's ``merge_*_bucket`` functions, and the graph is stable-topologically sorted.
 
 PyTorch's all-gather merge writes this rank's shard into a rank-dependent slice of the bucket, so
@@ -31,7 +31,7 @@ from torch import fx
 from torch.utils import _pytree as pytree
 
 from autoparallel import meta as M
-from autoparallel import patches
+from autoparallel import patches, roles
 from autoparallel.fx_utils import (
     ALL_GATHER,
     ALL_GATHER_OUT,
@@ -42,7 +42,7 @@ from autoparallel.fx_utils import (
     resolve_group,
     wait_of,
 )
-from autoparallel.passes.topo_span_bucketing import BucketingMetrics, check_cap_mb, plan_buckets
+from autoparallel.passes.bucket_plan import BucketingMetrics, check_cap_mb, plan_buckets
 
 log = logging.getLogger(__name__)
 
@@ -52,9 +52,6 @@ TAG_FSDP_AG = "fsdp_ag"
 TAG_GRAD_RS = "grad_rs"
 TAG_GRAD_AR = "grad_ar"
 TAGS = (TAG_FSDP_AG, TAG_GRAD_RS, TAG_GRAD_AR)
-
-_PARAM_ROLE = "param:"
-_GRAD_ROLE = "grad:"
 
 
 @dataclass(frozen=True)
@@ -96,8 +93,7 @@ def param_derived_nodes(graph: fx.Graph) -> set[fx.Node]:
     derived: set[fx.Node] = set()
     for node in graph.nodes:
         if node.op == "placeholder":
-            role = node.meta.get(M.ROLE)
-            if isinstance(role, str) and role.startswith(_PARAM_ROLE):
+            if roles.is_param(node.meta.get(M.ROLE)):
                 derived.add(node)
         elif node.op == "call_function":
             inputs = node.all_input_nodes
@@ -114,22 +110,22 @@ def gradient_terminal_nodes(graph: fx.Graph) -> set[fx.Node]:
     on the way keeps e.g. a TP activation-gradient all-reduce (which feeds the next backward
     matmul) out, as upstream's ``is_fsdp_reduce_scatter_wait`` does."""
     out = graph.output_node()
-    roles = out.meta.get(M.ROLE)
-    if roles is None:
+    labels = out.meta.get(M.ROLE)
+    if labels is None:
         raise ValueError(
             f"output node {out.name!r} has no meta[{M.ROLE!r}]: tag on the joint graph from "
             "autoparallel.parallelize.build_joint_graph (it labels outputs loss / grad:<fqn>)"
         )
     leaves = pytree.tree_leaves(out.args[0])
-    if len(leaves) != len(roles):
+    if len(leaves) != len(labels):
         raise ValueError(
-            f"output node {out.name!r}: {len(leaves)} outputs but {len(roles)} roles in "
+            f"output node {out.name!r}: {len(leaves)} outputs but {len(labels)} roles in "
             f"meta[{M.ROLE!r}]; the labels do not describe this graph"
         )
     grad_only: dict[fx.Node, bool] = {}
-    for leaf, role in zip(leaves, roles, strict=True):
+    for leaf, role in zip(leaves, labels, strict=True):
         if isinstance(leaf, fx.Node):
-            is_grad = isinstance(role, str) and role.startswith(_GRAD_ROLE)
+            is_grad = roles.is_grad(role)
             grad_only[leaf] = grad_only.get(leaf, True) and is_grad
     terminal: set[fx.Node] = set()
     for node in reversed(graph.nodes):

@@ -19,6 +19,8 @@ from typing import Any
 import torch
 from torch import fx, nn
 
+from autoparallel import roles
+
 
 @dataclass
 class PartitionRecord:
@@ -70,17 +72,17 @@ class ParallelModule(nn.Module):
         group_dims: Mapping[str, str] | None = None,
     ):
         super().__init__()
-        roles = [r for r in input_roles if not r.startswith("tangent:")]
-        want_params = [r.partition(":")[2] for r in roles if r.startswith("param:")]
-        want_buffers = [r.partition(":")[2] for r in roles if r.startswith("buffer:")]
+        primal_roles = [r for r in input_roles if not roles.is_tangent(r)]
+        want_params = roles.names_of(primal_roles, roles.PARAM)
+        want_buffers = roles.names_of(primal_roles, roles.BUFFER)
         for kind, want, have in (("parameter", want_params, params), ("buffer", want_buffers, buffers)):
             missing = sorted(set(want) - set(have))
             if missing:
                 raise ValueError(f"ParallelModule: no local {kind} given for {missing}")
         self.model = _module_tree({k: params[k] for k in want_params}, {k: buffers[k] for k in want_buffers})
         self._compiled = compiled_fn
-        self._roles = [tuple(r.split(":", 1)) for r in roles]
-        self.num_inputs = sum(1 for kind, _ in self._roles if kind == "input")
+        self._roles = [roles.parse(r) for r in primal_roles]
+        self.num_inputs = sum(1 for kind, _ in self._roles if kind == roles.INPUT)
         self.first_partition = first_partition
         self.steps = tuple(steps)
         self.group_dims = dict(group_dims or {})
@@ -94,9 +96,9 @@ class ParallelModule(nn.Module):
             raise TypeError(f"ParallelModule takes {self.num_inputs} inputs, got {len(inputs)}")
         args = []
         for kind, name in self._roles:
-            if kind == "param":
+            if kind == roles.PARAM:
                 args.append(self.model.get_parameter(name))
-            elif kind == "buffer":
+            elif kind == roles.BUFFER:
                 args.append(self.model.get_buffer(name))
             else:
                 args.append(inputs[int(name)])

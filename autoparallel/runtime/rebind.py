@@ -6,13 +6,11 @@ its own. Both name their groups by mesh dim, so rebinding goes name -> dim -> na
 
 from __future__ import annotations
 
-import copy
-import warnings
 from collections.abc import Mapping
 
 from torch import fx
 
-from autoparallel.fx_utils import GROUP_ARG, group_arg_index, group_of
+from autoparallel.fx_utils import GROUP_ARG, copy_graph_module, group_arg_index, group_of
 from autoparallel.mesh import attach_group_dims, dim_label, group_dims_of
 
 
@@ -20,11 +18,7 @@ def rebind_groups(gm: fx.GraphModule, target_dims: Mapping[str, str]) -> fx.Grap
     """A copy of ``gm`` whose collectives use the groups of ``target_dims`` (name -> dim)."""
     source_dims = group_dims_of(gm)
     by_label = {label: name for name, label in target_dims.items()}
-    with warnings.catch_warnings():
-        # Deep-copying a GraphModule pickles its pytree specs, which warns about a deprecation
-        # inside torch itself; nothing the caller can act on.
-        warnings.simplefilter("ignore", FutureWarning)
-        out = copy.deepcopy(gm)
+    out = copy_graph_module(gm)
     for node in out.graph.nodes:
         i = group_arg_index(node)
         if i is None:

@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import fx
 
+from autoparallel import roles
+
 Executor = Callable[[Mapping[str, torch.Tensor], Sequence[torch.Tensor]], tuple[torch.Tensor, dict[str, torch.Tensor]]]
 
 
@@ -75,12 +77,12 @@ def primals_by_role(
     """A graph's primal inputs in placeholder order, picked by role (tangents are left out)."""
     primals = []
     for role in input_roles:
-        kind, _, name = role.partition(":")
-        if kind == "param":
+        kind, name = roles.parse(role)
+        if kind == roles.PARAM:
             primals.append(params[name])
-        elif kind == "buffer":
+        elif kind == roles.BUFFER:
             primals.append(buffers[name])
-        elif kind == "input":
+        elif kind == roles.INPUT:
             primals.append(inputs[int(name)])
     return primals
 
@@ -92,7 +94,7 @@ def joint_graph_executor(
     buffers: Mapping[str, torch.Tensor],
 ) -> Executor:
     """Runs a joint graph ``gm(primals, tangents)``: forward and backward in one call."""
-    tangent_count = sum(1 for r in input_roles if r.startswith("tangent:"))
+    tangent_count = sum(1 for r in input_roles if roles.is_tangent(r))
 
     def run(params, inputs):
         primals = primals_by_role(input_roles, params, buffers, inputs)
@@ -100,9 +102,9 @@ def joint_graph_executor(
             fw_out, grads = gm(primals, [torch.ones((), dtype=torch.float32)] * tangent_count)
         loss = fw_out[0]
         named = {}
-        grad_roles = [r for r in output_roles if r is not None and r.startswith("grad:")]
-        for role, g in zip(grad_roles, [g for g in grads if g is not None], strict=True):
-            named[role.partition(":")[2]] = g
+        grad_fqns = roles.names_of(output_roles, roles.GRAD)
+        for fqn, g in zip(grad_fqns, [g for g in grads if g is not None], strict=True):
+            named[fqn] = g
         return loss.detach(), named
 
     return run

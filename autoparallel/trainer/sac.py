@@ -18,7 +18,7 @@ Rules of the tagging pass:
 * Ops tagged ``nondeterministic_seeded`` are always saved: the remat pass refuses to replay
   random ops. Note that this includes SDPA (it takes a dropout argument), so ``"full"`` saves
   the attention output where eager full AC would recompute it.
-* Policies: ``"op"`` takes each decision from :class:`autoparallel.models.llama3.OpSACState`
+* Policies: ``"op"`` takes each decision from :class:`autoparallel.ac.OpSACState`
   (one state per region, nodes in forward order), the same function eager
   ``apply_ac(model, "op")`` uses, so the saved set is identical. ``"full"`` recomputes
   everything in a region (``MUST_RECOMPUTE``); only region inputs are saved.
@@ -35,11 +35,11 @@ import torch.fx as fx
 from torch.utils.checkpoint import CheckpointPolicy
 
 from autoparallel import meta as M
-from autoparallel.fx_utils import WAIT
-from autoparallel.models.llama3 import OpSACState
+from autoparallel.ac import FULL, OP, SAC_POLICIES, OpSACState
+from autoparallel.fx_utils import WAIT, copy_graph_module
 from autoparallel.patches import enabled
 from autoparallel.trainer.regions import region_of
-from autoparallel.trainer.trace import TracedStep, copy_graph_module, is_backward_node
+from autoparallel.trainer.trace import TracedStep, is_backward_node
 
 __all__ = [
     "SAC_POLICIES",
@@ -50,8 +50,6 @@ __all__ = [
     "remat_pass",
     "sac_stages",
 ]
-
-SAC_POLICIES = ("op", "full")
 
 
 def _op_policy() -> Callable[[int, fx.Node], CheckpointPolicy]:
@@ -71,7 +69,7 @@ def _full_policy() -> Callable[[int, fx.Node], CheckpointPolicy]:
     return decide
 
 
-_POLICY_FACTORIES = {"op": _op_policy, "full": _full_policy}
+_POLICY_FACTORIES = {OP: _op_policy, FULL: _full_policy}
 
 
 def _is_rng(node: fx.Node) -> bool:
@@ -82,7 +80,7 @@ def _is_rng(node: fx.Node) -> bool:
     )
 
 
-def apply_sac_pass(gm: fx.GraphModule, policy: str = "op") -> fx.GraphModule:
+def apply_sac_pass(gm: fx.GraphModule, policy: str = OP) -> fx.GraphModule:
     """Tag the forward nodes of ``gm`` for selective AC with ``policy``; in place, returns ``gm``.
 
     Raises ValueError for an unknown policy (listing the valid ones) and when no node carries
@@ -171,7 +169,7 @@ def remat_pass(gm: fx.GraphModule) -> fx.GraphModule:
     return out
 
 
-def sac_stages(step: TracedStep, policy: str = "op") -> tuple[fx.GraphModule, fx.GraphModule]:
+def sac_stages(step: TracedStep, policy: str = OP) -> tuple[fx.GraphModule, fx.GraphModule]:
     """``(tagged, rematerialized)``: a copy of ``step.gm`` with SAC tags, and the remat graph.
 
     ``step.gm`` itself is not modified.
@@ -184,7 +182,7 @@ def sac_stages(step: TracedStep, policy: str = "op") -> tuple[fx.GraphModule, fx
     return tagged, out
 
 
-def graph_sac(step: TracedStep, policy: str = "op") -> TracedStep:
+def graph_sac(step: TracedStep, policy: str = OP) -> TracedStep:
     """Graph SAC on a traced step: ``apply_sac_pass`` then ``remat_pass``, on a copy of its graph.
 
     Returns the new step; ``step`` is unchanged.

@@ -42,23 +42,19 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from torch.nn.utils.stateless import _reparametrize_module
 
 from autoparallel import meta as M
+from autoparallel import roles
 from autoparallel.patches import enabled
 
 __all__ = [
     "LOSS_ROLE",
     "TracedStep",
     "copy_forward_meta_to_backward",
-    "copy_graph_module",
     "is_backward_node",
     "is_forward_node",
     "trace_train_step",
 ]
 
-LOSS_ROLE = "loss"
-_PARAM = "param:"
-_BUFFER = "buffer:"
-_INPUT = "input:"
-_GRAD = "grad:"
+LOSS_ROLE = roles.LOSS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,14 +77,14 @@ class TracedStep:
     @property
     def input_roles(self) -> tuple[str, ...]:
         return (
-            tuple(_PARAM + f for f in self.param_fqns)
-            + tuple(_BUFFER + f for f in self.buffer_fqns)
-            + tuple(f"{_INPUT}{i}" for i in range(self.num_inputs))
+            tuple(roles.param(f) for f in self.param_fqns)
+            + tuple(roles.buffer(f) for f in self.buffer_fqns)
+            + tuple(roles.input_(i) for i in range(self.num_inputs))
         )
 
     @property
     def output_roles(self) -> tuple[str, ...]:
-        return (LOSS_ROLE,) + tuple(_GRAD + f for f in self.param_fqns)
+        return (roles.LOSS,) + tuple(roles.grad(f) for f in self.param_fqns)
 
     def with_graph(self, gm: fx.GraphModule) -> TracedStep:
         """The same step with ``gm`` (the result of a pass) as its graph."""
@@ -369,18 +365,3 @@ def copy_forward_meta_to_backward(gm: fx.GraphModule) -> int:
                 node.meta[key] = copy.copy(src.meta[key])
         copied += 1
     return copied
-
-
-def copy_graph_module(gm: fx.GraphModule) -> fx.GraphModule:
-    """A copy of ``gm`` with its own nodes, so passes that tag in place leave ``gm`` untouched.
-
-    Node names and ``meta`` are kept (each node's meta dict is copied, values are shared);
-    ``gm.meta`` is copied too.
-    """
-    graph = fx.Graph()
-    env: dict[fx.Node, fx.Node] = {}
-    for node in gm.graph.nodes:
-        env[node] = graph.node_copy(node, lambda n: env[n])
-    out = fx.GraphModule(gm, graph)
-    out.meta = dict(gm.meta)
-    return out

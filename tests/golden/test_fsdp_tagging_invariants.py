@@ -23,7 +23,11 @@ import torch
 from torch import fx, nn
 
 from autoparallel import meta as M
+from autoparallel.compile import autoparallel_backend
 from autoparallel.fx_utils import ALL_GATHER, WAIT
+from autoparallel.mesh import fake_world
+from autoparallel.parallelize import ParallelPlan, build_joint_graph, split_batch
+from autoparallel.partition import apply_placement
 from autoparallel.passes.collective import CollectivePassesConfig, bucket_fw_bw
 from autoparallel.passes.pre_overlap_bucketing import TAG_FSDP_AG, tag_collectives_for_bucketing
 from verify.goldens.catalog import GOLDEN_SCENARIOS, PIPELINE_OPTIONS, golden_run
@@ -146,11 +150,6 @@ def _mse(out, target):
 
 def test_non_llama_fsdp_all_gathers_tagged_and_bucketed_in_both_compiles():
     import torch._dynamo
-
-    from autoparallel.compile import autoparallel_backend
-    from autoparallel.mesh import fake_world
-    from autoparallel.parallelize import ParallelPlan, build_joint_graph, split_batch
-    from autoparallel.partition import apply_placement
 
     torch.manual_seed(0)
     model = _LayerNormMLP()

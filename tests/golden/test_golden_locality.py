@@ -18,8 +18,8 @@ from autoparallel.mesh import fake_world
 from autoparallel.models.llama3 import FeedForward, TransformerBlock
 from autoparallel.parallelize import build_joint_graph
 from autoparallel.partition import apply_placement
+from autoparallel.pipeline import StageResult
 from verify.goldens.catalog import ALL_SCENARIOS, golden_run, stage_text
-from verify.pipeline import Stage
 
 SID = "tiny-fsdp-dp8"
 pytestmark = pytest.mark.xdist_group(SID)  # the golden tests' worker has the baseline run
@@ -59,10 +59,10 @@ def _golden_texts_with(edit, *, partition: bool) -> dict[str, str]:
     edit(model)
     with fake_world(sc.mesh_spec) as mesh:
         jg = build_joint_graph(model, sc.plan_obj(), mesh, sc.example_inputs())
-        texts = {"joint": stage_text(SID, Stage("joint", jg.gm))}  # before apply_placement rewrites it
+        texts = {"joint": stage_text(SID, StageResult("joint", jg.gm, 0.0))}  # before apply_placement rewrites it
         if partition:
             fp = apply_placement(jg).first_partition  # closes the trace
-            texts["first_partition"] = stage_text(SID, Stage("first_partition", (fp.fw, fp.bw)))
+            texts["first_partition"] = stage_text(SID, StageResult("first_partition", (fp.fw, fp.bw), 0.0))
         else:
             jg.close()
     return texts

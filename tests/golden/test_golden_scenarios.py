@@ -22,13 +22,14 @@ def _grouped(sid):
 def test_split_scenario_splits_buckets_by_bytes_and_by_span(shared_pipeline_runs):
     run = golden_run("tiny-fsdp-dp4-split")
     unbucketed = graph_stats(run.stage("second_compile").graphs[0]).collective_count("all_gather", "dp")
+    # each pass alone on the second compile's graphs: what the scenario's graph goldens show
     for stage in ("pre_overlap_bucketing", "topo_span_bucketing"):
-        fw = run.stage(stage).graphs[0]
+        fw = run.alternative(stage).graphs[0]
         count = graph_stats(fw).collective_count("all_gather", "dp")
         assert 1 < count < unbucketed, f"{stage}: {count} forward all-gathers of {unbucketed}: no split"
-    pre = run.metrics["pre_overlap_bucketing"].graphs["fw"].pre_overlap.metrics["all_gather"]
+    pre = run.alternative("pre_overlap_bucketing").report.graphs["fw"].pre_overlap.metrics["all_gather"]
     assert pre.closed_by_bytes > 0 and pre.closed_by_span == 0, pre.summary()
-    topo = run.metrics["topo_span_bucketing"].graphs["fw"].overlap_bucketing
+    topo = run.alternative("topo_span_bucketing").report.graphs["fw"].overlap_bucketing
     assert sum(m.closed_by_span for m in topo) > 0, [m.summary() for m in topo]
     assert sum(m.closed_by_bytes for m in topo) == 0  # the span, not the cap, split these
 

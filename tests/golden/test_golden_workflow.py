@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from verify.goldens import FORMAT_LINE, UPDATE_COMMAND, render_golden
+from verify.goldens import FORMAT_LINE, UPDATE_COMMAND, golden_dir_for, render_golden
+from verify.goldens.cli import run_goldens
 
 TEST_FILE = textwrap.dedent(
     """
@@ -93,7 +94,6 @@ def test_missing_changed_corrupt_and_unused_goldens(project):
 def test_goldens_command_finds_and_deletes_unused_goldens(project, capsys):
     """`python -m verify goldens`: a stray golden fails --check (named), and --update deletes it;
     a narrowed run cannot tell, says so and deletes nothing."""
-    from verify.goldens.cli import run_goldens
 
     write_test(project, "mm_0 = aten.mm(a, b)")
     # A test without a golden, as in this repository: `-m syrupy_snapshot` deselects it, and then
@@ -127,8 +127,6 @@ def test_goldens_command_finds_and_deletes_unused_goldens(project, capsys):
 
 
 def test_goldens_live_under_a_tests_directory(tmp_path):
-    from verify.goldens import golden_dir_for
-
     assert golden_dir_for(tmp_path / "tests" / "golden" / "test_x.py") == tmp_path / "goldens" / "golden" / "test_x"
     with pytest.raises(ValueError, match="must live under a 'tests/' directory"):
         golden_dir_for(tmp_path / "elsewhere" / "test_x.py")

@@ -1,7 +1,8 @@
 """Goldens of every pipeline stage: a change to tracing or a pass shows up as a text diff.
 
-Scenarios and stage names come from verify.goldens.catalog / verify.pipeline, which the report
-uses too. Regenerate with `python -m verify goldens --update` and review the diff.
+Scenarios and golden slots come from verify.goldens.catalog, the stage list from
+autoparallel.pipeline; the report uses both too. Regenerate with `python -m verify goldens --update`
+and review the diff.
 """
 
 import pytest
@@ -9,11 +10,13 @@ import pytest
 from verify.goldens.catalog import (
     ALL_SCENARIOS,
     GOLDEN_SCENARIOS,
+    GRAPH_GOLDEN_STAGES,
     counts_text,
+    golden_result,
     golden_run,
+    order_text,
     stage_text,
 )
-from verify.pipeline import STAGE_NAMES
 
 
 def _grouped(sids):
@@ -22,10 +25,15 @@ def _grouped(sids):
     return [pytest.param(sid, marks=pytest.mark.xdist_group(sid)) for sid in sorted(sids)]
 
 
-@pytest.mark.parametrize("stage", STAGE_NAMES)
+@pytest.mark.parametrize("stage", GRAPH_GOLDEN_STAGES)
 @pytest.mark.parametrize("sid", _grouped(GOLDEN_SCENARIOS))
 def test_stage_graph(sid, stage, golden, shared_pipeline_runs):
-    golden.check_text(stage_text(sid, golden_run(sid).stage(stage)))
+    golden.check_text(stage_text(sid, golden_result(golden_run(sid), stage)))
+
+
+@pytest.mark.parametrize("sid", _grouped(GOLDEN_SCENARIOS))
+def test_collective_pass_order(sid, golden, shared_pipeline_runs):
+    golden.check_text(order_text(sid, golden_run(sid)))
 
 
 @pytest.mark.parametrize("sid", _grouped(ALL_SCENARIOS))

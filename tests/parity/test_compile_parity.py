@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from verify.parity import compare_traces, merge_reports
-from verify.scenario import COMPILE_EXECUTORS, Scenario, run_compile_parity
+from verify.parity_runs import COMPILE_EXECUTORS, run_compile_parity
+from verify.scenario import Scenario
 
 STEPS = 3
 pytestmark = pytest.mark.xdist_group("compile-parity")  # one worker runs the module fixture

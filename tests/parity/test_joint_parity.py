@@ -4,7 +4,8 @@ import pytest
 import torch
 
 from verify.parity import compare_tensors, compare_traces, merge_reports
-from verify.scenario import Scenario, gather_full_grads, run_joint_parity, single_device_step
+from verify.parity_runs import gather_full_grads, run_joint_parity, single_device_step
+from verify.scenario import Scenario
 
 SCENARIOS = {
     "fsdp-dp2": Scenario(mesh="dp=2"),

@@ -16,7 +16,6 @@ from autoparallel.trainer import recompute_summary
 from verify.parity import compare_traces
 from verify.trainer_stages import (
     eager_executor,
-    intra_op_threads,
     make_batches,
     make_model,
     traced_executor,
@@ -29,10 +28,7 @@ BATCH = 4  # the shape the memory tests use too: one trace serves both
 STEPS = 3
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    with intra_op_threads(1):
-        yield
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 @pytest.fixture(scope="module")

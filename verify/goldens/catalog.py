@@ -1,14 +1,25 @@
 """Which goldens exist for which scenario and stage, and their text.
 
 The golden tests and ``python -m verify report`` both go through here, so the report can say
-whether each stage it shows matches its reviewed golden.
+whether each stage it shows matches its reviewed golden. Per golden scenario:
+
+* one graph golden per stage of ``autoparallel.pipeline.STAGE_NAMES`` (:func:`golden_result`):
+  the stage's own graphs, except for a collective pass, whose graph golden is that pass *alone* on
+  the second compile's graphs (an alternative: what the pass does by itself);
+* the collective-pass order golden (:func:`order_text`): the passes composed, in the order
+  ``autoparallel_backend`` runs them, with collective counts after each and what each did;
+* per scenario, also counts-only ones: one line per stage (and alternative) with its collective
+  counts (:func:`counts_text`).
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
+from autoparallel.compile import SECOND_COMPILE
+from autoparallel.passes.collective import COLLECTIVE_PASS_NAMES, COLLECTIVE_PASSES
 from autoparallel.passes.topo_span_bucketing import TopoSpanConfig
+from autoparallel.pipeline import STAGE_NAMES, PipelineRun, StageResult
 from verify.goldens.text import (
     GOLDENS_DIR,
     collective_counts_text,
@@ -16,7 +27,7 @@ from verify.goldens.text import (
     header_text,
     render_golden,
 )
-from verify.pipeline import PipelineRun, Stage, run_pipeline
+from verify.pipeline import run_pipeline
 from verify.scenario import Scenario
 
 GOLDEN_SCENARIOS: dict[str, Scenario] = {
@@ -43,6 +54,8 @@ ALL_SCENARIOS: dict[str, Scenario] = {**GOLDEN_SCENARIOS, **COUNTS_ONLY_SCENARIO
 MODULE = "golden/test_pipeline_goldens"
 STAGE_TEST = "test_stage_graph"
 COUNTS_TEST = "test_collective_counts"
+ORDER_TEST = "test_collective_pass_order"
+GRAPH_GOLDEN_STAGES: tuple[str, ...] = STAGE_NAMES  # a graph golden for every stage
 
 
 def scenario_id(scenario: Scenario) -> str | None:
@@ -85,15 +98,59 @@ def header(scenario: Scenario, stage: str) -> dict[str, str]:
     return out
 
 
-def stage_text(sid: str, stage: Stage) -> str:
-    return graph_golden_text(f"{sid} {stage.name}", header(GOLDEN_SCENARIOS[sid], stage.name), stage.graphs)
+def golden_result(run: PipelineRun, stage: str) -> StageResult:
+    """The result whose graphs a stage's graph golden shows: the stage's own, or for a collective
+    pass that pass alone on the second compile's graphs (the composed run: :func:`order_text`)."""
+    return run.alternative(stage) if stage in COLLECTIVE_PASS_NAMES else run.stage(stage)
+
+
+def stage_text(sid: str, result: StageResult) -> str:
+    return graph_golden_text(f"{sid} {result.name}", header(GOLDEN_SCENARIOS[sid], result.name), result.graphs)
 
 
 def counts_text(sid: str, run: PipelineRun) -> str:
-    rows = [row for s in run.stages for row in s.count_rows()]
+    """Every stage in order, then the alternatives (``<pass> (alone)``), one line per graph."""
+    rows = [row for r in [*run.results, *run.alternatives] for row in r.graph_rows()]
     return render_golden(
         f"{sid} collective counts",
         [("header", header_text(header(ALL_SCENARIOS[sid], "all"))), ("collectives", collective_counts_text(rows))],
+    )
+
+
+def _metrics_lines(name: str, metrics) -> list[str]:
+    """What one pass did to each graph (its PipelineMetrics), as deterministic text."""
+    lines = []
+    for graph, m in metrics.graphs.items():
+        parts = []
+        if m.fused_chains:
+            parts.append(f"fused chains {m.fused_chains}")
+        if m.pre_overlap is not None:
+            parts += [f"{kind}: {b.summary()}" for kind, b in m.pre_overlap.metrics.items() if b.num_candidates]
+        parts += [f"overlap bucketing: {b.summary()}" for b in m.overlap_bucketing]
+        if m.max_consec_compute_between_rs is not None:
+            parts.append(f"max_consec_compute_between_rs={m.max_consec_compute_between_rs}")
+        lines.append(f"{name} {graph}: " + ("; ".join(parts) or "nothing to do"))
+    return lines
+
+
+def order_text(sid: str, run: PipelineRun) -> str:
+    """The collective passes composed, as ``autoparallel_backend`` runs them: which run (in order),
+    collective counts after each (from the second compile's graphs on), and what each did."""
+    ran = [p for p in COLLECTIVE_PASSES if p.name in run.names]
+    order = [f"0. {SECOND_COMPILE}: the partitioner tags the bucketable collectives of its joint graph (tag_joint)"]
+    order += [f"{i}. {p.name}: {p.summary}" for i, p in enumerate(ran, 1)]
+    order += [f"-. {p.name}: off in this configuration" for p in COLLECTIVE_PASSES if p not in ran]
+    results = [run.stage(SECOND_COMPILE), *(run.stage(p.name) for p in ran)]
+    rows = [row for r in results for row in r.graph_rows()]
+    metrics = [line for p in ran for line in _metrics_lines(p.name, run.stage(p.name).report)]
+    return render_golden(
+        f"{sid} collective pass order",
+        [
+            ("header", header_text(header(GOLDEN_SCENARIOS[sid], "collective passes (composed)"))),
+            ("order", "\n".join(order)),
+            ("collectives", collective_counts_text(rows)),
+            ("what each pass did", "\n".join(metrics)),
+        ],
     )
 
 

@@ -75,6 +75,8 @@ def graph_golden_text(title: str, header: Mapping[str, object], graphs) -> str:
 
     ``graphs`` is one GraphModule or a ``(forward, backward)`` pair.
     """
+    # canon and stats import torch; importing them here keeps this module (the golden file
+    # format, which the goldens CLI and the pytest plugin read) free of torch.
     from verify.canon import canonicalize
     from verify.stats import format_stats_table, graph_stats, partition_stats
 

@@ -20,7 +20,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-_FROM_RECORDS = ("Parity", "StageRecord", "parity_from_report", "records_from_pipeline_run", "trainer_records")
+_FROM_RECORDS = ("ALONE", "Parity", "StageRecord", "parity_from_report", "records_from_pipeline_run", "trainer_records")
 
 
 def __getattr__(name: str) -> Any:
@@ -33,6 +33,7 @@ def __getattr__(name: str) -> Any:
 
 
 __all__ = [
+    "ALONE",
     "Parity",
     "StageRecord",
     "build_report_page",

@@ -212,8 +212,13 @@ def build_page(views: Sequence[StageView], *, title: str, subtitle: str = "") ->
     """The whole page (a string starting with ``<!DOCTYPE html>``)."""
     texts = _Texts()
     diffs: list[dict] = []
+    by_name = {v.name: v for v in views}
+    unknown = sorted({v.previous for v in views if v.previous is not None} - set(by_name))
+    if unknown:
+        raise ValueError(f"stage view(s) name previous stage(s) {unknown} that are not on the page: {list(by_name)}")
     sections = [
-        _stage_section(i, v, views[i - 1] if i else None, texts, diffs) for i, v in enumerate(views)
+        _stage_section(i, v, by_name[v.previous] if v.previous else (views[i - 1] if i else None), texts, diffs)
+        for i, v in enumerate(views)
     ]
     chart = svg.collective_bytes_svg([(v.name, v.collectives) for v in views],
                                      title="collective bytes per kind and mesh dim, per stage")

@@ -16,7 +16,22 @@ from typing import Any
 
 from torch import fx
 
+from autoparallel import ac
+from autoparallel.passes.collective import COLLECTIVE_PASS_NAMES, PipelineMetrics
+from autoparallel.trainer import run_traced
+from verify.goldens import catalog
+from verify.goldens.text import read_golden
+from verify.memory import memory_timeline
+from verify.trainer_stages import (
+    intra_op_threads,
+    make_batches,
+    make_model,
+    traced_sac_step,
+    traced_step,
+)
+
 __all__ = [
+    "ALONE",
     "Parity",
     "StageRecord",
     "parity_from_report",
@@ -76,7 +91,9 @@ class StageRecord:
     golden file, None when it has none; ``parity``; ``measured_memory``: a
     ``verify.memory.MemoryTimeline`` of running the stage for real (graph trainer);
     ``refresh_vals``: re-propagate fake values before the static liveness walk (graphs whose
-    passes copied a value onto duplicated nodes, see ``verify.memory.static_peak``).
+    passes copied a value onto duplicated nodes, see ``verify.memory.static_peak``);
+    ``previous``: the record whose graphs this one's "against the previous stage" diff compares
+    with (default: the record before it; an alternative compares with the graphs it ran on).
     """
 
     name: str
@@ -87,6 +104,7 @@ class StageRecord:
     parity: Parity | None = None
     measured_memory: Any = None
     refresh_vals: bool = False
+    previous: str | None = None
 
     @property
     def graph_list(self) -> list[tuple[str, fx.GraphModule]]:
@@ -117,11 +135,10 @@ def parity_from_report(parity: Mapping[str, Any] | None) -> dict[str, Parity]:
     return out
 
 
-def _golden_text(run, stage_name: str) -> str | None:
-    from verify.goldens import catalog
-    from verify.goldens.text import read_golden
+def _golden_text(scenario, stage_name: str) -> str | None:
+    """The text of ``scenario``'s graph golden of stage ``stage_name`` (None: it has none)."""
 
-    sid = catalog.scenario_id(run.scenario)
+    sid = catalog.scenario_id(scenario) if scenario is not None else None
     if sid is None or sid not in catalog.GOLDEN_SCENARIOS:
         return None
     root = Path(__file__).resolve().parents[2]
@@ -129,47 +146,61 @@ def _golden_text(run, stage_name: str) -> str | None:
     return read_golden(path) if path.exists() else None
 
 
+ALONE = " (alone)"  # the label of a collective pass run alone on the second compile's graphs
+
+
 def records_from_pipeline_run(
-    run, *, parity: Mapping[str, Any] | None = None, goldens: bool = True
+    run, *, scenario=None, parity: Mapping[str, Any] | None = None, goldens: bool = True, alternatives: bool = True
 ) -> list[StageRecord]:
-    """One record per stage of a ``verify.pipeline.PipelineRun``: its metrics, the second
-    compile's graphs as the collective stages' inputs, the stage's golden file (``goldens``) and
-    parity from ``verify.report.run_parity``'s dict."""
+    """One record per stage of an ``autoparallel.pipeline.PipelineRun``, in order, then (with
+    ``alternatives``) one per collective pass run alone, labelled ``<pass> (alone)``.
+
+    A collective pass's record carries its ``PipelineMetrics`` and the graphs it ran on (bucket
+    members are named by parameter / gradient from them). ``scenario`` (a ``verify.scenario``
+    value) finds the stage goldens when ``goldens``: a collective pass's graph golden is the pass
+    alone (``verify.goldens.catalog``), so it goes with the alternative's record, and a composed
+    pass's record has none. ``parity``: ``verify.report.run_parity``'s dict."""
+
     verdicts = parity_from_report(parity)
-    unknown = sorted(set(verdicts) - {s.name for s in run.stages})
+    unknown = sorted(set(verdicts) - set(run.names))
     if unknown:
         raise ValueError(
             f"parity names stage(s) {unknown} that the run does not have "
-            f"(stages: {[s.name for s in run.stages]}); run the pipeline with those stages"
+            f"(stages: {run.names}); run the pipeline with those stages"
         )
-    inputs = None
-    if any(s.name == "second_compile" for s in run.stages):
-        inputs = run.stage("second_compile").graphs
-    out = []
-    for stage in run.stages:
-        metrics = run.metrics.get(stage.name)
-        out.append(
-            StageRecord(
-                name=stage.name,
-                graphs=stage.graphs,
-                metrics=metrics,
-                inputs=inputs if metrics is not None else None,
-                golden=_golden_text(run, stage.name) if goldens else None,
-                parity=verdicts.get(stage.name),
-            )
+
+    def record(result, name: str, golden_stage: str | None) -> StageRecord:
+        metrics = result.report if isinstance(result.report, PipelineMetrics) else None
+        inputs = None
+        if metrics is not None and result.input is not None:
+            inputs = run.stage(result.input).graphs
+        return StageRecord(
+            name=name,
+            graphs=result.graphs,
+            metrics=metrics,
+            inputs=inputs,
+            golden=_golden_text(scenario, golden_stage) if goldens and golden_stage else None,
+            parity=verdicts.get(name),
+            previous=result.input if result.alternative else None,
         )
+
+    out = [
+        record(r, r.name, None if r.name in COLLECTIVE_PASS_NAMES else r.name)
+        for r in run.results
+        if r.graphs is not None
+    ]
+    if alternatives:
+        out += [record(r, r.name + ALONE, r.name) for r in run.alternatives]
     return out
 
 
 # The graph trainer's goldens (tests/golden/test_trainer_goldens.py): debug preset, op SAC,
 # sac_graphs' batch of 4, one file per stage.
-_TRAINER_GOLDEN = ("debug", "op", 4)
+_TRAINER_GOLDEN = ("debug", ac.OP, 4)
 _TRAINER_GOLDEN_FILE = "goldens/golden/test_trainer_goldens/test_op_sac_traced_step[{stage}].txt"
 
 
 def _trainer_golden(stage: str, key: tuple) -> str | None:
-    from verify.goldens.text import read_golden
-
     if key != _TRAINER_GOLDEN or stage == "traced_step":
         return None
     path = Path(__file__).resolve().parents[2] / _TRAINER_GOLDEN_FILE.format(stage=stage)
@@ -177,20 +208,11 @@ def _trainer_golden(stage: str, key: tuple) -> str | None:
 
 
 def trainer_records(
-    preset: str = "debug", *, policy: str = "op", batch: int = 4, measure: bool = True
+    preset: str = "debug", *, policy: str = ac.OP, batch: int = 4, measure: bool = True
 ) -> list[StageRecord]:
     """The graph trainer's stages of ``preset`` (``traced_step``; ``before_remat``: graph SAC
     tags; ``after_remat``), each with its measured CPU memory timeline (one step run for real)
     when ``measure``, and its golden where one exists (debug, op SAC, batch 4)."""
-    from autoparallel.trainer import run_traced
-    from verify.memory import memory_timeline
-    from verify.trainer_stages import (
-        intra_op_threads,
-        make_batches,
-        make_model,
-        traced_sac_step,
-        traced_step,
-    )
 
     steps = {
         "traced_step": traced_step(preset, batch=batch),

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import random
 
+from autoparallel import roles
 from verify.html.svg import BucketPanel, BucketView
 from verify.html.timeline import CollectiveSpan, ComputeSpan, OverlapTimeline
 from verify.html.views import StageView
@@ -20,7 +21,7 @@ _OPS = ("mm", "view", "add", "mul", "t", "_to_copy", "sum", "rsqrt", "silu", "bm
 
 
 def _text(rng: random.Random, n: int, tag: str) -> str:
-    lines = [f"param:layers.{i // 9}.w{i % 9}.weight: bf16[4096, 512]" for i in range(min(n // 10, 300))]
+    lines = [f"{roles.param(f'layers.{i // 9}.w{i % 9}.weight')}: bf16[4096, 512]" for i in range(min(n // 10, 300))]
     counts: dict[str, int] = {}
     while len(lines) < n:
         op = _OPS[rng.randrange(len(_OPS))]
@@ -62,7 +63,7 @@ def _panels(rng: random.Random, n: int) -> list[BucketPanel]:
     out = []
     for graph, kind in (("forward", "all_gather"), ("backward", "all_gather"), ("backward", "reduce_scatter")):
         buckets = tuple(
-            BucketView(tuple(f"param:layers.{i}.w{k}.weight" for k in range(3)),
+            BucketView(tuple(roles.param(f"layers.{i}.w{k}.weight") for k in range(3)),
                        tuple(rng.randint(4 << 20, 8 << 20) for _ in range(3)), 25 << 20,
                        rng.randint(10, 1500), "bytes")
             for i in range(n)

@@ -14,8 +14,9 @@ from torch import fx
 from torch.utils import _pytree as pytree
 
 from autoparallel import meta as M
-from autoparallel.fx_utils import group_arg_index, group_of
+from autoparallel.fx_utils import group_arg_index, group_of, group_size_of
 from autoparallel.mesh import MeshSpec, group_dims_of
+from autoparallel.passes.overlap_estimator import RooflineEstimator
 from verify.canon import canonical_names, canonicalize
 from verify.html.records import Parity, StageRecord
 from verify.html.svg import BucketPanel, BucketView
@@ -51,6 +52,7 @@ class StageView:
     golden_now: str | None = None  # the same golden with this run's stats and graphs
     parity: Parity | None = None
     bucket_summaries: list[str] = field(default_factory=list)
+    previous: str | None = None  # the view the previous-stage diff compares with (None: the one before)
 
     @property
     def golden_status(self) -> str:
@@ -200,7 +202,6 @@ def _bucket_panels(record: StageRecord) -> tuple[list[BucketPanel] | None, list[
 def group_size_fn(mesh: MeshSpec | None, group_dims: Mapping[str, str]) -> Callable[[fx.Node], int]:
     """A collective's group size: its ``group_size`` argument, else the product of its mesh
     dims' sizes (``dp*tp`` -> dp * tp), else the running world's group."""
-    from autoparallel.passes.topo_span_bucketing import group_size_of
 
     def size(node: fx.Node) -> int:
         idx = group_arg_index(node)
@@ -220,8 +221,6 @@ def group_size_fn(mesh: MeshSpec | None, group_dims: Mapping[str, str]) -> Calla
 
 
 def _timeline(gm: fx.GraphModule, mesh: MeshSpec | None, roofline) -> OverlapTimeline:
-    from autoparallel.passes.overlap_estimator import RooflineEstimator
-
     dims = group_dims_of(gm)
     est = RooflineEstimator(roofline, group_size=group_size_fn(mesh, dims))
     return overlap_timeline(
@@ -278,4 +277,5 @@ def stage_view(record: StageRecord, *, mesh: MeshSpec | None = None, roofline=No
         golden_now=golden_now,
         parity=record.parity,
         bucket_summaries=summaries,
+        previous=record.previous,
     )

@@ -1,14 +1,14 @@
-"""autoparallel_backend: overlap settings that outlive the backend call, the AC joint pass, scoping."""
+"""autoparallel_backend: overlap settings that outlive the backend call, the AC joint pass installed, scoping."""
 
 import pytest
 import torch
 import torch._dynamo
-from torch import fx, nn
-from torch.utils.checkpoint import CheckpointPolicy
+from torch import nn
 
-from autoparallel import meta as M
-from autoparallel.compile import OVERLAP_SCHEDULING_PATCHES, ac_joint_pass, autoparallel_backend
-from autoparallel.fx_utils import ALL_GATHER, WAIT
+from autoparallel.compile import OVERLAP_SCHEDULING_PATCHES, autoparallel_backend
+from autoparallel.mesh import fake_world
+from autoparallel.parallelize import ParallelPlan, ParallelProgram, build_joint_graph, split_batch
+from autoparallel.partition import apply_placement
 
 aten = torch.ops.aten
 _overlap = torch._inductor.config.aten_distributed_optimizations
@@ -80,81 +80,15 @@ def test_unknown_compiler_is_an_error():
         autoparallel_backend(compiler="eager")
 
 
-def _joint_for_ac():
-    """fwd: ag(w)->wait->t ; mm(x, t) ; mm(., t2) ; sdpa-free ; bwd: uses every forward value."""
-    g = fx.Graph()
-
-    def ph(name, *shape):
-        n = g.placeholder(name)
-        n.meta[M.VAL] = torch.empty(*shape, device="meta")
-        return n
-
-    def op(target, args, *shape):
-        n = g.call_function(target, args)
-        n.meta[M.VAL] = torch.empty(*shape, device="meta")
-        return n
-
-    w, x, tan = ph("primals_1", 2, 4), ph("primals_2", 3, 4), ph("tangents_1", 3, 4)
-    ag = op(ALL_GATHER, (w, 2, "dp"), 4, 4)
-    ag.meta[M.RECOMPUTE] = CheckpointPolicy.MUST_RECOMPUTE
-    ag.meta[M.AC_GRAPH_ID] = M.AP_AC_GRAPH_ID
-    wait = op(WAIT, (ag,), 4, 4)
-    t = op(aten.t.default, (wait,), 4, 4)
-    mm1 = op(aten.mm.default, (x, t), 3, 4)
-    act = op(aten.relu.default, (mm1,), 3, 4)
-    mm2 = op(aten.mm.default, (act, t), 3, 4)
-    mm3 = op(aten.mm.default, (mm2, t), 3, 4)
-    bw = op(aten.mul.Tensor, (tan, mm3), 3, 4)
-    bw2 = op(aten.mul.Tensor, (bw, act), 3, 4)
-    bw3 = op(aten.mul.Tensor, (bw2, mm2), 3, 4)
-    g.output((mm3, bw3))
-    return fx.GraphModule(nn.Module(), g), dict(ag=ag, wait=wait, t=t, mm1=mm1, act=act, mm2=mm2, mm3=mm3, bw=bw)
-
-
-def test_ac_joint_pass_policy():
-    gm, n = _joint_for_ac()
-    ac_joint_pass(gm)
-    policy = {k: v.meta.get(M.RECOMPUTE) for k, v in n.items()}
-    assert policy["ag"] is CheckpointPolicy.MUST_RECOMPUTE  # pre-existing tags are kept
-    assert policy["wait"] is None  # collectives are never AC candidates
-    assert policy["mm1"] is CheckpointPolicy.MUST_SAVE and policy["mm3"] is CheckpointPolicy.MUST_SAVE
-    assert policy["mm2"] is CheckpointPolicy.PREFER_RECOMPUTE  # every other mm is recomputed
-    assert policy["act"] is CheckpointPolicy.PREFER_RECOMPUTE and policy["t"] is CheckpointPolicy.PREFER_RECOMPUTE
-    assert policy["bw"] is None  # backward nodes are never tagged
-    assert all(v.meta[M.AC_GRAPH_ID] == M.AP_AC_GRAPH_ID for k, v in n.items() if v.meta.get(M.RECOMPUTE) and k != "ag")
-
-
-class _FSDPToy(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.up = nn.Linear(16, 32, bias=False)
-        self.down = nn.Linear(32, 8, bias=False)
-
-    def forward(self, x):
-        return self.down(torch.relu(self.up(x)))
-
-
-def _mse(out, target):
-    return ((out - target) ** 2).mean()
-
-
 @pytest.mark.slow
-def test_inductor_backend_smoke(fresh_dynamo):
+def test_inductor_backend_smoke(fresh_dynamo, mlp):
     """Inductor compiles both partitions of a ParallelModule on CPU (cold, caches off) with the
     replay partitioner installed, and agrees with the first partition to float tolerance
     (Inductor fuses and reorders, so not bitwise). A two-layer FSDP model keeps the C++ kernel
     count (and the cold compile) small."""
-    from autoparallel.mesh import fake_world
-    from autoparallel.parallelize import (
-        ParallelPlan,
-        ParallelProgram,
-        build_joint_graph,
-        split_batch,
-    )
-    from autoparallel.partition import apply_placement
-
     torch.manual_seed(0)
-    model, plan = _FSDPToy(), ParallelPlan.fsdp()
+    make_model, _mse = mlp
+    model, plan = make_model(), ParallelPlan.fsdp()
     batch = (torch.randn(4, 16), torch.randn(4, 8))
     partitions = []
     with fake_world("dp=1") as mesh:  # one rank: the collectives are identities

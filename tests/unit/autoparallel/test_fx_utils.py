@@ -1,5 +1,6 @@
-"""The shared node predicates of autoparallel/fx_utils.py on small hand-built FX graphs
-(dtype casts, group arguments, sizes, group resolution, wait lookup, the compute-run metric)."""
+"""The shared helpers of autoparallel/fx_utils.py on small hand-built FX graphs (dtype casts,
+group arguments, sizes, group resolution, wait lookup, the compute-run metric, graph copies,
+the missing-val error)."""
 
 from __future__ import annotations
 
@@ -9,18 +10,23 @@ import pytest
 import torch
 import torch.distributed as dist
 from torch import fx
+from torch.fx.experimental.proxy_tensor import make_fx
 
+from autoparallel import meta as M
 from autoparallel.fx_utils import (
     ALL_GATHER,
     ALL_REDUCE,
     REDUCE_SCATTER,
     WAIT,
     collective_bytes,
+    copy_graph_module,
     group_arg_index,
     group_of,
+    group_size_of,
     is_dtype_cast,
     is_flop_compute,
     max_consec_compute_between_rs,
+    missing_val_error,
     node_val,
     resolve_group,
     tensor_bytes,
@@ -33,6 +39,7 @@ aten = torch.ops.aten
 prims = torch.ops.prims
 _c10d = torch.ops._c10d_functional
 GROUPS = {"dp": ("0", 4), "tp": ("1", 2)}  # group names without a running world
+H = 64
 
 
 def _bare():
@@ -264,3 +271,64 @@ def test_max_consec_compute_with_custom_compute():
         return n.op == "call_function"
 
     assert max_consec_compute_between_rs(g, is_compute=everything) == 4
+
+
+# --- copy_graph_module / missing_val_error ---------------------------------------------------------
+
+
+def test_copy_graph_module_is_independent_and_keeps_the_calling_convention():
+    def f(xs):  # a pytree input: the copy must keep gm(list) working
+        return [xs[0].relu() + xs[1]]
+
+    gm = make_fx(f, tracing_mode="fake")([torch.randn(3), torch.randn(3)])
+    gm.meta[M.GM_STAGE] = "s"
+    relu = next(n for n in gm.graph.nodes if n.target is torch.ops.aten.relu.default)
+    relu.meta[M.RECOMPUTE] = "tag"
+    out = copy_graph_module(gm)
+    assert [n.name for n in out.graph.nodes] == [n.name for n in gm.graph.nodes]
+    assert out.meta == gm.meta and out.meta is not gm.meta
+    copied = next(n for n in out.graph.nodes if n.name == relu.name)
+    assert copied is not relu and copied.meta[M.RECOMPUTE] == "tag" and copied.meta is not relu.meta
+    copied.meta[M.RECOMPUTE] = "changed"
+    copied.target = torch.ops.aten.neg.default
+    out.recompile()
+    assert relu.meta[M.RECOMPUTE] == "tag" and relu.target is torch.ops.aten.relu.default
+    x = [torch.tensor([-1.0, 2.0, 3.0]), torch.ones(3)]
+    assert torch.equal(gm(x)[0], torch.tensor([1.0, 3.0, 4.0]))
+    assert torch.equal(out(x)[0], torch.tensor([2.0, -1.0, -2.0]))
+
+
+def test_missing_val_error_names_node_need_and_hint():
+    b = GraphBuilder(GROUPS)
+    x = b.placeholder("x", (2,))
+    err = missing_val_error(x, "a reason", "; or else")
+    assert isinstance(err, ValueError)
+    assert str(err).startswith("node 'x' (%x : ") and str(err).endswith(
+        "has no meta['val'], needed for a reason; propagate FakeTensor vals first (trace with "
+        "make_fx/aot or run FakeTensorProp); or else"
+    )
+
+
+# --- group_size_of (moved from passes/test_topo_span_bucketing.py) ------------------------------
+
+
+def test_group_size_of(mesh):
+    b = GraphBuilder(mesh_groups(mesh))
+    ag = b.all_gather(b.param((1, H)), "dp").args[0]
+    assert group_size_of(ag) == 4
+    ag.args = (ag.args[0], 1, ag.args[2])  # the argument wins over the world's size
+    assert group_size_of(ag) == 1
+    ag.args, ag.kwargs = (ag.args[0],), {"group_size": 3, "group_name": ag.args[2]}
+    assert group_size_of(ag) == 3
+    ar = b.all_reduce(b.param((1, H)), "tp").args[0]
+    assert ar.target is ALL_REDUCE and group_size_of(ar) == 2  # no argument: the world's
+    relu = b.call(aten.relu.default, b.param((1, H)))
+    with pytest.raises(ValueError, match="node 'relu_default' is not a _c10d_functional"):
+        group_size_of(relu)
+
+
+def test_group_size_of_a_python_function_node():
+    g = fx.Graph()
+    x = g.placeholder("x")
+    with pytest.raises(ValueError, match="node 'add' is not a _c10d_functional collective"):
+        group_size_of(g.call_function(operator.add, (x, x)))

@@ -6,6 +6,7 @@ Replay-partitioner rules are checked on hand-built joint graphs.
 """
 
 import operator
+from dataclasses import dataclass
 
 import pytest
 import torch
@@ -13,9 +14,17 @@ from torch import fx
 from torch.utils.checkpoint import CheckpointPolicy
 
 from autoparallel import meta as M
+from autoparallel.compile import SECOND_COMPILE
 from autoparallel.fx_utils import ALL_GATHER, WAIT
-from autoparallel.partition import PLACEMENT_STEPS, ReplaySavesPartitioner
-from verify.scenario import Scenario, compile_pipeline
+from autoparallel.mesh import fake_world
+from autoparallel.parallelize import split_batch
+from autoparallel.partition import (
+    PLACEMENT_STEP_NAMES,
+    STEP_FIRST_PARTITION,
+    ReplaySavesPartitioner,
+)
+from autoparallel.pipeline import PipelineOptions, run_pipeline, second_compile
+from verify.scenario import Scenario
 
 aten = torch.ops.aten
 
@@ -27,6 +36,20 @@ SCENARIOS = {
 }
 
 
+@dataclass
+class Compiled:
+    module: object  # ParallelModule
+    first_partition: tuple  # (fw, bw)
+    second_compile: tuple
+    group_dims: dict
+
+
+def _compile(sc: Scenario) -> Compiled:
+    """The pipeline through the second compile (graphs only), on a fake world of the scenario."""
+    run = run_pipeline(*sc.pipeline_inputs(), PipelineOptions(snapshots=False), until=SECOND_COMPILE)
+    return Compiled(run.module, run.stage(STEP_FIRST_PARTITION).graphs, run.stage(SECOND_COMPILE).graphs, run.group_dims)
+
+
 @pytest.fixture(scope="module")
 def pipelines():
     """Compiled scenarios by name, built on first use and shared by the module's tests."""
@@ -34,7 +57,7 @@ def pipelines():
 
     def get(name):
         if name not in cache:
-            cache[name] = compile_pipeline(SCENARIOS[name])
+            cache[name] = _compile(SCENARIOS[name])
         return cache[name]
 
     return get
@@ -136,7 +159,7 @@ def test_first_partition_records_reach_the_second_compile(stages):
 
 def test_placement_steps_in_order_and_their_effects(stages):
     mod = stages.module
-    assert mod.steps == PLACEMENT_STEPS == ("cleanup", "mark_fsdp_all_gather_recomputation", "first_partition")
+    assert mod.steps == PLACEMENT_STEP_NAMES == ("cleanup", "fsdp_tagging", "first_partition")
     fw, bw = stages.first_partition
     # cleanup ran before the partition (no view ops left), tagging before the partition (the
     # partitioned graphs carry the tags, and the backward re-gathers).
@@ -160,11 +183,14 @@ def test_stage_graphs_carry_group_dims_and_roles(stages):
 def test_ac_pass_in_second_compile_adds_no_save_and_no_all_gather(pipelines):
     """With the AC joint pass, stock min-cut recomputes (and re-gathers) differently; replay keeps
     the first partition's saves and all-gathers."""
-    cs = compile_pipeline(SCENARIOS["tiny-fsdp"], enable_ac=True, module=pipelines("tiny-fsdp").module)
-    fw2, bw2 = cs.second_compile
+    sc, first = SCENARIOS["tiny-fsdp"], pipelines("tiny-fsdp")
+    with fake_world(sc.mesh_spec) as mesh:  # a fresh fake world names its groups as the first did
+        local = split_batch(sc.example_inputs(), sc.plan_obj(), sc.mesh_spec, mesh.coordinate())
+        out = second_compile(first.module, mesh, local, enable_ac=True)
+    fw2, bw2 = out.fw, out.bw
     assert any(n.meta.get(M.RECOMPUTE) == CheckpointPolicy.PREFER_RECOMPUTE for n in fw2.graph.nodes)
-    assert [_identity(n) for n in _saved(*cs.first_partition)] == [_identity(n) for n in _saved(fw2, bw2)]
-    assert _all_gathers(bw2) == _all_gathers(cs.first_partition[1])
+    assert [_identity(n) for n in _saved(*first.first_partition)] == [_identity(n) for n in _saved(fw2, bw2)]
+    assert _all_gathers(bw2) == _all_gathers(first.first_partition[1])
 
 
 # --- replay partitioner rules on hand-built joint graphs ------------------------------------------

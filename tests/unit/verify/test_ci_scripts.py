@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from verify.pipeline import STAGE_NAMES
+from autoparallel.pipeline import STAGE_NAMES
 from verify.report import format_report
 
 ROOT = Path(__file__).resolve().parents[3]

@@ -3,6 +3,8 @@
 import pytest
 
 from verify.__main__ import main
+from verify.report import PARITY_MAX_PARAMS, check_parity_size, parity_memory_lower_bound
+from verify.scenario import Scenario, parameter_count
 
 
 def run(argv) -> int:
@@ -55,9 +57,6 @@ def test_unknown_patch_in_the_environment_stops_every_command(capsys, monkeypatc
 
 
 def test_parity_anyway_lifts_the_size_limit():
-    from verify.report import PARITY_MAX_PARAMS, check_parity_size, parity_memory_lower_bound
-    from verify.scenario import Scenario, parameter_count
-
     big = Scenario(preset="8b", plan="fsdp", mesh="dp=8")
     assert parameter_count(big) > PARITY_MAX_PARAMS
     check_parity_size(big, anyway=True)  # no error

@@ -2,14 +2,17 @@
 
 import json
 
+from autoparallel.passes.collective import COLLECTIVE_PASS_NAMES
+from autoparallel.pipeline import STAGE_NAMES
 from verify.__main__ import main
-from verify.scale import SCALE_STAGES, format_scaling
+from verify.scale import format_scaling
 
 
 def test_scale_json_has_every_stage_and_field(capsys):
     assert main(["scale", "--preset", "tiny", "--layers", "1", "--mesh", "dp=4,tp=2", "--json"]) == 0
     result = json.loads(capsys.readouterr().out)
-    assert [s["name"] for s in result["stages"]] == list(SCALE_STAGES)
+    alternatives = [f"{name} (alone)" for name in COLLECTIVE_PASS_NAMES]
+    assert [s["name"] for s in result["stages"]] == [*STAGE_NAMES, *alternatives]
     assert result["layers"] == 1 and result["mesh"] == "dp=4,tp=2"
     for stage in result["stages"]:
         assert {"seconds", "rss_gib", "nodes", "collectives", "max_consec_compute_between_rs"} <= set(stage)
@@ -20,7 +23,8 @@ def test_scale_json_has_every_stage_and_field(capsys):
     fwd_ag = lambda s: sum(c["count"] for c in s["collectives"]["fwd"]["all_gather"].values())  # noqa: E731
     assert fwd_ag(second) == fwd_ag(first) == 12  # the seed's "357 = 357" property: 9 per block + 3
     assert fwd_ag(by_name["pre_overlap_bucketing"]) < fwd_ag(second)
-    assert "bucketing" in by_name["topo_span_bucketing"]
+    assert fwd_ag(by_name["pre_overlap_bucketing (alone)"]) < fwd_ag(second)
+    assert "bucketing" in by_name["topo_span_bucketing"] and "bucketing" in by_name["topo_span_bucketing (alone)"]
     assert result["total_seconds"] > 0 and result["peak_rss_gib"] > 0
     stage_sum = sum(s["seconds"] for s in result["stages"])
     assert result["import_seconds"] >= 0

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import operator
 from collections import defaultdict
 
@@ -15,21 +14,18 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from torch.nn.utils.stateless import _reparametrize_module
 from torch.utils.checkpoint import CheckpointPolicy
 
+from autoparallel.ac import OpSACState, parse_ac_mode
 from autoparallel.models.llama3 import (
     PRESETS,
     Attention,
     ModelArgs,
-    OpSACState,
     Transformer,
     apply_ac,
     apply_rope,
     build_model,
     ffn_hidden_dim,
     model_args,
-    op_sac_policy,
-    parse_ac_mode,
     precompute_rope,
-    restore_sac_meta,
 )
 
 SAVE = CheckpointPolicy.MUST_SAVE
@@ -39,14 +35,7 @@ ADD = torch.ops.aten.add.Tensor
 SDPA_CPU = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny shapes gain nothing from intra-op threads, and spinning OpenMP workers get
-    slow on a busy 2-core box. Thread count does not change results bitwise on CPU."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 def _tokens(args: ModelArgs, bs: int = 2, seq: int | None = None, seed: int = 1) -> torch.Tensor:
@@ -445,50 +434,3 @@ def test_op_sac_policy_replays_on_fx_nodes(op_traced):
     assert len(decided) > 100
     assert {s.mm_count for s in states.values()} == {7}
     assert {s.residual_add_count for s in states.values()} == {2}
-
-
-def test_op_sac_policy_pure_function():
-    assert op_sac_policy(MM, mm_index=1) == SAVE
-    assert op_sac_policy(MM, mm_index=2) == RECOMPUTE
-    assert op_sac_policy(MM, mm_index=5) == SAVE
-    with pytest.raises(ValueError):
-        op_sac_policy(MM)
-    assert op_sac_policy(ADD, residual_add_index=1) == SAVE
-    assert op_sac_policy(ADD, residual_add_index=2) == RECOMPUTE
-    assert op_sac_policy(ADD) == RECOMPUTE
-    for op in (
-        SDPA_CPU,
-        torch.ops.aten._scaled_dot_product_flash_attention.default,
-        torch.ops.aten._scaled_dot_product_efficient_attention.default,
-        torch.ops.aten._scaled_dot_product_cudnn_attention.default,
-        torch.ops._c10d_functional.reduce_scatter_tensor.default,
-        torch.ops.aten.max.default,
-    ):
-        assert op_sac_policy(op) == SAVE, op
-    for op in (
-        torch.ops.aten.silu.default,
-        torch.ops.aten.mul.Tensor,
-        torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default,
-        torch.ops._c10d_functional.all_gather_into_tensor.default,
-    ):
-        assert op_sac_policy(op) == RECOMPUTE, op
-    state = OpSACState()
-    x = torch.zeros(1)
-    decisions = [state.decide(MM) for _ in range(4)]
-    assert decisions == [SAVE, RECOMPUTE, SAVE, RECOMPUTE]
-    assert state.decide(ADD, (x, 1e-5)) == RECOMPUTE  # x + eps is not residual
-    assert [state.decide(ADD, (x, x)) for _ in range(2)] == [SAVE, RECOMPUTE]
-
-
-def test_restore_sac_meta():
-    cm = fx_traceback.current_meta
-    cm["ac_graph_id"] = 41
-    try:
-        with contextlib.suppress(RuntimeError), restore_sac_meta():
-            fx_traceback.current_meta["recompute"] = RECOMPUTE
-            fx_traceback.current_meta["ac_graph_id"] = None
-            raise RuntimeError("boom")
-        assert fx_traceback.current_meta["ac_graph_id"] == 41
-        assert "recompute" not in fx_traceback.current_meta
-    finally:
-        fx_traceback.current_meta.pop("ac_graph_id", None)

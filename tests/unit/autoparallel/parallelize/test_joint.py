@@ -8,6 +8,9 @@ import torch
 from autoparallel import meta as M
 from autoparallel.fx_utils import group_of, is_dtype_cast
 from autoparallel.mesh import fake_world
+from autoparallel.mesh import fake_world as fw
+from autoparallel.models.llama3 import build_model
+from autoparallel.parallelize import ParallelPlan, build_joint_graph
 from verify.scenario import Scenario
 
 _c10d = torch.ops._c10d_functional
@@ -125,10 +128,6 @@ def test_local_batch_shapes_follow_data_dims():
 
 
 def test_batch_not_divisible_by_data_ranks_is_an_error():
-    from autoparallel.mesh import fake_world as fw
-    from autoparallel.models.llama3 import build_model
-    from autoparallel.parallelize import ParallelPlan, build_joint_graph
-
     tokens = torch.zeros(3, 32, dtype=torch.long)
     with fw("dp=2") as mesh, pytest.raises(ValueError, match="input 0 has batch 3, not divisible by the 2"):
         build_joint_graph(build_model("tiny", device="meta"), ParallelPlan.fsdp(), mesh, (tokens, tokens))

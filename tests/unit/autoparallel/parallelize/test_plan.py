@@ -1,9 +1,13 @@
+"""ParallelPlan.resolve on the tiny LLaMA-3 preset: FSDP/TP shardings, shard/unshard, errors that
+name the parameter and mesh dim; and clean_fqn."""
+
 import pytest
 import torch
 
 from autoparallel.mesh import MeshSpec
 from autoparallel.models.llama3 import build_model
 from autoparallel.parallelize import ParallelPlan
+from autoparallel.parallelize.program import clean_fqn
 
 
 @pytest.fixture(scope="module")
@@ -62,22 +66,6 @@ def test_unknown_plan_lists_presets():
 
 
 @pytest.mark.parametrize(
-    "text, msg",
-    [("dp", "expected 'name=size"), ("dp=0", "sizes must be ints >= 1"), ("dp=2,dp=2", "appears twice"), ("", "expected")],
-)
-def test_bad_mesh_text(text, msg):
-    with pytest.raises(ValueError, match=msg):
-        MeshSpec.parse(text)
-
-
-def test_mesh_coordinates_row_major():
-    spec = MeshSpec.parse("dp=2,tp=4")
-    assert spec.coordinate(0) == {"dp": 0, "tp": 0}
-    assert spec.coordinate(5) == {"dp": 1, "tp": 1}
-    assert spec.world_size == 8 and str(spec) == "dp=2,tp=4"
-
-
-@pytest.mark.parametrize(
     "raw, clean",
     [
         ("model.layers.0.attention.wq.parametrizations.weight.original", "layers.0.attention.wq.weight"),
@@ -87,6 +75,4 @@ def test_mesh_coordinates_row_major():
     ],
 )
 def test_clean_fqn_strips_wrapper_and_parametrization(raw, clean):
-    from autoparallel.parallelize.program import clean_fqn
-
     assert clean_fqn(raw) == clean

@@ -16,8 +16,8 @@ from torch import fx
 
 from autoparallel import meta as M
 from autoparallel.fx_utils import ALL_GATHER, ALL_GATHER_OUT, group_of
-from autoparallel.mesh import fake_world
 from autoparallel.passes import collective
+from autoparallel.passes.bucket_plan import BucketingMetrics
 from autoparallel.passes.collective import (
     CollectivePassesConfig,
     GraphPassMetrics,
@@ -26,7 +26,8 @@ from autoparallel.passes.collective import (
     bucket_joint,
     tag_joint,
 )
-from autoparallel.passes.overlap_estimator import OverlapResult, RooflineConfig
+from autoparallel.passes.overlap_estimator import RooflineConfig
+from autoparallel.passes.overlap_scheduling import OverlapResult
 from autoparallel.passes.pre_overlap_bucketing import (
     TAG_FSDP_AG,
     TAG_GRAD_AR,
@@ -34,7 +35,7 @@ from autoparallel.passes.pre_overlap_bucketing import (
     PreOverlapConfig,
     PreOverlapResult,
 )
-from autoparallel.passes.topo_span_bucketing import BucketingMetrics, TopoSpanConfig
+from autoparallel.passes.topo_span_bucketing import TopoSpanConfig
 from verify.strategies import GraphBuilder, mesh_groups
 
 aten = torch.ops.aten
@@ -42,10 +43,7 @@ H = 8
 ZERO = {"all_gather": 0, "reduce_scatter": 0, "all_reduce": 0}
 
 
-@pytest.fixture
-def mesh():
-    with fake_world("dp=2,tp=2") as m:
-        yield m
+MESH = "dp=2,tp=2"  # the mesh fixture's world (tests/conftest.py)
 
 
 def _fw(mesh) -> fx.GraphModule:

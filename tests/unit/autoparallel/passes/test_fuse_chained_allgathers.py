@@ -8,6 +8,7 @@ import re
 import pytest
 import torch
 
+from autoparallel import meta as M
 from autoparallel import patches
 from autoparallel.fx_utils import ALL_GATHER, WAIT
 from autoparallel.mesh import fake_world
@@ -18,10 +19,7 @@ aten = torch.ops.aten
 H = 8
 
 
-@pytest.fixture
-def mesh():
-    with fake_world("dp=2,tp=2") as m:
-        yield m
+MESH = "dp=2,tp=2"  # the mesh fixture's world (tests/conftest.py)
 
 
 def _chain(b, first, second, views=()):
@@ -170,8 +168,6 @@ def test_column_major_reshuffle_uses_the_outer_dim_first():
 
 def test_fused_nodes_keep_the_chains_meta(mesh):
     """The fused all-gather takes the second all-gather's meta (e.g. its bucketing tag)."""
-    from autoparallel import meta as M
-
     b = GraphBuilder(mesh_groups(mesh))
     gm = _out(b, _chain(b, "tp", "dp"))
     ag2 = gm.graph.find_nodes(op="call_function", target=ALL_GATHER)[1]
@@ -282,8 +278,6 @@ def test_groups_unknown_to_the_world_are_an_error(mesh):
 
 
 def test_graph_module_without_group_map(mesh):
-    from autoparallel import meta as M
-
     b = GraphBuilder(mesh_groups(mesh))
     gm = _out(b, _chain(b, "dp", "tp"))
     del gm.meta[M.GM_GROUP_DIMS]

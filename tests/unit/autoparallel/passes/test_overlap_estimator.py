@@ -16,11 +16,9 @@ import pytest
 import torch
 
 from autoparallel.fx_utils import ALL_GATHER_OUT
-from autoparallel.mesh import fake_world
 from autoparallel.passes.overlap_estimator import (
     RooflineConfig,
     RooflineEstimator,
-    cpu_runtime_estimation_installed,
 )
 from verify.strategies import GraphBuilder, mesh_groups
 
@@ -41,12 +39,6 @@ LAT_MS = 5e-3
 
 def approx(x):
     return pytest.approx(x, rel=1e-12, abs=0.0)
-
-
-@pytest.fixture
-def mesh():
-    with fake_world("dp=4,tp=2") as m:
-        yield m
 
 
 @pytest.fixture
@@ -286,66 +278,4 @@ def test_peak_tflops_must_be_positive():
             RooflineConfig(peak_tflops={torch.float32: bad})
 
 
-# --- installation -------------------------------------------------------------------------------
-
-
-def test_installation_routes_the_scheduler_roofline_and_restores_it(b):
-    import torch._inductor.fx_passes.overlap_scheduling as sched
-
-    up = sched.estimate_roofline_runtime_ms
-    x, w = b.placeholder("x", (32, 64)), b.placeholder("w", (64, 16))
-    mm = b.call(aten.mm.default, x, w)
-    with pytest.raises(RuntimeError, match="boom"):
-        with cpu_runtime_estimation_installed(EST) as est:
-            assert est is EST
-            assert sched.estimate_roofline_runtime_ms(mm) == approx(1.4336e-4)
-            raise RuntimeError("boom")
-    assert sched.estimate_roofline_runtime_ms is up
-
-
 # --- the scheduler run --------------------------------------------------------------------------
-
-
-@pytest.mark.parametrize("explicit", [True, False])
-def test_schedule_overlap_on_cpu_uses_both_configs(b, mesh, monkeypatch, caplog, explicit):
-    import logging
-
-    from autoparallel.fx_utils import max_consec_compute_between_rs
-    from autoparallel.passes import overlap_estimator
-    from autoparallel.passes.topo_span_bucketing import TopoSpanConfig
-
-    made = []
-
-    class Spy(RooflineEstimator):
-        def __init__(self, config=None):
-            made.append(config)
-            super().__init__(config)
-
-    monkeypatch.setattr(overlap_estimator, "RooflineEstimator", Spy)
-
-    def no_alignment(*args, **kwargs):  # analytical estimates need no cross-rank median
-        raise AssertionError("the scheduler aligned its estimates across ranks")
-
-    monkeypatch.setattr(torch.distributed, "all_gather_object", no_alignment)
-    x = b.placeholder("x", (8, 64), role="input:0")
-    acc, grads = x, []
-    for _ in range(3):
-        w = b.all_gather(b.param((16, 64)), "dp")  # [64, 64]
-        acc = b.call(aten.mm.default, acc, w)
-        mm = b.call(aten.mm.default, b.call(aten.t.default, acc), acc)
-        grads.append(b.reduce_scatter(mm, "dp"))
-    gm = b.output([b.call(aten.sum.default, acc), *grads], ["loss", "grad:a", "grad:b", "grad:c"])
-    args = (TopoSpanConfig(max_topo_span=0), CFG) if explicit else ()
-    with caplog.at_level(logging.INFO, logger=overlap_estimator.__name__):
-        res = overlap_estimator.schedule_overlap_on_cpu(gm, *args)
-    assert made == [CFG if explicit else None]
-    assert res.patches == ("primary_fsdp_group", "topo_span_bucketing")
-    span = 0 if explicit else 1500
-    assert res.bucketing_calls and all(m.max_topo_span == span for m in res.bucketing_calls)
-    # a span of 0 merges nothing; the default bucket holds the three all-gathers
-    assert res.bucketing_calls[0].num_bucketed == (0 if explicit else 3)
-    assert res.primary_groups == [([mesh.group_name("dp")], 4)]
-    n = max_consec_compute_between_rs(res.gm.graph)
-    assert res.max_consec_compute_between_rs == n
-    msgs = [r.getMessage() for r in caplog.records if r.name == overlap_estimator.__name__]
-    assert msgs == [f"overlap scheduling: max_consec_compute_between_rs={n}"]

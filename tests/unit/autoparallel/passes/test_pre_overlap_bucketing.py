@@ -15,6 +15,7 @@ from autoparallel import meta as M
 from autoparallel import patches
 from autoparallel.fx_utils import ALL_GATHER, REDUCE_SCATTER
 from autoparallel.mesh import attach_group_dims, fake_world
+from autoparallel.partition import apply_placement
 from autoparallel.passes.pre_overlap_bucketing import (
     TAG_FSDP_AG,
     TAG_GRAD_AR,
@@ -22,6 +23,8 @@ from autoparallel.passes.pre_overlap_bucketing import (
     PreOverlapConfig,
     bucket_tagged_collectives,
     collective_counts,
+    gradient_terminal_nodes,
+    param_derived_nodes,
     tag_collectives_for_bucketing,
 )
 from autoparallel.runtime.rebind import rebind_groups
@@ -221,8 +224,6 @@ def test_tagging_needs_output_roles():
 def test_tags_reach_the_first_partitions_recomputed_all_gathers():
     """Through compile stack I's first partition: the backward's recomputed all-gathers are
     node copies of the tagged forward ones, so they carry the tag too."""
-    from autoparallel.partition import apply_placement
-
     sc = SCENARIOS["fsdp-dp8"]
     with fake_world(sc.mesh_spec) as mesh:
         jg = sc.trace(mesh)
@@ -238,15 +239,7 @@ def test_tags_reach_the_first_partitions_recomputed_all_gathers():
 # --- tagging rules on small hand-built graphs ---------------------------------------------------
 
 
-@pytest.fixture
-def mesh():
-    with fake_world("dp=4,tp=2") as m:
-        yield m
-
-
 def test_param_derived_nodes(mesh):
-    from autoparallel.passes.pre_overlap_bucketing import param_derived_nodes
-
     b = GraphBuilder(mesh_groups(mesh))
     x = b.placeholder("x", (1, H), role="input:0")
     p = b.param((1, H))
@@ -302,8 +295,6 @@ def _rs(gm):
 
 
 def test_gradient_terminal_nodes(mesh):
-    from autoparallel.passes.pre_overlap_bucketing import gradient_terminal_nodes
-
     gm, a, g, w = _grad_graph(mesh, ["grad:p0"])
     rs = _rs(gm)
     # the wait, the reduce-scatter and the mm reach only the gradient through single-input ops;
@@ -329,16 +320,12 @@ def test_collectives_reaching_non_gradients_are_not_tagged(mesh, roles):
 
 
 def test_node_with_a_gradient_user_and_another_user_is_not_terminal(mesh):
-    from autoparallel.passes.pre_overlap_bucketing import gradient_terminal_nodes
-
     gm, a, g, w = _grad_graph(mesh, ["grad:p0"], shared=True)
     assert list(g.users)[0].target is REDUCE_SCATTER  # the gradient user comes first
     assert gradient_terminal_nodes(gm.graph) == {w, _rs(gm)}
 
 
 def test_output_roles_must_match_the_outputs(mesh):
-    from autoparallel.passes.pre_overlap_bucketing import gradient_terminal_nodes
-
     gm, *_ = _grad_graph(mesh, ["grad:p0", "grad:p1"])
     gm.graph.output_node().meta[M.ROLE] = ["grad:p0", "grad:p1", "loss"]
     with pytest.raises(

@@ -11,10 +11,10 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import CheckpointPolicy
 
 from autoparallel import meta as M
+from autoparallel.fx_utils import copy_graph_module
 from autoparallel.trainer import (
     SAC_POLICIES,
     apply_sac_pass,
-    copy_graph_module,
     is_backward_node,
     is_forward_node,
     live_recomputable_values,
@@ -24,17 +24,14 @@ from autoparallel.trainer import (
     sac_stages,
     trace_train_step,
 )
-from verify.trainer_stages import intra_op_threads, traced_step
+from verify.trainer_stages import sac_graphs, traced_step
 
 PRESET = "tiny"
 MM = torch.ops.aten.mm.default
 DETACH = torch.ops.aten.detach.default
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    with intra_op_threads(1):
-        yield
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 @pytest.fixture(scope="module")
@@ -200,8 +197,6 @@ def test_sac_without_regions_is_rejected():
 
 
 def test_sac_graphs_for_goldens():
-    from verify.trainer_stages import sac_graphs
-
     before, after = sac_graphs("debug", batch=4)  # the parity/memory trace
     assert before.meta[M.GM_STAGE] == "trainer:sac-op"
     assert after.meta[M.GM_STAGE] == "trainer:sac-op+remat"

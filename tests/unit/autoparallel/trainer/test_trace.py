@@ -19,7 +19,6 @@ from autoparallel.trainer import (
 )
 from verify.trainer_stages import (
     cross_entropy_loss,
-    intra_op_threads,
     make_batches,
     make_model,
     traced_step,
@@ -28,10 +27,7 @@ from verify.trainer_stages import (
 PRESET = "tiny"
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    with intra_op_threads(1):
-        yield
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 @pytest.fixture(scope="module")

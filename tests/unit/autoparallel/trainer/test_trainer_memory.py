@@ -23,7 +23,6 @@ from verify.launch import gated_backend, run_gated
 from verify.memory import PeakMemory, compare_peaks, peak_memory, ratio, static_peak
 from verify.trainer_stages import (
     cross_entropy_loss,
-    intra_op_threads,
     make_batches,
     make_model,
     rank_sac_memory,
@@ -37,10 +36,7 @@ MIN_GRAD_MODE_RATIO = 1.3  # measured ~2.0: every intermediate stays alive
 MAX_REMAT_RATIO = 0.85  # measured ~0.58
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    with intra_op_threads(1):
-        yield
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 class _Peaks:

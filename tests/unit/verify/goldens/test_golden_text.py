@@ -18,6 +18,7 @@ from verify.goldens import (
     render_golden,
 )
 from verify.goldens.catalog import compare_with_golden, golden_path
+from verify.goldens.syrupy_ext import GoldenTextExtension
 
 GOOD = render_golden("t", [("header", "stage: joint"), ("stats", "nodes 3"), ("graph", "a\nb\nc")])
 
@@ -49,8 +50,6 @@ def test_corrupt_golden_names_the_file_why_and_what_to_do(tmp_path, raw, why):
 
 
 def test_missing_golden_is_file_not_found_and_syrupy_sees_none(tmp_path):
-    from verify.goldens.syrupy_ext import GoldenTextExtension
-
     with pytest.raises(FileNotFoundError):
         read_golden(tmp_path / "nope.txt")
     ext = GoldenTextExtension()

@@ -10,6 +10,9 @@ import pytest
 
 from verify.goldens.catalog import GOLDEN_SCENARIOS
 from verify.html import build_report_page, records_from_pipeline_run
+from verify.html.browser import open_page
+from verify.html.page import build_page
+from verify.html.synthetic import synthetic_views
 from verify.pipeline import run_pipeline
 
 pytestmark = pytest.mark.browser
@@ -19,11 +22,11 @@ PNG = b"\x89PNG\r\n\x1a\n"
 
 @pytest.mark.xdist_group("tiny-fsdp-dp8")
 def test_pipeline_page_loads_cleanly_and_sections_expand(tmp_path, shared_pipeline_runs):
-    from verify.html.browser import open_page
-
     sc = GOLDEN_SCENARIOS["tiny-fsdp-dp8"]
-    records = records_from_pipeline_run(run_pipeline(sc))
-    records[1].golden = records[1].golden.replace("mm_0:", "mm_0 (edited):", 1)  # a golden diff too
+    records = records_from_pipeline_run(run_pipeline(sc), scenario=sc)
+    joint = records[0]
+    assert joint.name == "joint" and joint.golden is not None
+    joint.golden = joint.golden.replace("/mm_0:", "/mm_0 (edited):", 1)  # a golden diff too
     page = tmp_path / "index.html"
     page.write_text(build_report_page(records, title="tiny fsdp", mesh=sc.mesh_spec), encoding="utf-8")
     shot = tmp_path / "page.png"
@@ -42,9 +45,6 @@ def test_pipeline_page_loads_cleanly_and_sections_expand(tmp_path, shared_pipeli
 
 def test_large_page_renders(tmp_path):
     """An 8B-sized page (synthetic views: forward 4107 / backward 8006 nodes, seven stages)."""
-    from verify.html.browser import open_page
-    from verify.html.page import build_page
-    from verify.html.synthetic import synthetic_views
 
     page = tmp_path / "index.html"
     page.write_text(build_page(synthetic_views(), title="synthetic 8B"), encoding="utf-8")

@@ -11,16 +11,27 @@ import xml.etree.ElementTree as ET
 
 import pytest
 
+from autoparallel.passes.collective import COLLECTIVE_PASS_NAMES, PipelineMetrics
+from autoparallel.pipeline import STAGE_NAMES
 from verify.canon import canonicalize
 from verify.goldens.catalog import GOLDEN_SCENARIOS
 from verify.goldens.text import render_golden
-from verify.html import build_report_page, records_from_pipeline_run
+from verify.html import (
+    ALONE,
+    build_report_page,
+    records_from_pipeline_run,
+    trainer_records,
+    write_report,
+)
 from verify.html.page import build_page
+from verify.html.synthetic import synthetic_views
 from verify.html.views import golden_sections, golden_with_current
-from verify.pipeline import STAGE_NAMES, run_pipeline
+from verify.pipeline import run_pipeline
 
 SIDS = ["tiny-fsdp-dp8", "tiny-fsdp_tp-dp4tp2"]  # the issue asks for page structure on these two
-BUCKETING_STAGES = {"pre_overlap_bucketing", "topo_span_bucketing"}
+BUCKETING_PASSES = {"pre_overlap_bucketing", "topo_span_bucketing"}
+# The page: every stage in order, then each collective pass alone on the second compile's graphs.
+SECTIONS = [*STAGE_NAMES, *(p + ALONE for p in COLLECTIVE_PASS_NAMES)]
 
 
 def _grouped(sids):
@@ -32,6 +43,32 @@ def _run(sid):
     return run_pipeline(GOLDEN_SCENARIOS[sid])
 
 
+def _records(sid, **kw):
+    return records_from_pipeline_run(_run(sid), scenario=GOLDEN_SCENARIOS[sid], **kw)
+
+
+def _result(run, section: str):
+    """The pipeline result a page section shows."""
+    return run.alternative(section.removesuffix(ALONE)) if section.endswith(ALONE) else run.stage(section)
+
+
+def _bucketed(result) -> bool:
+    """Whether the stage merged any bucket (composed after pre-overlap bucketing, topo-span
+    bucketing may find nothing left to merge at the default cap)."""
+    m = result.report
+    if not isinstance(m, PipelineMetrics):
+        return False
+    return any(
+        any(b.buckets for b in g.overlap_bucketing)
+        or (g.pre_overlap is not None and any(b.buckets for b in g.pre_overlap.metrics.values()))
+        for g in m.graphs.values()
+    )
+
+
+def _graph_list(result) -> list:
+    return list(result.graphs) if isinstance(result.graphs, tuple) else [result.graphs]
+
+
 def _page(sid, records=None) -> str:
     if records is None:
         return _default_page(sid)
@@ -40,7 +77,7 @@ def _page(sid, records=None) -> str:
 
 @functools.cache
 def _default_page(sid) -> str:  # built once per worker: the tests only read it
-    return _page(sid, records_from_pipeline_run(_run(sid)))
+    return _page(sid, _records(sid))
 
 
 def sections(html: str) -> dict[str, str]:
@@ -62,10 +99,10 @@ def payload(html: str) -> dict:
     return json.loads(text)
 
 
-def stage_texts(stage) -> str:
-    if isinstance(stage.graphs, tuple):
-        return "".join(f"== {k} ==\n{canonicalize(g)}" for k, g in zip(("forward", "backward"), stage.graphs, strict=True))
-    return canonicalize(stage.graphs)
+def stage_texts(result) -> str:
+    if isinstance(result.graphs, tuple):
+        return "".join(f"== {k} ==\n{canonicalize(g)}" for k, g in zip(("forward", "backward"), result.graphs, strict=True))
+    return canonicalize(result.graphs)
 
 
 @pytest.mark.parametrize("sid", _grouped(SIDS))
@@ -73,19 +110,23 @@ def test_every_stage_has_its_table_graphs_and_pictures(sid, shared_pipeline_runs
     html = _page(sid)
     assert html.startswith("<!DOCTYPE html>") and "http" not in html.replace("http://www.w3.org/2000/svg", "")
     secs = sections(html)
-    assert list(secs) == list(STAGE_NAMES)
+    assert list(secs) == SECTIONS
     run = _run(sid)
     for name, chunk in secs.items():
-        stage = run.stage(name)
-        n_graphs = len(stage.graph_list)
+        n_graphs = len(_graph_list(_result(run, name)))
         kinds = [f.get("data-figure") for f in figures(chunk)]
         assert "<table class=stats>" in chunk, name
         assert kinds.count("memory") == 1, (name, kinds)
         assert kinds.count("overlap") == n_graphs, (name, kinds)  # every graph has collectives
-        assert kinds.count("buckets") == (1 if name in BUCKETING_STAGES else 0), (name, kinds)
+        result = _result(run, name)
+        assert kinds.count("buckets") == (1 if _bucketed(result) else 0), (name, kinds)
+        if name.endswith(ALONE) and name.removesuffix(ALONE) in BUCKETING_PASSES:
+            assert _bucketed(result), name  # alone on the second compile's graphs, each pass buckets
         assert kinds.count("measured-memory") == 0
         assert chunk.count("<details class='graph'") == n_graphs
-        assert "data-golden='matches'" in chunk and "diff-golden" not in chunk
+        # a collective pass's graph golden is the pass alone; the composed pass has none
+        golden = "none" if name in COLLECTIVE_PASS_NAMES else "matches"
+        assert f"data-golden='{golden}'" in chunk and "diff-golden" not in chunk, name
     chart = figures(html.split("<section class=stage", 1)[0])
     assert [f.get("data-figure") for f in chart] == ["collective-bytes"]
 
@@ -96,30 +137,31 @@ def test_diffs_against_the_previous_stage_exactly_where_graphs_differ(sid, share
     secs = sections(html)
     data = payload(html)
     run = _run(sid)
-    texts = [stage_texts(s) for s in run.stages]
-    assert "diff-prev" not in secs[STAGE_NAMES[0]]
-    for i, name in enumerate(STAGE_NAMES[1:], start=1):
-        differs = texts[i] != texts[i - 1]
+    assert "diff-prev" not in secs[SECTIONS[0]]
+    for i, name in enumerate(SECTIONS[1:], start=1):
+        # an alternative is compared with the graphs it ran on, a stage with the one before it
+        prev = "second_compile" if name.endswith(ALONE) else SECTIONS[i - 1]
+        before, now = stage_texts(_result(run, prev)), stage_texts(_result(run, name))
         m = re.search(r"<details class='diff diff-prev' data-diff='(\d+)'>", secs[name])
-        assert (m is not None) == differs, name
+        assert (m is not None) == (before != now), name
         if m is None:
             assert "data-same-as-previous" in secs[name]
             continue
         d = data["diffs"][int(m.group(1))]
-        assert (d["a_name"], d["b_name"]) == (STAGE_NAMES[i - 1], name)
-        assert data["texts"][d["a"]] == texts[i - 1] and data["texts"][d["b"]] == texts[i]
+        assert (d["a_name"], d["b_name"]) == (prev, name)
+        assert data["texts"][d["a"]] == before and data["texts"][d["b"]] == now
         assert any(op[0] != "e" for op in d["ops"])
     # every text a graph <details> points at is that graph's canonical text
     for name, chunk in secs.items():
         idx = [int(i) for i in re.findall(r"data-text='(\d+)'", chunk)]
-        assert [data["texts"][i] for i in idx] == [canonicalize(g) for g in run.stage(name).graph_list]
+        assert [data["texts"][i] for i in idx] == [canonicalize(g) for g in _graph_list(_result(run, name))]
 
 
 @pytest.mark.xdist_group("tiny-fsdp-dp8")
 def test_a_changed_golden_gets_a_side_by_side_diff(shared_pipeline_runs):
     sid = "tiny-fsdp-dp8"
-    records = records_from_pipeline_run(_run(sid))
-    target = records[2]  # second_compile
+    records = _records(sid)
+    target = next(r for r in records if r.name == "second_compile")
     assert target.golden is not None
     lines = target.golden.split("\n")
     k = next(i for i, ln in enumerate(lines) if ln.split(":", 1)[0].endswith("/mm_0"))
@@ -146,18 +188,16 @@ def test_parity_verdicts_and_bucket_members(shared_pipeline_runs):
             "second_compile": {"bitwise": True, "tensors": 44, "mismatches": 0, "max_abs_diff": 0.0},
         },
     }
-    secs = sections(_page(sid, records_from_pipeline_run(_run(sid), parity=parity)))
+    secs = sections(_page(sid, _records(sid, parity=parity)))
     assert "data-parity='ok'" in secs["joint"] and "single-device eager max |diff| 3.00e-07" in secs["joint"]
     assert "data-parity='bad'" in secs["first_partition"] and "3 of 44 tensors differ" in secs["first_partition"]
     assert "parity: not run for this stage" in secs["pre_overlap_bucketing"]
-    table = secs["pre_overlap_bucketing"].split("<table class=buckets>", 1)[1]
+    table = secs["pre_overlap_bucketing" + ALONE].split("<table class=buckets>", 1)[1]
     assert "param:layers.0.attention.wq.weight (layers.0.attention.wq.weight/all_gather_into_tensor_0)" in table
     assert "grad:layers.0.attention.wq.weight" in table  # reduce-scatter members name their gradient
 
 
 def test_payload_cannot_close_the_script_element():
-    from verify.html.synthetic import synthetic_views
-
     (view,) = synthetic_views(stages=1, fw_nodes=20, bw_nodes=20, collectives=3, buckets=2)
     evil = "x: f32[] = aten.mm.default('</script><script>alert(1)</script>')\n"
     view.texts = {"forward": evil, "backward": "<!-- & -->\n"}
@@ -180,8 +220,6 @@ def test_golden_sections_round_trip_and_replace_only_what_changed():
 
 @pytest.mark.xdist_group("trainer")  # shares the traced debug steps of the trainer tests
 def test_graph_trainer_page_shows_measured_memory_beside_the_static():
-    from verify.html import trainer_records
-
     records = trainer_records("debug", batch=4)
     assert [r.name for r in records] == ["traced_step", "before_remat", "after_remat"]
     html = build_report_page(records, title="graph trainer, debug preset")
@@ -203,11 +241,9 @@ def test_graph_trainer_page_shows_measured_memory_beside_the_static():
 def test_bad_input_is_named():
     from types import SimpleNamespace
 
-    from verify.html import write_report
-
     with pytest.raises(ValueError, match="no stage records"):
         write_report([], "unused", title="t")
-    run = SimpleNamespace(stages=[SimpleNamespace(name="joint", graphs=None)], metrics={})
+    run = SimpleNamespace(names=["joint"], results=[], alternatives=[])
     parity = {"vs_eager": {"second_compile": {"bitwise": True, "tensors": 1, "mismatches": 0, "max_abs_diff": 0.0}}}
     with pytest.raises(ValueError, match=r"parity names stage\(s\) \['second_compile'\]"):
         records_from_pipeline_run(run, parity=parity, goldens=False)

@@ -7,6 +7,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from verify.__main__ import main
 from verify.mutation import lines as L
 
 RESULTS = textwrap.dedent(
@@ -257,8 +258,6 @@ def test_relay_shows_a_count_again_once_every_s_has_passed(origin):
 @pytest.mark.parametrize("surviving, expected", [(True, 1), (False, 0)])
 def test_verify_cli_exit_status_and_table(monkeypatch, capsys, surviving, expected):
     """`python -m verify mutate --lines` reaches line_mutation.main with the `mutate` namespace."""
-    from verify.__main__ import main
-
     mutants = [L.Mutant("autoparallel.passes.demo.x_walk__mutmut_1", "killed"),
                L.Mutant("autoparallel.passes.demo.x_walk__mutmut_2", "survived" if surviving else "timeout")]
     seen = {}

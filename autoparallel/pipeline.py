@@ -1,0 +1,464 @@
+"""THE pipeline: the ordered stage list, and the driver that runs any model through it.
+
+``run_pipeline(model, loss_fn, example_inputs, plan, mesh)`` runs :data:`STAGES` in order on one
+rank's graphs (rank 0 of a fake world unless an entered world is given) and returns every
+stage's graphs, its wall seconds and its report::
+
+    joint                    trace: model + loss + plan -> per-rank joint graph (parallelize)
+    cleanup                  joint -> joint    structural clean-up          (partition.PLACEMENT_STEPS)
+    fsdp_tagging             joint -> joint    FSDP recompute tags                    "
+    first_partition          joint -> fw, bw   AOT partition, saves recorded          "
+    second_compile           module -> fw, bw  torch.compile(autoparallel_backend), replay partition,
+                                               bucketing tags on its joint graph
+    fuse_chained_allgathers  fw, bw -> fw, bw  (passes.collective.COLLECTIVE_PASSES, in the order
+    pre_overlap_bucketing    fw, bw -> fw, bw   autoparallel_backend runs them)
+    topo_span_bucketing      fw, bw -> fw, bw
+
+The sub-lists are owned by the code that also runs them outside the pipeline (``apply_placement``,
+``bucket_fw_bw``), so the pipeline cannot show an order the product does not run. Each stage that
+rewrites a graph is a graph-in/graph-out step with a name: ``run.stage(name).graphs`` is its
+output and ``run.input_of(name)`` its input.
+
+Nothing here is LLaMA-specific: the model, the loss function and the batch are inputs. The
+stage list is data: a stage can be inserted (a planner ahead of ``joint`` that turns
+``plan="auto"`` into a ``ParallelPlan``: :func:`insert_stage`), and ``until=`` stops after a
+stage. Observers (``observers=[fn]``) see each :class:`StageResult` as soon as its stage ends
+(structured logging, an HTML report, stats on graphs too large to keep).
+
+Graphs are rank-specific after bucketing and are built on a fake world: they are for reading
+(goldens, stats, reports) and, with ``keep_compiled``, the compiled module for parity runs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import torch
+from torch import fx, nn
+
+from autoparallel import meta as M
+from autoparallel.compile import OVERLAP_PATCH, SECOND_COMPILE, autoparallel_backend
+from autoparallel.fx_utils import copy_graph_module
+from autoparallel.mesh import MeshSpec, ParallelMesh, attach_group_dims, fake_world
+from autoparallel.parallelize import JointGraph, ParallelPlan, build_joint_graph, split_batch
+from autoparallel.parallelize.program import LossFn
+from autoparallel.partition import (
+    PLACEMENT_STEPS,
+    REPLAY_PATCH,
+    Placement,
+    PlacementStep,
+    placement,
+)
+from autoparallel.passes.collective import (
+    COLLECTIVE_PASSES,
+    CollectivePass,
+    CollectivePassesConfig,
+    bucket_fw_bw,
+)
+from autoparallel.runtime.parallel_module import ParallelModule
+
+Graphs = fx.GraphModule | tuple[fx.GraphModule, fx.GraphModule]
+
+JOINT = "joint"
+
+
+# --- options, results -------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class PipelineOptions:
+    """``collective``: which collective passes run and their knobs (default: every pass, as the
+    backend runs them with overlap scheduling on); ``enable_ac``: the second compile runs the
+    joint AC pass; ``keep_compiled``: run the compiled module's forward and keep it (parity runs;
+    otherwise the second compile stops once it has partitioned: graphs only, nothing executes);
+    ``alternatives``: also run each collective pass alone on ``second_compile``'s graphs (review:
+    what one pass does by itself); ``snapshots``: each result holds its own copy of the graphs
+    (off: results hold the live graphs, which later stages rewrite; observers still see each
+    stage's graphs when it ends)."""
+
+    collective: CollectivePassesConfig = field(default_factory=lambda: CollectivePassesConfig(schedule_overlap=True))
+    enable_ac: bool = False
+    keep_compiled: bool = False
+    alternatives: bool = False
+    snapshots: bool = True
+
+
+@dataclass
+class StageResult:
+    """One stage's output: ``graphs`` (one GraphModule, a (forward, backward) pair, or None for a
+    stage that makes no graph), its wall ``seconds``, the stage that produced its input
+    (``input``), its ``report`` (CleanupReport, FsdpTagReport, PartitionRecord, PipelineMetrics
+    ...), and ``alternative`` for a collective pass run alone on ``second_compile``'s graphs."""
+
+    name: str
+    graphs: Graphs | None
+    seconds: float
+    input: str | None = None
+    report: Any = None
+    alternative: bool = False
+
+    @property
+    def label(self) -> str:
+        return f"{self.name} (alone)" if self.alternative else self.name
+
+    def graph_rows(self) -> list[tuple[str, fx.GraphModule]]:
+        """``(row label, graph)``: ``label`` for one graph, ``label fwd`` / ``label bwd`` for a pair."""
+        if isinstance(self.graphs, tuple):
+            fw, bw = self.graphs
+            return [(f"{self.label} fwd", fw), (f"{self.label} bwd", bw)]
+        return [] if self.graphs is None else [(self.label, self.graphs)]
+
+
+Observer = Callable[[StageResult], None]
+
+
+@dataclass
+class PipelineState:
+    """What the stages read and write, in order: the inputs, then the joint graph, the placement
+    (module), the compiled module, and the current graphs (the last stage's output)."""
+
+    model: nn.Module
+    loss_fn: LossFn | None
+    example_inputs: tuple[torch.Tensor, ...]
+    plan: Any  # a ParallelPlan once the stages before "joint" are done
+    mesh: ParallelMesh
+    options: PipelineOptions
+    joint: JointGraph | None = None
+    placement: Placement | None = None
+    compiled: Any = None
+    graphs: Graphs | None = None
+    results: list[StageResult] = field(default_factory=list)
+
+    @property
+    def module(self) -> ParallelModule | None:
+        return self.placement.module if self.placement is not None else None
+
+    def local_inputs(self) -> tuple[torch.Tensor, ...]:
+        """This rank's slice of the example inputs."""
+        return split_batch(self.example_inputs, self.plan, self.mesh.spec, self.mesh.coordinate())
+
+
+@dataclass(frozen=True)
+class Stage:
+    """A pipeline stage: ``run(state) -> (graphs, report)``; ``skip(state)``: not run this time
+    (a collective pass its config switches off). ``patches``: registered patches it applies."""
+
+    name: str
+    run: Callable[[PipelineState], tuple[Graphs | None, Any]]
+    summary: str
+    skip: Callable[[PipelineState], bool] = lambda state: False
+    patches: tuple[str, ...] = ()
+
+
+@dataclass
+class PipelineRun:
+    """The results of one run, in stage order, plus what later runs may reuse."""
+
+    results: list[StageResult]
+    alternatives: list[StageResult]
+    joint: JointGraph | None
+    module: ParallelModule | None
+    compiled: Any
+    group_dims: dict[str, str]
+
+    @property
+    def names(self) -> list[str]:
+        return [r.name for r in self.results]
+
+    def stage(self, name: str) -> StageResult:
+        for r in self.results:
+            if r.name == name:
+                return r
+        raise KeyError(f"no stage {name!r} in this run; stages: {self.names}")
+
+    def alternative(self, name: str) -> StageResult:
+        for r in self.alternatives:
+            if r.name == name:
+                return r
+        raise KeyError(f"no alternative {name!r} in this run; alternatives: {[r.name for r in self.alternatives]}")
+
+    def input_of(self, name: str) -> StageResult | None:
+        """The result a stage read (None for the first stage)."""
+        src = self.stage(name).input
+        return None if src is None else self.stage(src)
+
+
+# --- the second compile -----------------------------------------------------------------------
+
+
+class _StopAfterPartition(Exception):
+    """Raised by the partition hook to end a graphs-only compile before anything executes."""
+
+
+def _caused_by(exc: BaseException | None, kind: type) -> bool:
+    while exc is not None:
+        if isinstance(exc, kind):
+            return True
+        exc = exc.__cause__ or exc.__context__
+    return False
+
+
+@dataclass
+class SecondCompile:
+    """The second compile's split graphs (labelled like the first partition's), the collective
+    passes' metrics when it ran them, and the compiled module (``keep_compiled`` only)."""
+
+    fw: fx.GraphModule
+    bw: fx.GraphModule
+    compiled: Any = None
+    metrics: Any = None
+
+
+def second_compile(
+    module: ParallelModule,
+    mesh: ParallelMesh,
+    local_inputs: Sequence[torch.Tensor],
+    *,
+    enable_ac: bool = False,
+    keep_compiled: bool = False,
+    collective_passes: CollectivePassesConfig | None = None,
+) -> SecondCompile:
+    """``torch.compile(module, backend=autoparallel_backend(...))`` on the world ``mesh`` (entered),
+    called once on ``local_inputs``; the split graphs its partitioner made.
+
+    Graphs only (default): the partition hook stops the call before anything executes (at 8B
+    shapes the forward would compute real activations on this CPU), and Dynamo's cache is reset.
+    ``keep_compiled``: the call runs, the compiled module is returned, and Dynamo's cache is left
+    for the caller to reset (``torch._dynamo.reset()``). ``collective_passes``: the backend also
+    tags its joint graph and runs those passes; ``fw``/``bw`` are their output. A module traced on
+    another world's group names is an error (re-trace on this world, or enter one built the same
+    way: a fresh fake world names its groups as the first did)."""
+    import torch._dynamo
+
+    if module.group_dims != mesh.group_dims:
+        raise ValueError(f"module was traced with groups {module.group_dims}, this world has {mesh.group_dims}")
+    captured: dict[str, Any] = {}
+
+    def stop_if_graphs_only():
+        if not keep_compiled:
+            raise _StopAfterPartition
+
+    def on_partition(fw, bw):
+        captured.update(fw=fw, bw=bw)
+        if collective_passes is None:
+            stop_if_graphs_only()
+
+    def on_collective_passes(fw, bw, metrics):
+        captured.update(fw=fw, bw=bw, metrics=metrics)
+        stop_if_graphs_only()
+
+    backend = autoparallel_backend(
+        enable_ac=enable_ac,
+        on_partition=on_partition,
+        collective_passes=collective_passes,
+        on_collective_passes=on_collective_passes,
+        group_dims=mesh.group_dims,
+    )
+    torch._dynamo.reset()
+    compiled = torch.compile(module, backend=backend)
+    try:
+        compiled(*local_inputs)
+    except Exception as e:
+        if not _caused_by(e, _StopAfterPartition):
+            raise
+    finally:
+        if not keep_compiled:
+            torch._dynamo.reset()
+    for gm in (captured["fw"], captured["bw"]):
+        attach_group_dims(gm, mesh.group_dims)
+    return SecondCompile(captured["fw"], captured["bw"], compiled if keep_compiled else None, captured.get("metrics"))
+
+
+# --- the stages -------------------------------------------------------------------------------
+
+
+def _joint(state: PipelineState) -> tuple[Graphs, Any]:
+    if not isinstance(state.plan, ParallelPlan):
+        raise ValueError(
+            f"plan={state.plan!r} is not a ParallelPlan: the joint stage needs one. A plan that "
+            "something else decides (plan='auto') needs a stage ahead of 'joint' that sets "
+            "state.plan (insert_stage(STAGES, planner_stage, before='joint'))"
+        )
+    state.joint = build_joint_graph(state.model, state.plan, state.mesh, state.example_inputs, state.loss_fn)
+    state.placement = placement(state.joint)
+    return state.joint.gm, None
+
+
+def _placement_stage(step: PlacementStep) -> Stage:
+    def run(state: PipelineState) -> tuple[Graphs, Any]:
+        report = state.placement.run(step)
+        if state.module is not None:  # the first partition made the module
+            fp = state.module.first_partition
+            return (fp.fw, fp.bw), report
+        return state.joint.gm, report
+
+    return Stage(step.name, run, step.summary, patches=step.patches)
+
+
+def _tag_only(config: CollectivePassesConfig) -> CollectivePassesConfig:
+    """The config with every pass switched off: the backend labels and tags its joint graph (so
+    the split graphs carry the bucketing tags) and runs no pass."""
+    return replace(config, fuse_chained_allgathers=False, pre_overlap_bucketing=False, schedule_overlap=False)
+
+
+def _second_compile(state: PipelineState) -> tuple[Graphs, Any]:
+    if state.module is None:
+        raise ValueError("the second compile needs the first partition's module: run 'first_partition' first")
+    sc = second_compile(
+        state.module,
+        state.mesh,
+        state.local_inputs(),
+        enable_ac=state.options.enable_ac,
+        keep_compiled=state.options.keep_compiled,
+        collective_passes=_tag_only(state.options.collective),
+    )
+    state.compiled = sc.compiled
+    return (sc.fw, sc.bw), sc.metrics
+
+
+def _collective_stage(p: CollectivePass) -> Stage:
+    def run(state: PipelineState) -> tuple[Graphs, Any]:
+        fw, bw = state.graphs
+        fw, bw, metrics = bucket_fw_bw(fw, bw, state.options.collective, only=(p.name,))
+        return (fw, bw), metrics
+
+    return Stage(p.name, run, p.summary, skip=lambda state: not p.enabled(state.options.collective), patches=p.patches)
+
+
+#: The stage list, in order (see the module docstring).
+STAGES: tuple[Stage, ...] = (
+    Stage(JOINT, _joint, "trace the per-rank joint graph (model, loss, plan, mesh)"),
+    *(_placement_stage(s) for s in PLACEMENT_STEPS),
+    Stage(
+        SECOND_COMPILE,
+        _second_compile,
+        "torch.compile with autoparallel_backend: replay partition, bucketing tags",
+        patches=(REPLAY_PATCH, OVERLAP_PATCH),
+    ),
+    *(_collective_stage(p) for p in COLLECTIVE_PASSES),
+)
+STAGE_NAMES: tuple[str, ...] = tuple(s.name for s in STAGES)
+
+
+def insert_stage(stages: Sequence[Stage], stage: Stage, *, before: str) -> tuple[Stage, ...]:
+    """``stages`` with ``stage`` ahead of the one named ``before`` (ValueError naming the stages
+    if there is none)."""
+    names = [s.name for s in stages]
+    if before not in names:
+        raise ValueError(f"no stage {before!r} to insert {stage.name!r} before; stages: {names}")
+    if stage.name in names:
+        raise ValueError(f"a stage named {stage.name!r} is already in the list")
+    i = names.index(before)
+    return (*stages[:i], stage, *stages[i:])
+
+
+# --- the driver -------------------------------------------------------------------------------
+
+
+def _snapshot(graphs: Graphs | None, label: str) -> Graphs | None:
+    if graphs is None:
+        return None
+    if isinstance(graphs, tuple):
+        fw, bw = (copy_graph_module(g) for g in graphs)
+        fw.meta[M.GM_STAGE], bw.meta[M.GM_STAGE] = f"{label}/forward", f"{label}/backward"
+        return fw, bw
+    out = copy_graph_module(graphs)
+    out.meta[M.GM_STAGE] = label
+    return out
+
+
+@contextlib.contextmanager
+def _world(mesh: ParallelMesh | MeshSpec | str) -> Iterator[ParallelMesh]:
+    if isinstance(mesh, ParallelMesh):
+        yield mesh
+    else:
+        with fake_world(mesh) as m:
+            yield m
+
+
+def _alternatives(state: PipelineState, after: StageResult, observers: Sequence[Observer]) -> list[StageResult]:
+    out = []
+    for p in COLLECTIVE_PASSES:
+        fw, bw = (copy_graph_module(g) for g in state.graphs)
+        t0 = time.perf_counter()
+        fw, bw, metrics = bucket_fw_bw(fw, bw, state.options.collective, only=(p.name,))
+        result = StageResult(p.name, (fw, bw), time.perf_counter() - t0, after.name, metrics, alternative=True)
+        for observe in observers:
+            observe(result)
+        out.append(result)
+    return out
+
+
+def run_pipeline(
+    model: nn.Module,
+    loss_fn: LossFn | None,
+    example_inputs: Sequence[torch.Tensor],
+    plan: ParallelPlan | Any,
+    mesh: ParallelMesh | MeshSpec | str,
+    options: PipelineOptions | None = None,
+    *,
+    stages: Sequence[Stage] = STAGES,
+    until: str | None = None,
+    observers: Sequence[Observer] = (),
+) -> PipelineRun:
+    """Run ``stages`` (default :data:`STAGES`) in order; see the module docstring.
+
+    ``model`` (on meta, cpu or fake tensors), ``loss_fn(model(*inputs[:-1]), inputs[-1])``
+    (None: token cross-entropy), ``example_inputs`` the global batch (model inputs, then the
+    target; only shapes and dtypes are used), ``plan`` a ``ParallelPlan`` (or whatever a stage
+    ahead of ``joint`` turns into one), ``mesh`` an entered world or a mesh spec (a fake world is
+    entered for the run). ``until``: the last stage to run. Raises ValueError naming an unknown
+    ``until`` or a stage that cannot run."""
+    options = options if options is not None else PipelineOptions()
+    names = [s.name for s in stages]
+    if until is not None and until not in names:
+        raise ValueError(f"until={until!r} is no stage; stages: {names}")
+    if len(set(names)) != len(names):
+        raise ValueError(f"stage names repeat: {names}")
+    alternatives: list[StageResult] = []
+    with _world(mesh) as world, contextlib.ExitStack() as cleanup:
+        state = PipelineState(model, loss_fn, tuple(example_inputs), plan, world, options)
+        # The trace keeps its export context (a fake mode) entered until the first partition
+        # compiles; a run that stops or fails before that must not leave it entered.
+        cleanup.callback(lambda: state.joint is not None and state.joint.close())
+        prev: str | None = None
+        for stage in stages:
+            if stage.skip(state):
+                continue
+            t0 = time.perf_counter()
+            graphs, report = stage.run(state)
+            seconds = time.perf_counter() - t0
+            state.graphs = graphs if graphs is not None else state.graphs
+            kept = _snapshot(graphs, stage.name) if options.snapshots else graphs
+            result = StageResult(stage.name, kept, seconds, prev, report)
+            state.results.append(result)
+            for observe in observers:
+                observe(result)
+            if options.alternatives and stage.name == SECOND_COMPILE:
+                alternatives = _alternatives(state, result, observers)
+            prev = stage.name if graphs is not None else prev
+            if stage.name == until:
+                break
+        group_dims = dict(world.group_dims)
+    return PipelineRun(state.results, alternatives, state.joint, state.module, state.compiled, group_dims)
+
+
+__all__ = [
+    "JOINT",
+    "STAGES",
+    "STAGE_NAMES",
+    "Observer",
+    "PipelineOptions",
+    "PipelineRun",
+    "PipelineState",
+    "SecondCompile",
+    "Stage",
+    "StageResult",
+    "insert_stage",
+    "run_pipeline",
+    "second_compile",
+]

@@ -1,0 +1,289 @@
+"""The layout's rules, checked on the source (ARCHITECTURE.md lists them):
+
+* no import cycle among the modules of ``autoparallel`` and ``verify``, and ``autoparallel`` never
+  imports ``verify`` or ``tests``;
+* node-meta keys, role labels and activation-checkpointing policy names are spelled only in their
+  home modules (``meta.py``, ``roles.py``, ``ac.py``);
+* first-party imports inside functions only where a module says why (cheap CLI / pytest plugin);
+* every test path listed in code exists (xdist module groups, line-mutation defaults).
+
+Each checker is also fed a small bad source, so a checker that cannot fail fails here.
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+import pytest
+
+from autoparallel import ac, roles
+from autoparallel import meta as M
+from verify.mutation.lines import DEFAULT_TESTS
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGES = ("autoparallel", "verify")
+
+
+def _sources(*dirs: str) -> dict[str, str]:
+    return {str(p.relative_to(ROOT)): p.read_text() for d in dirs for p in sorted((ROOT / d).rglob("*.py"))}
+
+
+def _module_name(path: str) -> str:
+    parts = list(Path(path).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+# --- imports ------------------------------------------------------------------------------------
+
+
+def _imported(tree: ast.AST) -> list[tuple[str, int]]:
+    """Every absolute import in ``tree`` (module-level and inside functions), as dotted names."""
+    out = []
+    for n in ast.walk(tree):
+        if isinstance(n, ast.Import):
+            out += [(a.name, n.lineno) for a in n.names]
+        elif isinstance(n, ast.ImportFrom) and n.level == 0 and n.module:
+            out += [(f"{n.module}.{a.name}", n.lineno) for a in n.names]
+    return out
+
+
+def import_graph(sources: dict[str, str]) -> dict[str, set[str]]:
+    """module -> first-party modules it imports (a package's ``__init__`` counts for each module
+    imported through it)."""
+    modules = {_module_name(p) for p in sources}
+
+    def resolve(name: str) -> set[str]:
+        while name and name not in modules:
+            name = name.rpartition(".")[0]
+        out = set()
+        while name:
+            if name in modules:
+                out.add(name)
+            name = name.rpartition(".")[0]
+        return out
+
+    graph = {}
+    for path, text in sources.items():
+        me = _module_name(path)
+        deps = set().union(*(resolve(name) for name, _ in _imported(ast.parse(text))))
+        graph[me] = {d for d in deps if d != me and not me.startswith(d + ".")}
+    return graph
+
+
+def import_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan), each sorted."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    out = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph.get(v, ())):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(sorted(comp))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def test_no_import_cycle():
+    assert import_cycles(import_graph(_sources(*PACKAGES))) == []
+
+
+def test_import_cycle_check_finds_a_cycle_through_a_function_local_import():
+    sources = {
+        "pkg/a.py": "from pkg.b import f\n",
+        "pkg/b.py": "def f():\n    from pkg import c\n",
+        "pkg/c.py": "import pkg.a\n",
+        "pkg/d.py": "import pkg.a\n",
+    }
+    assert import_cycles(import_graph(sources)) == [["pkg.a", "pkg.b", "pkg.c"]]
+
+
+def test_autoparallel_never_imports_verify_or_tests():
+    bad = [
+        f"{path}:{line}: {name}"
+        for path, text in _sources("autoparallel").items()
+        for name, line in _imported(ast.parse(text))
+        if name.split(".")[0] in ("verify", "tests")
+    ]
+    assert bad == []
+
+
+# Modules whose functions import first-party code on purpose, and why.
+LOCAL_IMPORTS_ALLOWED = {
+    "verify/__main__.py": "each command imports only its own module (goldens/mutate start without torch)",
+    "verify/goldens/text.py": "the golden file format stays free of torch (canon/stats on use)",
+    "verify/pytest_plugin.py": "loaded by every pytest run (pytest11): no torch or syrupy on load",
+    "verify/html/__init__.py": "the plugin's browser gate imports verify.html.browser: the package loads no torch",
+    "tests/conftest.py": "loaded by every pytest process before any test needs the fixtures",
+}
+
+
+def local_first_party_imports(sources: dict[str, str]) -> list[str]:
+    out = []
+    for path, text in sources.items():
+        for fn in ast.walk(ast.parse(text)):
+            if not isinstance(fn, ast.FunctionDef | ast.AsyncFunctionDef):
+                continue
+            for n in ast.walk(fn):
+                if isinstance(n, ast.Import | ast.ImportFrom) and n is not fn:
+                    names = [a.name for a in n.names] if isinstance(n, ast.Import) else [n.module or ""]
+                    if any(name.split(".")[0] in PACKAGES for name in names):
+                        out.append(f"{path}:{n.lineno}")
+    return out
+
+
+def test_first_party_imports_are_at_module_level_unless_a_module_says_why():
+    found = local_first_party_imports(_sources(*PACKAGES, "tests"))
+    unexpected = [loc for loc in found if loc.split(":")[0] not in LOCAL_IMPORTS_ALLOWED]
+    assert unexpected == [], "hoist these imports, or add the module to LOCAL_IMPORTS_ALLOWED with a reason"
+    assert {loc.split(":")[0] for loc in found} == set(LOCAL_IMPORTS_ALLOWED), "an allowance no module uses"
+
+
+def test_local_import_check_finds_one():
+    assert local_first_party_imports({"m.py": "def f():\n    from autoparallel import meta\n"}) == ["m.py:2"]
+    assert local_first_party_imports({"m.py": "def f():\n    import json\n"}) == []
+
+
+# --- vocabularies: meta keys, role labels, AC policy names ---------------------------------------
+
+_META_KEYS = {
+    value
+    for name, value in vars(M).items()
+    if isinstance(value, str) and name.isupper() and not name.startswith(("PHASE_", "REMAT_PASS_TAG_"))
+}
+_META_HOLDERS = ("meta", "current_meta")
+
+
+def _is_meta_dict(node: ast.AST) -> bool:
+    return (isinstance(node, ast.Attribute) and node.attr in _META_HOLDERS) or (
+        isinstance(node, ast.Name) and node.id in _META_HOLDERS
+    )
+
+
+def meta_key_literals(sources: dict[str, str]) -> list[str]:
+    """``x.meta["val"]``, ``x.meta.get("val")`` / ``.pop`` / ``.setdefault``, ``"val" in x.meta``."""
+    out = []
+    for path, text in sources.items():
+        for n in ast.walk(ast.parse(text)):
+            key = None
+            if isinstance(n, ast.Subscript) and _is_meta_dict(n.value):
+                key = n.slice
+            elif (
+                isinstance(n, ast.Call)
+                and isinstance(n.func, ast.Attribute)
+                and n.func.attr in ("get", "pop", "setdefault")
+                and _is_meta_dict(n.func.value)
+                and n.args
+            ):
+                key = n.args[0]
+            elif isinstance(n, ast.Compare) and any(isinstance(op, ast.In | ast.NotIn) for op in n.ops):
+                if any(_is_meta_dict(c) for c in n.comparators):
+                    key = n.left
+            if isinstance(key, ast.Constant) and key.value in _META_KEYS:
+                out.append(f"{path}:{n.lineno}: {key.value!r}")
+    return out
+
+
+_ROLE_PREFIX = re.compile(rf"^({'|'.join(k for k in roles.KINDS if k != roles.LOSS)}):")
+
+
+def role_literals(sources: dict[str, str]) -> list[str]:
+    """String constants (f-string pieces included) that start a role label (``param:``, ...)."""
+    out = []
+    for path, text in sources.items():
+        tree = ast.parse(text)
+        # docstrings and other bare string statements document labels; they do not build them
+        prose = {id(n.value) for n in ast.walk(tree) if isinstance(n, ast.Expr) and isinstance(n.value, ast.Constant)}
+        for n in ast.walk(tree):
+            if isinstance(n, ast.Constant) and isinstance(n.value, str) and id(n) not in prose:
+                if _ROLE_PREFIX.match(n.value):
+                    out.append(f"{path}:{n.lineno}: {n.value!r}")
+    return out
+
+
+_AC_NAMES = {ac.FULL, ac.OP}
+_AC_PREFIXES = ("layer:", "_scaled_dot_product")
+
+
+def ac_policy_literals(sources: dict[str, str]) -> list[str]:
+    """AC mode / policy names (``"full"``, ``"op"``, ``"layer:K"``) and SDPA op names outside
+    ``ac.py``: a second spelling of the policy."""
+    out = []
+    for path, text in sources.items():
+        for n in ast.walk(ast.parse(text)):
+            if isinstance(n, ast.Constant) and isinstance(n.value, str):
+                if n.value in _AC_NAMES or n.value.startswith(_AC_PREFIXES):
+                    out.append(f"{path}:{n.lineno}: {n.value!r}")
+    return out
+
+
+def _outside(home: str) -> dict[str, str]:
+    return {p: t for p, t in _sources(*PACKAGES).items() if p != home}
+
+
+@pytest.mark.parametrize(
+    "check, home",
+    [(meta_key_literals, "autoparallel/meta.py"), (role_literals, "autoparallel/roles.py"), (ac_policy_literals, "autoparallel/ac.py")],
+    ids=["meta keys", "role labels", "AC policy"],
+)
+def test_vocabulary_is_spelled_only_in_its_home_module(check, home):
+    assert check(_outside(home)) == [], f"use the names {home} defines"
+
+
+def test_vocabulary_checks_find_literals():
+    bad = {
+        "m.py": (
+            'node.meta["val"]\nnode.meta.get("recompute")\nif "ap_role" in n.meta: pass\n'
+            'role = f"param:{fqn}"\nr.startswith("grad:")\nmode = "full"\nop = "_scaled_dot_product_x"\n'
+            '"""param: a docstring may name a label"""\nnode.meta[M.VAL]\nd["val"]\n'
+        )
+    }
+    assert meta_key_literals(bad) == ["m.py:1: 'val'", "m.py:2: 'recompute'", "m.py:3: 'ap_role'"]
+    assert role_literals(bad) == ["m.py:4: 'param:'", "m.py:5: 'grad:'"]
+    assert ac_policy_literals(bad) == ["m.py:6: 'full'", "m.py:7: '_scaled_dot_product_x'"]
+
+
+# --- test paths listed in code ------------------------------------------------------------------
+
+
+def _module_groups() -> dict[str, tuple[str, ...]]:
+    tree = ast.parse((ROOT / "tests" / "conftest.py").read_text())
+    for n in tree.body:
+        if isinstance(n, ast.Assign) and any(isinstance(t, ast.Name) and t.id == "MODULE_GROUPS" for t in n.targets):
+            return ast.literal_eval(n.value)
+    raise AssertionError("tests/conftest.py defines no MODULE_GROUPS")
+
+
+def test_every_test_path_listed_in_code_exists():
+    listed = [p for mods in _module_groups().values() for p in mods] + list(DEFAULT_TESTS)
+    assert listed and [p for p in listed if not (ROOT / p).exists()] == []
+
+
+def test_no_test_module_directly_in_tests_unit():
+    """pytest puts the directory of each test module on sys.path; tests/unit holds directories
+    named autoparallel/ and verify/, so that entry would make a spawned process (run_on_world with
+    start_method="spawn") import them as namespace packages instead of the real ones."""
+    assert sorted(p.name for p in (ROOT / "tests" / "unit").glob("*.py")) == []

@@ -1,0 +1,29 @@
+"""Fixtures shared by the autoparallel unit tests: a small model that is not LLaMA."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+
+class TwoLayerMLP(nn.Module):
+    """16 -> 32 -> 8, no biases: two FSDP-shardable weights, a few kernels to compile."""
+
+    def __init__(self):
+        super().__init__()
+        self.up = nn.Linear(16, 32, bias=False)
+        self.down = nn.Linear(32, 8, bias=False)
+
+    def forward(self, x):
+        return self.down(torch.relu(self.up(x)))
+
+
+def mse(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return ((out - target) ** 2).mean()
+
+
+@pytest.fixture(scope="session")
+def mlp():
+    """``(TwoLayerMLP factory, mse loss)``: a user model with a custom loss (not LLaMA)."""
+    return TwoLayerMLP, mse
