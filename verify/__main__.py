@@ -1,4 +1,4 @@
-"""``python -m verify {report, goldens, mutate, scale}``: the equivalence layer's command line."""
+"""``python -m verify {report, plan, goldens, mutate, scale}``: the equivalence layer's command line."""
 
 from __future__ import annotations
 
@@ -16,6 +16,11 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("--mesh", default="dp=8", help="mesh, e.g. dp=8 or dp=4,tp=2 (default: dp=8)")
     r.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
     r.add_argument("--no-parity", action="store_true", help="skip the gloo parity run")
+
+    pl = sub.add_parser("plan", help="automatic placement: plan a preset on a fake world with the ILP planner")
+    from verify.plan_cli import add_arguments as add_plan_arguments
+
+    add_plan_arguments(pl)
 
     g = sub.add_parser("goldens", help="regenerate (--update) or check (--check) the golden files")
     mode = g.add_mutually_exclusive_group(required=True)
@@ -51,6 +56,10 @@ def main(argv: list[str] | None = None) -> int:
             from verify.report import main as report_main
 
             return report_main(args)
+        if args.command == "plan":
+            from verify.plan_cli import main as plan_main
+
+            return plan_main(args)
         if args.command == "mutate":
             from verify.mutation import main as mutate_main
 
