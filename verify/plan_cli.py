@@ -33,16 +33,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--compare-hand", default=None, choices=["fsdp", "fsdp_tp", "ddp"], help="also price this hand plan and diff")
     p.add_argument("--save", default=None, metavar="FILE", help="write the plan as JSON to FILE")
     p.add_argument("--json", action="store_true", help="print the plan as JSON instead of tables")
+    p.add_argument("--text", action="store_true", help="print the canonical plan text (what goldens hold) instead of tables")
 
 
 def main(args: argparse.Namespace) -> int:
     t_start = time.perf_counter()
-    import torch
-
     from autoparallel.mesh import MeshSpec, fake_world
-    from autoparallel.models.llama3 import build_model, model_args
+    from autoparallel.models.llama3 import model_args
     from autoparallel.parallelize import ParallelPlan
-    from autoparallel.planner import Planner, PlannerConfig, diff, evaluate_hand_plan, get_profile
+    from autoparallel.planner import PlannerConfig, diff, evaluate_hand_plan, get_profile
+    from verify import plan_cases
     from verify.scenario import _dtype
 
     def say(msg: str) -> None:
@@ -64,19 +64,15 @@ def main(args: argparse.Namespace) -> int:
         time_limit=args.time_limit,
         trace_blocks=args.trace_blocks,
     )
-    model = build_model(margs, device="meta")
-    tokens = torch.zeros(batch, seq, dtype=torch.long, device="meta")
-    description = f"llama3 {args.preset} layers={margs.n_layers} batch={batch} seq={seq}"
-    say(f"{description} on mesh {spec}, profile {args.profile}")
+    planner = plan_cases.planner(args.preset, args.layers, batch, args.trace_blocks, args.param_dtype, seq, say)
+    say(f"{planner.description} on mesh {spec}, profile {args.profile}")
     with fake_world(spec) as mesh:
-        planner = Planner.trace(
-            model, mesh, (tokens, tokens), param_dtype=config.param_dtype, description=description, progress=say, trace_blocks=config.trace_blocks
-        )
         plan = planner.plan(mesh, config, progress=say)
         hand = None
         if args.compare_hand:
             say(f"pricing the hand plan {args.compare_hand} under the same cost model")
-            hand = evaluate_hand_plan(model, mesh, (tokens, tokens), ParallelPlan.preset(args.compare_hand), config=config, progress=say)
+            model, inputs = plan_cases.model_and_inputs(args.preset, args.layers, batch, seq)
+            hand = evaluate_hand_plan(model, mesh, inputs, ParallelPlan.preset(args.compare_hand), config=config, progress=say)
         explained = [plan.explain(node) for node in args.explain]
     total = time.perf_counter() - t_start
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
@@ -86,6 +82,9 @@ def main(args: argparse.Namespace) -> int:
     if args.save:
         plan.save(args.save)
         say(f"plan written to {args.save}")
+    if args.text:
+        print(plan.text(), end="")
+        return 0
     if args.json:
         out = plan.to_json()
         if hand is not None:

@@ -103,6 +103,9 @@ class CostModel:
         self._transforms: dict[tuple, tuple | None] = {}
         self._tables: dict[tuple, np.ndarray] = {}
         self._codes: dict[Placements, tuple] = {}
+        self._local: dict[tuple, int] = {}
+        self._partials: dict[str, Placement] = {}  # code text -> Partial (codes hash as plain strings)
+        self._by_codes: dict[tuple, Redistribution] = {}
         self._patterns: dict[tuple, tuple | None] = {}
         self.dtensor_plans = 0  # redistribute plans asked of DTensor (the rest are single steps)
 
@@ -142,7 +145,10 @@ class CostModel:
         key = (tuple(meta.shape), meta.dtype, tuple(dsts), tuple(srcs))
         got = self._tables.get(key)
         if got is None:
-            got = np.array([[self.redistribute(meta, v, u).us for v in srcs] for u in dsts], dtype=np.float64).reshape(len(dsts), len(srcs))
+            shape, size = tuple(meta.shape), meta.dtype.itemsize
+            us = [self.codes(u) for u in dsts]
+            vs = [self.codes(v) for v in srcs]
+            got = np.array([[self.redistribute_codes(shape, size, v, u).us for v in vs] for u in us], dtype=np.float64).reshape(len(dsts), len(srcs))
             got.setflags(write=False)
             self._tables[key] = got
         return got
@@ -154,24 +160,36 @@ class CostModel:
         key = (tuple(meta.shape), meta.dtype, src, dst)
         got = self._redist.get(key)
         if got is None:
-            got = self._plan(tuple(meta.shape), meta.dtype.itemsize, self.codes(src), self.codes(dst))
-            self._redist[key] = got
+            got = self._redist[key] = self.redistribute_codes(tuple(meta.shape), meta.dtype.itemsize, self.codes(src), self.codes(dst))
+        return got
+
+    def redistribute_codes(self, shape: tuple, itemsize: int, src: tuple, dst: tuple) -> Redistribution:
+        if src == dst:
+            return FREE
+        key = (shape, itemsize, src, dst)
+        got = self._by_codes.get(key)
+        if got is None:
+            got = self._by_codes[key] = self._plan(shape, itemsize, src, dst)
         return got
 
     def codes(self, placements: Placements) -> tuple:
         """Placements as plain tuples, ``("R",)``, ``("S", d)``, ``("P", placement)`` (cheap to test)."""
         got = self._codes.get(placements)
         if got is None:
-            got = tuple(_code(p) for p in placements)
+            got = tuple(self.code(p) for p in placements)
             self._codes[placements] = got
         return got
 
     def _local_bytes(self, shape: tuple, itemsize: int, codes: tuple) -> int:
-        out = list(shape)
-        for c, n in zip(codes, self.sizes, strict=True):
-            if c[0] == "S":
-                out[c[1]] = -(-out[c[1]] // n)
-        return math.prod(out) * itemsize
+        key = (shape, itemsize, codes)
+        got = self._local.get(key)
+        if got is None:
+            out = list(shape)
+            for c, n in zip(codes, self.sizes, strict=True):
+                if c[0] == "S":
+                    out[c[1]] = -(-out[c[1]] // n)
+            got = self._local[key] = math.prod(out) * itemsize
+        return got
 
     def _plan(self, shape: tuple, itemsize: int, src: tuple, dst: tuple) -> Redistribution:
         transforms = self.transforms(src, dst)
@@ -227,26 +245,27 @@ class CostModel:
         meta = TensorMeta(torch.Size(shape), _contiguous_stride(shape), torch.float32)
         try:
             infos = _gen_transform_infos_non_cached(
-                DTensorSpec(self.device_mesh, _placements(src), tensor_meta=meta),
-                DTensorSpec(self.device_mesh, _placements(dst), tensor_meta=meta),
+                DTensorSpec(self.device_mesh, self.placements(src), tensor_meta=meta),
+                DTensorSpec(self.device_mesh, self.placements(dst), tensor_meta=meta),
             )
         except Exception as e:
-            raise ValueError(f"DTensor has no redistribute plan from {_placements(src)} to {_placements(dst)}: {e}") from e
-        return tuple((info.mesh_dim, _code(info.src_dst_placements[0]), _code(info.src_dst_placements[1])) for info in infos)
+            raise ValueError(f"DTensor has no redistribute plan from {self.placements(src)} to {self.placements(dst)}: {e}") from e
+        return tuple((info.mesh_dim, self.code(info.src_dst_placements[0]), self.code(info.src_dst_placements[1])) for info in infos)
 
+    def code(self, p: Placement) -> tuple:
+        """A placement as a plain tuple: ``("R",)``, ``("S", d)``, ``("P", text)``."""
+        if isinstance(p, Shard):
+            return ("S", p.dim)
+        if isinstance(p, Replicate):
+            return ("R",)
+        if isinstance(p, Partial):
+            text = repr(p)
+            self._partials.setdefault(text, p)
+            return ("P", text)
+        raise ValueError(f"the planner does not price placement {p!r}")
 
-def _code(p: Placement) -> tuple:
-    if isinstance(p, Shard):
-        return ("S", p.dim)
-    if isinstance(p, Replicate):
-        return ("R",)
-    if isinstance(p, Partial):
-        return ("P", p)
-    raise ValueError(f"the planner does not price placement {p!r}")
-
-
-def _placements(codes: tuple) -> Placements:
-    return tuple(Shard(c[1]) if c[0] == "S" else Replicate() if c[0] == "R" else c[1] for c in codes)
+    def placements(self, codes: tuple) -> Placements:
+        return tuple(Shard(c[1]) if c[0] == "S" else Replicate() if c[0] == "R" else self._partials[c[1]] for c in codes)
 
 
 def _renumber(codes, renum: dict[int, int]):

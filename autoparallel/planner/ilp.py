@@ -161,6 +161,7 @@ class Formulation:
     ub: np.ndarray
     s_cols: list[np.ndarray]  # per class: column of each choice (-1 where pruned)
     groups: dict[str, tuple[int, int]]  # constraint group -> row range
+    num_choice_cols: int  # the s columns come first, the edge columns after
 
 
 def formulate(problem: Problem, alive: list[np.ndarray], *, objective_weights: list[np.ndarray] | None = None) -> Formulation:
@@ -200,6 +201,7 @@ def formulate(problem: Problem, alive: list[np.ndarray], *, objective_weights: l
     add("one_choice", r + nrow, cc, np.ones(len(cc)), np.ones(problem.num_classes), np.ones(problem.num_classes))
     nrow += problem.num_classes
 
+    num_s = ncol
     # per edge: y columns, consistent_output rows (u), flow rows (v)
     cons_parts, flow_parts = [], []
     for e in problem.edges:
@@ -254,7 +256,7 @@ def formulate(problem: Problem, alive: list[np.ndarray], *, objective_weights: l
         (np.concatenate(vals), (np.concatenate(rows), np.concatenate(cols))) if rows else ([], ([], [])),
         shape=(nrow, ncol),
     )
-    return Formulation(np.concatenate(cost), a, np.concatenate(lb), np.concatenate(ub), s_cols, groups)
+    return Formulation(np.concatenate(cost), a, np.concatenate(lb), np.concatenate(ub), s_cols, groups, num_s)
 
 
 def formulate_size(problem: Problem) -> tuple[int, int]:
@@ -302,11 +304,36 @@ def _lp(f: Formulation, time_limit: float | None):
 
 
 def _mip(f: Formulation, lb: np.ndarray, ub: np.ndarray, time_limit: float | None):
+    """HiGHS MIP over the columns ``ub`` leaves open; closed columns are dropped, not sent.
+
+    An edge variable can only be nonzero if both of its marginal rows still have an open choice
+    variable, so closing choices closes the edge variables that depend on them too.
+    """
     n = f.a.shape[1]
+    open_ = ub > 0
+    if f.num_choice_cols < n:
+        choice = f.a[:, : f.num_choice_cols].tocsr()
+        supply = (-choice.minimum(0)) @ open_[: f.num_choice_cols].astype(np.float64)
+        marginal = np.asarray((-choice.minimum(0)).sum(axis=1)).ravel() > 0
+        closed_rows = (marginal & (supply <= 0)).astype(np.float64)
+        edge = f.a[:, f.num_choice_cols :].tocsc()
+        open_[f.num_choice_cols :] &= (edge.T @ closed_rows) == 0
+    keep = np.flatnonzero(open_)
     options = {"disp": False, "presolve": True, "mip_rel_gap": 0.0}
     if time_limit is not None:
         options["time_limit"] = max(float(time_limit), 1e-3)
-    return milp(f.c, integrality=np.ones(n), bounds=Bounds(lb, ub), constraints=LinearConstraint(f.a, f.lb, f.ub), options=options)
+    res = milp(
+        f.c[keep],
+        integrality=np.ones(len(keep)),
+        bounds=Bounds(lb[keep], ub[keep]),
+        constraints=LinearConstraint(f.a.tocsc()[:, keep], f.lb, f.ub),
+        options=options,
+    )
+    if res.x is not None:
+        x = np.zeros(n)
+        x[keep] = res.x
+        res.x = x
+    return res
 
 
 def _s_integral(problem: Problem, f: Formulation, x: np.ndarray, tol: float = 1e-6) -> np.ndarray:

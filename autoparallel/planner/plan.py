@@ -278,8 +278,9 @@ class Plan:
         return "\n".join(lines)
 
 
-def diff(a: Plan, b: Plan) -> str:
-    """What differs between two plans: objective, parameters, inputs, nodes, communication."""
+def diff(a: Plan, b: Plan, *, max_nodes: int = 40) -> str:
+    """What differs between two plans: objective, parameters, inputs, nodes (the first
+    ``max_nodes`` of them), communication."""
     if a.mesh != b.mesh:
         return f"plans are for different meshes: {a.mesh} vs {b.mesh}"
     names = a.mesh_names
@@ -291,11 +292,13 @@ def diff(a: Plan, b: Plan) -> str:
             lines.append(f"  {k}: {dims_text(da.get(k), names)} -> {dims_text(db.get(k), names)}")
     changed = [k for k in list(dict.fromkeys([*a.nodes, *b.nodes])) if _node_view(a.nodes.get(k)) != _node_view(b.nodes.get(k))]
     lines.append(f"nodes: {len(changed)} of {len(set(a.nodes) | set(b.nodes))} differ")
-    for k in changed:
+    for k in changed[:max_nodes]:
         na, nb = a.nodes.get(k), b.nodes.get(k)
         fa = "absent" if na is None else ", ".join(dims_text(o, names) for o in na.out)
         fb = "absent" if nb is None else ", ".join(dims_text(o, names) for o in nb.out)
         lines.append(f"  {k}: out {fa} -> {fb}")
+    if len(changed) > max_nodes:
+        lines.append(f"  ... and {len(changed) - max_nodes} more")
     kinds = sorted(set(a.comm) | set(b.comm))
     for kind in kinds:
         dims = sorted(set(a.comm.get(kind, {})) | set(b.comm.get(kind, {})))

@@ -143,6 +143,12 @@ def build_nodes(pg: PlanningGraph, costs: CostModel, enumerator: StrategyEnumera
         elif node.op == "call_function":
             producers = [_distinct(nodes[i].out_placements()) for i in inputs]
             cands = enumerator.op_candidates(node, producers)
+            if _casts_a_parameter(node, nodes, inputs):
+                # A mixed-precision cast runs on the parameter's local shard, padded or not
+                # (FSDP2 casts the padded shard and all-gathers that), so it can follow the
+                # parameter's placement even where DTensor's strategy wants even shards.
+                extra = [Candidate((pl,), (pl,)) for pl in producers[0] if Candidate((pl,), (pl,)) not in cands]
+                cands = cands + extra
             g = costs.global_compute_us(node)
             comp = np.array([costs.compute_us(g, c) for c in cands], dtype=np.float64)
             from autoparallel.planner.strategies import _static_args
@@ -197,6 +203,30 @@ def build_nodes(pg: PlanningGraph, costs: CostModel, enumerator: StrategyEnumera
     return Graph(nodes, equal, costs.names, costs.sizes, time.perf_counter() - t0)
 
 
+_CASTS = (torch.ops.aten._to_copy.default, torch.ops.prims.convert_element_type.default)
+
+
+def is_dtype_cast(node: fx.Node) -> bool:
+    """A node that changes a tensor's dtype and nothing else (shape, device, layout kept)."""
+    if node.op != "call_function" or node.target not in _CASTS:
+        return False
+    ins = tensor_args(node)
+    out = node.meta.get(M.VAL)
+    if len(ins) != 1 or not isinstance(out, torch.Tensor):
+        return False
+    src = ins[0].meta.get(M.VAL)
+    return isinstance(src, torch.Tensor) and src.shape == out.shape and src.device == out.device and src.dtype != out.dtype
+
+
+def _casts_a_parameter(node: fx.Node, nodes: list[PNode], inputs: tuple[int, ...]) -> bool:
+    if len(inputs) != 1 or not is_dtype_cast(node):
+        return False
+    src = nodes[inputs[0]]
+    if src.kind == ALIAS_KIND:
+        src = nodes[src.inputs[0]]
+    return src.kind == PLACEHOLDER and (src.role or "").startswith("param:")
+
+
 def _block_of_role(role: str, pg: PlanningGraph) -> str | None:
     if pg.block_container is None:
         return None
@@ -211,8 +241,6 @@ def _lock_grad_reduce_dtype(nodes: list[PNode], pg: PlanningGraph) -> None:
     """Mixed precision: a parameter is cast to the compute dtype before any redistribution (the
     all-gather moves the narrow dtype), and a gradient is cast back to the wider parameter dtype
     before any redistribution (the reduction runs in the wide dtype)."""
-    from autoparallel.passes.graph_utils import is_dtype_cast
-
     fx_nodes = {n.name: n for n in pg.graph.nodes}
 
     def lock(pn: PNode) -> None:
@@ -290,8 +318,12 @@ class Problem:
 
 
 # A deterministic preference among equal-cost choices: earlier candidates (Replicate before
-# Shard(0) before Shard(1) ...) win, by at most TIE_US per node. Reported objectives exclude it.
+# Shard(0) before Shard(1) ...) win, by at most TIE_US per node; for placeholders (parameters,
+# inputs) the preference is PLACEHOLDER_TIE times stronger, so that equal-cost parameter
+# layouts resolve to the lowest sharded dim (FSDP's Shard(0)) before anything downstream.
+# Reported objectives exclude it.
 TIE_US = 1e-3
+PLACEHOLDER_TIE = 100.0
 
 
 @dataclass
@@ -433,7 +465,8 @@ def build_problem(
     tie = []
     for c in range(nclass):
         j = len(compute[c])
-        tie.append(TIE_US * np.arange(j) / max(j - 1, 1))
+        weight = PLACEHOLDER_TIE if nodes[clustering.members[c][0]].kind == PLACEHOLDER else 1.0
+        tie.append(weight * TIE_US * np.arange(j) / max(j - 1, 1))
     edges: list[EdgeClass | None] = [None] * (max(clustering.edge_class_of.values(), default=-1) + 1)
     counts = [0] * len(edges)
     for (ci, a), e in clustering.edge_class_of.items():

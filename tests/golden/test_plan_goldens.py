@@ -1,0 +1,17 @@
+"""Goldens of automatic placement: the canonical plan text of each case in verify.plan_cases.
+
+A change to candidates, costs, the formulation or the solver shows up as a text diff (placements
+per parameter, input and node; predicted collectives; the objective). Regenerate with
+`python -m verify goldens --update` and review the diff.
+"""
+
+import pytest
+
+from verify.plan_cases import GOLDEN_CASES, golden_text
+
+pytestmark = pytest.mark.xdist_group("planner")
+
+
+@pytest.mark.parametrize("name", sorted(GOLDEN_CASES))
+def test_plan_text(name, golden):
+    golden.check_text(golden_text(name))
