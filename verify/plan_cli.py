@@ -72,7 +72,7 @@ def main(args: argparse.Namespace) -> int:
         if args.compare_hand:
             say(f"pricing the hand plan {args.compare_hand} under the same cost model")
             model, inputs = plan_cases.model_and_inputs(args.preset, args.layers, batch, seq)
-            hand = evaluate_hand_plan(model, mesh, inputs, ParallelPlan.preset(args.compare_hand), config=config, progress=say)
+            hand = evaluate_hand_plan(model, mesh, inputs, ParallelPlan.preset(args.compare_hand), config=config, planner=planner, progress=say)
         explained = [plan.explain(node) for node in args.explain]
     total = time.perf_counter() - t_start
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20

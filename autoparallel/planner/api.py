@@ -23,7 +23,7 @@ from autoparallel.mesh import MeshSpec, ParallelMesh
 from autoparallel.planner.costs import CostModel
 from autoparallel.planner.graph import PlanningGraph, trace_planning_graph
 from autoparallel.planner.ilp import Solution, solve
-from autoparallel.planner.plan import NodePlacement, Plan, by_dim, parse_placement
+from autoparallel.planner.plan import NodePlacement, Plan, by_dim, natural_key, parse_placement
 from autoparallel.planner.problem import (
     GETITEM,
     OUTPUT,
@@ -326,8 +326,8 @@ def make_plan(graph: Graph, costs: CostModel, choice: np.ndarray, solution: Solu
         comm_us=comm_us,
         lp_bound_us=solution.stats.lp_bound_us if solution is not None else None,
         proven_optimal=bool(solution is not None and solution.stats.proven_optimal),
-        params=params,
-        inputs=inputs,
+        params=dict(sorted(params.items(), key=lambda kv: natural_key(kv[0]))),
+        inputs=dict(sorted(inputs.items(), key=lambda kv: natural_key(kv[0]))),
         nodes=placed,
         node_names={pn.name: pn.key for pn in nodes if pn.name and pn.kind != OUTPUT},
         comm={k: dict(sorted(v.items())) for k, v in sorted(comm.items())},
@@ -465,20 +465,34 @@ def evaluate_hand_plan(
     loss_fn: Callable | None = None,
     config: PlannerConfig | None = None,
     *,
+    planner: Planner | None = None,
     description: str | None = None,
     progress: Progress | None = None,
 ) -> Plan:
     """The cost of a hand ``ParallelPlan``: its parameter placements and batch split pinned,
-    every other placement chosen at best under the same cost model and memory budget (the
-    hand plan's own parameter bytes)."""
+    every other placement chosen at best under the same cost model, with no memory budget
+    (the hand plan's own parameter bytes are what they are). ``planner`` reuses a trace of the
+    same model and inputs."""
+    from dataclasses import replace
+
     config = config or PlannerConfig()
     pins: dict[str, PinSpec] = dict(hand_plan_pins(hand, model, mesh.spec))
     names = mesh.spec.names
     for i, _ in enumerate(example_inputs):
-        pl = [Shard(0) if n in hand.data_dims else Replicate() for n in names]
-        pins[f"input:{i}"] = tuple(pl)
+        pins[f"input:{i}"] = tuple(Shard(0) if n in hand.data_dims else Replicate() for n in names)
     pins.update(config.pins)
-    from dataclasses import replace
-
     hand_config = replace(config, pins=pins, memory_budget=float("inf") if config.memory_budget is None else config.memory_budget)
-    return plan_model(model, mesh, example_inputs, loss_fn, hand_config, description=description or f"{type(model).__name__} [{hand.describe()}]", progress=progress)
+    if planner is None:
+        planner = Planner.trace(
+            model,
+            mesh,
+            example_inputs,
+            loss_fn,
+            param_dtype=config.param_dtype,
+            block_container=config.block_container,
+            trace_blocks=config.trace_blocks,
+            progress=progress,
+        )
+    plan = planner.plan(mesh, hand_config, progress=progress)
+    plan.model = description or f"{planner.description} [hand plan {hand.describe()}]"
+    return plan

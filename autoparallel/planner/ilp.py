@@ -285,22 +285,35 @@ def _decode(problem: Problem, f: Formulation, x: np.ndarray) -> np.ndarray:
 # --- solve ----------------------------------------------------------------------------------------
 
 
-def _lp(f: Formulation, time_limit: float | None):
+@dataclass
+class LPResult:
+    status: int  # 0 optimal, 2 infeasible, other: not solved
+    fun: float
+    x: np.ndarray | None
+    rc: np.ndarray | None  # reduced cost of every column (>= 0 at 0, <= 0 at 1)
+
+
+def _lp(f: Formulation, time_limit: float | None) -> LPResult:
+    """The LP relaxation (HiGHS dual simplex) with every column's reduced cost."""
     from scipy.optimize import linprog
 
     eq = f.lb == f.ub
     a = f.a.tocsr()
+    a_eq, a_ub = a[eq], a[~eq]
     options = {} if time_limit is None else {"time_limit": max(float(time_limit), 1e-3)}
-    return linprog(
+    res = linprog(
         f.c,
-        A_ub=a[~eq] if (~eq).any() else None,
-        b_ub=f.ub[~eq] if (~eq).any() else None,
-        A_eq=a[eq],
+        A_ub=a_ub if a_ub.shape[0] else None,
+        b_ub=f.ub[~eq] if a_ub.shape[0] else None,
+        A_eq=a_eq,
         b_eq=f.lb[eq],
         bounds=(0, 1),
-        method="highs",
+        method="highs-ds",
         options=options,
     )
+    if res.status != 0:
+        return LPResult(int(res.status), math.nan, None, None)
+    return LPResult(0, float(res.fun), res.x, res.lower.marginals + res.upper.marginals)
 
 
 def _mip(f: Formulation, lb: np.ndarray, ub: np.ndarray, time_limit: float | None):
@@ -403,8 +416,7 @@ def solve(problem: Problem, *, time_limit: float | None = 120.0, lp_bound: bool 
                 if inc.x is not None:
                     x_best = inc.x
                     gap = float(f.c @ inc.x) - lp_fun
-                    rc = lp.lower.marginals + lp.upper.marginals
-                    keep = rc <= gap + 1e-7 * max(1.0, abs(lp_fun)) + 1e-9
+                    keep = lp.rc <= gap + 1e-7 * max(1.0, abs(lp_fun)) + 1e-9
                     bound_ub = keep.astype(np.float64)
                     fixed = int((~keep).sum())
                 res = _mip(f, np.zeros(n), bound_ub, left())

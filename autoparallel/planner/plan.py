@@ -153,10 +153,10 @@ class Plan:
             "## parameters",
         ]
         width = max((len(f) for f in self.params), default=10)
-        for fqn in sorted(self.params):
+        for fqn in sorted(self.params, key=natural_key):
             lines.append(f"{fqn:<{width}}  {dims_text(self.params[fqn], names)}")
         lines += ["", "## inputs"]
-        for role in sorted(self.inputs):
+        for role in sorted(self.inputs, key=natural_key):
             lines.append(f"{role}  {dims_text(self.inputs[role], names)}")
         lines += ["", "## communication (per step)"]
         for kind in sorted(self.comm):
@@ -257,7 +257,7 @@ class Plan:
         width = max((len(f) for f in self.params), default=10)
         head = f"{'parameter':<{width}}  " + "  ".join(f"{n:<8}" for n in names)
         rows = [head, "-" * len(head)]
-        for fqn in self.params:
+        for fqn in sorted(self.params, key=natural_key):
             rows.append(f"{fqn:<{width}}  " + "  ".join(f"{self.params[fqn][n]:<8}" for n in names))
         return "\n".join(rows)
 
@@ -286,7 +286,7 @@ def diff(a: Plan, b: Plan, *, max_nodes: int = 40) -> str:
     names = a.mesh_names
     lines = [f"objective: {a.objective_us:.3f} us -> {b.objective_us:.3f} us ({b.objective_us - a.objective_us:+.3f} us)"]
     for title, da, db in (("parameters", a.params, b.params), ("inputs", a.inputs, b.inputs)):
-        changed = [k for k in sorted(set(da) | set(db)) if da.get(k) != db.get(k)]
+        changed = [k for k in sorted(set(da) | set(db), key=natural_key) if da.get(k) != db.get(k)]
         lines.append(f"{title}: {len(changed)} differ")
         for k in changed:
             lines.append(f"  {k}: {dims_text(da.get(k), names)} -> {dims_text(db.get(k), names)}")

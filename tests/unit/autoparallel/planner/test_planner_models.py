@@ -108,7 +108,7 @@ def test_2d_mesh_auto_plan_is_no_worse_than_the_hand_fsdp_tp_plan():
     auto = plan_case(TINY_2D)
     model, inputs = model_and_inputs("tiny", None, 8)
     with fake_world("dp=4,tp=2") as mesh:
-        hand = evaluate_hand_plan(model, mesh, inputs, ParallelPlan.fsdp_tp())
+        hand = evaluate_hand_plan(model, mesh, inputs, ParallelPlan.fsdp_tp(), planner=planner("tiny"))
     assert_plan_valid(hand)
     assert hand.params["layers.0.attention.wq.weight"] == {"dp": "S(0)", "tp": "S(0)"}
     assert hand.params["layers.0.attention.wo.weight"] == {"dp": "S(0)", "tp": "S(1)"}
