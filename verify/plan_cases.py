@@ -80,7 +80,7 @@ def planner(
     return _PLANNERS[key]
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def plan_case(case: PlanCase):
     """The plan of ``case`` (read-only: shared by every test of this process)."""
     from autoparallel.mesh import fake_world

@@ -23,8 +23,9 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from autoparallel.planner.plan import Plan, parse_placement
 from torch.distributed.tensor.placement_types import Placement, Shard
+
+from autoparallel.planner.plan import Plan, parse_placement
 
 
 @dataclass(frozen=True)
@@ -116,7 +117,7 @@ def check_plan(plan: Plan, graph, costs, *, pins: Mapping[str, Sequence[Placemen
                 slot[0] += 1
                 slot[1] += s.nbytes
 
-    for a, b, why in graph.equal:
+    for a, b, _ in graph.equal:
         if placed_out.get(a) != placed_out.get(b):
             out.append(Violation("fwd_bwd", f"{nodes[a].key} ~ {nodes[b].key}", f"{placed_out.get(a)} != {placed_out.get(b)}"))
 

@@ -64,7 +64,7 @@ def main(args: argparse.Namespace) -> int:
         time_limit=args.time_limit,
         trace_blocks=args.trace_blocks,
     )
-    planner = plan_cases.planner(args.preset, args.layers, batch, args.trace_blocks, args.param_dtype, seq, say)
+    planner = plan_cases.planner(args.preset, args.layers, batch, args.trace_blocks, args.param_dtype, args.seq, say)
     say(f"{planner.description} on mesh {spec}, profile {args.profile}")
     with fake_world(spec) as mesh:
         plan = planner.plan(mesh, config, progress=say)

@@ -9,7 +9,13 @@ canonical key that survives re-tracing), per parameter and per input, by mesh-di
 the predicted collectives. ``python -m verify plan`` is its command line.
 """
 
-from autoparallel.planner.api import Planner, PlannerConfig, evaluate_hand_plan, hand_plan_pins, plan_model
+from autoparallel.planner.api import (
+    Planner,
+    PlannerConfig,
+    evaluate_hand_plan,
+    hand_plan_pins,
+    plan_model,
+)
 from autoparallel.planner.ilp import InfeasiblePlanError, PlannerError, SolverTimeout
 from autoparallel.planner.plan import Plan, diff, parse_placement
 from autoparallel.planner.profile import PROFILES, DeviceProfile, Link, get_profile

@@ -235,7 +235,7 @@ def insert_aliases(graph: fx.Graph, blocks: dict[str, str]) -> int:
         for key in (M.PARTITIONER_TAG, M.CUSTOM, M.SEQ_NR):
             if key in node.meta:
                 alias.meta[key] = node.meta[key]
-        node.replace_all_uses_with(alias, delete_user_cb=lambda user: user is not alias)
+        node.replace_all_uses_with(alias, delete_user_cb=lambda user, alias=alias: user is not alias)
         if node.name in blocks:
             blocks[alias.name] = blocks[node.name]
         count += 1

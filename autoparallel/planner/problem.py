@@ -39,7 +39,6 @@ from autoparallel.planner.strategies import (
     is_getitem,
     out_metas,
     placeholder_candidates,
-    tensor_meta,
 )
 
 PLACEHOLDER, OP, GETITEM, ALIAS_KIND, OUTPUT = "placeholder", "op", "getitem", "alias", "output"

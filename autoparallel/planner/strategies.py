@@ -31,7 +31,13 @@ import torch
 from torch import fx
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.distributed.tensor._op_schema import OpSchema, OpSpec, OpStrategy, TupleStrategy
-from torch.distributed.tensor.placement_types import Partial, Placement, Replicate, Shard, _StridedShard
+from torch.distributed.tensor.placement_types import (
+    Partial,
+    Placement,
+    Replicate,
+    Shard,
+    _StridedShard,
+)
 
 from autoparallel import meta as M
 from autoparallel.planner.graph import ALIAS, tensor_args

@@ -20,7 +20,15 @@ from torch import nn
 
 from autoparallel.mesh import fake_world
 from autoparallel.parallelize import ParallelPlan
-from autoparallel.planner import InfeasiblePlanError, Plan, PlannerConfig, diff, evaluate_hand_plan, parse_placement, plan_model
+from autoparallel.planner import (
+    InfeasiblePlanError,
+    Plan,
+    PlannerConfig,
+    diff,
+    evaluate_hand_plan,
+    parse_placement,
+    plan_model,
+)
 from autoparallel.planner.problem import min_param_bytes
 from verify.plan_cases import GOLDEN_CASES, PlanCase, model_and_inputs, plan_case, planner
 from verify.plan_check import assert_plan_valid, check_plan
@@ -87,11 +95,11 @@ def test_the_checker_catches_each_kind_of_violation():
 
 
 def test_1d_mesh_rediscovers_fsdp_on_8b_shapes():
-    """LLaMA-3 8B shapes (2 blocks, batch 8 x seq 8192) on dp=8 with the default budget: every
+    """LLaMA-3 8B shapes (1 block, batch 8 x seq 8192) on dp=8 with the default budget: every
     block, norm and head weight is Shard(0) and every such gradient is reduce-scattered; the
     embedding table is sharded on its hidden dim instead (cheaper: an all-to-all of the looked-up
     rows instead of all-gathering the 2 GiB table)."""
-    p = planner("8b", 2, 8, None, None, 8192)
+    p = planner("8b", 1, 8, None, None, 8192)
     with fake_world("dp=8") as mesh:
         plan = p.plan(mesh)
     assert_plan_valid(plan)
@@ -193,14 +201,27 @@ def test_json_round_trip_keeps_the_plan_and_diff_of_equal_plans_is_empty(tmp_pat
         Plan.load(tmp_path / "missing.json")
 
 
-def test_tracing_four_blocks_and_expanding_gives_the_full_traces_plan():
-    """The shortcut the 8B benchmark uses, against the full trace, on a 5-block model."""
+@pytest.mark.slow  # two LLaMA traces (5 and 4 blocks): CI runs it in its slow step
+def test_tracing_four_blocks_and_expanding_gives_the_full_traces_plan_on_llama():
+    """The shortcut the 8B benchmark uses, against the full trace, on a 5-block LLaMA."""
     full = plan_case(PlanCase("tiny", "dp=8", layers=5, trace_blocks=0))
     short = plan_case(PlanCase("tiny", "dp=8", layers=5, trace_blocks=4))
     assert short.stats["traced_blocks"] == 4 and full.stats["traced_blocks"] is None
     assert_plan_valid(short)
     assert short.text() == full.text()
     assert short.stats["classes"] == full.stats["classes"]
+
+
+def test_tracing_four_blocks_and_expanding_gives_the_full_traces_plan():
+    """The same check in the default tier, on a 6-block model that is not LLaMA, on a 2-D mesh."""
+    with torch.device("meta"):
+        model = _MLPStack(blocks=6)
+    with fake_world("dp=2,tp=2") as mesh:
+        full = plan_model(model, mesh, _mlp_inputs(), F.cross_entropy, PlannerConfig(trace_blocks=0), description="mlp")
+        short = plan_model(model, mesh, _mlp_inputs(), F.cross_entropy, PlannerConfig(trace_blocks=4), description="mlp")
+    assert short.stats["traced_blocks"] == 4 and full.stats["traced_blocks"] is None
+    assert_plan_valid(short)
+    assert short.text() == full.text()
 
 
 class _Block(nn.Module):
