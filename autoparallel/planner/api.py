@@ -404,17 +404,22 @@ class PlanContext:
         best = min(totals)
         if totals[chosen] <= best + 1e-9 * max(1.0, abs(best)):
             ties = [j for j, t in enumerate(totals) if t <= best + 1e-9 * max(1.0, abs(best))]
-            tie = f" ({len(ties)} candidates tie; the first in candidate order wins)" if len(ties) > 1 else ""
+            tie = ""
+            if len(ties) > 1:
+                tie = (
+                    f" ({len(ties)} candidates tie here; among equal-cost plans the solver prefers earlier "
+                    "candidates, parameters and inputs first, summed over the whole plan)"
+                )
             return "the cheapest of its candidates given where its producers and consumers are placed" + tie
         reasons = []
         if pn.index in self.pins:
             reasons.append("it is pinned")
         if pn.kind == PLACEHOLDER and (pn.role or "").startswith("param:"):
-            from autoparallel.planner.problem import _local_bytes
+            from autoparallel.planner.problem import param_local_bytes
 
-            mine = _local_bytes(pn.meta, pn.candidates[chosen].outs[0], self.graph.mesh_sizes)
+            mine = param_local_bytes(pn.meta, pn.candidates[chosen].outs[0], self.graph.mesh_sizes)
             cheaper = [j for j, t in enumerate(totals) if t < totals[chosen]]
-            more = [j for j in cheaper if _local_bytes(pn.meta, pn.candidates[j].outs[0], self.graph.mesh_sizes) > mine]
+            more = [j for j in cheaper if param_local_bytes(pn.meta, pn.candidates[j].outs[0], self.graph.mesh_sizes) > mine]
             if more:
                 reasons.append(f"the {len(more)} cheaper candidate(s) hold more parameter bytes per rank than the memory budget allows")
         partners = [self.graph.nodes[b if a == pn.index else a].key for a, b, _ in self.graph.equal if pn.index in (a, b)]

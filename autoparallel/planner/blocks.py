@@ -27,7 +27,7 @@ import numpy as np
 from torch import nn
 
 from autoparallel.planner.graph import NO_BLOCK
-from autoparallel.planner.problem import BLOCK_PLACEHOLDER, Graph, PNode, _unblocked
+from autoparallel.planner.problem import BLOCK_PLACEHOLDER, Graph, PNode, unblocked_key
 
 MIN_TRACE_BLOCKS = 4
 
@@ -68,7 +68,7 @@ def expand_graph(graph: Graph, container: str, k: int, total: int) -> Graph:
     block_of: dict[int, int | None] = {}
     for pn in nodes:
         block_of[pn.index] = None if pn.block in (None, NO_BLOCK) else _block_index(pn.block, container)
-    suffix = {pn.index: _unblocked(pn.key, pn.block) for pn in nodes if block_of[pn.index] is not None}
+    suffix = {pn.index: unblocked_key(pn.key, pn.block) for pn in nodes if block_of[pn.index] is not None}
     by_block: dict[int, dict[str, PNode]] = {b: {} for b in range(k)}
     for pn in nodes:
         b = block_of[pn.index]
@@ -147,7 +147,7 @@ def expand_graph(graph: Graph, container: str, k: int, total: int) -> Graph:
                 pn,
                 index=len(new_nodes),
                 key=_vkey(pn, label),
-                role=pn.role if pn.role is None or label is None else _unblocked(pn.role, pn.block).replace(BLOCK_PLACEHOLDER, label),
+                role=pn.role if pn.role is None or label is None else unblocked_key(pn.role, pn.block).replace(BLOCK_PLACEHOLDER, label),
                 block=pn.block if j is None else label,
                 name=pn.name if j is None else _named(by_block, s, trace_block_of(j)),
                 inputs=(),
@@ -197,7 +197,7 @@ def _virtual_blocks(b: int | None, k: int, total: int) -> list[int | None]:
 def _vkey(pn: PNode, label: str | None) -> str:
     if label is None or pn.block in (None, NO_BLOCK):
         return pn.key
-    return _unblocked(pn.key, pn.block).replace(BLOCK_PLACEHOLDER, label)
+    return unblocked_key(pn.key, pn.block).replace(BLOCK_PLACEHOLDER, label)
 
 
 def _named(by_block, s: str, trace_block: int | None) -> str:

@@ -39,6 +39,7 @@ from autoparallel.planner.strategies import (
     is_getitem,
     out_metas,
     placeholder_candidates,
+    static_args,
 )
 
 PLACEHOLDER, OP, GETITEM, ALIAS_KIND, OUTPUT = "placeholder", "op", "getitem", "alias", "output"
@@ -150,9 +151,7 @@ def build_nodes(pg: PlanningGraph, costs: CostModel, enumerator: StrategyEnumera
                 cands = cands + extra
             g = costs.global_compute_us(node)
             comp = np.array([costs.compute_us(g, c) for c in cands], dtype=np.float64)
-            from autoparallel.planner.strategies import _static_args
-
-            pn = PNode(kind=OP, op=op_name(node), candidates=cands, compute_us=comp, static=_static_args(node), **common)
+            pn = PNode(kind=OP, op=op_name(node), candidates=cands, compute_us=comp, static=static_args(node), **common)
         else:
             raise ValueError(f"node {node.name!r}: the planner does not handle {node.op!r} nodes")
         index[node] = pn.index
@@ -368,7 +367,7 @@ def cluster(graph: Graph, *, enabled: bool = True, pins: Mapping[int, np.ndarray
     pins = pins or {}
     class_of = list(range(len(nodes)))
     if enabled:
-        suffix = {pn.index: _unblocked(pn.key, pn.block) for pn in nodes if pn.block not in (None, NO_BLOCK)}
+        suffix = {pn.index: unblocked_key(pn.key, pn.block) for pn in nodes if pn.block not in (None, NO_BLOCK)}
         reps: dict[tuple, int] = {}
         for pn in nodes:
             if pn.index not in suffix:
@@ -421,7 +420,7 @@ def cluster(graph: Graph, *, enabled: bool = True, pins: Mapping[int, np.ndarray
 BLOCK_PLACEHOLDER = "{B}"
 
 
-def _unblocked(key: str, block: str | None) -> str:
+def unblocked_key(key: str, block: str | None) -> str:
     """The key with its block label replaced by ``{B}`` (``layers.3/fwd/...`` -> ``{B}/fwd/...``)."""
     if block is None:
         return key
@@ -497,7 +496,7 @@ def build_problem(
     memory: dict[int, np.ndarray] = {}
     for pn in graph.params():
         c = clustering.class_of[pn.index]
-        per = np.array([_local_bytes(pn.meta, cand.outs[0], graph.mesh_sizes) for cand in pn.candidates], dtype=np.float64)
+        per = np.array([param_local_bytes(pn.meta, cand.outs[0], graph.mesh_sizes) for cand in pn.candidates], dtype=np.float64)
         memory[c] = per  # one node's bytes: the formulation multiplies by the class count
     allowed = {}
     for i, mask in pins.items():
@@ -516,7 +515,7 @@ def build_problem(
     )
 
 
-def _local_bytes(meta, placements: Placements, sizes: Sequence[int]) -> int:
+def param_local_bytes(meta, placements: Placements, sizes: Sequence[int]) -> int:
     from autoparallel.planner.costs import local_shape, nbytes
 
     return nbytes(local_shape(meta.shape, placements, sizes), meta.dtype)
@@ -524,9 +523,9 @@ def _local_bytes(meta, placements: Placements, sizes: Sequence[int]) -> int:
 
 def param_bytes(graph: Graph, choice: Sequence[int]) -> int:
     """Per-rank parameter bytes of an assignment (one choice per PNode)."""
-    return sum(_local_bytes(pn.meta, pn.candidates[choice[pn.index]].outs[0], graph.mesh_sizes) for pn in graph.params())
+    return sum(param_local_bytes(pn.meta, pn.candidates[choice[pn.index]].outs[0], graph.mesh_sizes) for pn in graph.params())
 
 
 def min_param_bytes(graph: Graph) -> int:
     """Per-rank bytes of the parameters each at its smallest candidate ("fully sharded")."""
-    return sum(min(_local_bytes(pn.meta, c.outs[0], graph.mesh_sizes) for c in pn.candidates) for pn in graph.params())
+    return sum(min(param_local_bytes(pn.meta, c.outs[0], graph.mesh_sizes) for c in pn.candidates) for pn in graph.params())

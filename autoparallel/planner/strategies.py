@@ -205,7 +205,7 @@ class StrategyEnumerator:
             op,
             metas_out,
             metas_in,
-            _static_args(node),
+            static_args(node),
             tuple(tuple(p) for p in producer_placements) if uses_inputs else partials,
         )
         self.calls += 1
@@ -375,7 +375,7 @@ def _partials_reachable(cand: Candidate, offered: Sequence[frozenset]) -> bool:
     return True
 
 
-def _static_args(node: fx.Node) -> tuple:
+def static_args(node: fx.Node) -> tuple:
     """The non-tensor arguments, as a hashable key."""
 
     def conv(a):
