@@ -82,17 +82,7 @@ def plan_model(
 ) -> Plan:
     """Plan ``loss_fn(model(*inputs[:-1]), inputs[-1])`` on ``mesh`` (a fake world is fine)."""
     config = config or PlannerConfig()
-    planner = Planner.trace(
-        model,
-        mesh,
-        example_inputs,
-        loss_fn,
-        param_dtype=config.param_dtype,
-        block_container=config.block_container,
-        trace_blocks=config.trace_blocks,
-        description=description,
-        progress=progress,
-    )
+    planner = Planner.for_config(model, mesh, example_inputs, loss_fn, config, description=description, progress=progress)
     return planner.plan(mesh, config, progress=progress)
 
 
@@ -149,6 +139,21 @@ class Planner:
         seconds = time.perf_counter() - t0
         say(f"traced {len(pg.graph.nodes)} nodes ({pg.num_aliases} aliases) in {seconds:.2f}s")
         return cls(pg, description or type(model).__name__, seconds, expansion=expansion, retrace=full)
+
+    @classmethod
+    def for_config(cls, model, mesh, example_inputs, loss_fn, config: PlannerConfig, *, description=None, progress=None) -> Planner:
+        """``trace`` with the trace-time settings of ``config``."""
+        return cls.trace(
+            model,
+            mesh,
+            example_inputs,
+            loss_fn,
+            param_dtype=config.param_dtype,
+            block_container=config.block_container,
+            trace_blocks=config.trace_blocks,
+            description=description,
+            progress=progress,
+        )
 
     def graph(self, mesh: ParallelMesh, profile: DeviceProfile, say: Progress) -> tuple[Graph, CostModel, float]:
         import json
@@ -488,16 +493,7 @@ def evaluate_hand_plan(
     pins.update(config.pins)
     hand_config = replace(config, pins=pins, memory_budget=float("inf") if config.memory_budget is None else config.memory_budget)
     if planner is None:
-        planner = Planner.trace(
-            model,
-            mesh,
-            example_inputs,
-            loss_fn,
-            param_dtype=config.param_dtype,
-            block_container=config.block_container,
-            trace_blocks=config.trace_blocks,
-            progress=progress,
-        )
+        planner = Planner.for_config(model, mesh, example_inputs, loss_fn, config, progress=progress)
     plan = planner.plan(mesh, hand_config, progress=progress)
     plan.model = description or f"{planner.description} [hand plan {hand.describe()}]"
     return plan
