@@ -9,9 +9,13 @@ import pytest
 
 from verify.plan_cases import GOLDEN_CASES, golden_text
 
-pytestmark = pytest.mark.xdist_group("planner")
+
+def _grouped(names):
+    # One xdist worker per model: its trace is made once per process (verify.plan_cases) and
+    # shared with the planner tests of the same group.
+    return [pytest.param(n, marks=pytest.mark.xdist_group(f"planner-{GOLDEN_CASES[n].preset}")) for n in sorted(names)]
 
 
-@pytest.mark.parametrize("name", sorted(GOLDEN_CASES))
+@pytest.mark.parametrize("name", _grouped(GOLDEN_CASES))
 def test_plan_text(name, golden):
     golden.check_text(golden_text(name))

@@ -8,7 +8,7 @@ import pytest
 
 from verify.__main__ import main
 
-pytestmark = pytest.mark.xdist_group("planner")
+pytestmark = pytest.mark.xdist_group("planner-tiny")  # shares the tiny trace with the goldens
 
 
 def test_plan_prints_the_parameter_table_and_progress(capsys):

@@ -33,13 +33,15 @@ from autoparallel.planner.problem import min_param_bytes
 from verify.plan_cases import GOLDEN_CASES, PlanCase, model_and_inputs, plan_case, planner
 from verify.plan_check import assert_plan_valid, check_plan
 
-pytestmark = pytest.mark.xdist_group("planner")
-
 TINY_DP8 = GOLDEN_CASES["tiny-dp8"]
 TINY_2D = GOLDEN_CASES["tiny-dp4tp2"]
+# Tests of one traced model share an xdist worker (and so the trace) with that model's goldens.
+tiny = pytest.mark.xdist_group("planner-tiny")
 
 
-@pytest.mark.parametrize("name", sorted(GOLDEN_CASES))
+@pytest.mark.parametrize(
+    "name", [pytest.param(n, marks=pytest.mark.xdist_group(f"planner-{GOLDEN_CASES[n].preset}")) for n in sorted(GOLDEN_CASES)]
+)
 def test_every_golden_plan_passes_the_independent_checker(name):
     plan = plan_case(GOLDEN_CASES[name])
     assert plan.proven_optimal
@@ -53,6 +55,7 @@ def _tampered(plan: Plan, edit) -> Plan:
     return copy
 
 
+@tiny
 def test_the_checker_catches_each_kind_of_violation():
     plan = plan_case(TINY_2D)
     graph, costs = plan._context.graph, plan._context.costs
@@ -112,6 +115,7 @@ def test_1d_mesh_rediscovers_fsdp_on_8b_shapes():
     assert set(plan.comm) >= {"all_gather", "reduce_scatter"}
 
 
+@tiny
 def test_2d_mesh_auto_plan_is_no_worse_than_the_hand_fsdp_tp_plan():
     auto = plan_case(TINY_2D)
     model, inputs = model_and_inputs("tiny", None, 8)
@@ -127,6 +131,7 @@ def test_2d_mesh_auto_plan_is_no_worse_than_the_hand_fsdp_tp_plan():
     assert "parameters:" in diff(hand, auto)
 
 
+@tiny
 def test_clustered_and_unclustered_objectives_are_equal_on_two_layers():
     clustered = plan_case(TINY_DP8)
     flat = plan_case(dataclasses.replace(TINY_DP8, cluster=False))
@@ -135,6 +140,7 @@ def test_clustered_and_unclustered_objectives_are_equal_on_two_layers():
     assert clustered.objective_us == pytest.approx(flat.objective_us, rel=1e-9)
 
 
+@tiny
 def test_a_looser_budget_never_raises_the_objective():
     tight = plan_case(TINY_DP8)
     looser = plan_case(dataclasses.replace(TINY_DP8, memory_budget=4.0 * tight.param_memory_bytes))
@@ -144,6 +150,7 @@ def test_a_looser_budget_never_raises_the_objective():
     assert free.objective_us <= looser.objective_us + 1e-6 <= tight.objective_us + 2e-6
 
 
+@tiny
 def test_an_infeasible_budget_names_the_constraint_group_and_the_smallest_budget():
     p = planner("tiny")
     with fake_world("dp=8") as mesh:
@@ -155,6 +162,7 @@ def test_an_infeasible_budget_names_the_constraint_group_and_the_smallest_budget
     assert "param_memory" in str(e.value) and "raise the budget" in str(e.value)
 
 
+@tiny
 def test_pins_are_obeyed_and_bad_pins_are_named():
     fqn = "layers.1.feed_forward.w1.weight"
     case = dataclasses.replace(TINY_DP8, pins=((fqn, "dp:R"), ("input:0", "S(0)")), memory_budget=float("inf"))
@@ -171,6 +179,7 @@ def test_pins_are_obeyed_and_bad_pins_are_named():
             p.plan(mesh, PlannerConfig(pins={"input:0": "pp:R"}))
 
 
+@tiny
 def test_explain_says_what_each_candidate_costs_and_why_the_chosen_one_won():
     plan = plan_case(TINY_2D)
     text = plan.explain("layers.0.attention.wq.weight")
@@ -184,6 +193,7 @@ def test_explain_says_what_each_candidate_costs_and_why_the_chosen_one_won():
         plan.explain("nope")
 
 
+@tiny
 def test_json_round_trip_keeps_the_plan_and_diff_of_equal_plans_is_empty(tmp_path):
     plan = plan_case(TINY_2D)
     path = tmp_path / "plan.json"
@@ -202,6 +212,7 @@ def test_json_round_trip_keeps_the_plan_and_diff_of_equal_plans_is_empty(tmp_pat
 
 
 @pytest.mark.slow  # two LLaMA traces (5 and 4 blocks): CI runs it in its slow step
+@tiny
 def test_tracing_four_blocks_and_expanding_gives_the_full_traces_plan_on_llama():
     """The shortcut the 8B benchmark uses, against the full trace, on a 5-block LLaMA."""
     full = plan_case(PlanCase("tiny", "dp=8", layers=5, trace_blocks=0))
