@@ -136,6 +136,7 @@ LOCAL_IMPORTS_ALLOWED = {
     "verify/__main__.py": "each command imports only its own module (goldens/mutate start without torch)",
     "verify/goldens/text.py": "the golden file format stays free of torch (canon/stats on use)",
     "verify/pytest_plugin.py": "loaded by every pytest run (pytest11): no torch or syrupy on load",
+    "verify/plan_cli.py": "its add_arguments builds every python -m verify parser: the planner loads only for plan",
     "verify/html/__init__.py": "the plugin's browser gate imports verify.html.browser: the package loads no torch",
     "tests/conftest.py": "loaded by every pytest process before any test needs the fixtures",
 }
@@ -230,10 +231,16 @@ _AC_PREFIXES = ("layer:", "_scaled_dot_product")
 
 def ac_policy_literals(sources: dict[str, str]) -> list[str]:
     """AC mode / policy names (``"full"``, ``"op"``, ``"layer:K"``) and SDPA op names outside
-    ``ac.py``: a second spelling of the policy."""
+    ``ac.py``: a second spelling of the policy. Dict keys and subscript indices (``{"op": ...}``,
+    ``v["op"]``) are field names, not policies."""
     out = []
     for path, text in sources.items():
-        for n in ast.walk(ast.parse(text)):
+        tree = ast.parse(text)
+        fields = {id(k) for n in ast.walk(tree) if isinstance(n, ast.Dict) for k in n.keys if k is not None}
+        fields |= {id(n.slice) for n in ast.walk(tree) if isinstance(n, ast.Subscript)}
+        for n in ast.walk(tree):
+            if id(n) in fields:
+                continue
             if isinstance(n, ast.Constant) and isinstance(n.value, str):
                 if n.value in _AC_NAMES or n.value.startswith(_AC_PREFIXES):
                     out.append(f"{path}:{n.lineno}: {n.value!r}")
@@ -264,6 +271,8 @@ def test_vocabulary_checks_find_literals():
     assert meta_key_literals(bad) == ["m.py:1: 'val'", "m.py:2: 'recompute'", "m.py:3: 'ap_role'"]
     assert role_literals(bad) == ["m.py:4: 'param:'", "m.py:5: 'grad:'"]
     assert ac_policy_literals(bad) == ["m.py:6: 'full'", "m.py:7: '_scaled_dot_product_x'"]
+    fields = {"m.py": 'row = {"op": name}\nname = row["op"]\npolicy = "op"\n'}
+    assert ac_policy_literals(fields) == ["m.py:3: 'op'"]
 
 
 # --- test paths listed in code ------------------------------------------------------------------

@@ -1,4 +1,4 @@
-"""``python -m verify {report, goldens, mutate, scale}``: the equivalence layer's command line.
+"""``python -m verify {report, plan, goldens, mutate, scale}``: the equivalence layer's command line.
 
 Every flag is checked where it is parsed, so a bad value is one line that names the flag
 (``argument --layers: ...``), never a traceback or a bare ``int()`` message. ``$AUTOPARALLEL_DISABLE``
@@ -45,6 +45,12 @@ def _layer_list(text: str) -> list[int]:
     return [int(p) for p in parts]
 
 
+def _non_negative_int(text: str) -> int:
+    if not text.isdigit():
+        raise ValueError(f"takes an int >= 0, got {text!r}")
+    return int(text)
+
+
 def _workers(text: str) -> str:
     if text == "auto" or text.isdigit():
         return text
@@ -88,6 +94,12 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("--parity-anyway", action="store_true",
                    help="run parity even for a model above the size limit (it runs the model for real)")
 
+    pl = sub.add_parser("plan", help="automatic placement: plan a preset on a fake world with the ILP planner")
+    from verify.plan_cli import add_arguments as add_plan_arguments
+
+    add_plan_arguments(pl, preset=preset, mesh=mesh, dtype=dtype, count=_positive(int), seconds=_positive(float),
+                       blocks=_flag_type(_non_negative_int, "int >= 0"))
+
     g = sub.add_parser("goldens", help="regenerate (--update) or check (--check) the golden files")
     mode = g.add_mutually_exclusive_group(required=True)
     mode.add_argument("--update", action="store_true", help="rewrite goldens from the current code, delete unused ones")
@@ -129,6 +141,10 @@ def main(argv: list[str] | None = None) -> int:
             from verify.report import main as report_main
 
             return report_main(args)
+        if args.command == "plan":
+            from verify.plan_cli import main as plan_main
+
+            return plan_main(args)
         if args.command == "mutate":
             from verify.mutation.cli import main as mutate_main
 

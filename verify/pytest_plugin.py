@@ -13,7 +13,7 @@ Opted in:
 
 * markers ``gpu`` and ``multigpu(n)`` skip, with a reason, where CUDA or enough GPUs are missing;
   ``--ap-require-gpu`` turns those skips into failures;
-* tests marked ``slow`` (cold Inductor compiles) run only with ``--ap-run-slow``;
+* tests marked ``slow`` (cold Inductor compiles, whole-model planner checks) run only with ``--ap-run-slow``;
 * tests marked ``browser`` (the HTML report in headless Chromium) skip, with the reason, where
   Chromium or Playwright is missing; ``--ap-require-browser`` turns that skip into a failure for
   a CI step that installed them;
@@ -64,7 +64,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     group.addoption(REQUIRE_GPU, action="store_true", default=False,
                     help="fail (instead of skip) tests marked gpu/multigpu when CUDA or enough GPUs are missing")
     group.addoption(RUN_SLOW, action="store_true", default=False,
-                    help="also run tests marked slow (cold Inductor compiles); CI runs them in their own step")
+                    help="also run tests marked slow (cold Inductor compiles, whole-model checks); CI runs them in their own step")
     group.addoption(REQUIRE_BROWSER, action="store_true", default=False,
                     help="fail (instead of skip) tests marked browser when Chromium or Playwright is missing")
     group.addoption(ORDER, default=None,
@@ -165,7 +165,7 @@ class VerifyPlugin:
             disabled_from_env()
         except ValueError as e:
             raise pytest.UsageError(str(e)) from None
-        config.addinivalue_line("markers", f"slow: cold Inductor compiles; skipped unless {RUN_SLOW}")
+        config.addinivalue_line("markers", f"slow: costly (cold Inductor compiles, whole-model checks); skipped unless {RUN_SLOW}")
         config.addinivalue_line("markers", f"gpu: needs a CUDA device; skipped without one unless {REQUIRE_GPU}")
         config.addinivalue_line("markers", f"multigpu(n): needs n CUDA devices; skipped with fewer unless {REQUIRE_GPU}")
         config.addinivalue_line(
@@ -236,7 +236,7 @@ class VerifyPlugin:
     def pytest_runtest_setup(self, item: pytest.Item) -> None:
         gpu_ci = self.config.getoption("ap_gpu_ci")
         if item.get_closest_marker("slow") is not None and not (gpu_ci or self.config.getoption("ap_run_slow")):
-            pytest.skip(f"slow (cold Inductor compile): run with {RUN_SLOW}; .ci/run runs these in their own step")
+            pytest.skip(f"slow test: run with {RUN_SLOW}; .ci/run runs these in their own step")
         if item.get_closest_marker("browser") is not None:
             from verify.html.browser import unavailable_reason
 

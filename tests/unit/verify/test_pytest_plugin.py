@@ -71,7 +71,7 @@ def test_gpu_tests_skip_with_a_reason_without_cuda(project):
     assert "1 passed, 5 skipped" in out.stdout
     assert "needs 1 CUDA device(s), found 0" in out.stdout
     assert "needs 2 CUDA device(s), found 0" in out.stdout
-    assert "slow (cold Inductor compile): run with --ap-run-slow" in out.stdout
+    assert "slow test: run with --ap-run-slow" in out.stdout
     assert "browser test cannot run: " in out.stdout
 
 
@@ -192,7 +192,7 @@ def test_a_project_that_did_not_opt_in_is_untouched(tmp_path):
     assert len(summary(with_plugin)) == 4 and "4 passed" in with_plugin.stdout, with_plugin.stdout
     assert "CUDA" not in with_plugin.stdout and "Inductor" not in with_plugin.stdout
     markers = run(tmp_path, "--markers").stdout
-    assert "multigpu(n)" not in markers and "cold Inductor compiles" not in markers
+    assert "multigpu(n)" not in markers and "whole-model checks" not in markers
     fixtures = run(tmp_path, "--fixtures", "-v").stdout
     assert "golden -- conftest.py" in fixtures and "pytest_plugin.py" not in fixtures
     refused = run(tmp_path, "--ap-run-slow")
