@@ -54,7 +54,8 @@ class _GatherParam(nn.Module):
         self.fsdp = None
         self.ddp = None
         if sharding.fsdp_dim is not None:
-            self.fsdp = (mesh.group_name(sharding.fsdp_dim), mesh.size(sharding.fsdp_dim))
+            rows = sharding.fsdp_rows if sharding.padded else None  # narrow the padding away
+            self.fsdp = (mesh.group_name(sharding.fsdp_dim), mesh.size(sharding.fsdp_dim), rows)
         if sharding.ddp_dim is not None:
             self.ddp = mesh.group_name(sharding.ddp_dim)
         self.param_dtype = plan.param_dtype
@@ -62,8 +63,8 @@ class _GatherParam(nn.Module):
 
     def forward(self, shard: torch.Tensor) -> torch.Tensor:
         if self.fsdp is not None:
-            name, size = self.fsdp
-            return FSDPAllGather.apply(shard, name, size, self.param_dtype, self.reduce_dtype)
+            name, size, rows = self.fsdp
+            return FSDPAllGather.apply(shard, name, size, self.param_dtype, self.reduce_dtype, rows)
         if self.ddp is not None:
             return DDPGradAllReduce.apply(shard, self.ddp)
         return shard
