@@ -2,8 +2,10 @@
 
 Each sharded parameter is wrapped in a parametrization that all-gathers (FSDP) or marks it for
 gradient all-reduce (DDP) when the module reads it, so collectives appear at first use, layer by
-layer, as they would under real FSDP. TP regions get Megatron's f/g around them. The same
-program runs eagerly on a real world (the parity reference) and is traced into the joint graph.
+layer, as they would under real FSDP. An uneven FSDP shard is zero-padded to the shape every
+rank holds and narrowed back after its all-gather (``ParamSharding``, ``FSDPAllGather``). TP
+regions get Megatron's f/g around them. The same program runs eagerly on a real world (the
+parity reference) and is traced into the joint graph.
 """
 
 from __future__ import annotations
