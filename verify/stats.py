@@ -17,6 +17,14 @@ Conventions (stable; goldens depend on them):
   a FakeTensor: the OUTPUT of an all-gather; the INPUT of a reduce-scatter, all-reduce,
   all-to-all and broadcast. Coalesced variants sum over their tensors. Symbolic sizes use the
   trace-time hint (``optimization_hint``).
+* **Padding** (uneven FSDP shards, ``autoparallel.parallelize.plan``): the collective bytes
+  above count the padded buffers, which is what goes on the wire; the padding part of them is
+  counted per collective kind and mesh dim, as count (padded tensors) and bytes. An all-gather's
+  padding is what a dim-0 narrow (``aten.slice`` on dim 0 from 0, the only reader of its input)
+  drops from the gathered tensor, found walking up single-input nodes (views, a bucket's split)
+  to the wait of an all-gather; a reduce-scatter's padding is what a trailing dim-0
+  ``aten.constant_pad_nd`` adds, found walking down single-user nodes (views, a bucket's
+  concatenation) to a reduce-scatter. Bytes are the difference of the two ``val`` sizes.
 * ``max_consec_compute_between_rs``: for each pair of consecutive reduce-scatter launches in graph
   order, the number of FLOP-counted compute nodes between them (mm, bmm, addmm, SDPA, ...:
   ``autoparallel.fx_utils.is_flop_compute``, what Inductor's overlap scheduler calls a
@@ -61,6 +69,8 @@ __all__ = [
     "graph_stats",
     "partition_stats",
     "static_peak_bytes",
+    "is_gathered_value",
+    "saved_gathered_values",
     "static_liveness",
     "StaticLiveness",
     "Contributor",
@@ -242,6 +252,17 @@ class GraphStats:
     recompute: dict[str, int] = field(default_factory=dict)  # CheckpointPolicy name -> node count
     must_save: int = 0  # nodes tagged custom.ap_must_save
     max_consec_compute_between_rs: int = 0
+    padding: dict[str, dict[str, CollectiveStat]] = field(default_factory=dict)  # kind -> dim -> stat
+
+    def padding_bytes(self, kind: str | None = None, dim: str | None = None) -> int:
+        """Bytes of FSDP padding moved by collectives of ``kind`` on mesh dim ``dim`` (None: all)."""
+        return sum(
+            s.bytes
+            for k, per in self.padding.items()
+            if kind is None or k == kind
+            for d, s in per.items()
+            if dim is None or d == dim
+        )
 
     def collective_count(self, kind: str, dim: str | None = None) -> int:
         per = self.collectives.get(kind, {})
@@ -265,7 +286,13 @@ class GraphStats:
             "num_nodes": self.num_nodes,
             "recompute": {k: self.recompute[k] for k in sorted(self.recompute)},
             "waits": self.waits,
+            # only when there is padding: reports of evenly sharded graphs stay as they were
+            **({"padding": _per_kind_dict(self.padding)} if self.padding else {}),
         }
+
+
+def _per_kind_dict(table: dict[str, dict[str, CollectiveStat]]) -> dict[str, dict[str, dict[str, int]]]:
+    return {kind: {d: table[kind][d].to_dict() for d in sorted(table[kind])} for kind in sorted(table)}
 
 
 def _group_dims(gm: Any, group_dims: Mapping[str, str] | None) -> Mapping[str, str]:
@@ -294,6 +321,12 @@ def graph_stats(
             cs = st.collectives.setdefault(kind, {}).setdefault(label, CollectiveStat())
             cs.count += 1
             cs.bytes += _collective_bytes(node, kind)
+        padded = _padding_of(node)
+        if padded is not None:
+            collective, nbytes = padded
+            ps = st.padding.setdefault(collective_kind(collective), {}).setdefault(_group_label(collective, dims), CollectiveStat())
+            ps.count += 1
+            ps.bytes += nbytes
         pol = node.meta.get(M.RECOMPUTE)
         if pol is not None:
             name = getattr(pol, "name", str(pol))
@@ -302,6 +335,68 @@ def graph_stats(
             st.must_save += 1
     st.max_consec_compute_between_rs = max_consec_compute_between_rs(graph)
     return st
+
+
+# --- padding of uneven FSDP shards -------------------------------------------------------------
+
+_SLICE = torch.ops.aten.slice.Tensor
+_PAD = torch.ops.aten.constant_pad_nd.default
+
+
+def _arg(node: fx.Node, index: int, name: str, default: Any) -> Any:
+    return node.args[index] if len(node.args) > index else node.kwargs.get(name, default)
+
+
+def _narrowed_all_gather(node: fx.Node) -> fx.Node | None:
+    """The all-gather whose gathered rows the dim-0 narrow ``node`` cuts short, if it is one."""
+    src = node.args[0]
+    dim, start, step = _arg(node, 1, "dim", 0), _arg(node, 2, "start", None), _arg(node, 4, "step", 1)
+    if not isinstance(src, fx.Node) or dim != 0 or start not in (0, None) or step != 1 or len(src.users) != 1:
+        return None
+    cur = src
+    while isinstance(cur, fx.Node) and cur.op == "call_function":
+        if is_wait(cur):
+            coll = cur.args[0]
+            if isinstance(coll, fx.Node) and coll.target is operator.getitem:
+                coll = coll.args[0]  # one output of a coalesced all-gather
+            return coll if isinstance(coll, fx.Node) and collective_kind(coll) == "all_gather" else None
+        if len(cur.all_input_nodes) != 1:
+            return None
+        cur = cur.all_input_nodes[0]
+    return None
+
+
+def _padded_reduce_scatter(node: fx.Node) -> fx.Node | None:
+    """The reduce-scatter the trailing dim-0 zero padding ``node`` (constant_pad_nd) feeds, if any."""
+    pads = list(_arg(node, 1, "pad", ()))
+    value = _arg(node, 2, "value", 0)
+    if len(pads) < 2 or value != 0 or any(pads[:-1]) or pads[-1] <= 0:
+        return None
+    rank = len(pads) // 2  # pads list the dims from the last one: the final pair is dim -rank
+    val = node.meta.get(M.VAL)
+    if isinstance(val, torch.Tensor) and val.dim() != rank:
+        return None  # the padded dim is not dim 0
+    cur = node
+    while len(cur.users) == 1:
+        (cur,) = cur.users
+        if collective_kind(cur) == "reduce_scatter":
+            return cur
+    return None
+
+
+def _padding_of(node: fx.Node) -> tuple[fx.Node, int] | None:
+    """(collective, padding bytes) for a narrow after an all-gather or a pad before a
+    reduce-scatter (the module docstring's rule); None for any other node."""
+    if node.op != "call_function" or node.target not in (_SLICE, _PAD):
+        return None
+    coll = _narrowed_all_gather(node) if node.target is _SLICE else _padded_reduce_scatter(node)
+    if coll is None:
+        return None
+    src = node.args[0]
+    what = f"the padding bytes of {coll.name!r}"
+    big, small = (src, node) if node.target is _SLICE else (node, src)
+    nbytes = _value_bytes(node_val(big, what), big) - _value_bytes(node_val(small, what), small)
+    return (coll, nbytes) if nbytes > 0 else None
 
 
 # --- static peak memory -------------------------------------------------------------------------
@@ -424,6 +519,29 @@ def _fw_saved_outputs(fw_graph: fx.Graph, bw_graph: fx.Graph) -> list[tuple[fx.N
             f"{len(tensor_outs)} tensor outputs: is this a matching forward/backward pair?"
         )
     return list(zip(saved, tensor_outs[len(tensor_outs) - len(saved) :], strict=True))
+
+
+def is_gathered_value(node: fx.Node) -> bool:
+    """Whether ``node`` holds an all-gathered value: an all-gather, its wait, or a node reached
+    from such a wait through single-input nodes (a transpose, a view, the narrow of a padded
+    FSDP shard, a cast): what ``reshard_after_forward`` forbids keeping for backward."""
+    while node.op == "call_function":
+        if collective_kind(node) == "all_gather":
+            return True
+        if is_wait(node):
+            src = node.args[0]
+            return isinstance(src, fx.Node) and collective_kind(src) == "all_gather"
+        if len(node.all_input_nodes) != 1:
+            return False
+        node = node.all_input_nodes[0]
+    return False
+
+
+def saved_gathered_values(fw_gm: fx.GraphModule | fx.Graph, bw_gm: fx.GraphModule | fx.Graph) -> list[fx.Node]:
+    """The forward nodes a forward/backward pair saves for backward that hold all-gathered
+    values (:func:`is_gathered_value`); empty when every gathered weight is recomputed."""
+    fw_graph, bw_graph = graph_and_owner(fw_gm)[0], graph_and_owner(bw_gm)[0]
+    return [fw_node for _, fw_node in _fw_saved_outputs(fw_graph, bw_graph) if is_gathered_value(fw_node)]
 
 
 @dataclass
@@ -696,6 +814,16 @@ def format_stats_table(stats: GraphStats | PartitionStats) -> str:
             cs = g.collectives.get(kind, {}).get(dim, CollectiveStat())
             cells.append((str(cs.count), _bytes_cell(cs.bytes)))
         rows.append((kind, dim, cells))
+    padded = sorted(
+        {(kind, dim) for _, g in graphs for kind, per in g.padding.items() for dim in per},
+        key=lambda kd: (_kind_order(kd[0]), kd[1]),
+    )
+    for kind, dim in padded:  # rows only where shards are uneven: even goldens keep their table
+        cells = []
+        for _, g in graphs:
+            ps = g.padding.get(kind, {}).get(dim, CollectiveStat())
+            cells.append((str(ps.count), _bytes_cell(ps.bytes)))
+        rows.append((f"{kind} padding", dim, cells))
     rows.append(("wait_tensor", "", [(str(g.waits), "") for _, g in graphs]))
     policies = sorted({p for _, g in graphs for p in g.recompute})
     for p in policies:

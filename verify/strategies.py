@@ -143,6 +143,7 @@ class GraphBuilder:
 KINDS = (
     "param_ag",  # new param -> all-gather -> used by mm(mm(act, W.t()), W)
     "param_ag_bf16",  # the same with a bf16 cast before the all-gather and back after it
+    "param_ag_padded",  # an uneven FSDP shard: all-gather -> narrow dropping 1 padding row -> used
     "use_weight",  # reuse an earlier gathered weight on an activation
     "unary",  # relu / tanh / neg
     "binary",  # add / mul of two activations
@@ -151,6 +152,7 @@ KINDS = (
     "act_all_gather",  # activation all-gather, then view + sum back to [B, H]
     "grad_rs",  # mm(a.t(), b) -> reduce-scatter -> output
     "grad_ar",  # mm(a.t(), b) -> all-reduce -> output
+    "grad_rs_padded",  # mm(a.t(), b) narrowed by 1 row, zero-padded back -> reduce-scatter -> output
     # Two weight all-gathers on dims L1, L2, then activation all-gathers on L1 of what the L2
     # weight computed and on L2 of what the L1 weight computed: each same-dim pair is
     # independent, but bucketing both pairs closes a cycle.
@@ -216,6 +218,12 @@ def build_synthetic(
                 w = b.call(torch.ops.prims.convert_element_type.default, w, torch.float32)
             weights.append(w)
             acts.append(use(pick(acts, op.a), w))
+        elif k == "param_ag_padded":
+            _, size = b.group(op.label)
+            w = b.all_gather(b.param((op.rows, H)), op.label)
+            w = b.call(aten.slice.Tensor, w, 0, 0, op.rows * size - 1)  # the true rows
+            weights.append(w)
+            acts.append(use(pick(acts, op.a), w))
         elif k == "use_weight":
             if weights:
                 acts.append(use(pick(acts, op.a), pick(weights, op.b)))
@@ -240,12 +248,15 @@ def build_synthetic(
             acts.append(
                 b.call(aten.sum.dim_IntList, b.call(aten.view.default, g, [size, B, H]), [0])
             )
-        elif k in ("grad_rs", "grad_ar"):
+        elif k in ("grad_rs", "grad_ar", "grad_rs_padded"):
             gin = b.call(
                 aten.mm.default, b.call(aten.t.default, pick(acts, op.a)), pick(acts, op.b)
             )
+            if k == "grad_rs_padded":  # the gradient of H - 1 true rows, padded to H
+                gin = b.call(aten.slice.Tensor, gin, 0, 0, H - 1)
+                gin = b.call(aten.constant_pad_nd.default, gin, [0, 0, 0, 1], 0.0)
             red = _REDUCE_OPS[op.variant // 3]  # mostly "sum": one key, more to bucket
-            if k == "grad_rs":
+            if k in ("grad_rs", "grad_rs_padded"):
                 g = b.reduce_scatter(gin, op.label, red)
             else:
                 g = b.all_reduce(gin, op.label, red)

@@ -8,6 +8,7 @@ that passes can see, tag, bucket and fuse. Groups are passed by name; names come
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 _c10d = torch.ops._c10d_functional
 
@@ -17,23 +18,34 @@ def _wait(t: torch.Tensor) -> torch.Tensor:
 
 
 class FSDPAllGather(torch.autograd.Function):
-    """Shard -> (cast to param dtype) -> all-gather on dim 0; grad: cast to reduce dtype ->
-    reduce-scatter (avg) -> cast back to the shard's dtype."""
+    """Shard -> (cast to param dtype) -> all-gather on dim 0 (-> narrow to ``rows``); grad:
+    (pad to the gathered length with zeros ->) cast to reduce dtype -> reduce-scatter (avg) ->
+    cast back to the shard's dtype.
+
+    ``rows`` is the parameter's true dim 0 when its shards are padded (``ParamSharding.padded``),
+    else None: the gathered padded shards are narrowed back to the true size, and the gradient
+    gets zero rows where the padding was, so each rank's reduce-scattered gradient has the shape
+    of its padded shard and exactly zero padding rows. Without padding nothing is added.
+    """
 
     @staticmethod
-    def forward(ctx, shard, group_name: str, group_size: int, param_dtype, reduce_dtype):
+    def forward(ctx, shard, group_name: str, group_size: int, param_dtype, reduce_dtype, rows: int | None = None):
         ctx.group_name, ctx.group_size = group_name, group_size
         ctx.reduce_dtype, ctx.shard_dtype = reduce_dtype, shard.dtype
+        ctx.padding = 0 if rows is None else shard.shape[0] * group_size - rows
         x = shard if param_dtype is None or param_dtype == shard.dtype else shard.to(param_dtype)
-        return _wait(_c10d.all_gather_into_tensor.default(x, group_size, group_name))
+        full = _wait(_c10d.all_gather_into_tensor.default(x, group_size, group_name))
+        return full.narrow(0, 0, rows) if ctx.padding else full
 
     @staticmethod
     def backward(ctx, grad):
         g = grad if ctx.reduce_dtype is None or ctx.reduce_dtype == grad.dtype else grad.to(ctx.reduce_dtype)
+        if ctx.padding:
+            g = F.pad(g, [0, 0] * (g.dim() - 1) + [0, ctx.padding])  # zero rows at the end of dim 0
         out = _wait(_c10d.reduce_scatter_tensor.default(g.contiguous(), "avg", ctx.group_size, ctx.group_name))
         if out.dtype != ctx.shard_dtype:
             out = out.to(ctx.shard_dtype)
-        return out, None, None, None, None
+        return out, None, None, None, None, None
 
 
 class DDPGradAllReduce(torch.autograd.Function):

@@ -1,8 +1,17 @@
 """What to do with each parameter: FSDP over one mesh dim, Megatron TP over another, or DDP.
 
 A plan is data, resolved against a concrete model and mesh into one ``ParamSharding`` per
-parameter. Resolution is where bad plans are caught (unknown parameter or mesh dim, a dim that
-does not divide), so the tracer and the runtime can assume every shard is well formed.
+parameter. Resolution is where bad plans are caught (unknown parameter or mesh dim, a TP dim that
+does not divide, a 0-dim parameter under FSDP), so the tracer and the runtime can assume every
+shard is well formed.
+
+FSDP takes any dim 0, as PyTorch's FSDP2 does: dim 0 is padded to a multiple of the mesh dim, so
+every rank holds ``ceil(dim0 / n)`` rows and the last ranks hold trailing zero rows (or only
+padding). Equal shard shapes keep the traced graph the same on every rank (one rank's graph is
+traced on a fake world and run on all of them). The all-gather gathers padded shards and a narrow
+restores the true size; the gradient of the padding is zero, and AdamW keeps a zero parameter
+with zero gradient at zero (weight decay multiplies it, both moments stay zero), so padding rows
+are zero for the whole run. A checkpoint keeps a rank's real rows only: :meth:`ParamSharding.real_rows`.
 """
 
 from __future__ import annotations
@@ -37,7 +46,12 @@ LLAMA_TP_REGIONS: tuple[str, ...] = ("layers.*.attention", "layers.*.feed_forwar
 
 @dataclass(frozen=True)
 class ParamSharding:
-    """How one parameter is laid out on a rank."""
+    """How one parameter is laid out on a rank.
+
+    ``local_shape`` is what every rank holds: under FSDP its dim 0 is ``ceil(fsdp_rows / n)``
+    for ``n = fsdp_size`` ranks, padding included. ``fsdp_rows`` is the true dim 0 of the tensor
+    FSDP shards (the TP-local one under TP): the length the gathered tensor is narrowed to.
+    """
 
     fqn: str
     full_shape: tuple[int, ...]
@@ -46,19 +60,54 @@ class ParamSharding:
     tp_dim: str | None = None
     tp_style: TPStyle | None = None
     ddp_dim: str | None = None  # mesh dim gradients are all-reduced over
+    fsdp_rows: int | None = None  # dim 0 before padding (None: no FSDP)
+    fsdp_size: int = 1  # ranks on fsdp_dim
+
+    @property
+    def padding_rows(self) -> int:
+        """Zero rows appended to dim 0 so that it divides the FSDP mesh dim (0 when it does)."""
+        if self.fsdp_dim is None:
+            return 0
+        return self.local_shape[0] * self.fsdp_size - self.fsdp_rows
+
+    @property
+    def padded(self) -> bool:
+        return self.padding_rows > 0
+
+    def real_rows(self, coord: Mapping[str, int]) -> int:
+        """How many leading rows of the local shard at mesh coordinate ``coord`` are real data
+        (the rest is padding): the part of the shard a checkpoint keeps. A rank past the end
+        holds 0 real rows and still takes part in every collective."""
+        if self.fsdp_dim is None:
+            return self.local_shape[0] if self.local_shape else 0
+        rows = self.local_shape[0]
+        return max(0, min(rows, self.fsdp_rows - coord[self.fsdp_dim] * rows))
+
+    def real_shard(self, local: torch.Tensor, coord: Mapping[str, int]) -> torch.Tensor:
+        """The real rows of a local shard (or of its gradient / optimizer state), padding dropped."""
+        if tuple(local.shape) != self.local_shape:
+            raise ValueError(f"{self.fqn}: local tensor of shape {tuple(local.shape)}, expected {self.local_shape}")
+        return local.narrow(0, 0, self.real_rows(coord)) if self.fsdp_dim is not None else local
 
     def shard(self, full: torch.Tensor, coord: Mapping[str, int], sizes: Mapping[str, int]) -> torch.Tensor:
-        """This rank's local piece of the full tensor (TP first, then FSDP on dim 0)."""
+        """This rank's local piece of the full tensor (TP first, then FSDP on dim 0, zero-padded
+        to ``local_shape``)."""
         t = full
         if self.tp_style is not None:
             axis = 0 if self.tp_style == "colwise" else 1
             t = t.chunk(sizes[self.tp_dim], dim=axis)[coord[self.tp_dim]]
         if self.fsdp_dim is not None:
-            t = t.chunk(sizes[self.fsdp_dim], dim=0)[coord[self.fsdp_dim]]
+            rows = self.local_shape[0]
+            start = min(coord[self.fsdp_dim] * rows, t.shape[0])
+            real = t.narrow(0, start, self.real_rows(coord))
+            out = real.new_zeros(self.local_shape)
+            out[: real.shape[0]] = real
+            return out
         return t.contiguous().clone()
 
     def unshard(self, pieces: Mapping[tuple[int, ...], torch.Tensor], spec: MeshSpec) -> torch.Tensor:
-        """Reassemble the full tensor from every rank's piece, keyed by mesh coordinate tuple."""
+        """Reassemble the full tensor from every rank's piece, keyed by mesh coordinate tuple
+        (padding dropped)."""
         names = spec.names
 
         def piece(fixed: dict[str, int]) -> torch.Tensor:
@@ -70,7 +119,8 @@ class ParamSharding:
         def along_fsdp(fixed: dict[str, int]) -> torch.Tensor:
             if self.fsdp_dim is None:
                 return piece(fixed)
-            return torch.cat([piece({**fixed, self.fsdp_dim: i}) for i in range(spec.size(self.fsdp_dim))], dim=0)
+            gathered = torch.cat([piece({**fixed, self.fsdp_dim: i}) for i in range(spec.size(self.fsdp_dim))], dim=0)
+            return gathered.narrow(0, 0, self.fsdp_rows)
 
         if self.tp_style is None:
             return along_fsdp({})
@@ -167,8 +217,10 @@ class ParallelPlan:
             if style is not None:
                 axis = 0 if style == "colwise" else 1
                 local[axis] = _divide(fqn, local, axis, self.tp_dim, mesh.size(self.tp_dim), f"TP {style}")
+            fsdp_rows, fsdp_size = None, 1
             if self.fsdp_dim is not None:
-                local[0] = _divide(fqn, local, 0, self.fsdp_dim, mesh.size(self.fsdp_dim), "FSDP")
+                fsdp_rows, fsdp_size = _fsdp_rows(fqn, local, self.fsdp_dim), mesh.size(self.fsdp_dim)
+                local[0] = -(-fsdp_rows // fsdp_size)  # ceil: the last ranks hold padding
             out[fqn] = ParamSharding(
                 fqn=fqn,
                 full_shape=shape,
@@ -177,6 +229,8 @@ class ParallelPlan:
                 tp_dim=self.tp_dim if style else None,
                 tp_style=style,
                 ddp_dim=self.ddp_dim,
+                fsdp_rows=fsdp_rows,
+                fsdp_size=fsdp_size,
             )
         return out
 
@@ -187,9 +241,20 @@ def _divide(fqn: str, shape: list[int], axis: int, dim: str, size: int, what: st
     if shape[axis] % size:
         raise ValueError(
             f"parameter {fqn!r}: dim {axis} of size {shape[axis]} is not divisible by mesh dim "
-            f"{dim!r} of size {size} ({what})"
+            f"{dim!r} of size {size} ({what}; FSDP pads dim 0, TP does not pad)"
         )
     return shape[axis] // size
+
+
+def _fsdp_rows(fqn: str, shape: list[int], dim: str) -> int:
+    """Dim 0 of a parameter FSDP shards; a 0-dim parameter has none to shard or pad."""
+    if not shape:
+        raise ValueError(
+            f"parameter {fqn!r} is a 0-dim tensor (a scalar): FSDP shards and pads dim 0 over "
+            f"mesh dim {dim!r}, and a scalar has no dim 0; make it a 1-element tensor of shape "
+            "(1,) (FSDP then pads it), or keep it out of the plan"
+        )
+    return shape[0]
 
 
 def _dtype_name(dt: torch.dtype) -> str:

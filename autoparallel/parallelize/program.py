@@ -2,8 +2,10 @@
 
 Each sharded parameter is wrapped in a parametrization that all-gathers (FSDP) or marks it for
 gradient all-reduce (DDP) when the module reads it, so collectives appear at first use, layer by
-layer, as they would under real FSDP. TP regions get Megatron's f/g around them. The same
-program runs eagerly on a real world (the parity reference) and is traced into the joint graph.
+layer, as they would under real FSDP. An uneven FSDP shard is zero-padded to the shape every
+rank holds and narrowed back after its all-gather (``ParamSharding``, ``FSDPAllGather``). TP
+regions get Megatron's f/g around them. The same program runs eagerly on a real world (the
+parity reference) and is traced into the joint graph.
 """
 
 from __future__ import annotations
@@ -54,7 +56,8 @@ class _GatherParam(nn.Module):
         self.fsdp = None
         self.ddp = None
         if sharding.fsdp_dim is not None:
-            self.fsdp = (mesh.group_name(sharding.fsdp_dim), mesh.size(sharding.fsdp_dim))
+            rows = sharding.fsdp_rows if sharding.padded else None  # narrow the padding away
+            self.fsdp = (mesh.group_name(sharding.fsdp_dim), mesh.size(sharding.fsdp_dim), rows)
         if sharding.ddp_dim is not None:
             self.ddp = mesh.group_name(sharding.ddp_dim)
         self.param_dtype = plan.param_dtype
@@ -62,8 +65,8 @@ class _GatherParam(nn.Module):
 
     def forward(self, shard: torch.Tensor) -> torch.Tensor:
         if self.fsdp is not None:
-            name, size = self.fsdp
-            return FSDPAllGather.apply(shard, name, size, self.param_dtype, self.reduce_dtype)
+            name, size, rows = self.fsdp
+            return FSDPAllGather.apply(shard, name, size, self.param_dtype, self.reduce_dtype, rows)
         if self.ddp is not None:
             return DDPGradAllReduce.apply(shard, self.ddp)
         return shard

@@ -7,10 +7,15 @@ partitioner that sees the gathered weight used in the backward simply saves it. 
 the rule into the graph as checkpoint tags that every partitioner honours:
 
 * MUST_RECOMPUTE on the all-gather, its ``wait_tensor``, the dtype cast feeding the all-gather
-  (mixed precision) and the whole single-input chain after the wait (``t``, ``permute``,
-  ``slice``, ``view``/``reshape``, dtype casts, ...). Tagging only the all-gather and its wait is
-  not enough: the partitioner then saves the first untagged node after the wait, e.g. the
-  transposed gathered weight (2.62 GiB on LLaMA-3 8B in the seed document).
+  (mixed precision) and every forward node after the wait that reads nothing but the gathered
+  weight: the single-input nodes reachable from the wait (``t``, ``permute``, ``slice``,
+  ``view``/``reshape``, ``select``, dtype casts, ...), a chain or a tree. Tagging only the
+  all-gather and its wait is not enough: the partitioner then saves the first untagged node
+  after the wait, e.g. the transposed gathered weight (2.62 GiB on LLaMA-3 8B in the seed
+  document). A tree, not just a chain: a parameter read in several places (``scale[0]``,
+  ``scale[1]``) fans out after the wait, and each branch is a view that would keep the whole
+  gathered storage alive if saved. The narrow that drops the padding of an uneven shard
+  (``autoparallel.parallelize.plan``) is such a node: the gathered padded weight is never saved.
 * With ``reshard_after_forward=False`` the gathered parameter is meant to stay: the last
   non-view node of the chain is MUST_SAVE so no partitioner re-gathers it.
 
@@ -109,6 +114,25 @@ def _wait_of(ag: fx.Node) -> fx.Node:
     return waits[0]
 
 
+def _is_backward(node: fx.Node) -> bool:
+    return node.meta.get(M.PARTITIONER_TAG) == "is_backward" or bool(node.meta.get(M.AUTOGRAD_BACKWARD))
+
+
+def _reads_only_the_gathered_weight(wait: fx.Node, position: dict[fx.Node, int]) -> list[fx.Node]:
+    """Forward nodes after ``wait`` whose only input is the gathered weight or another such node
+    (in graph order). Backward users (gradient math on the joint graph) are not followed."""
+    found: set[fx.Node] = set()
+    frontier = [wait]
+    while frontier:
+        cur = frontier.pop()
+        for user in cur.users:
+            if user in found or user.op != "call_function" or len(user.all_input_nodes) != 1 or _is_backward(user):
+                continue
+            found.add(user)
+            frontier.append(user)
+    return sorted(found, key=position.__getitem__)
+
+
 def _chain_after(wait: fx.Node) -> list[fx.Node]:
     """Single-input nodes after ``wait``, each the only user of the previous one."""
     chain = []
@@ -144,12 +168,12 @@ def mark_fsdp_all_gather_recomputation(graph: fx.Graph | fx.GraphModule, reshard
     _check_waits(graph)
     chain_fix = patches.enabled(PATCH)
     report = FsdpTagReport()
+    position = {n: i for i, n in enumerate(graph.nodes)}
     for ag in list(graph.nodes):
         if not is_fsdp_all_gather(ag):
             continue
         val = node_val(ag, "sizing the FSDP all-gather (mark_fsdp_all_gather_recomputation)")
         wait = _wait_of(ag)
-        chain = _chain_after(wait)
         report.all_gathers.append(ag)
         report.gathered_bytes += tensor_bytes(val)
         if reshard_after_forward:
@@ -157,11 +181,12 @@ def mark_fsdp_all_gather_recomputation(graph: fx.Graph | fx.GraphModule, reshard
             if chain_fix:
                 if is_dtype_cast(ag.args[0]):
                     tagged.insert(0, ag.args[0])
-                tagged.extend(chain)
+                tagged.extend(_reads_only_the_gathered_weight(wait, position))
             for n in tagged:
                 _tag(n, CheckpointPolicy.MUST_RECOMPUTE)
             report.recomputed.extend(tagged)
         else:
+            chain = _chain_after(wait)
             end = chain[-1] if chain else wait
             while end is not wait and _is_view(end):
                 end = end.all_input_nodes[0]

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import fx
 
+from autoparallel import meta as M
 from autoparallel import roles
 
 Executor = Callable[[Mapping[str, torch.Tensor], Sequence[torch.Tensor]], tuple[torch.Tensor, dict[str, torch.Tensor]]]
@@ -20,10 +21,13 @@ Executor = Callable[[Mapping[str, torch.Tensor], Sequence[torch.Tensor]], tuple[
 
 @dataclass
 class StepTrace:
-    """Losses and gradients of each step (detached copies)."""
+    """Losses and gradients of each step (detached copies), and the parameters and AdamW state
+    after the last step (``optimizer_state[fqn]``: ``exp_avg``, ``exp_avg_sq``)."""
 
     losses: list[torch.Tensor] = field(default_factory=list)
     grads: list[dict[str, torch.Tensor]] = field(default_factory=list)
+    params: dict[str, torch.Tensor] = field(default_factory=dict)
+    optimizer_state: dict[str, dict[str, torch.Tensor]] = field(default_factory=dict)
 
 
 def eager_program_executor(program: torch.nn.Module) -> Executor:
@@ -93,21 +97,56 @@ def joint_graph_executor(
     output_roles: Sequence[str | None],
     buffers: Mapping[str, torch.Tensor],
 ) -> Executor:
-    """Runs a joint graph ``gm(primals, tangents)``: forward and backward in one call."""
+    """Runs a joint graph: forward and backward in one call, ``gm(primals, tangents)`` as traced,
+    or with flat arguments once a pass has recompiled it (the placement steps' graphs)."""
     tangent_count = sum(1 for r in input_roles if roles.is_tangent(r))
+    pytree = isinstance(gm.graph._codegen, fx.graph._PyTreeCodeGen)
 
     def run(params, inputs):
         primals = primals_by_role(input_roles, params, buffers, inputs)
+        tangents = [torch.ones((), dtype=torch.float32)] * tangent_count
         with torch.no_grad():
-            fw_out, grads = gm(primals, [torch.ones((), dtype=torch.float32)] * tangent_count)
-        loss = fw_out[0]
-        named = {}
-        grad_fqns = roles.names_of(output_roles, roles.GRAD)
-        for fqn, g in zip(grad_fqns, [g for g in grads if g is not None], strict=True):
-            named[fqn] = g
-        return loss.detach(), named
+            if pytree:
+                fw_out, grads = gm(primals, tangents)
+                outs = [*fw_out, *grads]
+            else:
+                outs = list(gm(*primals, *tangents))
+        named = {roles.name(r): o for r, o in zip(output_roles, outs, strict=True) if roles.is_grad(r)}
+        return outs[output_roles.index(roles.LOSS)].detach(), named
 
     return run
+
+
+def split_graphs_executor(fw: fx.GraphModule, bw: fx.GraphModule, buffers: Mapping[str, torch.Tensor]) -> Executor:
+    """Runs a forward graph, then its backward graph on the values the forward saved: any
+    partition (the first, the second compile's, bucketed ones). Inputs and outputs are picked by
+    the role labels the partitions write on placeholders and outputs (``param:``, ``saved:``,
+    ``tangent:``, ``grad:`` ...), so the graphs' own order is all that matters."""
+    fw_inputs = [_role_of(n) for n in fw.graph.find_nodes(op="placeholder")]
+    fw_outputs = fw.graph.output_node().meta.get(M.ROLE)
+    bw_inputs = [_role_of(n) for n in bw.graph.find_nodes(op="placeholder")]
+    bw_outputs = bw.graph.output_node().meta.get(M.ROLE)
+    if fw_outputs is None or bw_outputs is None:
+        raise ValueError("split_graphs_executor: the forward or backward graph's output carries no role labels (meta[ROLE]); label them as the partitioners do")
+
+    def run(params, inputs):
+        primals = primals_by_role(fw_inputs, params, buffers, inputs)
+        with torch.no_grad():
+            values = dict(zip(fw_inputs, primals, strict=True))  # the backward may read primals too
+            values.update(zip(fw_outputs, fw(*primals), strict=True))
+            grads = bw(*(torch.ones((), dtype=torch.float32) if roles.is_tangent(r) else values[r] for r in bw_inputs))
+        outs = values
+        named = {roles.name(r): g for r, g in zip(bw_outputs, grads, strict=True) if roles.is_grad(r)}
+        return outs[roles.LOSS].detach(), named
+
+    return run
+
+
+def _role_of(node: fx.Node) -> str:
+    role = node.meta.get(M.ROLE)
+    if role is None:
+        raise ValueError(f"placeholder {node.name!r} has no role label (meta[ROLE]); cannot tell what to feed it")
+    return role
 
 
 def train_steps(
@@ -132,4 +171,9 @@ def train_steps(
         trace.grads.append({k: g.detach().clone() for k, g in grads.items()})
         opt.step()
         opt.zero_grad(set_to_none=True)
+    trace.params = {k: p.detach().clone() for k, p in leaves.items()}
+    trace.optimizer_state = {
+        k: {name: t.detach().clone() for name, t in opt.state[p].items() if name in ("exp_avg", "exp_avg_sq")}
+        for k, p in leaves.items()
+    }
     return trace

@@ -98,7 +98,8 @@ def check_fsdp_all_gathers(
 
 
 def gathered_shapes(shardings, spec) -> dict[str, tuple[int, ...]]:
-    """FQN -> shape of its FSDP all-gather (the plan's local shard, dim 0 times the FSDP size)."""
+    """FQN -> shape of its FSDP all-gather (the plan's local shard, dim 0 times the FSDP size:
+    padding included for an uneven shard)."""
     return {
         fqn: (s.local_shape[0] * spec.size(s.fsdp_dim), *s.local_shape[1:])
         for fqn, s in shardings.items()
@@ -112,7 +113,7 @@ def _dp_group(group_dims: dict[str, str]) -> str:
 
 
 # FSDP golden scenarios at the default bucket cap (at a small cap a parameter may be alone in its bucket).
-FSDP_SIDS = ("tiny-fsdp-bf16-dp8", "tiny-fsdp-dp8", "tiny-fsdp_tp-dp4tp2")
+FSDP_SIDS = ("tiny-fsdp-bf16-dp8", "tiny-fsdp-dp8", "tiny-fsdp_tp-dp4tp2", "tiny-fsdp-dp3-uneven")
 
 
 @pytest.mark.parametrize("sid", [pytest.param(s, marks=pytest.mark.xdist_group(s)) for s in FSDP_SIDS])

@@ -10,7 +10,7 @@ import torch
 
 from autoparallel import meta as M
 from autoparallel.fx_utils import ALL_GATHER, REDUCE_SCATTER
-from verify.goldens.catalog import golden_run
+from verify.goldens.catalog import GOLDEN_SCENARIOS, golden_run
 from verify.stats import graph_stats
 
 
@@ -52,3 +52,22 @@ def test_bf16_scenario_gathers_bf16_and_reduces_fp32(shared_pipeline_runs):
     assert len(gathers) == 41 and len(scatters) == 21
     assert {n.meta[M.VAL].dtype for n in gathers} == {torch.bfloat16}
     assert {n.args[0].meta[M.VAL].dtype for n in scatters} == {torch.float32}
+
+
+@_grouped("tiny-fsdp-dp3-uneven")
+def test_uneven_scenario_pads_every_shard_and_counts_the_padding(shared_pipeline_runs):
+    """dp=3 divides no dim 0 of the tiny LLaMA: every all-gather is narrowed, every reduce-scatter
+    reads a padded gradient, and the stats show the padding (known answer: 5656 B, e.g. 2 rows of
+    64 fp32 for tok_embeddings.weight's 256 rows, 2 rows of 256 for w2's 64)."""
+    sc = GOLDEN_SCENARIOS["tiny-fsdp-dp3-uneven"]
+    shardings = sc.plan_obj().resolve(sc.model(device="meta"), sc.mesh_spec)
+    assert all(s.padded for s in shardings.values())
+    want = sum(s.padding_rows * torch.Size(s.local_shape[1:]).numel() * 4 for s in shardings.values())
+    assert want == 5656
+    run = golden_run("tiny-fsdp-dp3-uneven")
+    joint = graph_stats(run.stage("joint").graphs)
+    for kind in ("all_gather", "reduce_scatter"):
+        assert joint.padding[kind]["dp"].count == len(shardings) and joint.padding_bytes(kind, "dp") == want
+    fw, bw = run.stage("topo_span_bucketing").graphs  # bucketed: the padding is still found and counted
+    assert graph_stats(fw).padding_bytes("all_gather", "dp") == want
+    assert graph_stats(bw).padding_bytes("reduce_scatter", "dp") == want

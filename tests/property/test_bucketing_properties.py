@@ -438,7 +438,9 @@ def _rank_run_specs(rank, world_size, specs):
 GLOO_KINDS = (
     "param_ag",
     "param_ag",
+    "param_ag_padded",
     "grad_rs",
+    "grad_rs_padded",
     "grad_ar",
     "unary",
     "binary",

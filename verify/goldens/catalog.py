@@ -40,6 +40,9 @@ GOLDEN_SCENARIOS: dict[str, Scenario] = {
     # caps small enough that buckets split: by bytes in pre_overlap_bucketing, by topological
     # span in topo_span_bucketing (PIPELINE_OPTIONS; tests/golden/test_golden_scenarios.py checks)
     "tiny-fsdp-dp4-split": Scenario(preset="tiny", plan="fsdp", mesh="dp=4"),
+    # uneven FSDP shards: no dim 0 divides 3, so every shard is zero-padded; the all-gathers are
+    # followed by a narrow, the reduce-scatters preceded by a pad, and the stats show the padding
+    "tiny-fsdp-dp3-uneven": Scenario(preset="tiny", plan="fsdp", mesh="dp=3", n_layers=1),
 }
 # Pass settings of scenarios whose goldens are not at the pipeline's defaults (shown in the header).
 PIPELINE_OPTIONS: dict[str, dict] = {
@@ -86,8 +89,10 @@ def _options_text(options: dict) -> str:
 
 
 def header(scenario: Scenario, stage: str) -> dict[str, str]:
-    out = {
-        "preset": scenario.preset,
+    out = {"preset": scenario.preset}
+    if scenario.n_layers is not None:  # only where it differs from the preset's (older goldens have none)
+        out["layers"] = str(scenario.n_layers)
+    out |= {
         "mesh": str(scenario.mesh_spec),
         "plan": scenario.plan_obj().describe(),
     }

@@ -15,7 +15,7 @@ from torch.utils.checkpoint import CheckpointPolicy
 
 from autoparallel import meta as M
 from autoparallel.compile import SECOND_COMPILE
-from autoparallel.fx_utils import ALL_GATHER, WAIT
+from autoparallel.fx_utils import ALL_GATHER
 from autoparallel.mesh import fake_world
 from autoparallel.parallelize import split_batch
 from autoparallel.partition import (
@@ -25,6 +25,7 @@ from autoparallel.partition import (
 )
 from autoparallel.pipeline import PipelineOptions, run_pipeline, second_compile
 from verify.scenario import Scenario
+from verify.stats import saved_gathered_values
 
 aten = torch.ops.aten
 
@@ -102,19 +103,6 @@ def _identity(node: fx.Node) -> tuple:
     return what, tuple(v.shape), v.dtype
 
 
-def _is_gathered(node: fx.Node) -> bool:
-    """An all-gather, its wait, or a single-input chain after an all-gather's wait."""
-    while node.op == "call_function":
-        if node.target is ALL_GATHER:
-            return True
-        if node.target is WAIT:
-            return node.args[0].target is ALL_GATHER
-        if len(node.all_input_nodes) != 1:
-            return False
-        node = node.all_input_nodes[0]
-    return False
-
-
 # --- the pipeline ----------------------------------------------------------------------------------
 
 
@@ -128,7 +116,7 @@ def test_second_compile_forward_all_gather_count_equals_first(stages):
 
 def test_no_all_gather_output_or_wait_saved_for_backward(stages):
     for stage, (fw, bw) in (("first", stages.first_partition), ("second", stages.second_compile)):
-        gathered = [n.name for n in _saved(fw, bw) if _is_gathered(n)]
+        gathered = [n.name for n in saved_gathered_values(fw, bw)]
         assert not gathered, f"{stage} partition saves all-gathered values {gathered}"
 
 

@@ -19,9 +19,9 @@ def run(argv) -> int:
     [
         (["report", "--mesh", "dp"], "argument --mesh: bad mesh 'dp'"),
         (["report", "--preset", "huge"], "argument --preset: unknown preset 'huge'; valid presets: ['8b', 'debug', 'tiny']"),
-        (["report", "--mesh", "dp=3"],
-         "--plan fsdp --mesh dp=3 --preset tiny: parameter 'tok_embeddings.weight': dim 0 of size 256 is not "
-         "divisible by mesh dim 'dp' of size 3"),
+        (["report", "--plan", "fsdp_tp", "--mesh", "dp=2,tp=3"],
+         "--plan fsdp_tp --mesh dp=2,tp=3 --preset tiny: parameter 'layers.0.attention.wq.weight': dim 0 of size 64 "
+         "is not divisible by mesh dim 'tp' of size 3 (TP colwise; FSDP pads dim 0, TP does not pad)"),
         (["report", "--plan", "fsdp_tp", "--mesh", "dp=8"],
          "--plan fsdp_tp --mesh dp=8 --preset tiny: plan 'fsdp_tp': tp mesh dim 'tp' is not in mesh dp=8"),
         (["report", "--preset", "8b"],

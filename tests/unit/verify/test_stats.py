@@ -20,6 +20,7 @@ from verify.stats import (
     human_bytes,
     node_category,
     partition_stats,
+    saved_gathered_values,
     static_liveness,
     static_peak_bytes,
 )
@@ -374,3 +375,100 @@ def test_static_peak_counts_get_attr_constants_for_the_whole_run():
             n.meta.pop(M.VAL, None)  # described from the attribute itself
     assert big.users == {}
     assert static_peak_bytes(gm) == 2048 + 256 + 64 * 64 * 4
+
+
+# --- padding of uneven FSDP shards -------------------------------------------------------------------
+
+
+def _padded_graph(narrow=(0, 0, 10), pad=(0, 0, 0, 2), value=0.0, extra_reader=False, pad_feeds_rs=True) -> fx.GraphModule:
+    """A padded shard f32[3, 16] gathered by 4 ranks (12 rows), narrowed to the true 10; the
+    gradient f32[10, 16] padded back to 12 rows and reduce-scattered: 2 rows of 64 B each way."""
+    g = fx.Graph()
+    shard = g.placeholder("shard")
+    grad = g.placeholder("grad")
+    ag = g.call_function(c10d.all_gather_into_tensor.default, (shard, 4, "1"))
+    wait = g.call_function(c10d.wait_tensor.default, (ag,))
+    view = g.call_function(aten.view.default, (wait, [12, 16]))  # a view between: still the gathered rows
+    dim, start, end = narrow
+    full = g.call_function(aten.slice.Tensor, (view, dim, start, end))
+    outs = [g.call_function(aten.relu.default, (full,))]
+    if extra_reader:
+        outs.append(g.call_function(aten.neg.default, (view,)))
+    padded = g.call_function(aten.constant_pad_nd.default, (grad, list(pad), value))
+    if pad_feeds_rs:
+        rs = g.call_function(c10d.reduce_scatter_tensor.default, (padded, "avg", 4, "1"))
+        outs.append(g.call_function(c10d.wait_tensor.default, (rs,)))
+    else:
+        outs.append(g.call_function(aten.relu.default, (padded,)))
+    g.output(tuple(outs))
+    return _gm(g, torch.randn(3, 16), torch.randn(10, 16))
+
+
+def test_padding_bytes_of_a_narrowed_all_gather_and_a_padded_reduce_scatter():
+    st = graph_stats(_padded_graph())
+    assert st.padding["all_gather"]["dp"].to_dict() == {"bytes": 128, "count": 1}
+    assert st.padding["reduce_scatter"]["dp"].to_dict() == {"bytes": 128, "count": 1}
+    assert st.padding_bytes() == 256 and st.padding_bytes("all_gather", "tp") == 0
+    assert st.collective_bytes("all_gather", "dp") == 12 * 16 * 4  # the wire carries the padded rows
+    assert st.to_dict()["padding"] == {"all_gather": {"dp": {"bytes": 128, "count": 1}}, "reduce_scatter": {"dp": {"bytes": 128, "count": 1}}}
+    rows = {tuple(ln.split()[:3]): ln.split()[3:] for ln in format_stats_table(st).splitlines()}
+    assert rows[("all_gather", "padding", "dp")] == ["1", "128", "(128", "B)"]
+    assert rows[("reduce_scatter", "padding", "dp")] == ["1", "128", "(128", "B)"]
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [
+        {"narrow": (1, 0, 8)},  # a slice of dim 1 is no dim-0 padding
+        {"narrow": (0, 2, 12)},  # dropping leading rows is not trailing padding
+        {"extra_reader": True},  # the dropped rows are read elsewhere
+    ],
+)
+def test_slices_that_are_not_a_padding_narrow_are_not_counted(kw):
+    st = graph_stats(_padded_graph(**kw))
+    assert "all_gather" not in st.padding and st.padding_bytes("reduce_scatter") == 128
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [
+        {"pad": (0, 2, 0, 0), "narrow": (0, 0, 12)},  # pads dim 1 (and the narrow drops nothing)
+        {"pad": (0, 0, 2, 0)},  # leading rows
+        {"value": 1.0},  # not zeros
+        {"pad_feeds_rs": False},  # padded, but not reduce-scattered
+    ],
+)
+def test_pads_that_are_not_reduce_scattered_padding_are_not_counted(kw):
+    st = graph_stats(_padded_graph(**kw))
+    assert "reduce_scatter" not in st.padding
+
+
+def test_even_graphs_have_no_padding_rows_or_keys():
+    st = graph_stats(_collectives_graph())
+    assert st.padding == {} and "padding" not in st.to_dict()
+    assert "padding" not in format_stats_table(st)
+
+
+def _saving_pair(save: str):
+    """Forward: shard -> all_gather -> wait -> narrow -> t -> mm(x, .); it saves ``save``."""
+    fw = fx.Graph()
+    shard, x = fw.placeholder("shard"), fw.placeholder("x")
+    ag = fw.call_function(c10d.all_gather_into_tensor.default, (shard, 4, "1"))
+    wait = fw.call_function(c10d.wait_tensor.default, (ag,))
+    narrow = fw.call_function(aten.slice.Tensor, (wait, 0, 0, 10))
+    t = fw.call_function(aten.t.default, (narrow,))
+    mm = fw.call_function(aten.mm.default, (x, t))
+    nodes = {"x": x, "t": t, "mm": mm, "narrow": narrow, "wait": wait}
+    fw.output((mm, nodes[save]))
+    fw_gm = _gm(fw, torch.randn(3, 16), torch.randn(2, 16))
+    bw = fx.Graph()
+    saved, tangent = bw.placeholder(nodes[save].name), bw.placeholder("tangents_1")  # AOT's naming
+    bw.output((bw.call_function(aten.mul.Tensor, (saved, tangent)),))
+    bw_gm = _gm(bw, nodes[save].meta[M.VAL], torch.randn(()))
+    return fw_gm, bw_gm, nodes[save]
+
+
+@pytest.mark.parametrize("save, gathered", [("t", True), ("narrow", True), ("wait", True), ("x", False), ("mm", False)])
+def test_saved_gathered_values_finds_a_saved_gathered_weight(save, gathered):
+    fw, bw, node = _saving_pair(save)
+    assert saved_gathered_values(fw, bw) == ([node] if gathered else [])

@@ -1,13 +1,16 @@
 """ParallelPlan.resolve on the tiny LLaMA-3 preset: FSDP/TP shardings, shard/unshard, errors that
-name the parameter and mesh dim; and clean_fqn."""
+name the parameter and mesh dim; uneven FSDP shards (padding, real rows); and clean_fqn."""
 
 import pytest
 import torch
+from torch import nn
 
 from autoparallel.mesh import MeshSpec
 from autoparallel.models.llama3 import build_model
 from autoparallel.parallelize import ParallelPlan
 from autoparallel.parallelize.program import clean_fqn
+from autoparallel.planner.api import hand_plan_pins
+from autoparallel.planner.costs import local_shape
 
 
 @pytest.fixture(scope="module")
@@ -49,9 +52,84 @@ def test_unknown_mesh_dim_names_dim(tiny):
         ParallelPlan.fsdp("data").resolve(tiny, MeshSpec.parse("dp=8"))
 
 
-def test_indivisible_dim_names_parameter_and_dim(tiny):
-    with pytest.raises(ValueError, match=r"'tok_embeddings.weight'.*256.*not divisible.*'dp' of size 3"):
-        ParallelPlan.fsdp().resolve(tiny, MeshSpec.parse("dp=3"))
+def test_indivisible_tp_dim_names_parameter_and_dim(tiny):
+    with pytest.raises(ValueError, match=r"'layers.0.attention.wq.weight'.*64.*not divisible.*'tp' of size 3.*TP does not pad"):
+        ParallelPlan.fsdp_tp().resolve(tiny, MeshSpec.parse("dp=2,tp=3"))
+
+
+# --- uneven FSDP shards: padded dim 0 -------------------------------------------------------------
+
+
+class _Uneven(nn.Module):
+    """A class token, a 10-class head and a 4-expert router: dims 0 of 1, 10 and 4."""
+
+    def __init__(self):
+        super().__init__()
+        self.cls_token = nn.Parameter(torch.arange(6.0).reshape(1, 1, 6) + 1)
+        self.head = nn.Parameter(torch.arange(60.0).reshape(10, 6) + 1)
+        self.router = nn.Parameter(torch.arange(24.0).reshape(4, 6) + 1)
+
+
+def _pieces(sharding, full, spec):
+    sizes = dict(spec.dims)
+    return {tuple(spec.coordinate(r).values()): sharding.shard(full, spec.coordinate(r), sizes) for r in range(spec.world_size)}
+
+
+@pytest.mark.parametrize(
+    "fqn, local_rows, padding, real",
+    [
+        ("cls_token", 1, 7, [1, 0, 0, 0, 0, 0, 0, 0]),  # ranks 1-7 hold only padding
+        ("head", 2, 6, [2, 2, 2, 2, 2, 0, 0, 0]),
+        ("router", 1, 4, [1, 1, 1, 1, 0, 0, 0, 0]),
+    ],
+)
+def test_fsdp_pads_dim0_below_the_mesh_size(fqn, local_rows, padding, real):
+    spec = MeshSpec.parse("dp=8")
+    model = _Uneven()
+    s = ParallelPlan.fsdp().resolve(model, spec)[fqn]
+    full = dict(model.named_parameters())[fqn].detach()
+    assert s.local_shape == (local_rows, *full.shape[1:]) and s.fsdp_rows == full.shape[0]
+    assert s.padding_rows == padding and s.padded
+    assert [s.real_rows({"dp": i}) for i in range(8)] == real
+    pieces = _pieces(s, full, spec)
+    for (i,), piece in pieces.items():
+        assert piece.shape == s.local_shape  # every rank holds the same shape: one traced graph
+        assert torch.equal(s.real_shard(piece, {"dp": i}), full[i * local_rows : i * local_rows + real[i]])
+        assert not piece[real[i]:].any()  # the padding is zero
+    assert torch.equal(s.unshard(pieces, spec), full)
+
+
+def test_even_fsdp_shards_have_no_padding(tiny):
+    for s in ParallelPlan.fsdp().resolve(tiny, MeshSpec.parse("dp=8")).values():
+        assert not s.padded and s.padding_rows == 0
+        assert s.real_rows({"dp": 7}) == s.local_shape[0]
+
+
+def test_uneven_llama_shard_unshard_roundtrip_under_fsdp_and_fsdp_tp():
+    """TP splits first (evenly), then FSDP pads dim 0 of the TP-local piece."""
+    model = build_model("tiny")
+    for plan, spec in ((ParallelPlan.fsdp(), MeshSpec.parse("dp=3")), (ParallelPlan.fsdp_tp(), MeshSpec.parse("dp=3,tp=2"))):
+        sh = plan.resolve(model, spec)
+        for fqn, p in model.named_parameters():
+            assert torch.equal(sh[fqn].unshard(_pieces(sh[fqn], p.detach(), spec), spec), p.detach()), fqn
+    wq = ParallelPlan.fsdp_tp().resolve(model, MeshSpec.parse("dp=3,tp=2"))["layers.0.attention.wq.weight"]
+    assert (wq.fsdp_rows, wq.local_shape, wq.padding_rows) == (32, (11, 64), 1)  # 64 / tp 2 = 32 rows over dp 3
+    wo = ParallelPlan.fsdp_tp().resolve(model, MeshSpec.parse("dp=3,tp=2"))["layers.0.attention.wo.weight"]
+    assert (wo.fsdp_rows, wo.local_shape, wo.padding_rows) == (64, (22, 32), 2)  # rowwise: dim 0 whole
+
+
+def test_real_shard_rejects_a_tensor_of_another_shape():
+    s = ParallelPlan.fsdp().resolve(_Uneven(), MeshSpec.parse("dp=8"))["head"]
+    with pytest.raises(ValueError, match=r"head: local tensor of shape \(10, 6\), expected \(2, 6\)"):
+        s.real_shard(torch.zeros(10, 6), {"dp": 0})
+
+
+def test_zero_dim_parameter_is_refused_under_fsdp_saying_why():
+    model = nn.Module()
+    model.temperature = nn.Parameter(torch.tensor(1.0))
+    with pytest.raises(ValueError, match=r"parameter 'temperature' is a 0-dim tensor.*no dim 0.*shape \(1,\)"):
+        ParallelPlan.fsdp().resolve(model, MeshSpec.parse("dp=2"))
+    assert ParallelPlan.ddp().resolve(model, MeshSpec.parse("dp=2"))["temperature"].local_shape == ()
 
 
 def test_tp_rule_matching_nothing_is_unknown_parameter(tiny):
@@ -76,3 +154,18 @@ def test_unknown_plan_lists_presets():
 )
 def test_clean_fqn_strips_wrapper_and_parametrization(raw, clean):
     assert clean_fqn(raw) == clean
+
+
+@pytest.mark.parametrize("plan, mesh", [(ParallelPlan.fsdp(), "dp=8"), (ParallelPlan.fsdp(), "dp=3"), (ParallelPlan.fsdp_tp(), "dp=3,tp=2")])
+def test_planner_prices_the_padded_local_shape_the_plan_builds(plan, mesh):
+    """The planner (issue 16) offers padded Shard(0) and prices its bytes with its own per-rank
+    shape: for every parameter of a hand plan it is the local shape resolve() builds."""
+    spec = MeshSpec.parse(mesh)
+    model = build_model("tiny") if mesh != "dp=8" else _Uneven()
+    shardings = plan.resolve(model, spec)
+    pins = hand_plan_pins(plan, model, spec)
+    padded = 0
+    for fqn, p in model.named_parameters():
+        assert tuple(local_shape(p.shape, pins[fqn], spec.shape)) == shardings[fqn].local_shape, fqn
+        padded += shardings[fqn].padded
+    assert padded > 0

@@ -107,22 +107,48 @@ def test_transposed_weight_after_wait_is_recomputed_not_saved(first_partition_to
     assert any(ph.meta.get(M.ROLE) == "param:down.weight" and ph.users for ph in saved)
 
 
-def test_chain_stops_at_multi_input_node_and_multi_user_node():
+def test_chain_stops_at_multi_input_nodes_and_follows_every_single_input_user():
     g, n = _fsdp_graph(chain=("permute",))
     mark_fsdp_all_gather_recomputation(g)
     assert M.RECOMPUTE not in n["mm"].meta  # two inputs: the chain ends before it
 
     g = fx.Graph()
     w = _placeholder(g, "w", torch.empty(4, 8, device="meta"), "param:w")
+    x = _placeholder(g, "x", torch.empty(8, 16, device="meta"), "input:0")
     ag = _node(g, ALL_GATHER, (w, 4, "dp"), torch.empty(16, 8, device="meta"))
     wait = _node(g, WAIT, (ag,), torch.empty(16, 8, device="meta"))
     t = _node(g, aten.t.default, (wait,), torch.empty(8, 16, device="meta"))
     a = _node(g, aten.relu.default, (t,), torch.empty(8, 16, device="meta"))
     b = _node(g, aten.neg.default, (t,), torch.empty(8, 16, device="meta"))
-    g.output((a, b))
-    mark_fsdp_all_gather_recomputation(g)
-    assert _tags(t) == (MUST_RECOMPUTE, M.AP_AC_GRAPH_ID)  # t has two users: tagged, walk stops
-    assert M.RECOMPUTE not in a.meta and M.RECOMPUTE not in b.meta
+    c = _node(g, aten.mul.Tensor, (b, x), torch.empty(8, 16, device="meta"))
+    g.output((a, c))
+    report = mark_fsdp_all_gather_recomputation(g)
+    # t has two users, each reading only the gathered weight: the tree is tagged, in graph order
+    assert report.recomputed == [ag, wait, t, a, b]
+    assert M.RECOMPUTE not in c.meta
+
+
+def test_fan_out_after_a_padded_narrow_is_recomputed_not_saved():
+    """A padded shard [3, 8] on 4 ranks gathers 12 rows; the narrow keeps the real 10 and the
+    parameter is read twice (``scale[0]``, ``scale[1]``-style selects). Every node that reads
+    only the gathered weight is recomputed: a saved select would keep the whole padded gathered
+    storage alive. The gradient math on the select (a backward node) is not followed."""
+    g = fx.Graph()
+    w = _placeholder(g, "w", torch.empty(3, 8, device="meta"), "param:scale")
+    x = _placeholder(g, "x", torch.empty(8, device="meta"), "input:0")
+    ag = _node(g, ALL_GATHER, (w, 4, "dp"), torch.empty(12, 8, device="meta"))
+    wait = _node(g, WAIT, (ag,), torch.empty(12, 8, device="meta"))
+    narrow = _node(g, aten.slice.Tensor, (wait, 0, 0, 10), torch.empty(10, 8, device="meta"))
+    s0 = _node(g, aten.select.int, (narrow, 0, 0), torch.empty(8, device="meta"))
+    s1 = _node(g, aten.select.int, (narrow, 0, 1), torch.empty(8, device="meta"))
+    y = _node(g, aten.mul.Tensor, (_node(g, aten.mul.Tensor, (x, s0), torch.empty(8, device="meta")), s1), torch.empty(8, device="meta"))
+    bw = _node(g, aten.neg.default, (s1,), torch.empty(8, device="meta"))
+    bw.meta[M.PARTITIONER_TAG] = "is_backward"
+    g.output((y, bw))
+    report = mark_fsdp_all_gather_recomputation(g)
+    assert report.recomputed == [ag, wait, narrow, s0, s1]
+    assert all(_tags(n) == (MUST_RECOMPUTE, M.AP_AC_GRAPH_ID) for n in report.recomputed)
+    assert M.RECOMPUTE not in bw.meta and M.RECOMPUTE not in y.meta
 
 
 def test_activation_and_tp_all_gathers_are_untouched():
@@ -280,6 +306,32 @@ class _Toy(nn.Module):
 
 def _mse(out, target):
     return ((out - target) ** 2).mean()
+
+
+class _UnevenToy(nn.Module):
+    """up [5, 16] and down [3, 5] on dp=2: padded shards of 3 and 2 rows."""
+
+    def __init__(self):
+        super().__init__()
+        self.up = nn.Linear(16, 5, bias=False)
+        self.down = nn.Linear(5, 3, bias=False)
+
+    def forward(self, x):
+        return self.down(torch.relu(x @ self.up.weight.t()))
+
+
+def test_padded_gathered_and_narrowed_weights_are_recomputed_not_saved():
+    """Uneven FSDP: the all-gather returns the padded rows ([6, 16], [4, 5]) and a narrow the
+    true ones ([5, 16], [3, 5]); neither, nor their transposes, is saved for backward."""
+    inputs = (torch.randn(4, 16), torch.randn(4, 3))
+    with fake_world("dp=2") as mesh:
+        jg = build_joint_graph(_UnevenToy(), ParallelPlan.fsdp(), mesh, inputs, loss_fn=_mse)
+        fp = apply_placement(jg).first_partition
+    saved = [ph for ph in fp.bw.graph.find_nodes(op="placeholder") if not str(ph.meta.get(M.ROLE, "")).startswith("tangent")]
+    gathered = {(6, 16), (5, 16), (16, 5), (4, 5), (3, 5), (5, 3)}
+    assert not [ph.name for ph in saved if tuple(ph.meta[M.VAL].shape) in gathered]
+    narrows = [n for n in fp.fw.graph.nodes if n.target is aten.slice.Tensor and n.args[0].target is WAIT]
+    assert len(narrows) == 2 and all(n.meta.get(M.RECOMPUTE) == MUST_RECOMPUTE for n in narrows)
 
 
 @pytest.fixture(scope="module")
