@@ -13,14 +13,15 @@ from __future__ import annotations
 
 import difflib
 import json
+import re
 from collections.abc import Sequence
-from html import escape
+from html import escape, unescape
 
 from verify.html import svg
 from verify.html.views import StageView, stage_text
 from verify.stats import CATEGORIES, human_bytes
 
-__all__ = ["build_page", "diff_opcodes"]
+__all__ = ["build_diff_page", "build_page", "diff_opcodes", "page_sections"]
 
 
 def diff_opcodes(a: str, b: str) -> list[list]:
@@ -43,6 +44,20 @@ class _Texts:
             self._index[text] = len(self.items)
             self.items.append(text)
         return self._index[text]
+
+
+_SECTION_HEAD = re.compile(r"<section class=stage id='[^']+' data-stage='([^']+)'>")
+
+
+def page_sections(html: str) -> dict[str, str]:
+    """Stage name -> the HTML of its section, in page order (a page :func:`build_page` wrote)."""
+    out = {}
+    for part in re.split(r"(?=<section class=stage )", html)[1:]:
+        m = _SECTION_HEAD.match(part)
+        if m is None:
+            raise ValueError(f"not a stage section of this page: {part[:80]!r}")
+        out[unescape(m.group(1))] = part.split("</section>", 1)[0]
+    return out
 
 
 def _slug(i: int, name: str) -> str:
@@ -222,8 +237,6 @@ def build_page(views: Sequence[StageView], *, title: str, subtitle: str = "") ->
     ]
     chart = svg.collective_bytes_svg([(v.name, v.collectives) for v in views],
                                      title="collective bytes per kind and mesh dim, per stage")
-    payload = json.dumps({"texts": texts.items, "diffs": diffs}, separators=(",", ":"))
-    payload = payload.replace("<", "\\u003c")  # nothing inside can close the script element
     return "".join([
         "<!DOCTYPE html><html lang=en><head><meta charset=utf-8>",
         f"<title>{escape(title)}</title><style>{_CSS}</style></head><body>",
@@ -232,9 +245,35 @@ def build_page(views: Sequence[StageView], *, title: str, subtitle: str = "") ->
         "<section class=pipeline id=pipeline>",
         _figure("collective bytes across the pipeline", chart), "</section>",
         *sections,
-        f"<script type='application/json' id=ap-data>{payload}</script>",
+        _payload_script(texts, diffs),
         f"<script>{_JS}</script></body></html>",
     ])
+
+
+def build_diff_page(a: str, b: str, *, title: str, a_name: str = "golden file", b_name: str = "this run",
+                    note: str = "") -> str:
+    """A page with one side-by-side diff of ``a`` and ``b``, open (what a failing golden test
+    writes): the page's own diff renderer, unchanged runs folded."""
+    texts = _Texts()
+    ops = diff_opcodes(a, b)
+    changed = sum(max(i2 - i1, j2 - j1) for t, i1, i2, j1, j2 in ops if t != "e")
+    diffs = [{"a": texts.add(a), "b": texts.add(b), "a_name": a_name, "b_name": b_name, "ops": ops}]
+    summary = f"{a_name} vs {b_name}: {changed} lines differ"
+    return "".join([
+        "<!DOCTYPE html><html lang=en><head><meta charset=utf-8>",
+        f"<title>{escape(title)}</title><style>{_CSS}</style></head><body>",
+        f"<header><h1>{escape(title)}</h1><p>{escape(note)}</p></header>",
+        f"<details class='diff diff-golden' data-diff='0' open><summary>{escape(summary)}</summary>"
+        "<div class=lazy></div></details>",
+        _payload_script(texts, diffs),
+        f"<script>{_JS}</script></body></html>",
+    ])
+
+
+def _payload_script(texts: _Texts, diffs: list[dict]) -> str:
+    payload = json.dumps({"texts": texts.items, "diffs": diffs}, separators=(",", ":"))
+    payload = payload.replace("<", "\\u003c")  # nothing inside can close the script element
+    return f"<script type='application/json' id=ap-data>{payload}</script>"
 
 
 _CSS = """
@@ -298,14 +337,15 @@ _JS = r"""
     var btn=box.querySelector('button.show-all');
     if(btn){btn.addEventListener('click',function(){renderDiff(box,d,true);});}
   }
-  document.addEventListener('toggle',function(ev){
-    var el=ev.target;
+  function fill(el){
     if(!el.open||el.dataset.filled){return;}
     var box=el.querySelector('div.lazy');
     if(el.dataset.text!==undefined){
       var pre=document.createElement('pre');pre.textContent=D().texts[+el.dataset.text];box.appendChild(pre);
     }else if(el.dataset.diff!==undefined){renderDiff(box,D().diffs[+el.dataset.diff],false);}
     el.dataset.filled='1';
-  },true);
+  }
+  document.addEventListener('toggle',function(ev){fill(ev.target);},true);
+  document.querySelectorAll('details[open]').forEach(fill);
 })();
 """
