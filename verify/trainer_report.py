@@ -33,7 +33,7 @@ def run_parity(preset: str, *, policy: str, steps: int = PARITY_STEPS) -> dict:
     t0 = time.perf_counter()
     reports = stage_parity(preset, policy=policy, batch=BATCH, steps=steps)
     return {
-        "mesh": "one process",
+        "where": "one process",
         "steps": steps,
         "vs_eager": {stage: rep.to_dict() for stage, rep in reports.items()},
         "seconds": round(time.perf_counter() - t0, 2),
@@ -75,7 +75,7 @@ def format_report(report: dict) -> str:
         rows.append([s["name"], str(s["nodes"]), human_bytes(s["static_peak_bytes"]), measured, s["golden"]])
     lines += [*table_lines(rows, left=(0, 4)), ""]
     p = report.get("parity")
-    heading = "" if p is None else f"parity ({p['steps']} AdamW steps, {p['mesh']}, {p['seconds']}s), each stage vs eager:"
+    heading = "" if p is None else f"parity ({p['steps']} AdamW steps, {p['where']}, {p['seconds']}s), each stage vs eager:"
     lines += parity_lines(p, heading, width=14, versus=True)
     if report.get("html"):
         lines.append(f"html report: {report['html']}")

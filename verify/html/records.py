@@ -52,7 +52,7 @@ class Parity:
     tensors: int = 0
     mismatches: int = 0
     max_abs_diff: float = 0.0
-    mesh: str = ""
+    where: str = ""  # what ran it: "gloo dp=2", "one process"
     steps: int = 0
     oracle_max_abs_diff: float | None = None
     oracle_tolerance: float | None = None
@@ -69,7 +69,7 @@ class Parity:
     def describe(self) -> str:
         parts = []
         if self.bitwise is True:
-            parts.append(f"bitwise equal to eager ({self.tensors} tensors, gloo {self.mesh}, {self.steps} steps)")
+            parts.append(f"bitwise equal to eager ({self.tensors} tensors, {self.where}, {self.steps} steps)")
         elif self.bitwise is False:
             parts.append(
                 f"NOT bitwise: {self.mismatches} of {self.tensors} tensors differ "
@@ -116,7 +116,8 @@ class StageRecord:
 
 def parity_from_report(parity: Mapping[str, Any] | None) -> dict[str, Parity]:
     """Per stage, from ``verify.report.run_parity``'s dict (the joint stage also gets the
-    single-device comparison, which is made against it)."""
+    single-device comparison, which is made against it). ``"where"`` says what ran the
+    comparison (default: gloo on ``"mesh"``)."""
     if not parity:
         return {}
     out = {}
@@ -126,7 +127,7 @@ def parity_from_report(parity: Mapping[str, Any] | None) -> dict[str, Parity]:
             tensors=int(r["tensors"]),
             mismatches=int(r["mismatches"]),
             max_abs_diff=float(r["max_abs_diff"]),
-            mesh=str(parity.get("mesh", "")),
+            where=str(parity.get("where") or f"gloo {parity.get('mesh', '')}"),
             steps=int(parity.get("steps", 0)),
         )
     single = parity.get("single_device_max_abs_diff")

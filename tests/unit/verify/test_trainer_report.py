@@ -48,7 +48,8 @@ def test_trainer_report_json_page_measured_memory_goldens_and_parity(capsys, tmp
         assert [f.get("data-figure") for f in figs] == ["memory", "measured-memory"], name
         phases = {e.get("class") for e in figs[0].iter() if (e.get("class") or "").startswith("phase ")}
         assert phases == {"phase phase-forward", "phase phase-backward"}, name
-        assert "data-parity='ok'" in chunk and f"data-golden='{stages[name]['golden']}'" in chunk, name
+        assert "data-parity='ok'" in chunk and "bitwise equal to eager (44 tensors, one process, 2 steps)" in chunk
+        assert f"data-golden='{stages[name]['golden']}'" in chunk, name
     assert "data-same-as-previous" not in secs["after_remat"]  # remat duplicates recomputed ops
 
 
@@ -56,7 +57,7 @@ def test_trainer_report_text():
     row = {"nodes": 540, "static_peak_bytes": 2**20, "measured_peak_bytes": None, "golden": "none"}
     report = {"preset": "debug", "policy": "op", "batch": 4,
               "stages": [{"name": "traced_step", **row}, {"name": "after_remat", **row, "golden": "differs"}],
-              "parity": {"steps": 2, "mesh": "one process", "seconds": 1.0, "vs_eager": {
+              "parity": {"steps": 2, "where": "one process", "seconds": 1.0, "vs_eager": {
                   "after_remat": {"a": "eager+apply_ac(op)", "bitwise": False, "tensors": 88, "mismatches": 2,
                                   "max_abs_diff": 1e-3}}}}
     lines = format_report(report).splitlines()
