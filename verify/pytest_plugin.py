@@ -405,7 +405,7 @@ class GoldenChecker:
         """Write the side-by-side diff of the golden file and ``text`` as a page in the test's
         tmp dir; the line that says where it is (or why it could not be written)."""
         from verify.goldens import read_golden
-        from verify.html.page import build_diff_page
+        from verify.html.diff import build_diff_page
 
         try:
             out = self._request.getfixturevalue("tmp_path") / f"golden-diff-{path.stem}.html"

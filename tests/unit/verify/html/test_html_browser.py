@@ -11,7 +11,8 @@ import pytest
 from verify.goldens.catalog import GOLDEN_SCENARIOS
 from verify.html import build_report_page, records_from_pipeline_run
 from verify.html.browser import open_page
-from verify.html.page import build_diff_page, build_page
+from verify.html.diff import build_diff_page
+from verify.html.page import build_page
 from verify.html.synthetic import synthetic_views
 from verify.pipeline import run_pipeline
 

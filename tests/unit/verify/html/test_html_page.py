@@ -218,3 +218,14 @@ def test_bad_input_is_named():
     parity = {"vs_eager": {"second_compile": {"bitwise": True, "tensors": 1, "mismatches": 0, "max_abs_diff": 0.0}}}
     with pytest.raises(ValueError, match=r"parity names stage\(s\) \['second_compile'\]"):
         records_from_pipeline_run(run, parity=parity, goldens=False)
+
+
+def test_the_golden_diff_page_needs_no_torch():
+    """A failing golden test writes its HTML diff through verify.html.diff: cheap to import."""
+    import subprocess
+    import sys
+
+    code = ("import sys; from verify.html.diff import build_diff_page; build_diff_page('a\\n', 'b\\n', title='t'); "
+            "print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'autoparallel')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and out.stdout.strip() == "[]", out.stderr

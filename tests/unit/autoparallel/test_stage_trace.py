@@ -32,6 +32,8 @@ from autoparallel.parallelize import ParallelPlan
 from autoparallel.passes.collective import COLLECTIVE_PASS_NAMES
 from autoparallel.trace import ARTIFACT_PREFIX, StageTracer, artifact_name, jsonable
 
+pytestmark = pytest.mark.xdist_group("stage-trace")  # one worker builds the traced run
+
 MESH = "dp=2"
 ORDER = ["plan", *P.STAGE_NAMES[: P.STAGE_NAMES.index(SECOND_COMPILE) + 1],
          *(f"{n} (alone)" for n in COLLECTIVE_PASS_NAMES), *COLLECTIVE_PASS_NAMES]
