@@ -23,7 +23,10 @@ Nothing here is LLaMA-specific: the model, the loss function and the batch are i
 stage list is data: a stage can be inserted (a planner ahead of ``joint`` that turns
 ``plan="auto"`` into a ``ParallelPlan``: :func:`insert_stage`), and ``until=`` stops after a
 stage. Observers (``observers=[fn]``) see each :class:`StageResult` as soon as its stage ends
-(structured logging, an HTML report, stats on graphs too large to keep).
+(an HTML report, stats on graphs too large to keep). One of them is always the structured trace
+(``trace=``, default :class:`autoparallel.trace.StageTracer`): with ``TORCH_TRACE=dir`` every
+stage's graphs, stats and report land in the trace, named in pipeline order, for ``tlparse``;
+each stage's end is also logged at INFO (``TORCH_LOGS=autoparallel``).
 
 Graphs are rank-specific after bucketing and are built on a fake world: they are for reading
 (goldens, stats, reports) and, with ``keep_compiled``, the compiled module for parity runs.
@@ -32,6 +35,7 @@ Graphs are rank-specific after bucketing and are built on a fake world: they are
 from __future__ import annotations
 
 import contextlib
+import logging
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
@@ -60,6 +64,9 @@ from autoparallel.passes.collective import (
     bucket_fw_bw,
 )
 from autoparallel.runtime.parallel_module import ParallelModule
+from autoparallel.trace import StageTracer
+
+log = logging.getLogger(__name__)
 
 Graphs = fx.GraphModule | tuple[fx.GraphModule, fx.GraphModule]
 
@@ -194,6 +201,27 @@ class _StopAfterPartition(Exception):
     """Raised by the partition hook to end a graphs-only compile before anything executes."""
 
 
+def _stop_without_failing(backend):
+    """``backend``, except that the graphs-only stop ends its compile as a success.
+
+    Raised inside the backend, the stop would reach Dynamo as a failed compile: Dynamo logs a
+    ``dynamo_error`` artifact and ``compilation_metrics`` with a ``fail_type`` to the structured
+    trace, and tlparse shows every graphs-only run as a failure. Instead the backend returns a
+    compiled function that raises the stop when called: the compile succeeds, the frame's first
+    call ends before any graph runs, and ``second_compile`` catches the stop there."""
+
+    def compile_(gm, example_inputs):
+        try:
+            return backend(gm, example_inputs)
+        except _StopAfterPartition:
+            def stopped(*args):
+                raise _StopAfterPartition
+
+            return stopped
+
+    return compile_
+
+
 def _caused_by(exc: BaseException | None, kind: type) -> bool:
     while exc is not None:
         if isinstance(exc, kind):
@@ -258,6 +286,8 @@ def second_compile(
         on_collective_passes=on_collective_passes,
         group_dims=mesh.group_dims,
     )
+    if not keep_compiled:
+        backend = _stop_without_failing(backend)
     torch._dynamo.reset()
     compiled = torch.compile(module, backend=backend)
     try:
@@ -393,6 +423,14 @@ def _alternatives(state: PipelineState, after: StageResult, observers: Sequence[
     return out
 
 
+def _log_stage(result: StageResult) -> None:
+    nodes = "/".join(str(len(gm.graph.nodes)) for _, gm in result.graph_rows()) or "-"
+    summary = getattr(result.report, "summary", None)
+    log.info("stage %s: %.3fs, nodes %s", result.label, result.seconds, nodes)
+    if callable(summary) and log.isEnabledFor(logging.DEBUG):
+        log.debug("stage %s report: %s", result.label, summary())
+
+
 def run_pipeline(
     model: nn.Module,
     loss_fn: LossFn | None,
@@ -404,6 +442,7 @@ def run_pipeline(
     stages: Sequence[Stage] = STAGES,
     until: str | None = None,
     observers: Sequence[Observer] = (),
+    trace: Callable[[], Observer] | None = StageTracer,
 ) -> PipelineRun:
     """Run ``stages`` (default :data:`STAGES`) in order; see the module docstring.
 
@@ -411,9 +450,11 @@ def run_pipeline(
     (None: token cross-entropy), ``example_inputs`` the global batch (model inputs, then the
     target; only shapes and dtypes are used), ``plan`` a ``ParallelPlan`` (or whatever a stage
     ahead of ``joint`` turns into one), ``mesh`` an entered world or a mesh spec (a fake world is
-    entered for the run). ``until``: the last stage to run. Raises ValueError naming an unknown
-    ``until`` or a stage that cannot run."""
+    entered for the run). ``until``: the last stage to run. ``trace``: makes this run's
+    structured-trace observer (called once per run; None: no trace). Raises ValueError naming an
+    unknown ``until`` or a stage that cannot run."""
     options = options if options is not None else PipelineOptions()
+    observers = (*observers, _log_stage, *(() if trace is None else (trace(),)))
     names = [s.name for s in stages]
     if until is not None and until not in names:
         raise ValueError(f"until={until!r} is no stage; stages: {names}")

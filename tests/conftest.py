@@ -45,6 +45,41 @@ def one_thread():
         yield
 
 
+class TraceRecords:
+    """Structured-trace records (``torch._logging.trace_structured``) captured in memory."""
+
+    def __init__(self):
+        import logging
+
+        self.records: list[tuple[dict, object]] = []
+        outer = self
+
+        class _Handler(logging.Handler):
+            def emit(self, record):
+                outer.records.append((record.metadata, record.payload))
+
+        self.handler = _Handler()
+
+    def artifacts(self, prefix: str = "") -> list[tuple[str, object]]:
+        """``(name, payload)`` of every artifact whose name starts with ``prefix``, in order."""
+        return [(m["artifact"]["name"], p) for m, p in self.records
+                if "artifact" in m and m["artifact"]["name"].startswith(prefix)]
+
+
+@pytest.fixture
+def structured_trace():
+    """Captures the structured trace (what ``TORCH_TRACE`` writes) while the test runs; the
+    handler is removed afterwards."""
+    from torch._logging._internal import trace_log
+
+    captured = TraceRecords()
+    trace_log.addHandler(captured.handler)
+    try:
+        yield captured
+    finally:
+        trace_log.removeHandler(captured.handler)
+
+
 @pytest.fixture(scope="session")
 def shared_pipeline_runs():
     """run_pipeline builds each scenario once in this process (read-only runs; see

@@ -77,6 +77,24 @@ def _dtype(text: str) -> str:
     return text
 
 
+def _html_dir(text: str):
+    """A directory to write the page into: created if missing; not a file, and writable."""
+    import os
+    from pathlib import Path
+
+    path = Path(text)
+    if path.exists() and not path.is_dir():
+        raise ValueError(f"{text!r} is a file; give a directory (the page is written as DIR/index.html)")
+    probe = path
+    while not probe.exists():
+        probe = probe.parent
+    if not probe.is_dir():
+        raise ValueError(f"{text!r}: {str(probe)!r} is a file, so the directory cannot be created")
+    if not os.access(probe, os.W_OK | os.X_OK):
+        raise ValueError(f"{text!r}: directory {str(probe)!r} is not writable")
+    return path
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m verify", description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="command", required=True)
@@ -86,13 +104,19 @@ def _parser() -> argparse.ArgumentParser:
     workers = _flag_type(_workers, "workers")
 
     r = sub.add_parser("report", help="pipeline stages, collectives and parity for one scenario")
-    r.add_argument("--preset", default="tiny", type=preset, help="model preset: tiny, debug, 8b (default: tiny)")
-    r.add_argument("--plan", default="fsdp", choices=["fsdp", "fsdp_tp", "ddp"], help="parallel plan (default: fsdp)")
-    r.add_argument("--mesh", default="dp=8", type=mesh, help="mesh, e.g. dp=8 or dp=4,tp=2 (default: dp=8)")
+    r.add_argument("--preset", default=None, type=preset,
+                   help="model preset: tiny, debug, 8b (default: tiny; debug with --trainer)")
+    r.add_argument("--plan", default=None, choices=["fsdp", "fsdp_tp", "ddp"], help="parallel plan (default: fsdp)")
+    r.add_argument("--mesh", default=None, type=mesh, help="mesh, e.g. dp=8 or dp=4,tp=2 (default: dp=8)")
     r.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
-    r.add_argument("--no-parity", action="store_true", help="skip the gloo parity run")
+    r.add_argument("--no-parity", action="store_true", help="skip the parity run")
     r.add_argument("--parity-anyway", action="store_true",
                    help="run parity even for a model above the size limit (it runs the model for real)")
+    r.add_argument("--html", default=None, metavar="DIR", type=_flag_type(_html_dir, "directory"),
+                   help="also write the HTML report, DIR/index.html (created if missing)")
+    r.add_argument("--trainer", action="store_true",
+                   help="the graph trainer's stages (single-device training step, graph SAC, remat) "
+                        "with measured CPU memory, instead of the parallel pipeline")
 
     pl = sub.add_parser("plan", help="automatic placement: plan a preset on a fake world with the ILP planner")
     from verify.plan_cli import add_arguments as add_plan_arguments
@@ -129,14 +153,40 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+REPORT_DEFAULTS = {"preset": "tiny", "plan": "fsdp", "mesh": "dp=8"}
+TRAINER_PRESET = "debug"  # the graph trainer's goldens are of the debug preset
+
+
+def _report_defaults(parser: argparse.ArgumentParser, args) -> None:
+    """Fill in ``report``'s defaults, which depend on ``--trainer`` (flags it cannot take are an
+    error naming them)."""
+    if args.trainer:
+        given = [f"--{k}" for k in ("plan", "mesh") if getattr(args, k) is not None]
+        if given:
+            parser.error(f"argument --trainer: the graph trainer traces one single-device training step; "
+                         f"{' and '.join(given)} {'does' if len(given) == 1 else 'do'} not apply")
+        args.preset = args.preset or TRAINER_PRESET
+        return
+    for k, v in REPORT_DEFAULTS.items():
+        if getattr(args, k) is None:
+            setattr(args, k, v)
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if args.command == "report":
+        _report_defaults(parser, args)
     # Each command imports only its own module, here: `python -m verify goldens` and `mutate`
     # start without importing torch (they run pytest in a subprocess).
     try:
         from autoparallel.patches import disabled_from_env
 
         disabled_from_env()  # an unknown name in $AUTOPARALLEL_DISABLE stops every command here
+        if args.command == "report" and args.trainer:
+            from verify.trainer_report import main as trainer_report_main
+
+            return trainer_report_main(args)
         if args.command == "report":
             from verify.report import main as report_main
 

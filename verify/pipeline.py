@@ -16,7 +16,10 @@ from autoparallel import pipeline as P
 from autoparallel.passes.collective import CollectivePassesConfig
 from autoparallel.passes.pre_overlap_bucketing import PreOverlapConfig
 from autoparallel.passes.topo_span_bucketing import TopoSpanConfig
+from autoparallel.trace import StageTracer
+from verify.canon import canonicalize
 from verify.scenario import Scenario
+from verify.stats import graph_stats, partition_stats
 
 DEFAULT_BUCKET_CAP_MB = 25.0
 
@@ -37,6 +40,20 @@ def params_summary(run: P.PipelineRun) -> dict[str, int]:
     """How many parameters the plan resolved, and how many of them FSDP shards."""
     shardings = run.joint.shardings
     return {"count": len(shardings), "fsdp_sharded": sum(1 for s in shardings.values() if s.fsdp_dim is not None)}
+
+
+def _canonical_text(gm) -> str:
+    return canonicalize(gm, require_val=False)
+
+
+def _stats_data(graphs) -> dict:
+    return partition_stats(*graphs).to_dict() if isinstance(graphs, tuple) else graph_stats(graphs).to_dict()
+
+
+def stage_tracer() -> StageTracer:
+    """The structured-trace observer of verify's runs: each stage's canonical graph text (the
+    goldens' form) and its stats table's data (``autoparallel.trace`` names the artifacts)."""
+    return StageTracer(graph_text=_canonical_text, graph_stats=_stats_data)
 
 
 _shared_runs: dict | None = None  # while reuse_pipeline_runs() is entered: arguments -> PipelineRun
@@ -64,7 +81,7 @@ def run_pipeline(scenario: Scenario, *, bucket_cap_mb: float = DEFAULT_BUCKET_CA
     key = (scenario, bucket_cap_mb, topo_span)
     if _shared_runs is not None and key in _shared_runs:
         return _shared_runs[key]
-    run = P.run_pipeline(*scenario.pipeline_inputs(), pipeline_options(bucket_cap_mb, topo_span))
+    run = P.run_pipeline(*scenario.pipeline_inputs(), pipeline_options(bucket_cap_mb, topo_span), trace=stage_tracer)
     if _shared_runs is not None:
         _shared_runs[key] = run
     return run

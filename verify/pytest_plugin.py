@@ -392,12 +392,29 @@ class GoldenChecker:
         matched = snap == text
         if not matched:
             diff = _unified_diff(path, text)
+            page = self._html_diff(path, text)
             pytest.fail(
                 f"graph changed: golden file {path} differs from what the code produces now.\n"
+                f"{page}\n"
                 f"If the change is intended, run `{UPDATE_COMMAND}`, review the diff and explain it in the "
                 f"commit message.\n{diff}",
                 pytrace=False,
             )
+
+    def _html_diff(self, path, text: str) -> str:
+        """Write the side-by-side diff of the golden file and ``text`` as a page in the test's
+        tmp dir; the line that says where it is (or why it could not be written)."""
+        from verify.goldens import read_golden
+        from verify.html.diff import build_diff_page
+
+        try:
+            out = self._request.getfixturevalue("tmp_path") / f"golden-diff-{path.stem}.html"
+            out.write_text(build_diff_page(read_golden(path), text, title=f"golden {path.name}",
+                                           note=f"{path} (left) against what the code produces now (right)"),
+                           encoding="utf-8")
+        except Exception as e:  # the golden's failure is the news: never hide it behind this one
+            return f"(no HTML diff: {type(e).__name__}: {e})"
+        return f"side-by-side HTML diff: {out}"
 
     def graph(self, graphs, *, header, title: str | None = None, name: str | None = None) -> None:
         """Golden of one GraphModule or a (forward, backward) pair: header, stats, canonical text."""

@@ -4,7 +4,9 @@ Each stage is a graph (or a forward/backward pair) with its node count and colle
 and mesh dim (from ``verify.pipeline``, shared with the golden tests), in the order
 ``autoparallel.pipeline`` runs them; then the alternatives (each collective pass alone on the
 second compile's graphs); whether each matches its golden; and parity on a small real world that
-keeps the plan's shape.
+keeps the plan's shape. ``--html DIR`` also writes the page of ``verify.html`` for the same run
+(parity and golden verdicts per stage). ``--trainer``: the graph trainer's stages instead
+(``verify.trainer_report``).
 """
 
 from __future__ import annotations
@@ -18,6 +20,8 @@ from pathlib import Path
 from autoparallel.mesh import MeshSpec
 from autoparallel.pipeline import JOINT, PipelineRun, StageResult
 from verify.goldens import catalog as golden_catalog
+from verify.html import write_report
+from verify.html.records import records_from_pipeline_run
 from verify.parity import compare_tensors, compare_traces, merge_reports
 from verify.parity_runs import (
     COMPILE_EXECUTORS,
@@ -26,6 +30,7 @@ from verify.parity_runs import (
     run_compile_parity,
     run_joint_parity,
     single_device_step,
+    single_device_tolerance,
 )
 from verify.pipeline import params_summary, run_pipeline
 from verify.scenario import Scenario, check_flags, parameter_count
@@ -107,11 +112,17 @@ def run_parity(scenario: Scenario, steps: int = 2) -> dict:
         "steps": steps,
         "vs_eager": {stage: rep.to_dict() for stage, rep in comparisons.items()},
         "single_device_max_abs_diff": single.max_abs,
+        "single_device_tolerance": single_device_tolerance(small),
         "seconds": round(time.perf_counter() - t0, 2),
     }
 
 
 def build_report(scenario: Scenario, *, parity: bool = True) -> dict:
+    return report_and_run(scenario, parity=parity)[0]
+
+
+def report_and_run(scenario: Scenario, *, parity: bool = True) -> tuple[dict, PipelineRun]:
+    """The report's dict and the pipeline run it describes (the HTML page draws the run)."""
     progress(f"running the pipeline for {scenario.header()} ...")
     t0 = time.perf_counter()
     run = run_pipeline(scenario, **golden_catalog.pipeline_options(scenario))
@@ -124,7 +135,27 @@ def build_report(scenario: Scenario, *, parity: bool = True) -> dict:
         "stages": [row for r in [*run.results, *run.alternatives] for row in stage_summaries(r)],
         "goldens": golden_status(scenario, run),
         "parity": run_parity(scenario) if parity else None,
-    }
+    }, run
+
+
+def write_html(scenario: Scenario, run: PipelineRun, report: dict, out_dir: Path) -> Path:
+    """The page of ``run`` under ``out_dir`` (``index.html``): every stage and alternative, each
+    with its golden comparison and, where parity ran, its verdict (the joint stage also the
+    single-device oracle's)."""
+    t0 = time.perf_counter()
+    records = records_from_pipeline_run(run, scenario=scenario, parity=report.get("parity"))
+    goldens = report.get("goldens")
+    if isinstance(goldens, dict):
+        golden_line = "goldens: " + ", ".join(f"{k} {v}" for k, v in goldens.items())
+    else:
+        golden_line = f"goldens: {goldens or 'none for this scenario'}"
+    p = report.get("parity")
+    parity_line = "parity: skipped (--no-parity)" if p is None else (
+        f"parity on gloo {p['mesh']}, {p['steps']} AdamW steps, each stage vs the eager parallel program")
+    path = write_report(records, out_dir, title=f"autoparallel report: {scenario.header()}",
+                        subtitle=f"{golden_line}. {parity_line}.", mesh=scenario.mesh_spec)
+    progress(f"wrote {path} ({path.stat().st_size / 2**20:.1f} MiB, {time.perf_counter() - t0:.1f}s)")
+    return path
 
 
 def _cell(cs: dict | None) -> str:
@@ -146,12 +177,11 @@ def format_report(report: dict) -> str:
     rows = [header]
     for s in report["stages"]:
         rows.append([s["name"], str(s["nodes"])] + [_cell(s["collectives"].get(k, {}).get(d)) for k, d in cols])
-    widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
     alternatives = [False] + [s.get("alternative", False) for s in report["stages"]]
-    for r, alternative, after_sequence in zip(rows, alternatives, [False, *alternatives[:-1]], strict=True):
+    for line, alternative, after_sequence in zip(table_lines(rows), alternatives, [False, *alternatives[:-1]], strict=True):
         if alternative and not after_sequence:
             lines.append("alternatives: each collective pass alone on second_compile's graphs (for review; not a sequence)")
-        lines.append("  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths, strict=True))).rstrip())
+        lines.append(line)
     lines.append("")
     goldens = report.get("goldens")
     if goldens is None:
@@ -161,15 +191,49 @@ def format_report(report: dict) -> str:
     else:
         lines.append("goldens: " + ", ".join(f"{k} {v}" for k, v in goldens.items()))
     p = report.get("parity")
-    if p is None:
-        lines.append("parity: skipped (--no-parity)")
-    else:
-        lines.append(f"parity on gloo {p['mesh']} ({p['steps']} steps with AdamW, {p['seconds']}s), each stage vs the eager parallel program:")
-        for stage, r in p["vs_eager"].items():
-            verdict = "bitwise equal" if r["bitwise"] else f"NOT bitwise: {r['mismatches']} of {r['tensors']} tensors differ (max |diff| {r['max_abs_diff']:.2e})"
-            lines.append(f"  {stage:<16} {verdict} ({r['tensors']} tensors)")
-        lines.append(f"  single-device eager vs joint: max |diff| {p['single_device_max_abs_diff']:.2e} (reduction order differs)")
+    heading = "" if p is None else (f"parity on gloo {p['mesh']} ({p['steps']} steps with AdamW, {p['seconds']}s), "
+                                    "each stage vs the eager parallel program:")
+    lines += parity_lines(p, heading)
+    if p is not None:
+        lines.append("  " + single_device_line(p))
+    if report.get("html"):
+        lines.append(f"html report: {report['html']}")
     return "\n".join(lines)
+
+
+def table_lines(rows: list[list[str]], left: tuple[int, ...] = (0,)) -> list[str]:
+    """``rows`` as aligned columns: the ``left`` ones left-aligned, the others right-aligned."""
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    return ["  ".join(c.ljust(w) if i in left else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths, strict=True))).rstrip()
+            for r in rows]
+
+
+def parity_verdict(r: dict) -> str:
+    """One comparison (``ParityReport.to_dict()``) in words."""
+    if r["bitwise"]:
+        return "bitwise equal"
+    return f"NOT bitwise: {r['mismatches']} of {r['tensors']} tensors differ (max |diff| {r['max_abs_diff']:.2e})"
+
+
+def parity_lines(p: dict | None, heading: str, *, width: int = 16, versus: bool = False) -> list[str]:
+    """``heading``, then one line per stage of a parity dict (``"vs_eager"``); ``versus`` names
+    each stage's reference run."""
+    if p is None:
+        return ["parity: skipped (--no-parity)"]
+    out = [heading]
+    for stage, r in p["vs_eager"].items():
+        vs = f" vs {r['a']}:" if versus else ""
+        out.append(f"  {stage:<{width}}{vs} {parity_verdict(r)} ({r['tensors']} tensors)")
+    return out
+
+
+def single_device_line(p: dict) -> str:
+    """The oracle's verdict: single-device eager vs the joint graph, within its tolerance?"""
+    diff, tol = p["single_device_max_abs_diff"], p.get("single_device_tolerance")
+    if tol is None:
+        return f"single-device eager vs joint: max |diff| {diff:.2e} (reduction order differs)"
+    verdict = "within" if diff <= tol else "EXCEEDS"
+    return f"single-device eager vs joint: max |diff| {diff:.2e}, {verdict} tolerance {tol:.0e} (reduction order differs)"
 
 
 # Parity runs the model for real: each gloo rank builds the whole fp32 model, and the
@@ -202,7 +266,9 @@ def main(args) -> int:
     check_flags(scenario)
     if not args.no_parity:
         check_parity_size(scenario, anyway=args.parity_anyway)
-    report = build_report(scenario, parity=not args.no_parity)
+    report, run = report_and_run(scenario, parity=not args.no_parity)
+    if args.html is not None:
+        report["html"] = str(write_html(scenario, run, report, args.html))
     if args.json:
         print(json.dumps(report, indent=2, sort_keys=False))
     else:

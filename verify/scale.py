@@ -25,7 +25,7 @@ from collections.abc import Callable
 
 from autoparallel.passes.collective import COLLECTIVE_PASS_NAMES
 from autoparallel.pipeline import STAGE_NAMES, StageResult, run_pipeline
-from verify.pipeline import pipeline_options
+from verify.pipeline import pipeline_options, stage_tracer
 from verify.scenario import Scenario, check_flags
 from verify.stats import graph_stats, human_bytes, partition_stats
 
@@ -118,7 +118,7 @@ def run_once(scenario: Scenario, bucket_cap_mb: float, progress: Callable[[str],
         progress(f"[{len(stages)}/{n}] {entry['name']:<32} {result.seconds:7.2f}s  rss {entry['rss_gib']:.2f} GiB")
 
     options = pipeline_options(bucket_cap_mb, snapshots=False)
-    run_pipeline(*scenario.pipeline_inputs(), options, observers=[record])
+    run_pipeline(*scenario.pipeline_inputs(), options, observers=[record], trace=stage_tracer)
     # The alternatives run right after the second compile (they read its graphs before the
     # sequence rewrites them); the table lists the sequence first.
     return sorted(stages, key=lambda e: e["alternative"])

@@ -6,7 +6,8 @@
   depends only on shapes and FQNs, never on parameter values, so every test of the same shape
   shares one trace. Callers must not modify the cached graph (passes here work on copies).
 * :func:`eager_executor` / :func:`traced_executor` plug a model into
-  ``autoparallel.runtime.steps.train_steps`` (AdamW between steps) for bitwise comparisons.
+  ``autoparallel.runtime.steps.train_steps`` (AdamW between steps) for bitwise comparisons;
+  :func:`stage_parity` compares every stage with eager that way (the report's verdicts).
 * :func:`rank_sac_memory` is the per-rank entry point of the multi-rank memory test
   (``verify.launch.run_gated``: NCCL on GPUs, gloo on CPU).
 """
@@ -24,7 +25,7 @@ import torch.nn.functional as F
 
 from autoparallel import ac
 from autoparallel.models.llama3 import Transformer, apply_ac, build_model, model_args
-from autoparallel.runtime.steps import Executor
+from autoparallel.runtime.steps import Executor, train_steps
 from autoparallel.trainer import (
     TracedStep,
     annotate_ac_regions,
@@ -33,6 +34,7 @@ from autoparallel.trainer import (
     trace_train_step,
 )
 from verify.memory import peak_memory, ratio
+from verify.parity import ParityReport, compare_traces
 
 __all__ = [
     "cross_entropy_loss",
@@ -42,6 +44,7 @@ __all__ = [
     "make_model",
     "rank_sac_memory",
     "sac_graphs",
+    "stage_parity",
     "traced_executor",
     "traced_step",
     "traced_sac_step",
@@ -207,6 +210,43 @@ def traced_executor(step: TracedStep, model: torch.nn.Module) -> Executor:
         return loss, {fqn: p.grad for fqn, p in model.named_parameters()}
 
     return run
+
+
+#: The graph trainer's stages, in order: the traced step, the graph SAC tags, the remat pass.
+TRAINER_STAGES = ("traced_step", "before_remat", "after_remat")
+
+
+def stage_step(stage: str, preset: str = "debug", *, policy: str = ac.OP, batch: int = 4) -> TracedStep:
+    """The (cached) traced step of one of :data:`TRAINER_STAGES`."""
+    if stage == "traced_step":
+        return traced_step(preset, batch=batch)
+    if stage in ("before_remat", "after_remat"):
+        return traced_sac_step(preset, batch=batch, policy=policy, remat=stage == "after_remat")
+    raise ValueError(f"unknown graph-trainer stage {stage!r}; stages: {list(TRAINER_STAGES)}")
+
+
+def stage_parity(
+    preset: str = "debug", *, policy: str = ac.OP, batch: int = 4, steps: int = 2, lr: float = 1e-2
+) -> dict[str, ParityReport]:
+    """Each of :data:`TRAINER_STAGES` trained ``steps`` AdamW steps against eager, bitwise: the
+    traced step and the SAC-tagged graph (tags change nothing it computes) against plain eager,
+    the rematerialized graph against eager with ``apply_ac(model, policy)``."""
+    batches = make_batches(preset, steps=steps, batch=batch)
+
+    def train(executor, model):
+        return train_steps(executor, dict(model.named_parameters()), batches, lr=lr)
+
+    plain = make_model(preset, regions=False)
+    checkpointed = make_model(preset, ac=policy, regions=False)
+    references = {"eager": train(eager_executor(plain), plain),
+                  f"eager+apply_ac({policy})": train(eager_executor(checkpointed), checkpointed)}
+    out = {}
+    for stage in TRAINER_STAGES:
+        ref = f"eager+apply_ac({policy})" if stage == "after_remat" else "eager"
+        model = make_model(preset)
+        traced = train(traced_executor(stage_step(stage, preset, policy=policy, batch=batch), model), model)
+        out[stage] = compare_traces(references[ref], traced, a_name=ref, b_name=stage)
+    return out
 
 
 # --------------------------------------------------------------------------------------------

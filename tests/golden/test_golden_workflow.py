@@ -1,6 +1,8 @@
 """What a user sees when a golden is missing, corrupt, changed or unused (in a throwaway project)."""
 
+import json
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -73,6 +75,12 @@ def test_missing_changed_corrupt_and_unused_goldens(project):
     assert f"graph changed: golden file {golden} differs" in changed.stdout
     assert UPDATE_COMMAND in changed.stdout
     assert "aten.mm(a, b)" in changed.stdout and "aten.mm(b, a)" in changed.stdout
+    # a page beside it, in pytest's tmp dir: the same two texts, side by side
+    page = Path(re.search(r"side-by-side HTML diff: (\S+\.html)", changed.stdout).group(1))
+    assert page.name == "golden-diff-test_one.html" and "pytest-of-" in str(page)
+    data = json.loads(re.search(r"<script type='application/json' id=ap-data>(.*?)</script>", page.read_text(), re.S).group(1))
+    assert data["texts"] == [golden.read_text(), render_golden("t", [("graph", "mm_0 = aten.mm(b, a)")])]
+    assert [op[0] for op in data["diffs"][0]["ops"]] == ["e", "r"] and "<details class='diff diff-golden' data-diff='0' open>" in page.read_text()
 
     golden.write_bytes(b"\xff\xfe not a golden")
     corrupt = pytest_run(project)

@@ -40,6 +40,7 @@ __all__ = [
     "parity_from_report",
     "records_from_pipeline_run",
     "trainer_records",
+    "write_page",
     "write_report",
 ]
 
@@ -66,7 +67,11 @@ def write_report(
     mesh=None, roofline=None,
 ) -> Path:
     """Write ``out_dir/index.html`` (creating ``out_dir``) and return its path."""
-    html = build_report_page(records, title=title, subtitle=subtitle, mesh=mesh, roofline=roofline)
+    return write_page(build_report_page(records, title=title, subtitle=subtitle, mesh=mesh, roofline=roofline), out_dir)
+
+
+def write_page(html: str, out_dir: str | Path) -> Path:
+    """Write ``html`` as ``out_dir/index.html`` (creating ``out_dir``) and return its path."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     path = out / PAGE_NAME

@@ -67,6 +67,7 @@ class PageCheck:
     wall_ms: float = 0.0
     expanded: dict[str, int] = field(default_factory=dict)  # details kind -> opened and filled
     screenshots: list[Path] = field(default_factory=list)
+    probed: object = None  # what ``probe`` evaluated to once the page was painted
 
     @property
     def errors(self) -> list[str]:
@@ -82,12 +83,14 @@ def open_page(
     screenshot: str | Path | None = None,
     expand: tuple[str, ...] = (),
     element_shots: dict[str, str | Path] | None = None,
+    probe: str | None = None,
     width: int = 1200,
     timeout_ms: int = 60_000,
 ) -> PageCheck:
-    """Load ``path``, wait until painted, open the first ``<details>`` of each class in
-    ``expand`` (e.g. ``"graph"``, ``"diff-prev"``) and check its lazy content appeared, then
-    take a full-page screenshot and one per CSS selector in ``element_shots``."""
+    """Load ``path``, wait until painted, evaluate the JavaScript expression ``probe`` (its
+    value in ``PageCheck.probed``), open the first ``<details>`` of each class in ``expand``
+    (e.g. ``"graph"``, ``"diff-prev"``) and check its lazy content appeared, then take a
+    full-page screenshot and one per CSS selector in ``element_shots``."""
     reason = unavailable_reason()
     if reason is not None:
         raise RuntimeError(f"cannot open {path} in a browser: {reason}")
@@ -114,6 +117,8 @@ def open_page(
                 page.goto(url, wait_until="load")
                 check.render_ms = float(page.evaluate(_FRAMES))
                 check.wall_ms = (time.perf_counter() - t0) * 1e3
+                if probe is not None:
+                    check.probed = page.evaluate(f"() => ({probe})")
                 for kind in expand:
                     check.expanded[kind] = _expand_first(page, kind)
                 if screenshot is not None:

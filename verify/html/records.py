@@ -23,11 +23,11 @@ from verify.goldens import catalog
 from verify.goldens.text import read_golden
 from verify.memory import memory_timeline
 from verify.trainer_stages import (
+    TRAINER_STAGES,
     intra_op_threads,
     make_batches,
     make_model,
-    traced_sac_step,
-    traced_step,
+    stage_step,
 )
 
 __all__ = [
@@ -52,7 +52,7 @@ class Parity:
     tensors: int = 0
     mismatches: int = 0
     max_abs_diff: float = 0.0
-    mesh: str = ""
+    where: str = ""  # what ran it: "gloo dp=2", "one process"
     steps: int = 0
     oracle_max_abs_diff: float | None = None
     oracle_tolerance: float | None = None
@@ -69,7 +69,7 @@ class Parity:
     def describe(self) -> str:
         parts = []
         if self.bitwise is True:
-            parts.append(f"bitwise equal to eager ({self.tensors} tensors, gloo {self.mesh}, {self.steps} steps)")
+            parts.append(f"bitwise equal to eager ({self.tensors} tensors, {self.where}, {self.steps} steps)")
         elif self.bitwise is False:
             parts.append(
                 f"NOT bitwise: {self.mismatches} of {self.tensors} tensors differ "
@@ -116,7 +116,8 @@ class StageRecord:
 
 def parity_from_report(parity: Mapping[str, Any] | None) -> dict[str, Parity]:
     """Per stage, from ``verify.report.run_parity``'s dict (the joint stage also gets the
-    single-device comparison, which is made against it)."""
+    single-device comparison, which is made against it). ``"where"`` says what ran the
+    comparison (default: gloo on ``"mesh"``)."""
     if not parity:
         return {}
     out = {}
@@ -126,12 +127,14 @@ def parity_from_report(parity: Mapping[str, Any] | None) -> dict[str, Parity]:
             tensors=int(r["tensors"]),
             mismatches=int(r["mismatches"]),
             max_abs_diff=float(r["max_abs_diff"]),
-            mesh=str(parity.get("mesh", "")),
+            where=str(parity.get("where") or f"gloo {parity.get('mesh', '')}"),
             steps=int(parity.get("steps", 0)),
         )
     single = parity.get("single_device_max_abs_diff")
     if single is not None and "joint" in out:
         out["joint"].oracle_max_abs_diff = float(single)
+        tol = parity.get("single_device_tolerance")
+        out["joint"].oracle_tolerance = None if tol is None else float(tol)
     return out
 
 
@@ -208,17 +211,16 @@ def _trainer_golden(stage: str, key: tuple) -> str | None:
 
 
 def trainer_records(
-    preset: str = "debug", *, policy: str = ac.OP, batch: int = 4, measure: bool = True
+    preset: str = "debug", *, policy: str = ac.OP, batch: int = 4, measure: bool = True,
+    parity: Mapping[str, Any] | None = None,
 ) -> list[StageRecord]:
     """The graph trainer's stages of ``preset`` (``traced_step``; ``before_remat``: graph SAC
     tags; ``after_remat``), each with its measured CPU memory timeline (one step run for real)
-    when ``measure``, and its golden where one exists (debug, op SAC, batch 4)."""
+    when ``measure``, its golden where one exists (debug, op SAC, batch 4), and its parity
+    verdict from ``parity`` (``{"vs_eager": {stage: ParityReport.to_dict()}, ...}``)."""
 
-    steps = {
-        "traced_step": traced_step(preset, batch=batch),
-        "before_remat": traced_sac_step(preset, batch=batch, policy=policy, remat=False),
-        "after_remat": traced_sac_step(preset, batch=batch, policy=policy, remat=True),
-    }
+    steps = {name: stage_step(name, preset, policy=policy, batch=batch) for name in TRAINER_STAGES}
+    verdicts = parity_from_report(parity)
     out = []
     inputs = make_batches(preset, steps=1, batch=batch)[0]
     for name, step in steps.items():
@@ -233,5 +235,6 @@ def trainer_records(
             with intra_op_threads(1):
                 measured = memory_timeline(one_step)
         golden = _trainer_golden(name, (preset, policy, batch))
-        out.append(StageRecord(name, step.gm, golden=golden, measured_memory=measured, refresh_vals=True))
+        out.append(StageRecord(name, step.gm, golden=golden, parity=verdicts.get(name), measured_memory=measured,
+                               refresh_vals=True))
     return out

@@ -90,3 +90,25 @@ def test_gpu_ci_refuses_a_torch_without_cuda(tmp_path):
     assert out.returncode == 1
     assert "sees no CUDA device; GPU CI needs one" in out.stderr
     assert not (ROOT / ".venv-gpu").exists(), "nothing is installed before the check"
+
+
+def test_browser_step_says_plainly_when_it_cannot_run(monkeypatch):
+    """.ci/browser without Chromium (and told to install nothing): one line saying why, exit 0,
+    so CI goes on; with Chromium it runs the browser tests with --ap-require-browser. The why is
+    the tests' own check (playwright missing comes first where the browser extra is absent)."""
+    import os
+
+    from verify.html.browser import unavailable_reason
+
+    monkeypatch.setenv("AP_CHROMIUM", "/nonexistent/chromium")
+    why = unavailable_reason()
+    assert why in ("AP_CHROMIUM=/nonexistent/chromium does not exist",
+                   "the Python package playwright is not installed (pip install -e '.[browser]')")
+    venv = Path(sys.executable).parent.parent
+    env = {**os.environ, "CI_BROWSER_INSTALL": "0", "AP_CHROMIUM": "/nonexistent/chromium"}
+    out = subprocess.run(["bash", str(ROOT / ".ci" / "browser"), str(venv)], cwd=ROOT, env=env,
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == f"ci: browser test NOT run: {why}"
+    assert "--ap-require-browser" in (ROOT / ".ci" / "browser").read_text()
+    assert "bash .ci/browser .venv" in (ROOT / ".ci" / "run").read_text()

@@ -27,6 +27,11 @@ def run(argv) -> int:
         (["report", "--preset", "8b"],
          "--preset 8b: parity runs the model for real (8.03 B parameters, above the 1 B limit) and needs at least "
          "119.7 GiB of RAM; pass --no-parity for the graphs only, or --parity-anyway to run it"),
+        (["report", "--trainer", "--mesh", "dp=2"],
+         "argument --trainer: the graph trainer traces one single-device training step; --mesh does not apply"),
+        (["report", "--trainer", "--preset", "8b"],
+         "--trainer --preset 8b: the graph trainer runs the training step for real (measured memory, parity) on one "
+         "process, 8.03 B parameters, above the 1 B limit; pass --parity-anyway to run it"),
         (["scale", "--layers", "abc"], "argument --layers: takes positive ints like 32 or 2,8,32, got 'abc'"),
         (["scale", "--layers", "2,0"], "argument --layers: takes positive ints like 32 or 2,8,32, got '2,0'"),
         (["scale", "--repeat", "0"], "argument --repeat: takes a positive int, got '0'"),
@@ -62,3 +67,12 @@ def test_parity_anyway_lifts_the_size_limit():
     check_parity_size(big, anyway=True)  # no error
     check_parity_size(Scenario(preset="debug"), anyway=False)  # small models pass
     assert parity_memory_lower_bound(big, 10) == (2 + 2) * 4 * 10  # 2 gloo ranks (dp=8 -> dp=2)
+
+
+def test_html_takes_a_directory_it_can_write(capsys, tmp_path):
+    file = tmp_path / "page.html"
+    file.write_text("")
+    assert run(["report", "--html", str(file)]) == 2
+    assert f"argument --html: '{file}' is a file; give a directory (the page is written as DIR/index.html)" in capsys.readouterr().err
+    assert run(["report", "--html", str(file / "out")]) == 2
+    assert f"argument --html: '{file / 'out'}': '{file}' is a file, so the directory cannot be created" in capsys.readouterr().err

@@ -1,12 +1,15 @@
 """python -m verify report: the JSON schema the issue promises, golden status, parity, errors."""
 
 import json
+import re
+from pathlib import Path
 
 import pytest
 
 from autoparallel.passes.collective import COLLECTIVE_PASS_NAMES
 from autoparallel.pipeline import STAGE_NAMES
 from verify.__main__ import main
+from verify.html.page import page_sections as sections
 from verify.report import GOLDENS_NOT_CHECKED, format_report, golden_status
 from verify.scenario import Scenario
 
@@ -14,8 +17,8 @@ from verify.scenario import Scenario
 # The report's default scenario is the golden scenario tiny-fsdp-dp8: in its xdist group, the
 # pipeline run is the one the golden tests built (shared_pipeline_runs).
 @pytest.mark.xdist_group("tiny-fsdp-dp8")
-def test_report_json_schema_golden_status_and_parity(capsys, shared_pipeline_runs):
-    assert main(["report", "--json"]) == 0
+def test_report_json_schema_golden_status_parity_and_page(capsys, shared_pipeline_runs, tmp_path):
+    assert main(["report", "--json", "--html", str(tmp_path / "page")]) == 0
     out = capsys.readouterr()
     report = json.loads(out.out)
     assert set(report) >= {"preset", "plan", "mesh", "params", "stages", "parity", "goldens"}
@@ -36,8 +39,19 @@ def test_report_json_schema_golden_status_and_parity(capsys, shared_pipeline_run
     assert parity["mesh"] == "dp=2"
     assert set(parity["vs_eager"]) == {"joint", "first_partition", "second_compile"}
     assert all(r["bitwise"] and r["tensors"] > 0 for r in parity["vs_eager"].values())
-    assert 0 < parity["single_device_max_abs_diff"] < 1e-5
+    assert 0 < parity["single_device_max_abs_diff"] < parity["single_device_tolerance"] == 2e-6
     assert "[verify]" in out.err, "progress goes to stderr"
+    # the page of the same run: a section per stage and alternative, verdicts from this parity run
+    assert report["html"] == str(tmp_path / "page" / "index.html") and f"wrote {report['html']}" in out.err
+    secs = sections(Path(report["html"]).read_text(encoding="utf-8"))
+    assert list(secs) == [*STAGE_NAMES, *(f"{n} (alone)" for n in COLLECTIVE_PASS_NAMES)]
+    for stage in parity["vs_eager"]:
+        assert "data-parity='ok'" in secs[stage] and f"{parity['vs_eager'][stage]['tensors']} tensors" in secs[stage]
+    oracle = f"single-device eager max |diff| {parity['single_device_max_abs_diff']:.2e} (tolerance 2e-06)"
+    assert oracle in secs["joint"]
+    assert "parity: not run for this stage" in secs["cleanup"]
+    goldens = {name: re.search(r"data-golden='(\w+)'", chunk).group(1) for name, chunk in secs.items()}
+    assert goldens == {name: "none" if name in COLLECTIVE_PASS_NAMES else "matches" for name in secs}
 
 
 def test_report_text_format():
@@ -57,6 +71,12 @@ def test_report_text_format():
     assert lines[i + 1].startswith("alternatives: each collective pass alone") and lines[i + 2].startswith("p (alone)")
     assert "goldens: none for this scenario" in text
     assert "NOT bitwise: 1 of 4 tensors differ (max |diff| 5.00e-01)" in text
+    assert "single-device eager vs joint: max |diff| 1.00e-08 (reduction order differs)" in text
+    report["parity"]["single_device_tolerance"] = 1e-9
+    report["html"] = "out/index.html"
+    text = format_report(report)
+    assert "single-device eager vs joint: max |diff| 1.00e-08, EXCEEDS tolerance 1e-09" in text
+    assert text.endswith("html report: out/index.html")
 
 
 def test_golden_status_says_why_it_is_not_checked_without_goldens(tmp_path):

@@ -11,6 +11,7 @@ import pytest
 from verify.goldens.catalog import GOLDEN_SCENARIOS
 from verify.html import build_report_page, records_from_pipeline_run
 from verify.html.browser import open_page
+from verify.html.diff import build_diff_page
 from verify.html.page import build_page
 from verify.html.synthetic import synthetic_views
 from verify.pipeline import run_pipeline
@@ -53,3 +54,15 @@ def test_large_page_renders(tmp_path):
     assert check.expanded["graph"] == 4108 and check.expanded["diff-prev"] > 0
     print(f"\nsynthetic 8B page ({page.stat().st_size / 2**20:.1f} MiB): rendered in "
           f"{check.render_ms:.0f} ms (wall {check.wall_ms:.0f} ms)")
+
+
+def test_golden_diff_page_opens_with_its_diff_drawn(tmp_path):
+    """The page a failing golden test writes: its one diff is open and drawn on load."""
+    old = "".join(f"n{i}: f32[4] = aten.mm(a, b)\n" for i in range(200))
+    new = old.replace("n100: f32[4]", "n100: f32[8]")
+    page = tmp_path / "golden-diff.html"
+    page.write_text(build_diff_page(old, new, title="golden t.txt"), encoding="utf-8")
+    check = open_page(page, probe="[...document.querySelectorAll('table.diff tr')].map(r => r.className)")
+    assert check.errors == []
+    rows = check.probed
+    assert rows.count("r") == 1 and rows.count("fold") == 2  # one changed line, the rest folded
