@@ -101,6 +101,7 @@ _register(
     (
         "tests/unit/autoparallel/passes/test_fuse_chained_allgathers.py::test_fuses_direct_chain_both_directions",
         "tests/unit/autoparallel/passes/test_fuse_chained_allgathers.py::test_fuses_identity_view_chain",
+        "tests/golden/test_planned_pipeline.py::test_chained_all_gathers_fused_on_the_planned_graphs",
     ),
 )
 _register(

@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 import torch
 import torch._dynamo
 from torch import fx, nn
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from autoparallel import roles
 from autoparallel.compile import SECOND_COMPILE, autoparallel_backend
@@ -52,6 +53,7 @@ from autoparallel.runtime.steps import (
 )
 
 EAGER = "eager"
+TRAIN_LR = 1e-2  # train_steps' AdamW learning rate (the replay uses the same)
 EXECUTORS = (EAGER, JOINT, STEP_FIRST_PARTITION, SECOND_COMPILE)
 
 # Single-device comparison until the "any model" issue's oracle (a per-dtype tolerance derived
@@ -126,9 +128,7 @@ def eager_executor(planned, mesh, buffers) -> Executor:
     return run
 
 
-def _rank(rank, world_size, case: PlannedCase, solved: Plan, batches, steps_executors):
-    spec = case.spec
-    mesh = build_mesh(spec)
+def _rank_case(case: PlannedCase, solved: Plan, batches, executors, mesh) -> PlannedRank:
     torch._dynamo.reset()
     options = PipelineOptions(snapshots=False)
     lowered: dict[str, fx.GraphModule] = {}
@@ -155,42 +155,47 @@ def _rank(rank, world_size, case: PlannedCase, solved: Plan, batches, steps_exec
     mod = run.module
     for fqn, b in buffers.items():
         mod.model.get_buffer(fqn).copy_(b)
-    executors: dict[str, Executor] = {
-        EAGER: eager_executor(run.planned, mesh, buffers),
-        JOINT: joint_graph_executor(lowered[JOINT], run.joint.input_roles, run.joint.output_roles, buffers),
-        STEP_FIRST_PARTITION: parallel_module_executor(mod),
+    runs: dict[str, Callable[[], Executor]] = {
+        EAGER: lambda: eager_executor(run.planned, mesh, buffers),
+        JOINT: lambda: joint_graph_executor(lowered[JOINT], run.joint.input_roles, run.joint.output_roles, buffers),
+        STEP_FIRST_PARTITION: lambda: parallel_module_executor(mod),
+        SECOND_COMPILE: lambda: compiled_module_executor(mod, torch.compile(mod, backend=autoparallel_backend())),
     }
-    if SECOND_COMPILE in steps_executors:
-        executors[SECOND_COMPILE] = compiled_module_executor(mod, torch.compile(mod, backend=autoparallel_backend()))
-    traces = {name: train_steps(ex, fresh(), local_batches) for name, ex in executors.items() if name in steps_executors}
+    traces = {name: train_steps(runs[name](), fresh(), local_batches) for name in executors}
     torch._dynamo.reset()
     coord = mesh.coordinate()
     offsets = {}
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
     for fqn, placement in plan.params.items():
         _, off = compute_local_shape_and_global_offset(full[fqn].shape, mesh.device_mesh, decode(placement, plan.mesh_names))
         offsets[fqn] = tuple(off)
-    return PlannedRank(tuple(coord[d] for d in spec.names), traces, offsets)
+    return PlannedRank(tuple(coord[d] for d in case.spec.names), traces, offsets)
+
+
+def _rank(rank, world_size, cases, solved, batches, executors) -> list[PlannedRank]:
+    mesh = build_mesh(cases[0].spec)
+    return [_rank_case(c, s, b, executors, mesh) for c, s, b in zip(cases, solved, batches, strict=True)]
 
 
 def run_planned_parity(
-    case: PlannedCase,
+    cases: PlannedCase | Sequence[PlannedCase],
     steps: int = 3,
     *,
     executors: Sequence[str] = EXECUTORS,
-    solved: Plan | None = None,
     timeout_s: float = 300.0,
-) -> tuple[Plan, list[PlannedRank]]:
-    """Plan ``case`` (unless ``solved`` is given), then train ``steps`` steps with each of
-    ``executors`` on every rank of a gloo world of its mesh; (the solver's plan, per-rank traces)."""
+) -> list[tuple[Plan, list[PlannedRank]]]:
+    """Plan each case, then train ``steps`` steps with each of ``executors`` on every rank of one
+    gloo world of their (common) mesh; per case: (the solver's plan, per-rank traces)."""
+    cases = [cases] if isinstance(cases, PlannedCase) else list(cases)
     unknown = sorted(set(executors) - set(EXECUTORS))
     if unknown or EAGER not in executors:
         raise ValueError(f"executors must include {EAGER!r} and come from {EXECUTORS}; got {list(executors)}")
-    solved = solved if solved is not None else solve(case)
-    batches = case.batches(steps)
-    ranks = run_on_world(_rank, case.spec.world_size, args=(case, solved, batches, tuple(executors)), timeout_s=timeout_s)
-    return solved, ranks
+    meshes = {c.spec for c in cases}
+    if len(meshes) != 1:
+        raise ValueError(f"the cases of one parity world share its mesh; got {sorted(str(m) for m in meshes)}")
+    solved = [solve(c) for c in cases]
+    batches = [c.batches(steps) for c in cases]
+    per_rank = run_on_world(_rank, cases[0].spec.world_size, args=(cases, solved, batches, tuple(executors)), timeout_s=timeout_s)
+    return [(solved[i], [ranks[i] for ranks in per_rank]) for i in range(len(cases))]
 
 
 def full_grads(case: PlannedCase, ranks: Sequence[PlannedRank], executor: str, step: int) -> dict[str, torch.Tensor]:
@@ -207,25 +212,37 @@ def full_grads(case: PlannedCase, ranks: Sequence[PlannedRank], executor: str, s
     return out
 
 
-def single_device_trace(case: PlannedCase, steps: int) -> StepTrace:
-    """The unsharded model in one process (plain autograd), ``steps`` AdamW steps on the global
-    batches: the independent oracle."""
+def single_device_replay(case: PlannedCase, ranks: Sequence[PlannedRank], executor: str = EAGER) -> StepTrace:
+    """The independent oracle, step by step: the unsharded model in one process (plain autograd)
+    at the parameters the ranks had at each step, on that step's global batch.
+
+    The parameters are the ranks' own trajectory: AdamW (as ``train_steps`` runs it) replayed on
+    the ranks' reassembled gradients. Comparing from the same parameters keeps the comparison at
+    one step's rounding: a free-running single-device run drifts apart through AdamW, which
+    turns a last-bit difference of a near-zero gradient into a step of ``lr``.
+    """
     model = case.model("cpu")
     loss_fn = case.loss_fn or cross_entropy_loss
     named = dict(model.named_parameters())
-
-    def run(params, inputs):
+    leaves = {k: nn.Parameter(v.detach().clone()) for k, v in named.items()}
+    opt = torch.optim.AdamW(list(leaves.values()), lr=TRAIN_LR)
+    steps = len(ranks[0].traces[executor].losses)
+    out = StepTrace()
+    for step, inputs in enumerate(case.batches(steps)):
         for fqn, p in named.items():
             p.grad = None
             with torch.no_grad():
-                p.copy_(params[fqn])
+                p.copy_(leaves[fqn])
         *xs, target = inputs
         loss = loss_fn(model(*xs), target)
         loss.backward()
-        return loss.detach(), {fqn: p.grad for fqn, p in named.items()}
-
-    init = {k: v.detach().clone() for k, v in named.items()}
-    return train_steps(run, init, case.batches(steps))
+        out.losses.append(loss.detach().clone())
+        out.grads.append({fqn: p.grad.detach().clone() for fqn, p in named.items()})
+        for fqn, g in full_grads(case, ranks, executor, step).items():
+            leaves[fqn].grad = g
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return out
 
 
 __all__ = [
@@ -238,6 +255,6 @@ __all__ = [
     "full_grads",
     "planned_case",
     "run_planned_parity",
-    "single_device_trace",
+    "single_device_replay",
     "solve",
 ]

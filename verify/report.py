@@ -30,7 +30,7 @@ from verify.parity_runs import (
 from verify.pipeline import params_summary, run_pipeline
 from verify.planned_parity import EAGER as PLANNED_EAGER
 from verify.planned_parity import EXECUTORS as PLANNED_EXECUTORS
-from verify.planned_parity import full_grads, planned_case, run_planned_parity, single_device_trace
+from verify.planned_parity import full_grads, planned_case, run_planned_parity, single_device_replay
 from verify.scenario import Scenario, check_flags, parameter_count
 from verify.stats import graph_stats, human_bytes
 
@@ -151,11 +151,11 @@ def run_planned_parity_summary(small: Scenario, steps: int) -> dict:
     progress(f"planned parity on a gloo world of {small.mesh_spec.world_size} ranks ({small.mesh_spec}), {steps} steps ...")
     t0 = time.perf_counter()
     case = planned_case(small)
-    _, ranks = run_planned_parity(case, steps)
+    ((_, ranks),) = run_planned_parity(case, steps)
     comparisons = {
         ex: _merged(ranks, PLANNED_EAGER, ex) for ex in PLANNED_EXECUTORS if ex != PLANNED_EAGER
     }
-    single = single_device_trace(case, 1)
+    single = single_device_replay(case, ranks)
     diff = compare_tensors(single.grads[0], full_grads(case, ranks, PLANNED_EAGER, 0), a_name="single-device", b_name=PLANNED_EAGER)
     return _parity_summary(small, steps, comparisons, diff.max_abs, t0)
 
