@@ -33,6 +33,10 @@ AC_REGION = "ac_region_id"  # int: the activation-checkpointing region (transfor
 # FSDP/DDP parametrization is named after its parameter, "layers.0.attention.wq.weight"); backward
 # nodes inherit their forward node's. Canonical golden names are numbered per op within it.
 MODULE_PATH = "ap_module_path"
+# str: the canonical key (autoparallel.planner.graph) of the unsharded node a lowered node was
+# made for: its op, or a collective moving one of its inputs (the graph outputs: "output").
+# Written by the lowering of a plan; predicted and traced communication are compared per key.
+PLANNED_NODE = "ap_planned_node"
 
 # --- autoparallel's own node.meta keys ------------------------------------------------------
 # Pre-overlap bucketing eligibility ("fsdp_ag", "grad_rs", "grad_ar"), written on a joint graph

@@ -39,6 +39,20 @@ def _register(name: str, summary: str, when_disabled: str, guards: tuple[str, ..
 
 # Entries are added by the issues that build each pass; see tests/unit/autoparallel/test_patches.py.
 
+# Automatic placement (pipeline step 2, plan="auto"): autoparallel/planner/.
+_register(
+    "eliminate_alias_round_trips",
+    "the plan stage rewires each consumer of an alias that wants the alias's producer's placement "
+    "to the producer (per input position), and erases aliases left without users, from graph and plan",
+    "every consumer reads the alias: a round trip (producer -> alias placement -> back) runs for each "
+    "such consumer, and the producer stays alive until the last one",
+    (
+        "tests/unit/autoparallel/planner/test_alias_round_trips.py::test_consumer_wanting_the_producer_placement_is_rewired",
+        "tests/unit/autoparallel/planner/test_alias_round_trips.py::test_alias_without_users_is_erased_from_graph_and_plan",
+        "tests/unit/autoparallel/planner/test_alias_round_trips.py::test_repeated_input_is_rewired_by_position",
+    ),
+)
+
 # apply_placement boundary, first partition, second compile (pipeline steps 3-5).
 _register(
     "fsdp_chain_recompute",
@@ -91,6 +105,7 @@ _register(
     (
         "tests/unit/autoparallel/passes/test_fuse_chained_allgathers.py::test_fuses_direct_chain_both_directions",
         "tests/unit/autoparallel/passes/test_fuse_chained_allgathers.py::test_fuses_identity_view_chain",
+        "tests/golden/test_planned_pipeline.py::test_chained_all_gathers_fused_on_the_planned_graphs",
     ),
 )
 _register(

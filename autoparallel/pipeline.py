@@ -4,7 +4,8 @@
 rank's graphs (rank 0 of a fake world unless an entered world is given) and returns every
 stage's graphs, its wall seconds and its report::
 
-    joint                    trace: model + loss + plan -> per-rank joint graph (parallelize)
+    joint                    trace: model + loss + plan -> per-rank joint graph (parallelize),
+                             or, for plan="auto", lower the plan stage's plan (planner.lower)
     cleanup                  joint -> joint    structural clean-up          (partition.PLACEMENT_STEPS)
     fsdp_tagging             joint -> joint    FSDP recompute tags                    "
     first_partition          joint -> fw, bw   AOT partition, saves recorded          "
@@ -20,9 +21,14 @@ rewrites a graph is a graph-in/graph-out step with a name: ``run.stage(name).gra
 output and ``run.input_of(name)`` its input.
 
 Nothing here is LLaMA-specific: the model, the loss function and the batch are inputs. The
-stage list is data: a stage can be inserted (a planner ahead of ``joint`` that turns
-``plan="auto"`` into a ``ParallelPlan``: :func:`insert_stage`), and ``until=`` stops after a
-stage. Observers (``observers=[fn]``) see each :class:`StageResult` as soon as its stage ends
+stage list is data: a stage can be inserted (:func:`insert_stage`), and ``until=`` stops after a
+stage. ``plan="auto"`` (``ParallelPlan.auto(...)``) runs :data:`PLANNED_STAGES`, which is
+:data:`STAGES` with :data:`PLAN_STAGE` ahead of ``joint``::
+
+    plan                     model + loss + mesh -> a Plan (planner: trace, ILP, alias round trips)
+
+and ``joint`` then lowers that plan instead of tracing a hand plan; every later stage is the
+same. Observers (``observers=[fn]``) see each :class:`StageResult` as soon as its stage ends
 (an HTML report, stats on graphs too large to keep). One of them is always the structured trace
 (``trace=``, default :class:`autoparallel.trace.StageTracer`): with ``TORCH_TRACE=dir`` every
 stage's graphs, stats and report land in the trace, named in pipeline order, for ``tlparse``;
@@ -63,6 +69,10 @@ from autoparallel.passes.collective import (
     CollectivePassesConfig,
     bucket_fw_bw,
 )
+from autoparallel.planner.alias_round_trips import PATCH as ALIAS_ROUND_TRIPS_PATCH
+from autoparallel.planner.auto import local_inputs as planned_local_inputs
+from autoparallel.planner.auto import plan_for_pipeline
+from autoparallel.planner.lower import lower_plan
 from autoparallel.runtime.parallel_module import ParallelModule
 from autoparallel.trace import StageTracer
 
@@ -71,6 +81,7 @@ log = logging.getLogger(__name__)
 Graphs = fx.GraphModule | tuple[fx.GraphModule, fx.GraphModule]
 
 JOINT = "joint"
+PLAN = "plan"
 
 
 # --- options, results -------------------------------------------------------------------------
@@ -125,8 +136,9 @@ Observer = Callable[[StageResult], None]
 
 @dataclass
 class PipelineState:
-    """What the stages read and write, in order: the inputs, then the joint graph, the placement
-    (module), the compiled module, and the current graphs (the last stage's output)."""
+    """What the stages read and write, in order: the inputs, then (plan="auto") what the plan
+    stage planned, the joint graph, the placement (module), the compiled module, and the current
+    graphs (the last stage's output)."""
 
     model: nn.Module
     loss_fn: LossFn | None
@@ -134,6 +146,7 @@ class PipelineState:
     plan: Any  # a ParallelPlan once the stages before "joint" are done
     mesh: ParallelMesh
     options: PipelineOptions
+    planned: Any = None  # autoparallel.planner.auto.Planned, from the plan stage
     joint: JointGraph | None = None
     placement: Placement | None = None
     compiled: Any = None
@@ -145,7 +158,9 @@ class PipelineState:
         return self.placement.module if self.placement is not None else None
 
     def local_inputs(self) -> tuple[torch.Tensor, ...]:
-        """This rank's slice of the example inputs."""
+        """This rank's slice of the example inputs (for plan="auto": its piece under the plan)."""
+        if self.planned is not None:
+            return planned_local_inputs(self.planned.plan, self.example_inputs, self.mesh)
         return split_batch(self.example_inputs, self.plan, self.mesh.spec, self.mesh.coordinate())
 
 
@@ -171,6 +186,7 @@ class PipelineRun:
     module: ParallelModule | None
     compiled: Any
     group_dims: dict[str, str]
+    planned: Any = None  # plan="auto": autoparallel.planner.auto.Planned (plan, planning graph)
 
     @property
     def names(self) -> list[str]:
@@ -306,16 +322,33 @@ def second_compile(
 # --- the stages -------------------------------------------------------------------------------
 
 
+def _is_auto(plan: Any) -> bool:
+    return isinstance(plan, ParallelPlan) and plan.is_auto
+
+
+def _plan(state: PipelineState) -> tuple[Graphs, Any]:
+    if not _is_auto(state.plan):
+        raise ValueError(f"the plan stage plans plan='auto' only, got {state.plan!r}")
+    state.planned = plan_for_pipeline(state.model, state.loss_fn, state.example_inputs, state.mesh, state.plan)
+    return None, state.planned.report
+
+
 def _joint(state: PipelineState) -> tuple[Graphs, Any]:
     if not isinstance(state.plan, ParallelPlan):
         raise ValueError(
-            f"plan={state.plan!r} is not a ParallelPlan: the joint stage needs one. A plan that "
-            "something else decides (plan='auto') needs a stage ahead of 'joint' that sets "
-            "state.plan (insert_stage(STAGES, planner_stage, before='joint'))"
+            f"plan={state.plan!r} is not a ParallelPlan: the joint stage needs one (a hand plan, or "
+            "ParallelPlan.auto() with the plan stage ahead of 'joint': PLANNED_STAGES). A plan that "
+            "something else decides needs a stage ahead of 'joint' that sets state.plan "
+            "(insert_stage(STAGES, planner_stage, before='joint'))"
         )
-    state.joint = build_joint_graph(state.model, state.plan, state.mesh, state.example_inputs, state.loss_fn)
+    if state.plan.is_auto:
+        if state.planned is None:
+            raise ValueError("plan='auto' needs the plan stage ahead of 'joint': run PLANNED_STAGES (run_pipeline's default for it)")
+        state.joint, report = lower_plan(state.planned.pg, state.planned.plan, state.plan)
+    else:
+        state.joint, report = build_joint_graph(state.model, state.plan, state.mesh, state.example_inputs, state.loss_fn), None
     state.placement = placement(state.joint)
-    return state.joint.gm, None
+    return state.joint.gm, report
 
 
 def _placement_stage(step: PlacementStep) -> Stage:
@@ -386,6 +419,24 @@ def insert_stage(stages: Sequence[Stage], stage: Stage, *, before: str) -> tuple
     return (*stages[:i], stage, *stages[i:])
 
 
+#: The planner's stage: plan="auto" -> a plan (autoparallel.planner.auto.plan_for_pipeline).
+PLAN_STAGE = Stage(
+    PLAN,
+    _plan,
+    "plan placements (unsharded trace, ILP), remove alias round trips",
+    skip=lambda state: not _is_auto(state.plan),
+    patches=(ALIAS_ROUND_TRIPS_PATCH,),
+)
+#: The stage list for plan="auto": the planner ahead of the trace, then every stage of STAGES.
+PLANNED_STAGES: tuple[Stage, ...] = insert_stage(STAGES, PLAN_STAGE, before=JOINT)
+PLANNED_STAGE_NAMES: tuple[str, ...] = tuple(s.name for s in PLANNED_STAGES)
+
+
+def stages_for(plan: Any) -> tuple[Stage, ...]:
+    """The stage list a plan runs by default: PLANNED_STAGES for plan="auto", else STAGES."""
+    return PLANNED_STAGES if _is_auto(plan) or plan == "auto" else STAGES
+
+
 # --- the driver -------------------------------------------------------------------------------
 
 
@@ -439,7 +490,7 @@ def run_pipeline(
     mesh: ParallelMesh | MeshSpec | str,
     options: PipelineOptions | None = None,
     *,
-    stages: Sequence[Stage] = STAGES,
+    stages: Sequence[Stage] | None = None,
     until: str | None = None,
     observers: Sequence[Observer] = (),
     trace: Callable[[], Observer] | None = StageTracer,
@@ -448,13 +499,17 @@ def run_pipeline(
 
     ``model`` (on meta, cpu or fake tensors), ``loss_fn(model(*inputs[:-1]), inputs[-1])``
     (None: token cross-entropy), ``example_inputs`` the global batch (model inputs, then the
-    target; only shapes and dtypes are used), ``plan`` a ``ParallelPlan`` (or whatever a stage
-    ahead of ``joint`` turns into one), ``mesh`` an entered world or a mesh spec (a fake world is
-    entered for the run). ``until``: the last stage to run. ``trace``: makes this run's
-    structured-trace observer (called once per run; None: no trace). Raises ValueError naming an
-    unknown ``until`` or a stage that cannot run."""
+    target; only shapes and dtypes are used), ``plan`` a ``ParallelPlan`` (``"auto"`` or
+    ``ParallelPlan.auto(...)``: the planner decides; or whatever a stage ahead of ``joint`` turns
+    into one), ``mesh`` an entered world or a mesh spec (a fake world is entered for the run).
+    ``stages``: default :func:`stages_for` the plan. ``until``: the last stage to run. Raises
+    ValueError naming an unknown ``until`` or a stage that cannot run. ``trace``: makes this
+    run's structured-trace observer (called once per run; None: no trace)."""
     options = options if options is not None else PipelineOptions()
     observers = (*observers, _log_stage, *(() if trace is None else (trace(),)))
+    if plan == "auto":
+        plan = ParallelPlan.auto()
+    stages = stages if stages is not None else stages_for(plan)
     names = [s.name for s in stages]
     if until is not None and until not in names:
         raise ValueError(f"until={until!r} is no stage; stages: {names}")
@@ -466,6 +521,8 @@ def run_pipeline(
         # The trace keeps its export context (a fake mode) entered until the first partition
         # compiles; a run that stops or fails before that must not leave it entered.
         cleanup.callback(lambda: state.joint is not None and state.joint.close())
+        # Likewise the plan stage's trace (plan="auto") until the joint stage lowers onto it.
+        cleanup.callback(lambda: state.planned is not None and state.planned.pg.joint is not None and state.planned.pg.joint.close())
         prev: str | None = None
         for stage in stages:
             if stage.skip(state):
@@ -485,11 +542,15 @@ def run_pipeline(
             if stage.name == until:
                 break
         group_dims = dict(world.group_dims)
-    return PipelineRun(state.results, alternatives, state.joint, state.module, state.compiled, group_dims)
+    return PipelineRun(state.results, alternatives, state.joint, state.module, state.compiled, group_dims, state.planned)
 
 
 __all__ = [
     "JOINT",
+    "PLAN",
+    "PLANNED_STAGES",
+    "PLANNED_STAGE_NAMES",
+    "PLAN_STAGE",
     "STAGES",
     "STAGE_NAMES",
     "Observer",
@@ -502,4 +563,5 @@ __all__ = [
     "insert_stage",
     "run_pipeline",
     "second_compile",
+    "stages_for",
 ]

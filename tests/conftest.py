@@ -34,6 +34,30 @@ def mesh(request):
         yield m
 
 
+@pytest.fixture(scope="session")
+def layernorm_mlp():
+    """``(LayerNormMLP class, mse loss)``: a model that is not LLaMA (LayerNorm with weight and bias,
+    biased Linears, GELU, a bias-free head, a residual), for checks that must hold beyond LLaMA."""
+    import torch
+    from torch import nn
+
+    class LayerNormMLP(nn.Module):
+        def __init__(self, dim=32, hidden=64, out=16):
+            super().__init__()
+            self.norm = nn.LayerNorm(dim)
+            self.up = nn.Linear(dim, hidden)
+            self.down = nn.Linear(hidden, dim)
+            self.head = nn.Linear(dim, out, bias=False)
+
+        def forward(self, x):
+            return self.head(x + self.down(torch.nn.functional.gelu(self.up(self.norm(x)))))
+
+    def mse(out, target):
+        return ((out.float() - target) ** 2).mean()
+
+    return LayerNormMLP, mse
+
+
 @pytest.fixture(scope="module")
 def one_thread():
     """One intra-op thread for the module (``pytestmark = pytest.mark.usefixtures("one_thread")``):

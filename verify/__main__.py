@@ -106,7 +106,8 @@ def _parser() -> argparse.ArgumentParser:
     r = sub.add_parser("report", help="pipeline stages, collectives and parity for one scenario")
     r.add_argument("--preset", default=None, type=preset,
                    help="model preset: tiny, debug, 8b (default: tiny; debug with --trainer)")
-    r.add_argument("--plan", default=None, choices=["fsdp", "fsdp_tp", "ddp"], help="parallel plan (default: fsdp)")
+    r.add_argument("--plan", default=None, choices=["fsdp", "fsdp_tp", "ddp", "auto"],
+                   help="parallel plan; auto: the ILP planner places everything (default: fsdp)")
     r.add_argument("--mesh", default=None, type=mesh, help="mesh, e.g. dp=8 or dp=4,tp=2 (default: dp=8)")
     r.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
     r.add_argument("--no-parity", action="store_true", help="skip the parity run")
@@ -144,7 +145,8 @@ def _parser() -> argparse.ArgumentParser:
     sc.add_argument("--layers", default=None, type=_flag_type(_layer_list, "layers"),
                     help="override n_layers; a list like 2,8,32 prints a scaling table")
     sc.add_argument("--mesh", default="dp=16,tp=8", type=mesh, help="mesh (default: dp=16,tp=8)")
-    sc.add_argument("--plan", default="fsdp_tp", choices=["fsdp", "fsdp_tp", "ddp"], help="plan (default: fsdp_tp)")
+    sc.add_argument("--plan", default="fsdp_tp", choices=["fsdp", "fsdp_tp", "ddp", "auto"],
+                    help="plan; auto: plan with the ILP planner, then lower (default: fsdp_tp)")
     sc.add_argument("--repeat", type=_positive(int), default=1, help="runs per size; seconds are medians (default: 1)")
     sc.add_argument("--bucket-cap-mb", type=_positive(float), default=25.0, help="pre-overlap bucket cap (default: 25)")
     sc.add_argument("--param-dtype", default=None, type=dtype, help="FSDP mixed-precision param dtype, e.g. bf16 (default: none)")

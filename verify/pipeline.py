@@ -37,7 +37,11 @@ def pipeline_options(bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB, topo_span=Non
 
 
 def params_summary(run: P.PipelineRun) -> dict[str, int]:
-    """How many parameters the plan resolved, and how many of them FSDP shards."""
+    """How many parameters the plan resolved, and how many of them FSDP shards (plan="auto": how
+    many the plan shards over some mesh dim)."""
+    if run.planned is not None:
+        params = run.planned.plan.params
+        return {"count": len(params), "fsdp_sharded": sum(1 for p in params.values() if any(v != "R" for v in p.values()))}
     shardings = run.joint.shardings
     return {"count": len(shardings), "fsdp_sharded": sum(1 for s in shardings.values() if s.fsdp_dim is not None)}
 

@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 
 from autoparallel.mesh import MeshSpec
-from autoparallel.pipeline import JOINT, PipelineRun, StageResult
+from autoparallel.pipeline import JOINT, PLAN, PipelineRun, StageResult
 from verify.goldens import catalog as golden_catalog
 from verify.html import write_report
 from verify.html.records import records_from_pipeline_run
@@ -33,10 +33,14 @@ from verify.parity_runs import (
     single_device_tolerance,
 )
 from verify.pipeline import params_summary, run_pipeline
+from verify.planned_parity import EAGER as PLANNED_EAGER
+from verify.planned_parity import EXECUTORS as PLANNED_EXECUTORS
+from verify.planned_parity import full_grads, planned_case, run_planned_parity, single_device_replay
 from verify.scenario import Scenario, check_flags, parameter_count
 from verify.stats import graph_stats, human_bytes
 
 COLLECTIVE_KINDS = ("all_gather", "reduce_scatter", "all_reduce")
+FUSE_PASS = "fuse_chained_allgathers"
 
 
 def progress(msg: str) -> None:
@@ -71,7 +75,7 @@ def golden_status(scenario: Scenario, run: PipelineRun, root: Path | None = None
         return GOLDENS_NOT_CHECKED
     out = {}
     if sid in golden_catalog.GOLDEN_SCENARIOS:
-        for stage in golden_catalog.GRAPH_GOLDEN_STAGES:
+        for stage in golden_catalog.golden_stages(sid):
             text = golden_catalog.stage_text(sid, golden_catalog.golden_result(run, stage))
             out[stage] = golden_catalog.compare_with_golden(root, golden_catalog.STAGE_TEST, f"{sid}-{stage}", text)
         out["collective pass order"] = golden_catalog.compare_with_golden(
@@ -95,9 +99,36 @@ def _merged(ranks, a: str, b: str):
     )
 
 
+def planning_summary(run: PipelineRun) -> dict | None:
+    """The plan stage of a plan="auto" run (None for a hand plan): the plan's objective, where
+    the planner's seconds went, the alias round trips it removed, and what chained all-gather
+    fusion did with the chains the plan's lowering made (found and fused, fw + bw)."""
+    if run.planned is None:
+        return None
+    rep = run.stage(PLAN).report
+    out = {
+        "objective_us": round(rep.objective_us, 3),
+        "compute_us": round(rep.compute_us, 3),
+        "comm_us": round(rep.comm_us, 3),
+        "proven_optimal": rep.proven_optimal,
+        "given_plan": rep.given,
+        "seconds": {k: round(v, 3) for k, v in rep.seconds.items()},
+        "stage_seconds": round(run.stage(PLAN).seconds, 3),
+        "alias_round_trips": {"found": len(rep.aliases.round_trips), "removed": rep.aliases.removed, "aliases_erased": len(rep.aliases.erased)},
+    }
+    fuse = [r for r in run.results if r.name == FUSE_PASS]
+    if fuse:
+        chains = [g.chains for g in fuse[0].report.graphs.values() if g.chains is not None]
+        out["chained_all_gathers"] = {"found": sum(c.found for c in chains), "fused": sum(len(c.fused) for c in chains)}
+    return out
+
+
 def run_parity(scenario: Scenario, steps: int = 2) -> dict:
-    """Each stage against the eager parallel program on gloo (bitwise), plus single-device eager."""
+    """Each stage against the eager parallel program on gloo (bitwise), plus single-device eager.
+    plan="auto": against eager execution of the plan's placements (verify.planned_parity)."""
     small = dataclasses.replace(scenario, mesh=str(parity_mesh(scenario.mesh_spec)))
+    if scenario.is_auto:
+        return run_planned_parity_summary(small, steps)
     progress(f"parity on a gloo world of {small.mesh_spec.world_size} ranks ({small.mesh_spec}), {steps} steps ...")
     t0 = time.perf_counter()
     joint_ranks = run_joint_parity(small, steps=steps)
@@ -107,14 +138,32 @@ def run_parity(scenario: Scenario, steps: int = 2) -> dict:
         comparisons[stage] = _merged(compile_ranks, EAGER, stage)
     _, grads = single_device_step(small)
     single = compare_tensors(grads, gather_full_grads(small, joint_ranks, JOINT), a_name="single-device", b_name=JOINT)
+    return _parity_summary(small, steps, comparisons, single.max_abs, t0)
+
+
+def _parity_summary(small: Scenario, steps: int, comparisons: dict, single_max_abs: float, t0: float) -> dict:
     return {
         "mesh": str(small.mesh_spec),
         "steps": steps,
         "vs_eager": {stage: rep.to_dict() for stage, rep in comparisons.items()},
-        "single_device_max_abs_diff": single.max_abs,
+        "single_device_max_abs_diff": single_max_abs,
         "single_device_tolerance": single_device_tolerance(small),
         "seconds": round(time.perf_counter() - t0, 2),
     }
+
+
+def run_planned_parity_summary(small: Scenario, steps: int) -> dict:
+    """Parity of plan="auto" on the small world (each rank lowers the plan for itself)."""
+    progress(f"planned parity on a gloo world of {small.mesh_spec.world_size} ranks ({small.mesh_spec}), {steps} steps ...")
+    t0 = time.perf_counter()
+    case = planned_case(small)
+    ((_, ranks),) = run_planned_parity(case, steps)
+    comparisons = {
+        ex: _merged(ranks, PLANNED_EAGER, ex) for ex in PLANNED_EXECUTORS if ex != PLANNED_EAGER
+    }
+    single = single_device_replay(case, ranks)
+    diff = compare_tensors(single.grads[0], full_grads(case, ranks, PLANNED_EAGER, 0), a_name="single-device", b_name=PLANNED_EAGER)
+    return _parity_summary(small, steps, comparisons, diff.max_abs, t0)
 
 
 def build_report(scenario: Scenario, *, parity: bool = True) -> dict:
@@ -132,6 +181,7 @@ def report_and_run(scenario: Scenario, *, parity: bool = True) -> tuple[dict, Pi
         "plan": scenario.plan_obj().describe(),
         "mesh": str(scenario.mesh_spec),
         "params": params_summary(run),
+        "planning": planning_summary(run),
         "stages": [row for r in [*run.results, *run.alternatives] for row in stage_summaries(r)],
         "goldens": golden_status(scenario, run),
         "parity": run_parity(scenario) if parity else None,
@@ -164,6 +214,22 @@ def _cell(cs: dict | None) -> str:
     return f"{cs['count']} / {human_bytes(cs['bytes'])}"
 
 
+def format_planning(p: dict) -> list[str]:
+    """The plan stage as report lines (the row of the stage table has no graph to show)."""
+    how = "given plan" if p["given_plan"] else ("optimal" if p["proven_optimal"] else "NOT proven optimal (time limit)")
+    secs = ", ".join(f"{k} {v:.2f}s" for k, v in p["seconds"].items())
+    trips = p["alias_round_trips"]
+    lines = [
+        f"plan stage ({p['stage_seconds']:.2f}s: {secs}): objective {p['objective_us'] / 1e3:.3f} ms per step "
+        f"(compute {p['compute_us'] / 1e3:.3f}, communication {p['comm_us'] / 1e3:.3f}), {how}",
+        f"  alias round trips: {trips['found']} found, {trips['removed']} removed, {trips['aliases_erased']} aliases erased",
+    ]
+    chains = p.get("chained_all_gathers")
+    if chains is not None:
+        lines.append(f"  chained all-gathers (fw + bw): {chains['found']} found, {chains['fused']} fused")
+    return lines
+
+
 def format_report(report: dict) -> str:
     lines = [
         f"autoparallel report: preset={report['preset']} mesh={report['mesh']}",
@@ -171,6 +237,9 @@ def format_report(report: dict) -> str:
         f"params: {report['params']['count']} ({report['params']['fsdp_sharded']} FSDP-sharded)",
         "",
     ]
+    planning = report.get("planning")
+    if planning:
+        lines[-1:-1] = format_planning(planning)
     cols = sorted({(k, d) for s in report["stages"] for k, per in s["collectives"].items() for d in per},
                   key=lambda kd: (COLLECTIVE_KINDS.index(kd[0]) if kd[0] in COLLECTIVE_KINDS else 99, kd))
     header = ["stage", "nodes"] + [f"{k}[{d}]" for k, d in cols]

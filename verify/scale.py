@@ -24,7 +24,7 @@ import time
 from collections.abc import Callable
 
 from autoparallel.passes.collective import COLLECTIVE_PASS_NAMES
-from autoparallel.pipeline import STAGE_NAMES, StageResult, run_pipeline
+from autoparallel.pipeline import PLAN, StageResult, run_pipeline, stages_for
 from verify.pipeline import pipeline_options, stage_tracer
 from verify.scenario import Scenario, check_flags
 from verify.stats import graph_stats, human_bytes, partition_stats
@@ -68,6 +68,9 @@ def _bucketing_fields(metrics) -> dict:
     out = {}
     for name, g in metrics.graphs.items():
         entry: dict = {"before": g.before, "after": g.after, "fused_chains": g.fused_chains}
+        if g.chains is not None:
+            entry["chains_found"] = g.chains.found
+            entry["chains_unfused"] = [{"chain": c, "reason": why} for c, why in g.chains.unfused]
         if g.pre_overlap is not None:
             entry["pre_overlap"] = {k: dataclasses.asdict(m) for k, m in g.pre_overlap.metrics.items()}
         if g.overlap_bucketing:
@@ -75,6 +78,19 @@ def _bucketing_fields(metrics) -> dict:
             entry["max_consec_compute_between_rs"] = g.max_consec_compute_between_rs
         out[name] = entry
     return out
+
+
+def _planning_fields(report) -> dict:
+    """The plan stage (plan="auto"): objective, the planner's seconds, alias round trips."""
+    return {
+        "objective_us": round(report.objective_us, 3),
+        "proven_optimal": report.proven_optimal,
+        "seconds": {k: round(v, 3) for k, v in report.seconds.items()},
+        "alias_round_trips_found": len(report.aliases.round_trips),
+        "alias_round_trips_removed": report.aliases.removed,
+        "aliases_erased": len(report.aliases.erased),
+        "solver": {k: report.solver[k] for k in ("variables_after", "constraints_after", "lp_bound_us", "gap") if k in report.solver},
+    }
 
 
 # Modules the stages import lazily. Imported (and timed) before the first stage so that a
@@ -107,11 +123,14 @@ def run_once(scenario: Scenario, bucket_cap_mb: float, progress: Callable[[str],
     Stats are taken by an observer as each stage ends, on the live graphs (no copies: at 8B size
     a copy per stage would cost memory and time that no stage spends)."""
     stages: list[dict] = []
-    n = len(STAGE_NAMES) + len(COLLECTIVE_PASS_NAMES)
+    n = len(stages_for(scenario.plan_obj())) + len(COLLECTIVE_PASS_NAMES)
 
     def record(result: StageResult) -> None:
         entry = {"name": result.label, "seconds": result.seconds, "rss_gib": round(_rss_gib(), 3), "alternative": result.alternative}
-        entry.update(_graph_fields(result.graphs))
+        if result.name == PLAN:
+            entry["planning"] = _planning_fields(result.report)
+        else:
+            entry.update(_graph_fields(result.graphs))
         if result.name in COLLECTIVE_PASS_NAMES:
             entry["bucketing"] = _bucketing_fields(result.report)
         stages.append(entry)
@@ -150,6 +169,8 @@ def run_scale(scenario: Scenario, *, repeat: int = 1, bucket_cap_mb: float = 25.
         "stages": stages,
         # What one cold run costs: the imports plus every stage (median of the repeats).
         "total_seconds": round(import_seconds + sum(s["seconds"] for s in stages), 2),
+        # The pipeline a user runs: the imports and the stage sequence, without the alternatives.
+        "pipeline_seconds": round(import_seconds + sum(s["seconds"] for s in stages if not s["alternative"]), 2),
         "wall_seconds": round(time.perf_counter() - t0, 2),
         "peak_rss_gib": round(_rss_gib(), 3),
     }
@@ -166,6 +187,9 @@ def format_scale(result: dict) -> str:
         f"{'saved':>14} {'static peak':>12} {'maxRS':>5}",
     ]
     for s in result["stages"]:
+        if "planning" in s:
+            lines.append(f"{s['name']:<32} {s['seconds']:>8.2f} {s['rss_gib']:>8.2f} {'-':>12}")
+            continue
         nodes = s["nodes"]
         coll = s["collectives"]
         if isinstance(nodes, dict):
@@ -185,7 +209,33 @@ def format_scale(result: dict) -> str:
         )
     lines.append(f"total {result['total_seconds']:.1f}s (imports {result['import_seconds']:.1f}s + stages, "
                  f"median of {result['repeat']}); peak RSS {result['peak_rss_gib']:.2f} GiB")
+    lines += planning_lines(result)
     return "\n".join(lines)
+
+
+def planning_lines(result: dict) -> list[str]:
+    """plan="auto": the plan stage beside the others (objective, solve time, alias round trips)
+    and what fusion did with the chained all-gathers the lowering made."""
+    by_name = {s["name"]: s for s in result["stages"] if not s.get("alternative")}
+    if PLAN not in by_name:
+        return []
+    p = by_name[PLAN]["planning"]
+    secs = ", ".join(f"{k} {v:.2f}s" for k, v in p["seconds"].items())
+    trace = p["seconds"].get("trace")
+    ratio = f" = {result['pipeline_seconds'] / trace:.1f} x its trace ({trace:.1f}s)" if trace else ""
+    lines = [
+        f"plan: objective {p['objective_us'] / 1e3:.3f} ms per step ({'optimal' if p['proven_optimal'] else 'NOT proven optimal'}); {secs}",
+        f"  whole planned pipeline {result['pipeline_seconds']:.1f}s (imports, planning, every stage; no alternatives){ratio}",
+        f"  alias round trips: {p['alias_round_trips_found']} found, {p['alias_round_trips_removed']} removed, {p['aliases_erased']} aliases erased",
+    ]
+    fuse = by_name.get("fuse_chained_allgathers")
+    if fuse is not None:
+        b = fuse["bucketing"]
+        found = sum(g.get("chains_found", 0) for g in b.values())
+        fused = sum(g["fused_chains"] for g in b.values())
+        left = [c for g in b.values() for c in g.get("chains_unfused", [])]
+        lines.append(f"  chained all-gathers (fw + bw): {found} found, {fused} fused" + (f"; left: {len(left)} ({left[0]['reason']}, ...)" if left else ""))
+    return lines
 
 
 def format_scaling(results: list[dict]) -> str:
@@ -235,7 +285,7 @@ def main(args) -> int:
         reduce_dtype=args.reduce_dtype,
     )
     check_flags(scenario)
-    progress(f"{scenario.header()}: {len(STAGE_NAMES)} stages and {len(COLLECTIVE_PASS_NAMES)} alternatives")
+    progress(f"{scenario.header()}: {len(stages_for(scenario.plan_obj()))} stages and {len(COLLECTIVE_PASS_NAMES)} alternatives")
     result = run_scale(scenario, repeat=args.repeat, bucket_cap_mb=args.bucket_cap_mb, progress=progress)
     print(json.dumps(result, indent=2) if args.json else format_scale(result))
     return 0

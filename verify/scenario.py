@@ -17,6 +17,7 @@ import torch
 from autoparallel.mesh import MeshSpec, fake_world
 from autoparallel.models.llama3 import build_model, model_args
 from autoparallel.parallelize import JointGraph, ParallelPlan, build_joint_graph
+from autoparallel.parallelize.plan import AUTO
 
 _DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp32": torch.float32, "float32": torch.float32}
 
@@ -56,11 +57,18 @@ class Scenario:
     def model(self, device: str = "cpu"):
         return build_model(self.model_args(), seed=self.seed, device=device)
 
+    @property
+    def is_auto(self) -> bool:
+        return self.plan == AUTO
+
     def batches(self, steps: int = 1) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Deterministic global batches (tokens, next-token labels)."""
+        """Deterministic global batches (tokens, next-token labels): ``batch_per_rank`` rows per
+        rank of the plan's data dims. plan="auto" has no data dims (the planner may split the
+        batch over any mesh dim, or none): it gets the batch a hand plan on the same mesh splits
+        over its data dim, the mesh's first (outermost) dim, so both see the same workload."""
         args = self.model_args()
         plan = self.plan_obj()
-        ranks = 1
+        ranks = self.mesh_spec.shape[0] if plan.is_auto else 1
         for d in plan.data_dims:
             ranks *= self.mesh_spec.size(d)
         seq = self.seq_len or args.max_seq_len
@@ -97,7 +105,10 @@ def _dtype(name: str) -> torch.dtype:
 
 def check_flags(scenario: Scenario) -> None:
     """ValueError naming the command-line flags when the preset, plan and mesh do not fit
-    together (a dim that does not divide, a plan dim the mesh lacks), before anything runs."""
+    together (a dim that does not divide, a plan dim the mesh lacks), before anything runs.
+    plan="auto" has no hand placements to check (the planner only proposes what divides)."""
+    if scenario.is_auto:
+        return
     try:
         scenario.plan_obj().resolve(scenario.model(device="meta"), scenario.mesh_spec)
     except ValueError as e:

@@ -105,7 +105,7 @@ def build_joint_graph(
         raise
     seconds = time.perf_counter() - t0
     gm = jd.graph_module
-    input_roles, output_roles, num_fwd = _label_roles(gm)
+    input_roles, output_roles, num_fwd = label_roles(gm)
     attach_group_dims(gm, mesh.group_dims)
     gm.meta[M.GM_STAGE] = "joint"
     log.info("traced joint graph: %d nodes in %.2fs", len(gm.graph.nodes), seconds)
@@ -145,7 +145,9 @@ def _to_fake(root: nn.Module, fake_mode: FakeTensorMode) -> None:
                 store[name] = memo[id(t)]
 
 
-def _label_roles(gm: fx.GraphModule) -> tuple[list[str], list[str | None], int]:
+def label_roles(gm: fx.GraphModule) -> tuple[list[str], list[str | None], int]:
+    """Role labels on the placeholders and the output node, from their AOT descriptors;
+    (input roles, output roles, number of forward outputs)."""
     input_roles = []
     for node in gm.graph.find_nodes(op="placeholder"):
         role = roles.of_descriptor(node.meta.get(M.DESC), fqn=clean_fqn)

@@ -19,7 +19,7 @@ from __future__ import annotations
 import fnmatch
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 from torch import nn
@@ -27,6 +27,7 @@ from torch import nn
 from autoparallel.mesh import MeshSpec
 
 TPStyle = Literal["colwise", "rowwise"]
+AUTO = "auto"
 
 # Megatron-style TP for LLaMA: q/k/v and the gate/up projections split their output features,
 # wo and the down projection split their input features; one all-reduce closes each region.
@@ -130,10 +131,16 @@ class ParamSharding:
 
 @dataclass(frozen=True)
 class ParallelPlan:
-    """FSDP / TP / DDP over named mesh dims, plus mixed precision for FSDP.
+    """FSDP / TP / DDP over named mesh dims, plus mixed precision for FSDP; or ``auto``.
 
     ``param_dtype`` casts each shard before its all-gather; ``reduce_dtype`` is the dtype gradients
     are reduce-scattered in (defaults to the parameter's own dtype).
+
+    ``ParallelPlan.auto(...)`` (``plan="auto"``) leaves every placement to the planner: the
+    pipeline's ``plan`` stage plans the model (``autoparallel.planner``) and lowers the plan to the
+    per-rank joint graph. ``planner`` holds what that stage is told: ``PlannerConfig`` fields by
+    name, or under ``"plan"`` a finished ``autoparallel.planner.Plan`` to lower as it is. A hand
+    plan has ``planner=None``.
     """
 
     name: str
@@ -145,6 +152,19 @@ class ParallelPlan:
     reduce_dtype: torch.dtype | None = None
     tp_rules: Mapping[str, TPStyle] = field(default_factory=lambda: dict(LLAMA_TP_RULES))
     tp_regions: tuple[str, ...] = LLAMA_TP_REGIONS
+    planner: Mapping[str, Any] | None = None
+
+    @classmethod
+    def auto(cls, **planner: Any) -> ParallelPlan:
+        """Placements chosen by the planner (see the class docstring); ``planner``: PlannerConfig
+        fields (``profile``, ``memory_budget``, ``pins``, ...) or ``plan=<Plan>``. ``param_dtype``
+        / ``reduce_dtype`` are this plan's mixed precision, as for the hand plans."""
+        kw = {k: planner.pop(k) for k in ("param_dtype", "reduce_dtype", "reshard_after_forward") if k in planner}
+        return cls(name=AUTO, tp_rules={}, tp_regions=(), planner=dict(planner), **kw)
+
+    @property
+    def is_auto(self) -> bool:
+        return self.planner is not None
 
     @classmethod
     def fsdp(cls, dp: str = "dp", **kw) -> ParallelPlan:
@@ -160,7 +180,7 @@ class ParallelPlan:
 
     @classmethod
     def preset(cls, name: str, **kw) -> ParallelPlan:
-        presets = {"fsdp": cls.fsdp, "fsdp_tp": cls.fsdp_tp, "ddp": cls.ddp}
+        presets = {"fsdp": cls.fsdp, "fsdp_tp": cls.fsdp_tp, "ddp": cls.ddp, AUTO: cls.auto}
         if name not in presets:
             raise ValueError(f"unknown plan {name!r}; valid plans: {sorted(presets)}")
         return presets[name](**kw)
@@ -172,6 +192,9 @@ class ParallelPlan:
 
     def describe(self) -> str:
         parts = [self.name]
+        if self.is_auto:
+            # A given plan (key "plan") is what the planner would decide: not part of the text.
+            parts += [f"{k}={v}" for k, v in sorted(self.planner.items()) if k != "plan"]
         for label, dim in (("fsdp", self.fsdp_dim), ("tp", self.tp_dim), ("ddp", self.ddp_dim)):
             if dim:
                 parts.append(f"{label}={dim}")
@@ -191,6 +214,11 @@ class ParallelPlan:
 
     def resolve(self, model: nn.Module, mesh: MeshSpec) -> dict[str, ParamSharding]:
         """One ParamSharding per (deduplicated) parameter, or ValueError naming what is wrong."""
+        if self.is_auto:
+            raise ValueError(
+                "plan 'auto' has no hand placements to resolve: the pipeline's plan stage places "
+                "every parameter (run it through autoparallel.pipeline.run_pipeline)"
+            )
         mesh = MeshSpec.parse(mesh)
         for role, dim in (("fsdp", self.fsdp_dim), ("tp", self.tp_dim), ("ddp", self.ddp_dim)):
             if dim is not None and dim not in mesh.names:

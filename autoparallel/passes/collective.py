@@ -27,7 +27,7 @@ from torch import fx
 
 from autoparallel import meta as M
 from autoparallel.passes.bucket_plan import BucketingMetrics
-from autoparallel.passes.fuse_chained_allgathers import fuse_chained_allgathers
+from autoparallel.passes.fuse_chained_allgathers import ChainReport, fuse_chained_allgathers
 from autoparallel.passes.overlap_estimator import RooflineConfig
 from autoparallel.passes.overlap_scheduling import schedule_overlap_on_cpu
 from autoparallel.passes.pre_overlap_bucketing import (
@@ -60,6 +60,7 @@ class GraphPassMetrics:
     before: dict[str, int]
     after: dict[str, int] = field(default_factory=dict)
     fused_chains: int = 0
+    chains: ChainReport | None = None  # every chain fuse_chained_allgathers found, fused or why not
     pre_overlap: PreOverlapResult | None = None
     overlap_bucketing: list[BucketingMetrics] = field(default_factory=list)
     max_consec_compute_between_rs: int | None = None
@@ -91,7 +92,8 @@ def tag_joint(gm: fx.GraphModule) -> TagCounts:
 
 
 def _fuse(gm: fx.GraphModule, config: CollectivePassesConfig, m: GraphPassMetrics) -> fx.GraphModule:
-    m.fused_chains = fuse_chained_allgathers(gm, gm.meta.get(M.GM_GROUP_DIMS))
+    m.chains = ChainReport()
+    m.fused_chains = fuse_chained_allgathers(gm, gm.meta.get(M.GM_GROUP_DIMS), report=m.chains)
     return gm
 
 

@@ -22,14 +22,21 @@ rank their members by mesh coordinate. With mesh dims ``(d0, d1)`` (row-major: f
   all-gather's blocks in column-major order, so the flat result ``[n0 * n1 * r, ...]`` is viewed
   as ``[n0, n1, r, ...]``, permuted to ``[n1, n0, r, ...]`` and made contiguous.
 
-Patch ``fuse_chained_allgathers``; disabled, the pass finds nothing and returns 0.
+Every chain the pass finds (an all-gather whose input is, through pure views, the wait of another
+all-gather) is either fused or listed in the pass's :class:`ChainReport` with the reason it was
+left alone (no flattened group for the two dims, intermediate values with other users, views
+that do not compose to the identity, a dtype change, a node already in a fused chain, or the
+patch disabled).
+
+Patch ``fuse_chained_allgathers``; disabled, the pass fuses nothing, returns 0 and reports every
+chain it found as unfused for that reason.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import fx
@@ -64,6 +71,38 @@ _VIEW_OPS = frozenset(
         aten.alias.default,
     }
 )
+
+
+@dataclass
+class ChainReport:
+    """Every chain found: ``fused`` ones (``"ag1 -> ag2 on <flat group label>"``, ``[column-major]``
+    when reshuffled) and ``unfused`` ones with the reason, ``(chain, reason)``."""
+
+    fused: list[str] = field(default_factory=list)
+    unfused: list[tuple[str, str]] = field(default_factory=list)
+
+    @property
+    def found(self) -> int:
+        return len(self.fused) + len(self.unfused)
+
+    def summary(self) -> str:
+        out = f"{self.found} chained all-gathers found, {len(self.fused)} fused"
+        if self.unfused:
+            reasons: dict[str, int] = {}
+            for _, why in self.unfused:
+                reasons[why] = reasons.get(why, 0) + 1
+            out += "; left: " + ", ".join(f"{n} x {why}" for why, n in sorted(reasons.items()))
+        return out
+
+
+# Why a chain is left alone (ChainReport.unfused).
+NO_FLAT_GROUP = "no flattened group of the two mesh dims"
+SAME_DIM = "both all-gathers on one mesh dim"
+SHARED = "an intermediate value has other users"
+NOT_IDENTITY = "the views between do not compose to the identity"
+DTYPE_CHANGE = "the two all-gathers move different dtypes"
+OVERLAP = "shares a node with a chain fused before it"
+DISABLED = "patch fuse_chained_allgathers disabled"
 
 
 @dataclass(frozen=True)
@@ -137,33 +176,41 @@ def _size_of(label: str, name: str, group_sizes: Mapping[str, int] | None, where
         ) from None
 
 
+def _describe(ag1: fx.Node, ag2: fx.Node, group_dims: Mapping[str, str]) -> str:
+    return f"{ag1.name}({group_dims.get(str(group_of(ag1)), '?')}) -> {ag2.name}({group_dims.get(str(group_of(ag2)), '?')})"
+
+
 def _match(
     ag2: fx.Node, group_dims: Mapping[str, str], group_sizes: Mapping[str, int] | None
-) -> _Chain | None:
+) -> _Chain | tuple[fx.Node, str] | None:
+    """The fusible chain ending at ``ag2``; ``(ag1, reason)`` for a chain that cannot be fused;
+    None when ``ag2`` ends no chain (its input is not, through views, another all-gather's wait)."""
     wait2 = wait_of(ag2)
     if wait2 is None:
         return None
     views: list[fx.Node] = []
+    shared = False
     cur = ag2.args[0]
     while isinstance(cur, fx.Node) and cur.op == "call_function" and cur.target in _VIEW_OPS:
-        if len(cur.users) != 1:
-            return None
+        shared = shared or len(cur.users) != 1
         views.append(cur)
         cur = cur.args[0]
     if not isinstance(cur, fx.Node) or cur.op != "call_function" or cur.target is not WAIT:
         return None
     wait1 = cur
     ag1 = wait1.args[0]
-    if len(wait1.users) != 1 or not isinstance(ag1, fx.Node) or ag1.target is not ALL_GATHER:
-        return None
-    if wait_of(ag1) is not wait1:
+    if not isinstance(ag1, fx.Node) or ag1.target is not ALL_GATHER or wait_of(ag1) is not wait1:
         return None
     views.reverse()
     label1 = dim_label(group_of(ag1), group_dims, where=ag1.name)
     label2 = dim_label(group_of(ag2), group_dims, where=ag2.name)
+    if label1 == label2:
+        return ag1, SAME_DIM
+    if shared or len(wait1.users) != 1:
+        return ag1, SHARED
     flat = _flat_group(label1, label2, group_dims)
     if flat is None:
-        return None
+        return ag1, NO_FLAT_GROUP
     flat_name, order = flat
     n1, n2 = int(ag1.args[1]), int(ag2.args[1])
     s1 = _size_of(label1, group_of(ag1), group_sizes, ag1)
@@ -176,9 +223,9 @@ def _match(
             f"{group_dims[flat_name]!r} group's {s_flat}; the graph does not match its mesh"
         )
     if node_val(ag1, "dtype").dtype != node_val(ag2, "dtype").dtype:
-        return None
+        return ag1, DTYPE_CHANGE
     if not _identity_views(wait1, views, ag2.args[0]):
-        return None
+        return ag1, NOT_IDENTITY
     column_major = order.index(label1) < order.index(label2)
     # Flat rank = i_outer * n_inner + i_inner, outer = the first dim of the flat label.
     sizes = (n1, n2) if column_major else (n2, n1)
@@ -235,17 +282,21 @@ def fuse_chained_allgathers(
     graph: fx.Graph | fx.GraphModule,
     group_dims: Mapping[str, str] | None = None,
     group_sizes: Mapping[str, int] | None = None,
+    *,
+    report: ChainReport | None = None,
 ) -> int:
     """Fuse every eligible all-gather chain of ``graph`` in place; return how many were fused.
 
     ``group_dims`` (process-group name -> mesh-dim label, as ``ParallelMesh.group_dims``)
     defaults to the graph module's ``meta[GM_GROUP_DIMS]``. ``group_sizes`` (mesh-dim label ->
     size, e.g. ``{"dp": 4, "tp": 2, "dp*tp": 8}``) defaults to the sizes of the running world's
-    groups. Raises ValueError naming the node for an all-gather whose group is not in
-    ``group_dims``, and for a chain whose group sizes do not match the mesh.
+    groups. ``report``: filled with every chain found, fused or not and why (module docstring).
+    Raises ValueError naming the node for an all-gather whose group is not in ``group_dims``, and
+    for a chain whose group sizes do not match the mesh.
     """
     gm = graph if isinstance(graph, fx.GraphModule) else None
     g = gm.graph if gm is not None else graph
+    report = report if report is not None else ChainReport()
     if group_dims is None:
         group_dims = (
             dict(getattr(gm, "meta", {}).get(M.GM_GROUP_DIMS, {})) if gm is not None else {}
@@ -255,27 +306,45 @@ def fuse_chained_allgathers(
                 "fuse_chained_allgathers needs the graph's group-name -> mesh-dim map: pass "
                 "group_dims=mesh.group_dims or attach it with autoparallel.mesh.attach_group_dims"
             )
-    if not patches.enabled(PATCH):
-        log.info("fuse_chained_allgathers: disabled (AUTOPARALLEL_DISABLE); nothing fused")
-        return 0
+    enabled = patches.enabled(PATCH)
     all_gathers = list(g.find_nodes(op="call_function", target=ALL_GATHER))
     for node in all_gathers:
         dim_label(group_of(node), group_dims, where=node.name)
     chains = []
     used: set[fx.Node] = set()  # a node belongs to at most one fused chain
     for node in all_gathers:
-        ch = _match(node, group_dims, group_sizes)
-        if ch is not None and not ({ch.ag1, ch.wait1, ch.ag2, ch.wait2} & used):
-            chains.append(ch)
-            used |= {ch.ag1, ch.wait1, ch.ag2, ch.wait2}
+        ch = _match(node, group_dims, group_sizes) if enabled else _match_unfused(node, group_dims, group_sizes)
+        if ch is None:
+            continue
+        if isinstance(ch, tuple):
+            report.unfused.append((_describe(ch[0], node, group_dims), ch[1]))
+            continue
+        if {ch.ag1, ch.wait1, ch.ag2, ch.wait2} & used:
+            report.unfused.append((_describe(ch.ag1, ch.ag2, group_dims), OVERLAP))
+            continue
+        chains.append(ch)
+        used |= {ch.ag1, ch.wait1, ch.ag2, ch.wait2}
+        report.fused.append(
+            f"{_describe(ch.ag1, ch.ag2, group_dims)} on {group_dims[ch.flat_name]}" + (" [column-major]" if ch.column_major else "")
+        )
     for ch in chains:
         _rewrite(g, ch)
     if chains:
         g.lint()
         if gm is not None:
             gm.recompile()
-    log.info("fuse_chained_allgathers: fused %d chained all-gather pairs", len(chains))
+    if not enabled:
+        log.info("fuse_chained_allgathers: disabled (AUTOPARALLEL_DISABLE); %d chains left", report.found)
+    log.info("fuse_chained_allgathers: %s", report.summary())
     return len(chains)
 
 
-__all__ = ["PATCH", "fuse_chained_allgathers"]
+def _match_unfused(ag2: fx.Node, group_dims, group_sizes) -> tuple[fx.Node, str] | None:
+    """With the patch disabled: every chain found, reported as left alone for that reason."""
+    got = _match(ag2, group_dims, group_sizes)
+    if got is None:
+        return None
+    return (got.ag1 if isinstance(got, _Chain) else got[0]), DISABLED
+
+
+__all__ = ["PATCH", "ChainReport", "fuse_chained_allgathers"]

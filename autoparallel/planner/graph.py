@@ -36,7 +36,7 @@ from torch.utils import _pytree as pytree
 
 from autoparallel import meta as M
 from autoparallel.mesh import ParallelMesh
-from autoparallel.parallelize.joint import build_joint_graph
+from autoparallel.parallelize.joint import JointGraph, build_joint_graph
 from autoparallel.parallelize.plan import ParallelPlan
 from autoparallel.trainer.regions import annotate_ac_regions, clear_ac_regions
 
@@ -60,6 +60,9 @@ class PlanningGraph:
     output_roles: list[str | None]
     trace_seconds: float
     num_aliases: int
+    # The trace itself, still open (``keep_joint=True``): lowering a plan swaps the per-rank
+    # graph into its export so the first partition compiles it (autoparallel.planner.lower).
+    joint: JointGraph | None = None
 
     @property
     def graph(self) -> fx.Graph:
@@ -146,11 +149,13 @@ def trace_planning_graph(
     *,
     param_dtype: torch.dtype | None = None,
     block_container: str | None | bool = True,
+    keep_joint: bool = False,
 ) -> PlanningGraph:
     """Trace the unsharded joint graph of ``loss_fn(model(*inputs[:-1]), inputs[-1])``.
 
     ``block_container``: ``True`` finds the list of identical blocks, a string names it, ``None``
-    or ``False`` plans without blocks.
+    or ``False`` plans without blocks. ``keep_joint``: keep the trace's export open
+    (``PlanningGraph.joint``, closed by whoever lowers or discards it) instead of closing it.
     """
 
     if block_container is True:
@@ -171,14 +176,15 @@ def trace_planning_graph(
         gm = jg.gm
         input_roles, output_roles = list(jg.input_roles), list(jg.output_roles)
     finally:
-        jg.close()
+        if not keep_joint:
+            jg.close()
     seconds = time.perf_counter() - t0
     blocks = _label_blocks(gm.graph, container)
     num_aliases = insert_aliases(gm.graph, blocks)
     gm.recompile()
     keys = canonical_keys(gm.graph, blocks)
     log.info("planning graph: %d nodes (%d aliases), traced in %.2fs", len(gm.graph.nodes), num_aliases, seconds)
-    return PlanningGraph(gm, mesh, keys, blocks, container, input_roles, output_roles, seconds, num_aliases)
+    return PlanningGraph(gm, mesh, keys, blocks, container, input_roles, output_roles, seconds, num_aliases, jg if keep_joint else None)
 
 
 def phase_of(node: fx.Node) -> str:

@@ -19,8 +19,7 @@ import copy
 import warnings
 
 import pytest
-import torch
-from torch import fx, nn
+from torch import fx
 
 from autoparallel import meta as M
 from autoparallel.compile import autoparallel_backend
@@ -131,29 +130,12 @@ def test_llama_fsdp_all_gathers_tagged_and_bucketed_in_both_compiles(sid, shared
     )
 
 
-class _LayerNormMLP(nn.Module):
-    """Not LLaMA: LayerNorm (weight and bias), biased Linears, GELU, an output head."""
-
-    def __init__(self, dim=32, hidden=64, out=16):
-        super().__init__()
-        self.norm = nn.LayerNorm(dim)
-        self.up = nn.Linear(dim, hidden)
-        self.down = nn.Linear(hidden, dim)
-        self.head = nn.Linear(dim, out, bias=False)
-
-    def forward(self, x):
-        return self.head(x + self.down(torch.nn.functional.gelu(self.up(self.norm(x)))))
-
-
-def _mse(out, target):
-    return ((out.float() - target) ** 2).mean()
-
-
-def test_non_llama_fsdp_all_gathers_tagged_and_bucketed_in_both_compiles():
+def test_non_llama_fsdp_all_gathers_tagged_and_bucketed_in_both_compiles(layernorm_mlp):
     import torch._dynamo
 
+    make_model, _mse = layernorm_mlp
     torch.manual_seed(0)
-    model = _LayerNormMLP()
+    model = make_model()
     plan = ParallelPlan.fsdp(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     batch = (torch.randn(8, 32, dtype=torch.bfloat16), torch.randn(8, 16))  # bf16 activations, fp32 target
     captured = {}

@@ -10,10 +10,10 @@ import pytest
 from verify.goldens.catalog import (
     ALL_SCENARIOS,
     GOLDEN_SCENARIOS,
-    GRAPH_GOLDEN_STAGES,
     counts_text,
     golden_result,
     golden_run,
+    golden_slots,
     order_text,
     stage_text,
 )
@@ -25,8 +25,10 @@ def _grouped(sids):
     return [pytest.param(sid, marks=pytest.mark.xdist_group(sid)) for sid in sorted(sids)]
 
 
-@pytest.mark.parametrize("stage", GRAPH_GOLDEN_STAGES)
-@pytest.mark.parametrize("sid", _grouped(GOLDEN_SCENARIOS))
+@pytest.mark.parametrize(
+    ("sid", "stage"),
+    [pytest.param(sid, stage, id=f"{sid}-{stage}", marks=pytest.mark.xdist_group(sid)) for sid, stage in golden_slots()],
+)
 def test_stage_graph(sid, stage, golden, shared_pipeline_runs):
     golden.check_text(stage_text(sid, golden_result(golden_run(sid), stage)))
 

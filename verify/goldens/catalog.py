@@ -19,7 +19,7 @@ from pathlib import Path
 from autoparallel.compile import SECOND_COMPILE
 from autoparallel.passes.collective import COLLECTIVE_PASS_NAMES, COLLECTIVE_PASSES
 from autoparallel.passes.topo_span_bucketing import TopoSpanConfig
-from autoparallel.pipeline import STAGE_NAMES, PipelineRun, StageResult
+from autoparallel.pipeline import PLAN, PLANNED_STAGE_NAMES, STAGE_NAMES, PipelineRun, StageResult
 from verify.goldens.text import (
     GOLDENS_DIR,
     collective_counts_text,
@@ -43,6 +43,9 @@ GOLDEN_SCENARIOS: dict[str, Scenario] = {
     # uneven FSDP shards: no dim 0 divides 3, so every shard is zero-padded; the all-gathers are
     # followed by a narrow, the reduce-scatters preceded by a pad, and the stats show the padding
     "tiny-fsdp-dp3-uneven": Scenario(preset="tiny", plan="fsdp", mesh="dp=3", n_layers=1),
+    # plan="auto": the planner places everything (plan stage golden: the plan text), lowered
+    "tiny-auto-dp8": Scenario(preset="tiny", plan="auto", mesh="dp=8"),
+    "tiny-auto-dp4tp2": Scenario(preset="tiny", plan="auto", mesh="dp=4,tp=2"),
 }
 # Pass settings of scenarios whose goldens are not at the pipeline's defaults (shown in the header).
 PIPELINE_OPTIONS: dict[str, dict] = {
@@ -58,7 +61,18 @@ MODULE = "golden/test_pipeline_goldens"
 STAGE_TEST = "test_stage_graph"
 COUNTS_TEST = "test_collective_counts"
 ORDER_TEST = "test_collective_pass_order"
-GRAPH_GOLDEN_STAGES: tuple[str, ...] = STAGE_NAMES  # a graph golden for every stage
+GRAPH_GOLDEN_STAGES: tuple[str, ...] = STAGE_NAMES  # a graph golden for every stage (hand plans)
+
+
+def golden_stages(sid: str) -> tuple[str, ...]:
+    """The stages with a golden for scenario ``sid``: every stage it runs (plan="auto" runs the
+    plan stage too; its golden is the plan text)."""
+    return PLANNED_STAGE_NAMES if GOLDEN_SCENARIOS[sid].is_auto else GRAPH_GOLDEN_STAGES
+
+
+def golden_slots() -> list[tuple[str, str]]:
+    """``(scenario id, stage)`` for every stage golden, scenarios in sorted order."""
+    return [(sid, stage) for sid in sorted(GOLDEN_SCENARIOS) for stage in golden_stages(sid)]
 
 
 def scenario_id(scenario: Scenario) -> str | None:
@@ -110,7 +124,28 @@ def golden_result(run: PipelineRun, stage: str) -> StageResult:
 
 
 def stage_text(sid: str, result: StageResult) -> str:
+    if result.name == PLAN:
+        return plan_stage_text(sid, result)
     return graph_golden_text(f"{sid} {result.name}", header(GOLDEN_SCENARIOS[sid], result.name), result.graphs)
+
+
+def plan_stage_text(sid: str, result: StageResult) -> str:
+    """The plan stage's golden: the canonical plan text (alias round trips removed) and what the
+    round-trip pass did, consumer by consumer."""
+    report = result.report
+    trips = report.aliases
+    lines = [trips.summary()]
+    lines += [f"rewired {r}" for r in trips.rewired]
+    lines += [f"erased {a}" for a in trips.erased]
+    lines += [f"left {r}" for r in trips.round_trips if r not in set(trips.rewired)]
+    return render_golden(
+        f"{sid} {result.name}",
+        [
+            ("header", header_text(header(GOLDEN_SCENARIOS[sid], result.name))),
+            ("alias round trips", "\n".join(lines)),
+            ("plan", report.plan.text()),
+        ],
+    )
 
 
 def counts_text(sid: str, run: PipelineRun) -> str:
@@ -129,6 +164,8 @@ def _metrics_lines(name: str, metrics) -> list[str]:
         parts = []
         if m.fused_chains:
             parts.append(f"fused chains {m.fused_chains}")
+        if m.chains is not None and m.chains.unfused:
+            parts.append(m.chains.summary())
         if m.pre_overlap is not None:
             parts += [f"{kind}: {b.summary()}" for kind, b in m.pre_overlap.metrics.items() if b.num_candidates]
         parts += [f"overlap bucketing: {b.summary()}" for b in m.overlap_bucketing]

@@ -27,3 +27,14 @@ def mse(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
 def mlp():
     """``(TwoLayerMLP factory, mse loss)``: a user model with a custom loss (not LLaMA)."""
     return TwoLayerMLP, mse
+
+
+@pytest.fixture(scope="session")
+def mlp_batch():
+    """A function returning a deterministic (input, target) batch of 4 for the TwoLayerMLP."""
+
+    def batch() -> tuple[torch.Tensor, torch.Tensor]:
+        g = torch.Generator().manual_seed(0)
+        return torch.randn(4, 16, generator=g), torch.randn(4, 8, generator=g)
+
+    return batch

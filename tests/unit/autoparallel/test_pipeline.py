@@ -127,8 +127,18 @@ def test_a_planner_stage_goes_ahead_of_the_trace(mlp):
     assert run.names == ["plan", P.JOINT]
     assert run.stage("plan").graphs is None and run.stage("plan").report == "planned"
     assert run.stage(P.JOINT).input is None  # the planner made no graph to read
-    with pytest.raises(ValueError, match=r"plan='auto' is not a ParallelPlan.*insert_stage\(STAGES, planner_stage, before='joint'\)"):
-        _run(mlp, plan="auto", until=P.JOINT)
+    with pytest.raises(ValueError, match=r"plan='other' is not a ParallelPlan.*insert_stage\(STAGES, planner_stage, before='joint'\)"):
+        _run(mlp, plan="other", until=P.JOINT)
+
+
+def test_plan_auto_runs_the_planned_stage_list(mlp):
+    """plan="auto" runs the planner's stage ahead of the trace by default; forced through the
+    hand stage list, the trace says what is missing."""
+    assert P.stages_for("auto") == P.PLANNED_STAGES == P.stages_for(ParallelPlan.auto())
+    assert P.stages_for(ParallelPlan.fsdp()) == P.STAGES
+    assert P.PLANNED_STAGE_NAMES == (P.PLAN, *P.STAGE_NAMES)
+    with pytest.raises(ValueError, match=r"plan='auto' needs the plan stage ahead of 'joint'"):
+        _run(mlp, plan="auto", stages=P.STAGES, until=P.JOINT)
 
 
 def test_bad_arguments_name_the_stages(mlp):
@@ -143,7 +153,7 @@ def test_bad_arguments_name_the_stages(mlp):
 def test_every_patch_is_applied_by_a_stage_or_belongs_to_the_graph_trainer():
     """A patch of pipeline steps 3-6 names its stage (Stage.patches); the graph trainer, a second
     front end, has its own (its guards are trainer tests)."""
-    staged = {p for stage in P.STAGES for p in stage.patches}
+    staged = {p for stage in P.PLANNED_STAGES for p in stage.patches}
     trainer = {n for n, patch in PATCHES.items() if all(g.startswith("tests/unit/autoparallel/trainer/") for g in patch.guards)}
     assert staged.isdisjoint(trainer)
     assert set(PATCHES) == staged | trainer, f"patches in no stage: {sorted(set(PATCHES) - staged - trainer)}"

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from autoparallel.pipeline import STAGE_NAMES
+from verify.html.browser import unavailable_reason
 from verify.report import format_report
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -97,8 +98,6 @@ def test_browser_step_says_plainly_when_it_cannot_run(monkeypatch):
     so CI goes on; with Chromium it runs the browser tests with --ap-require-browser. The why is
     the tests' own check (playwright missing comes first where the browser extra is absent)."""
     import os
-
-    from verify.html.browser import unavailable_reason
 
     monkeypatch.setenv("AP_CHROMIUM", "/nonexistent/chromium")
     why = unavailable_reason()

@@ -139,7 +139,7 @@ def test_tp_rule_matching_nothing_is_unknown_parameter(tiny):
 
 
 def test_unknown_plan_lists_presets():
-    with pytest.raises(ValueError, match=r"unknown plan 'zero3'.*\['ddp', 'fsdp', 'fsdp_tp'\]"):
+    with pytest.raises(ValueError, match=r"unknown plan 'zero3'.*\['auto', 'ddp', 'fsdp', 'fsdp_tp'\]"):
         ParallelPlan.preset("zero3")
 
 
@@ -169,3 +169,14 @@ def test_planner_prices_the_padded_local_shape_the_plan_builds(plan, mesh):
         assert tuple(local_shape(p.shape, pins[fqn], spec.shape)) == shardings[fqn].local_shape, fqn
         padded += shardings[fqn].padded
     assert padded > 0
+
+
+def test_auto_plan_is_left_to_the_planner(tiny):
+    auto = ParallelPlan.auto(profile="a100", param_dtype=torch.bfloat16)
+    assert auto.is_auto and not ParallelPlan.fsdp().is_auto
+    assert auto.planner == {"profile": "a100"} and auto.param_dtype == torch.bfloat16
+    assert auto.describe() == "auto profile=a100 param_dtype=bfloat16"
+    assert ParallelPlan.preset("auto").describe() == "auto"
+    assert auto.data_dims == () and auto.tp_rules == {}
+    with pytest.raises(ValueError, match=r"plan 'auto' has no hand placements to resolve: the pipeline's plan stage"):
+        auto.resolve(tiny, MeshSpec.parse("dp=8"))

@@ -12,7 +12,15 @@ from autoparallel import meta as M
 from autoparallel import patches
 from autoparallel.fx_utils import ALL_GATHER, WAIT
 from autoparallel.mesh import fake_world
-from autoparallel.passes.fuse_chained_allgathers import fuse_chained_allgathers
+from autoparallel.passes.fuse_chained_allgathers import (
+    DISABLED,
+    NO_FLAT_GROUP,
+    NOT_IDENTITY,
+    SAME_DIM,
+    SHARED,
+    ChainReport,
+    fuse_chained_allgathers,
+)
 from verify.strategies import GraphBuilder, mesh_groups
 
 aten = torch.ops.aten
@@ -85,8 +93,11 @@ def test_keeps_chains_whose_views_are_not_the_identity(mesh):
         return b.call(aten.view.default, r, list(v.meta["val"].shape))
 
     gm = _out(b, _chain(b, "dp", "tp", [transpose]), _chain(b, "dp", "tp", [copy_then_back]))
-    assert fuse_chained_allgathers(gm, mesh.group_dims) == 0
+    report = ChainReport()
+    assert fuse_chained_allgathers(gm, mesh.group_dims, report=report) == 0
     assert len(_ag_groups(gm)) == 4
+    # both pairs are chains (views between, the reshape may copy), both left for that reason
+    assert report.fused == [] and [why for _, why in report.unfused] == [NOT_IDENTITY, NOT_IDENTITY]
 
 
 def test_keeps_chains_with_other_users_or_same_dim(mesh):
@@ -95,22 +106,44 @@ def test_keeps_chains_with_other_users_or_same_dim(mesh):
     shared = b.all_gather(w1, "tp")  # wait1 also used below
     same = b.all_gather(b.all_gather(b.param((3, H)), "dp"), "dp")  # dp -> dp: not the mesh
     gm = _out(b, shared, b.call(aten.relu.default, w1), same)
-    assert fuse_chained_allgathers(gm, mesh.group_dims) == 0
+    report = ChainReport()
+    assert fuse_chained_allgathers(gm, mesh.group_dims, report=report) == 0
+    assert sorted(why for _, why in report.unfused) == sorted([SHARED, SAME_DIM])
+    assert report.summary() == (
+        "2 chained all-gathers found, 0 fused; left: 1 x an intermediate value has other users, "
+        "1 x both all-gathers on one mesh dim"
+    )
 
 
 def test_chain_over_two_dims_of_a_3d_mesh_is_kept():
     with fake_world("dp=2,tp=2,cp=2") as mesh:
         b = GraphBuilder(mesh_groups(mesh))
         gm = _out(b, _chain(b, "dp", "tp"))
-        assert fuse_chained_allgathers(gm, mesh.group_dims) == 0  # dp*tp is not the whole mesh
+        report = ChainReport()
+        assert fuse_chained_allgathers(gm, mesh.group_dims, report=report) == 0  # dp*tp is not the whole mesh
+        assert [why for _, why in report.unfused] == [NO_FLAT_GROUP]
 
 
 def test_disabled_patch_fuses_nothing(mesh):
     b = GraphBuilder(mesh_groups(mesh))
     gm = _out(b, _chain(b, "dp", "tp"))
+    report = ChainReport()
     with patches.disabled("fuse_chained_allgathers"):
-        assert fuse_chained_allgathers(gm, mesh.group_dims) == 0
+        assert fuse_chained_allgathers(gm, mesh.group_dims, report=report) == 0
     assert len(_ag_groups(gm)) == 2
+    assert report.fused == [] and [why for _, why in report.unfused] == [DISABLED]
+
+
+def test_report_names_each_fused_chain_and_its_order(mesh):
+    b = GraphBuilder(mesh_groups(mesh))
+    gm = _out(b, _chain(b, "dp", "tp"), _chain(b, "tp", "dp"))
+    report = ChainReport()
+    assert fuse_chained_allgathers(gm, mesh.group_dims, report=report) == 2
+    assert [re.sub(r"all_gather_into_tensor\w*", "ag", c) for c in report.fused] == [
+        "ag(dp) -> ag(tp) on dp*tp [column-major]",
+        "ag(tp) -> ag(dp) on dp*tp",
+    ]
+    assert report.found == 2 and report.summary() == "2 chained all-gathers found, 2 fused"
 
 
 # --- bad input ----------------------------------------------------------------------------------

@@ -1,0 +1,462 @@
+"""Lower a plan: the unsharded joint graph + planned placements -> one rank's joint graph.
+
+The planner places every node of the *unsharded* joint forward+loss+backward graph. A plan only
+runs once it is a per-rank program with explicit collectives, the same kind of graph the hand
+plans trace (``autoparallel.parallelize``), so every later stage runs on it unchanged. This
+module makes it:
+
+* :class:`PlacedInterpreter` runs the unsharded graph on *local* tensors. Before each op it
+  moves each tensor input from its producer's planned output placement to the placement the
+  op's planned candidate wants, with DTensor's own redistribution of local tensors (the same
+  transform plan the planner priced, one collective per mesh dim: DTensor's merging of
+  same-kind steps into one flattened-mesh collective is switched off while lowering, so an
+  ``S(0)S(0) -> RR`` parameter becomes a tp all-gather then a dp all-gather, the chain that
+  ``fuse_chained_allgathers`` fuses later and that the plan's predicted bytes count per dim).
+  The op then runs through DTensor's dispatch on the redistributed inputs, so shape arguments of
+  views and reductions are localized by DTensor's own rules; ops with no DTensor strategy (the
+  planner's own rules: CPU SDPA) run on the local tensors directly. An output whose DTensor
+  placement is not the planned one is redistributed to the plan and reported.
+* :func:`lower_plan` traces that interpreter with ``make_fx`` (under ``preserve_node_meta``, so
+  every new node carries its unsharded node's phase and module path, and a redistribution the
+  phase of the op that needed it), gives the placeholders the export's names and descriptors,
+  and swaps the graph into the export the planner traced (``JointWithDescriptors``) with the
+  local shapes as its inputs: the first partition (``aot_compile_joint_with_descriptors``)
+  compiles it like any traced joint graph.
+
+The same interpreter runs eagerly on real tensors of a real world (no tracing): that is the
+reference the lowered graphs are compared with bitwise (``verify.parity_runs``).
+
+Rank-specific: a local split (``Replicate -> Shard``, ``Replicate -> Partial``) keeps this rank's
+piece, so the lowered graph bakes in the rank's mesh coordinate. Like bucketed graphs, lowered
+graphs are per rank: lower on each rank (a fake world's rank 0 for goldens and reports).
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import operator
+import time
+import warnings
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.fx.traceback as fx_traceback
+from torch import fx
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+from torch.distributed.tensor.placement_types import Placement, Replicate
+from torch.utils import _pytree as pytree
+
+from autoparallel import meta as M
+from autoparallel import roles
+from autoparallel.mesh import ParallelMesh, attach_group_dims
+from autoparallel.parallelize.joint import JointGraph, label_roles
+from autoparallel.parallelize.plan import ParallelPlan
+from autoparallel.planner.graph import ALIAS, PlanningGraph
+from autoparallel.planner.plan import Plan, parse_placement
+from autoparallel.planner.strategies import PLANNER_RULES
+
+log = logging.getLogger(__name__)
+
+Placements = tuple[Placement, ...]
+
+
+class LoweringError(ValueError):
+    """A plan that does not fit the graph it is lowered onto (names the node)."""
+
+
+@dataclass
+class NodePlacements:
+    """One node's planned placements, decoded: per output, and per tensor input."""
+
+    out: list[Placements | None]
+    ins: list[Placements]
+
+
+@dataclass
+class LoweringReport:
+    """What lowering did: how many inputs it moved, the outputs whose DTensor placement differed
+    from the plan (redistributed to the plan, listed by canonical key), and its wall seconds."""
+
+    moved_inputs: int = 0
+    fixed_outputs: list[str] = field(default_factory=list)
+    nodes_before: int = 0
+    nodes_after: int = 0
+    seconds: float = 0.0
+
+    def summary(self) -> str:
+        fixed = f", {len(self.fixed_outputs)} outputs redistributed to the plan" if self.fixed_outputs else ""
+        return f"{self.nodes_before} unsharded nodes -> {self.nodes_after} per-rank nodes; {self.moved_inputs} inputs redistributed{fixed}"
+
+
+def decode(d: Mapping[str, str] | None, names: Sequence[str]) -> Placements | None:
+    if d is None:
+        return None
+    return tuple(parse_placement(d[n]) for n in names)
+
+
+def node_placements(pg: PlanningGraph, plan: Plan) -> dict[fx.Node, NodePlacements]:
+    """Every node's (and the output node's) planned placements; LoweringError naming a node the
+    plan does not place, or a plan made for another mesh."""
+    names = list(pg.mesh.spec.names)
+    if plan.mesh_names != names:
+        raise LoweringError(f"the plan is for mesh dims {plan.mesh_names}, the graph's world has {names}")
+    out: dict[fx.Node, NodePlacements] = {}
+    for node in pg.graph.nodes:
+        if node.op == "output":
+            continue
+        key = pg.keys.get(node.name)
+        got = plan.nodes.get(key) if key is not None else None
+        if got is None:
+            raise LoweringError(
+                f"node {node.name!r} (key {key!r}, {node.format_node()}) has no placement in the plan; "
+                "plan the same model with the same inputs (canonical keys must match)"
+            )
+        out[node] = NodePlacements([decode(o, names) for o in got.out], [decode(i, names) for i in got.ins])
+    output = pg.graph.output_node()
+    outs: list[Placements | None] = []
+    for i, (arg, role) in enumerate(zip(output.args[0], pg.output_roles, strict=True)):
+        if not isinstance(arg, fx.Node):
+            outs.append(None)
+            continue
+        key = f"out:{role or roles.user_output(i)}"
+        if key not in plan.nodes:
+            raise LoweringError(f"graph output {i} ({key}) has no placement in the plan")
+        outs.append(decode(plan.nodes[key].out[0], names))
+    out[output] = NodePlacements(outs, [])
+    return out
+
+
+def _meta(val: torch.Tensor) -> TensorMeta:
+    return TensorMeta(val.shape, val.stride(), val.dtype)
+
+
+def local_shape(val: torch.Tensor, placements: Placements, mesh: ParallelMesh) -> tuple[int, ...]:
+    """This rank's shape of a tensor of ``val``'s (global) shape under ``placements``."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    with unset_fake_temporarily():  # the mesh computes offsets with real tensors
+        shape, _ = compute_local_shape_and_global_offset(val.shape, mesh.device_mesh, placements)
+    return tuple(shape)
+
+
+def shard_tensor(full: torch.Tensor, placements: Placements, mesh: ParallelMesh) -> torch.Tensor:
+    """This rank's piece of ``full`` under ``placements`` (Replicate/Shard only; no communication)."""
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    if any(not (p.is_replicate() or p.is_shard()) for p in placements):
+        raise ValueError(f"shard_tensor takes Replicate/Shard placements, got {placements}")
+    shape, offset = compute_local_shape_and_global_offset(full.shape, mesh.device_mesh, placements)
+    index = tuple(slice(o, o + s) for o, s in zip(offset, shape, strict=True))
+    return full[index].contiguous().clone()
+
+
+class PlacedInterpreter(fx.Interpreter):
+    """Runs the unsharded joint graph on local tensors under a plan (see the module docstring).
+
+    ``placed``: :func:`node_placements`. Call ``run(*local_placeholders)``; it returns the graph's
+    outputs as local tensors in their planned placements.
+    """
+
+    def __init__(self, gm: fx.GraphModule, placed: Mapping[fx.Node, NodePlacements], mesh: ParallelMesh, keys: Mapping[str, str]):
+        super().__init__(gm, garbage_collect_values=True)
+        self.placed = placed
+        self.mesh = mesh
+        self.keys = keys
+        self.report = LoweringReport(nodes_before=len(gm.graph.nodes))
+        self._node: fx.Node | None = None
+
+    def run(self, *args, **kwargs) -> Any:
+        from torch.distributed.tensor._redistribute import (
+            disable_redistribute_transform_optimization,
+        )
+
+        # One collective per mesh dim, as planned and priced (see the module docstring), whether
+        # traced or run eagerly: a merged all-reduce would also sum in another order. DTensor's
+        # constructor wants detached inputs (a warning otherwise); detaching would trace a node
+        # per op, and nothing here records autograd (the graph is the backward already).
+        with disable_redistribute_transform_optimization(), warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="To construct DTensor from torch.Tensor")
+            return super().run(*args, **kwargs)
+
+    def run_node(self, n: fx.Node) -> Any:
+        self._node = n
+        return super().run_node(n)
+
+    def _out_of(self, producer: fx.Node) -> Placements:
+        pl = self.placed[producer].out[0]
+        if pl is None:
+            raise LoweringError(f"node {producer.name!r} feeds a tensor input but has no planned tensor output")
+        return pl
+
+    def move(self, value: torch.Tensor, val: torch.Tensor, src: Placements, dst: Placements) -> torch.Tensor:
+        """``value`` (local, placed ``src``) redistributed to ``dst``; ``val`` the global value."""
+        from torch.distributed.tensor._redistribute import redistribute_local_tensor
+
+        if src == dst:
+            return value
+        self.report.moved_inputs += 1
+        meta = _meta(val)
+        dm = self.mesh.device_mesh
+        return redistribute_local_tensor(value, DTensorSpec(dm, src, tensor_meta=meta), DTensorSpec(dm, dst, tensor_meta=meta))
+
+    def _moved_inputs(self, node: fx.Node, args, kwargs):
+        """(args, kwargs) with each tensor input moved to the placement ``node`` wants, and the
+        list of (value, global val, placement) per tensor input."""
+        want = self.placed[node].ins
+        flat, spec = pytree.tree_flatten((args, kwargs))
+        nodes = pytree.tree_leaves((node.args, node.kwargs))
+        if len(flat) != len(nodes):
+            raise LoweringError(f"node {node.name!r}: its arguments do not flatten like the graph's")
+        tensors = []
+        k = 0
+        for i, (value, src_node) in enumerate(zip(flat, nodes, strict=True)):
+            if not isinstance(src_node, fx.Node):
+                continue
+            if k >= len(want):
+                raise LoweringError(f"node {node.name!r} ({self.keys.get(node.name)}): the plan lists {len(want)} tensor inputs, the graph has more")
+            val = src_node.meta[M.VAL]
+            flat[i] = self.move(value, val, self._out_of(src_node), want[k])
+            tensors.append((flat[i], val, want[k]))
+            k += 1
+        if k != len(want):
+            raise LoweringError(f"node {node.name!r} ({self.keys.get(node.name)}): the plan lists {len(want)} tensor inputs, the graph has {k}")
+        args, kwargs = pytree.tree_unflatten(flat, spec)
+        return args, kwargs, tensors
+
+    def call_function(self, target, args, kwargs):
+        node = self._node
+        if target is operator.getitem:
+            return args[0][args[1]]  # a getitem follows its producer's candidate: nothing moves
+        args, kwargs, tensors = self._moved_inputs(node, args, kwargs)
+        planned = self.placed[node].out
+        if target is ALIAS:
+            return tensors[0][0]
+        if not tensors:
+            # A factory op: make the global value, keep this rank's piece of it.
+            out = super().call_function(target, args, kwargs)
+            return self.move(out, node.meta[M.VAL], tuple(Replicate() for _ in self.mesh.spec.names), planned[0])
+        if target in PLANNER_RULES:
+            # No DTensor strategy: the planner's rule shards dims the op treats independently.
+            return super().call_function(target, args, kwargs)
+        return self._via_dtensor(node, target, args, kwargs, planned)
+
+    def _via_dtensor(self, node, target, args, kwargs, planned):
+        dm = self.mesh.device_mesh
+        it = iter(pytree.tree_leaves((node.args, node.kwargs)))
+        want = iter(self.placed[node].ins)
+
+        def wrap(x):
+            src = next(it)
+            if not isinstance(src, fx.Node):
+                return x
+            val = src.meta[M.VAL]
+            # The constructor, not DTensor.from_local: no autograd wrapper, so no view_as node
+            # per wrapped input in the lowered graph.
+            spec = DTensorSpec(dm, next(want), tensor_meta=_meta(val))
+            return DTensor(x, spec, requires_grad=False)
+
+        flat, spec = pytree.tree_flatten((args, kwargs))
+        args, kwargs = pytree.tree_unflatten([wrap(x) for x in flat], spec)
+        out = target(*args, **kwargs)
+        vals = node.meta[M.VAL]
+        if isinstance(out, DTensor):
+            return self._to_local(node, out, planned[0], vals)
+        if isinstance(out, tuple | list):
+            vals = vals if isinstance(vals, tuple | list) else [vals] * len(out)
+            return type(out)(
+                self._to_local(node, o, planned[i] if i < len(planned) else None, vals[i]) if isinstance(o, DTensor) else o
+                for i, o in enumerate(out)
+            )
+        return out
+
+    def _to_local(self, node: fx.Node, out: DTensor, planned: Placements | None, val) -> torch.Tensor:
+        local = out._local_tensor  # not to_local(): no view node
+        if planned is not None and tuple(out.placements) != planned:
+            self.report.fixed_outputs.append(self.keys.get(node.name, node.name))
+            return self.move(local, val, tuple(out.placements), planned)
+        return local
+
+    def output(self, target, args, kwargs):
+        node = self._node
+        values = list(args[0])
+        planned = self.placed[node].out
+        for i, (value, src) in enumerate(zip(values, node.args[0], strict=True)):
+            if isinstance(src, fx.Node) and planned[i] is not None:
+                values[i] = self.move(value, src.meta[M.VAL], self._out_of(src), planned[i])
+        return values
+
+
+def local_placeholders(pg: PlanningGraph, placed: Mapping[fx.Node, NodePlacements], make: Callable[[fx.Node, tuple[int, ...]], torch.Tensor]) -> list:
+    """One local value per placeholder: ``make(node, local shape)`` (non-tensors as traced)."""
+    out = []
+    for ph in pg.graph.find_nodes(op="placeholder"):
+        val = ph.meta.get(M.VAL)
+        if not isinstance(val, torch.Tensor):
+            out.append(val)
+            continue
+        out.append(make(ph, local_shape(val, placed[ph].out[0], pg.mesh)))
+    return out
+
+
+def _rename_placeholders_like(source: fx.GraphModule, target: fx.GraphModule) -> None:
+    """Give ``target``'s placeholders ``source``'s names and descriptors (the partitioner finds
+    tangents by name), and its output node ``source``'s output descriptors."""
+    src = list(source.graph.find_nodes(op="placeholder"))
+    dst = list(target.graph.find_nodes(op="placeholder"))
+    if len(src) != len(dst):
+        raise LoweringError(f"the lowered graph has {len(dst)} placeholders, the traced graph {len(src)}")
+    for a, b in zip(src, dst, strict=True):
+        if M.DESC in a.meta:
+            b.meta[M.DESC] = a.meta[M.DESC]
+        b.target = a.target
+        b.name = a.name
+    out_a, out_b = source.graph.output_node(), target.graph.output_node()
+    if M.DESC in out_a.meta:
+        out_b.meta[M.DESC] = out_a.meta[M.DESC]
+    # Called like the traced joint graph: gm(primals, tangents) (the export's pytree codegen).
+    target.graph._codegen = copy.copy(source.graph._codegen)
+    target.recompile()
+
+
+def _swap_into_export(jd, gm: fx.GraphModule) -> None:
+    """Make the export ``jd`` compile ``gm``: its graph module and its example inputs (now this
+    rank's local shapes; parameters stay Parameters, tangents follow)."""
+    from torch._functorch._aot_autograd.subclass_utils import create_subclass_meta
+
+    vals = [ph.meta[M.VAL] for ph in gm.graph.find_nodes(op="placeholder")]
+    state = jd._aot_state
+    n = len(state.flat_args)
+    flat = [torch.nn.Parameter(v, requires_grad=o.requires_grad) if isinstance(o, torch.nn.Parameter) else v for o, v in zip(state.flat_args, vals[:n], strict=False)]
+    tangents = vals[n:]
+    jd.graph_module = gm
+    jd._aot_graph_capture.updated_flat_args = (flat, tangents) if tangents else flat
+    state.flat_args = flat
+    state.fw_metadata.traced_tangents = tangents
+    state.fw_metadata.subclass_tangent_meta = create_subclass_meta(tangents, count_symints=False, with_memory_format=True)
+
+
+def lower_plan(pg: PlanningGraph, plan: Plan, parallel_plan: ParallelPlan) -> tuple[JointGraph, LoweringReport]:
+    """The per-rank joint graph of ``plan`` on ``pg`` (traced with ``keep_joint=True``), as a
+    :class:`JointGraph` every later stage takes; consumes ``pg.joint`` (its export now compiles
+    the lowered graph)."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    jg = pg.joint
+    if jg is None:
+        raise ValueError("lower_plan needs the planning trace's export: trace with trace_planning_graph(..., keep_joint=True)")
+    t0 = time.perf_counter()
+    placed = node_placements(pg, plan)
+    fake_mode = jg.fake_mode
+
+    def fake_local(ph: fx.Node, shape: tuple[int, ...]) -> torch.Tensor:
+        val = ph.meta[M.VAL]
+        with fake_mode:
+            return torch.empty(shape, dtype=val.dtype, device=val.device)
+
+    args = local_placeholders(pg, placed, fake_local)
+    sink_placeholder_aliases(pg.graph)
+    _mark_planned_nodes(pg)
+    interp = PlacedInterpreter(pg.gm, placed, pg.mesh, pg.keys)
+
+    def run(*a):
+        return interp.run(*a, enable_io_processing=False)
+
+    with fake_mode, fx_traceback.preserve_node_meta(), torch.no_grad():
+        gm = make_fx(run, tracing_mode="real")(*args)
+    _rename_placeholders_like(pg.gm, gm)
+    _drop_unused_getitems(gm)
+    _drop_block_labels(gm)
+    input_roles, output_roles, num_fwd = label_roles(gm)
+    attach_group_dims(gm, pg.mesh.group_dims)
+    gm.meta[M.GM_STAGE] = "joint"
+    _swap_into_export(jg.jd, gm)
+    interp.report.nodes_after = len(gm.graph.nodes)
+    interp.report.seconds = time.perf_counter() - t0
+    log.info("lowered the plan: %s (%.2fs)", interp.report.summary(), interp.report.seconds)
+    lowered = JointGraph(
+        gm=gm,
+        jd=jg.jd,
+        plan=parallel_plan,
+        mesh=pg.mesh,
+        shardings={},
+        input_roles=input_roles,
+        output_roles=output_roles,
+        num_fwd_outputs=num_fwd,
+        trace_seconds=pg.trace_seconds + interp.report.seconds,
+        fake_mode=fake_mode,
+        _stack=jg._stack,
+    )
+    pg.joint = None  # the export now belongs to the lowered graph
+    return lowered, interp.report
+
+
+OUTPUT_KEY = "output"
+
+
+def sink_placeholder_aliases(graph: fx.Graph) -> int:
+    """Move each alias of a placeholder to just before its first user; the number moved.
+
+    The planner puts them right after the placeholders (FX keeps placeholders first), and the
+    lowering redistributes where the alias runs: a parameter gathered by its alias would be
+    gathered at the top of the forward and held until its first use. At the first user it is
+    gathered when needed, like an FSDP all-gather.
+    """
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    moved = 0
+    for alias in list(graph.find_nodes(op="call_function", target=ALIAS)):
+        if alias.args[0].op != "placeholder" or not alias.users:
+            continue
+        first = min(alias.users, key=order.__getitem__)
+        if first.op != "output" and first.prev is not alias:
+            first.prepend(alias)
+            moved += 1
+    return moved
+
+
+def _mark_planned_nodes(pg: PlanningGraph) -> None:
+    """``custom[PLANNED_NODE]`` on every node of the planning graph: make_fx under
+    preserve_node_meta copies it onto every node traced while interpreting that node (its op and
+    the collectives moving its inputs), so each lowered collective says which planned node it
+    serves."""
+    for node in pg.graph.nodes:
+        if node.op == "output":
+            M.custom_meta(node)[M.PLANNED_NODE] = OUTPUT_KEY
+        elif node.name in pg.keys:
+            M.custom_meta(node)[M.PLANNED_NODE] = pg.keys[node.name]
+
+
+def _drop_unused_getitems(gm: fx.GraphModule) -> None:
+    """make_fx reads every output of a multi-output op through a getitem, the ``None`` ones
+    (outputs an op's mask switched off) too: those have no value and no user."""
+    for node in list(gm.graph.find_nodes(op="call_function", target=operator.getitem)):
+        if not node.users and node.meta.get(M.VAL) is None:
+            gm.graph.erase_node(node)
+    gm.recompile()
+
+
+def _drop_block_labels(gm: fx.GraphModule) -> None:
+    """The planner labels blocks through AC-region annotations (to merge identical blocks); they
+    are no activation checkpointing the user asked for, so the per-rank graph does not carry them."""
+    for node in gm.graph.nodes:
+        custom = node.meta.get(M.CUSTOM)
+        if custom and M.AC_REGION in custom:
+            node.meta[M.CUSTOM] = {k: v for k, v in custom.items() if k != M.AC_REGION}
+
+
+__all__ = [
+    "OUTPUT_KEY",
+    "LoweringError",
+    "LoweringReport",
+    "NodePlacements",
+    "PlacedInterpreter",
+    "local_placeholders",
+    "local_shape",
+    "lower_plan",
+    "node_placements",
+    "shard_tensor",
+]

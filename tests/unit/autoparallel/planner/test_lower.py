@@ -1,0 +1,142 @@
+"""Lowering a plan (autoparallel/planner/lower.py) on a model that is not LLaMA, and its errors.
+
+The two-layer MLP is planned on a fake 2x2 world (dp=2, tp=2) through the pipeline's plan
+stage and lowered by its joint stage: the lowered graph takes this rank's local shapes under
+the plan, carries roles, descriptors and the group registry, is called like a traced joint
+graph, and names for each collective the planned node it serves. Bad plans name the node.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import fx
+from torch.distributed.tensor import Partial, Replicate, Shard
+
+from autoparallel import meta as M
+from autoparallel import pipeline as P
+from autoparallel import roles
+from autoparallel.mesh import fake_world
+from autoparallel.planner.costs import CostModel
+from autoparallel.planner.graph import ALIAS
+from autoparallel.planner.lower import (
+    LoweringError,
+    decode,
+    local_shape,
+    lower_plan,
+    node_placements,
+    shard_tensor,
+    sink_placeholder_aliases,
+)
+from autoparallel.planner.profile import get_profile
+from verify.plan_lowering import (
+    expected_on,
+    mismatches,
+    predicted_by_node,
+    traced_by_node,
+    traced_comm,
+)
+
+MESH = "dp=2,tp=2"
+
+
+@pytest.fixture(scope="module")
+def lowered(mlp, mlp_batch):
+    make_model, loss = mlp
+    with torch.device("meta"):
+        model = make_model()
+    run = P.run_pipeline(model, loss, mlp_batch(), "auto", MESH, P.PipelineOptions(), until=P.JOINT)
+    return run
+
+
+def test_lowered_graph_takes_local_shapes_and_keeps_roles(lowered):
+    run = lowered
+    gm = run.stage(P.JOINT).graphs
+    plan = run.planned.plan
+    assert run.stage(P.JOINT).report.fixed_outputs == []
+    with fake_world(MESH) as mesh:
+        for ph in gm.graph.find_nodes(op="placeholder"):
+            role = ph.meta[M.ROLE]
+            placements = plan.params[roles.name(role)] if roles.is_param(role) else plan.inputs[role]
+            full = next(n for n in run.planned.pg.graph.find_nodes(op="placeholder") if n.meta[M.ROLE] == role).meta[M.VAL]
+            assert tuple(ph.meta[M.VAL].shape) == local_shape(full, decode(placements, plan.mesh_names), mesh), role
+            assert M.DESC in ph.meta
+    assert gm.meta[M.GM_GROUP_DIMS] and set(gm.meta[M.GM_GROUP_DIMS].values()) >= {"dp", "tp"}
+    assert gm.graph.output_node().meta[M.ROLE][0] == "loss"
+    # every collective says which planned node it moves an input for
+    collectives = [n for n in gm.graph.nodes if n.op == "call_function" and n.target.namespace == "_c10d_functional" and "wait" not in str(n.target)]
+    assert collectives and all(n.meta[M.CUSTOM][M.PLANNED_NODE] in {*plan.nodes, "output"} for n in collectives)
+    # the planner's block labels are not activation checkpointing: none reach the lowered graph
+    assert not any(M.AC_REGION in (n.meta.get(M.CUSTOM) or {}) for n in gm.graph.nodes)
+
+
+def test_lowered_graph_is_called_like_a_traced_joint_graph(lowered):
+    gm = lowered.stage(P.JOINT).graphs
+    primals = [torch.zeros(ph.meta[M.VAL].shape) for ph in gm.graph.find_nodes(op="placeholder") if not roles.is_tangent(ph.meta[M.ROLE])]
+    code = gm.code
+    assert "def forward(self, primals, tangents)" in code and len(primals) == len(lowered.joint.input_roles) - 1
+
+
+def test_a_node_the_plan_does_not_place_is_named(lowered):
+    pg = lowered.planned.pg
+    plan = lowered.planned.plan
+    mm = next(n for n in pg.graph.nodes if n.target is torch.ops.aten.mm.default)
+    key = pg.keys[mm.name]
+    entry = plan.nodes.pop(key)
+    try:
+        with fake_world(MESH), pytest.raises(LoweringError, match=rf"node '{mm.name}' \(key '{key}'.*has no placement in the plan"):
+            node_placements(pg, plan)
+    finally:
+        plan.nodes[key] = entry
+
+
+def test_a_plan_for_another_mesh_is_refused(lowered):
+    pg, plan = lowered.planned.pg, lowered.planned.plan
+    mesh, plan.mesh = plan.mesh, [("x", 2), ("y", 2)]
+    try:
+        with pytest.raises(LoweringError, match=r"the plan is for mesh dims \['x', 'y'\], the graph's world has \['dp', 'tp'\]"):
+            node_placements(pg, plan)
+    finally:
+        plan.mesh = mesh
+
+
+def test_lowering_needs_the_export_of_the_planning_trace(lowered):
+    pg = lowered.planned.pg
+    assert pg.joint is None  # the joint stage consumed it
+    with pytest.raises(ValueError, match=r"keep_joint=True"):
+        lower_plan(pg, lowered.planned.plan, None)
+
+
+def test_predicted_collectives_are_the_lowered_graphs_on_a_model_that_is_not_llama(lowered):
+    """The MLP's plan is Megatron-like (up split on its outputs over both dims, down on its inputs,
+    its partial product all-reduced over dp then tp): exactly what the lowered graph runs."""
+    plan, gm = lowered.planned.plan, lowered.stage(P.JOINT).graphs
+    with fake_world(MESH) as mesh:
+        costs = CostModel(get_profile(plan.profile), mesh.spec, mesh.device_mesh)
+        assert traced_comm(gm) == expected_on(plan.comm, "cpu", dict(plan.mesh)) != {}
+        assert mismatches(predicted_by_node(lowered.planned.pg, plan, costs), traced_by_node(gm)) == []
+
+
+def test_shard_tensor_is_this_ranks_piece():
+    full = torch.arange(8 * 4, dtype=torch.float32).reshape(8, 4)
+    with fake_world(MESH) as mesh:  # rank 0: coordinate (0, 0)
+        assert torch.equal(shard_tensor(full, (Shard(0), Shard(0)), mesh), full[:2])
+        assert torch.equal(shard_tensor(full, (Shard(1), Replicate()), mesh), full[:, :2])
+        assert torch.equal(shard_tensor(full, (Replicate(), Replicate()), mesh), full)
+        assert local_shape(full, (Shard(0), Shard(1)), mesh) == (4, 2)
+        with pytest.raises(ValueError, match="Replicate/Shard placements"):
+            shard_tensor(full, (Partial(), Replicate()), mesh)
+
+
+def test_placeholder_aliases_sink_to_their_first_user():
+    g = fx.Graph()
+    x, y = g.placeholder("x"), g.placeholder("y")
+    a = g.call_function(ALIAS, (x,))
+    n1 = g.call_function(torch.ops.aten.neg.default, (y,))
+    n2 = g.call_function(torch.ops.aten.add.Tensor, (n1, a))
+    n3 = g.call_function(torch.ops.aten.mul.Tensor, (n2, a))
+    g.output((n3,))
+    assert sink_placeholder_aliases(g) == 1
+    assert [n.name for n in g.nodes][2:5] == [n1.name, a.name, n2.name]
+    assert sink_placeholder_aliases(g) == 0  # already there
+    g.lint()
