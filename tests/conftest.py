@@ -5,10 +5,16 @@ file only holds helpers specific to this repository's tests."""
 import json
 import os
 import shutil
+import sys
 import tempfile
+from dataclasses import dataclass
 
 import pytest
 import torch.distributed as dist
+
+# pytester runs the plugin, golden and workflow tests' throwaway projects in this process
+# (``inner_pytest``): a pytest subprocess pays ~1 s of imports each time.
+pytest_plugins = ("pytester",)
 
 
 @pytest.fixture(autouse=True)
@@ -102,6 +108,40 @@ def structured_trace():
         yield captured
     finally:
         trace_log.removeHandler(captured.handler)
+
+
+@dataclass
+class InnerRun:
+    returncode: int
+    stdout: str
+    stderr: str
+
+
+@pytest.fixture
+def inner_pytest(pytester, monkeypatch):
+    """``inner_pytest(*args, env=None) -> InnerRun``: ``pytest *args`` on the throwaway project in
+    ``pytester.path`` (write its files there), run in this process; its output is also echoed to
+    this test's stdout.
+
+    In this process rather than a subprocess where the test is about what pytest and the plugin
+    do, not about a fresh interpreter (that costs ~1 s of imports per run). The run sees none of
+    this run's ``PYTEST_*`` / ``XDIST_*`` variables (an inner pytest that finds them behaves like
+    an xdist worker) nor ``AUTOPARALLEL_*`` (``env`` sets variables for one run); no bytecode is
+    cached, so a test file rewritten within the same second is never read from a stale .pyc.
+    """
+    monkeypatch.setattr(sys, "dont_write_bytecode", True)
+
+    def run(*args: str, env: dict[str, str] | None = None) -> InnerRun:
+        with pytest.MonkeyPatch.context() as mp:
+            for key in list(os.environ):
+                if key.startswith(("PYTEST_", "XDIST_", "AUTOPARALLEL_")) and key != "PYTEST_DEBUG_TEMPROOT":
+                    mp.delenv(key)
+            for key, value in (env or {}).items():
+                mp.setenv(key, value)
+            res = pytester.runpytest_inprocess(*args)
+        return InnerRun(int(res.ret), "\n".join(res.outlines), "\n".join(res.errlines))
+
+    return run
 
 
 @pytest.fixture(scope="session")

@@ -60,14 +60,15 @@ def stage_tracer() -> StageTracer:
     return StageTracer(graph_text=_canonical_text, graph_stats=_stats_data)
 
 
-_shared_runs: dict | None = None  # while reuse_pipeline_runs() is entered: arguments -> PipelineRun
+_shared_runs: dict | None = None  # while reuse_pipeline_runs() is entered: arguments -> [(until, run)]
 
 
 @contextlib.contextmanager
 def reuse_pipeline_runs() -> Iterator[None]:
-    """Within: ``run_pipeline`` builds each (scenario, bucket cap) once and then returns the same
-    ``PipelineRun`` (e.g. the golden tests and the report test of one pytest process). Callers
-    must treat the run as read-only. Nests; the outermost exit drops the runs."""
+    """Within: ``run_pipeline`` builds each (scenario, bucket cap, topo span) once and then
+    returns the same ``PipelineRun`` (e.g. the golden tests and the report test of one pytest
+    process); a whole run also serves a request that stops earlier (``until``). Callers must
+    treat the run as read-only. Nests; the outermost exit drops the runs."""
     global _shared_runs
     outer = _shared_runs
     if outer is None:
@@ -78,14 +79,30 @@ def reuse_pipeline_runs() -> Iterator[None]:
         _shared_runs = outer
 
 
-def run_pipeline(scenario: Scenario, *, bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB, topo_span=None) -> P.PipelineRun:
+def _covers(names: list[str], ran_until: str | None, until: str | None) -> bool:
+    """Whether a run that stopped after ``ran_until`` (None: every stage) has ``until``'s stages."""
+    if ran_until is None:
+        return True
+    return until is not None and names.index(until) <= names.index(ran_until)
+
+
+def run_pipeline(
+    scenario: Scenario, *, bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB, topo_span=None, until: str | None = None
+) -> P.PipelineRun:
     """Every stage of ``autoparallel.pipeline.STAGES`` for ``scenario`` on one fake world (graphs
     of rank 0: bucketing is rank-specific), plus the alternatives, each stage's graphs copied.
-    ``bucket_cap_mb`` / ``topo_span``: see :func:`pipeline_options`."""
+    ``bucket_cap_mb`` / ``topo_span``: see :func:`pipeline_options`. ``until``: stop after that
+    stage, without the alternatives (a shared whole run is returned instead when there is one)."""
+    names = [stage.name for stage in P.stages_for(scenario.plan_obj())]
+    if until is not None and until not in names:
+        raise ValueError(f"until={until!r} is no stage; stages: {names}")
     key = (scenario, bucket_cap_mb, topo_span)
-    if _shared_runs is not None and key in _shared_runs:
-        return _shared_runs[key]
-    run = P.run_pipeline(*scenario.pipeline_inputs(), pipeline_options(bucket_cap_mb, topo_span), trace=stage_tracer)
     if _shared_runs is not None:
-        _shared_runs[key] = run
+        for ran_until, run in _shared_runs.get(key, ()):
+            if _covers(names, ran_until, until):
+                return run
+    options = pipeline_options(bucket_cap_mb, topo_span, **({} if until is None else {"alternatives": False}))
+    run = P.run_pipeline(*scenario.pipeline_inputs(), options, until=until, trace=stage_tracer)
+    if _shared_runs is not None:
+        _shared_runs.setdefault(key, []).append((until, run))
     return run

@@ -1,17 +1,20 @@
-"""What a user sees when a golden is missing, corrupt, changed or unused (in a throwaway project)."""
+"""What a user sees when a golden is missing, corrupt, changed or unused (in a throwaway project;
+its pytest runs in this process: tests/conftest.py ``inner_pytest``)."""
 
+import contextlib
+import io
 import json
-import os
 import re
 import subprocess
 import sys
 import textwrap
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
-from verify.goldens import FORMAT_LINE, UPDATE_COMMAND, golden_dir_for, render_golden
-from verify.goldens.cli import run_goldens
+from verify.goldens import FORMAT_LINE, UPDATE_COMMAND, cli, golden_dir_for, render_golden
+from verify.goldens.cli import USAGE_LOG_ENV, run_goldens
 
 TEST_FILE = textwrap.dedent(
     """
@@ -25,52 +28,58 @@ TEST_FILE = textwrap.dedent(
 )
 
 
-@pytest.fixture
-def project(tmp_path: Path):
+def make_project(root: Path) -> Path:
     # no:hypothesispytest: the inner runs use no hypothesis, and its import is most of their startup.
-    (tmp_path / "pytest.ini").write_text(
+    (root / "pytest.ini").write_text(
         "[pytest]\ntestpaths = tests\naddopts = -p no:cacheprovider -p no:hypothesispytest\n"
         "autoparallel_verify = true\n"
     )
-    (tmp_path / "tests").mkdir()
-    return tmp_path
+    (root / "tests").mkdir()
+    return root
+
+
+@pytest.fixture
+def cli_project(pytester, inner_pytest, monkeypatch):
+    """A project for ``run_goldens``, whose pytest subprocess runs in this process instead: the
+    command line the CLI builds (checked to be ``python -m pytest ...``), in the directory it
+    names, with the usage-log variable it sets. Its output is dropped, as the subprocess's never
+    reached this test's stdout. (.ci/run runs the real command on this repository.)"""
+    root = make_project(pytester.path)
+
+    def call(cmd, *, cwd, env):
+        assert cmd[:3] == [sys.executable, "-m", "pytest"] and Path(cwd) == root, (cmd, cwd)
+        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+            return inner_pytest(*cmd[3:], env={USAGE_LOG_ENV: env[USAGE_LOG_ENV]}).returncode
+
+    monkeypatch.setattr(cli, "subprocess", SimpleNamespace(call=call, run=subprocess.run))
+    return root
 
 
 def write_test(project: Path, body: str, name: str = "test_one") -> None:
     (project / "tests" / "test_a.py").write_text(TEST_FILE.format(body=body, name=name))
 
 
-def pytest_run(project: Path, *args: str) -> subprocess.CompletedProcess:
-    # Inherited xdist worker variables would make the inner pytest behave like a worker (syrupy
-    # then leaves unused-golden detection to a controller that does not exist).
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTEST_", "XDIST_"))}
-    return subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-n", "0", *args],
-        cwd=project,
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env=env,
-    )
-
-
-def test_missing_changed_corrupt_and_unused_goldens(project):
+def test_missing_changed_corrupt_and_unused_goldens(pytester, inner_pytest):
+    # inner_pytest hides this run's xdist worker variables: an inner pytest that sees them behaves
+    # like a worker (syrupy then leaves unused-golden detection to a controller that does not exist).
+    project = make_project(pytester.path)
+    pytest_run = lambda *args: inner_pytest("-q", "-n", "0", *args)  # noqa: E731
     golden = project / "goldens" / "test_a" / "test_one.txt"
     write_test(project, "mm_0 = aten.mm(a, b)")
 
-    missing = pytest_run(project)
+    missing = pytest_run()
     assert missing.returncode == 1
     assert f"golden file {golden} is missing" in missing.stdout
     assert UPDATE_COMMAND in missing.stdout
 
-    created = pytest_run(project, "--snapshot-update")
+    created = pytest_run("--snapshot-update")
     assert created.returncode == 0, created.stdout
     assert golden.read_text() == render_golden("t", [("graph", "mm_0 = aten.mm(a, b)")])
     assert golden.read_text().startswith(FORMAT_LINE)
-    assert pytest_run(project).returncode == 0
+    assert pytest_run().returncode == 0
 
     write_test(project, "mm_0 = aten.mm(b, a)")
-    changed = pytest_run(project)
+    changed = pytest_run()
     assert changed.returncode == 1
     assert f"graph changed: golden file {golden} differs" in changed.stdout
     assert UPDATE_COMMAND in changed.stdout
@@ -83,55 +92,55 @@ def test_missing_changed_corrupt_and_unused_goldens(project):
     assert [op[0] for op in data["diffs"][0]["ops"]] == ["e", "r"] and "<details class='diff diff-golden' data-diff='0' open>" in page.read_text()
 
     golden.write_bytes(b"\xff\xfe not a golden")
-    corrupt = pytest_run(project)
+    corrupt = pytest_run()
     assert corrupt.returncode == 1
     assert f"golden file {golden} is corrupt" in corrupt.stdout
     golden.write_text("some other text\n")
-    assert "is corrupt: first line is 'some other text'" in pytest_run(project).stdout
+    assert "is corrupt: first line is 'some other text'" in pytest_run().stdout
     assert golden.read_text() == "some other text\n", "a failing run must never rewrite a golden"
 
     write_test(project, "mm_0 = aten.mm(a, b)", name="test_two")
-    assert pytest_run(project, "--snapshot-update").returncode == 0
+    assert pytest_run("--snapshot-update").returncode == 0
     golden.parent.joinpath("test_stale.txt").write_text(render_golden("t", []))
-    unused = pytest_run(project)
+    unused = pytest_run()
     assert unused.returncode == 1
     assert "unused" in unused.stdout
     assert golden.parent.joinpath("test_stale.txt").exists(), "only an explicit update deletes goldens"
 
 
-def test_goldens_command_finds_and_deletes_unused_goldens(project, capsys):
+def test_goldens_command_finds_and_deletes_unused_goldens(cli_project, capsys):
     """`python -m verify goldens`: a stray golden fails --check (named), and --update deletes it;
     a narrowed run cannot tell, says so and deletes nothing."""
 
-    write_test(project, "mm_0 = aten.mm(a, b)")
+    write_test(cli_project, "mm_0 = aten.mm(a, b)")
     # A test without a golden, as in this repository: `-m syrupy_snapshot` deselects it, and then
     # syrupy's own unused detection is off (the case this command exists for).
-    (project / "tests" / "test_plain.py").write_text("def test_plain():\n    pass\n")
-    assert run_goldens(project, update=True, workers="0") == 0
-    kept = project / "goldens" / "test_a" / "test_one.txt"
+    (cli_project / "tests" / "test_plain.py").write_text("def test_plain():\n    pass\n")
+    assert run_goldens(cli_project, update=True, workers="0") == 0
+    kept = cli_project / "goldens" / "test_a" / "test_one.txt"
     assert kept.exists()
-    assert run_goldens(project, update=False, workers="0") == 0
+    assert run_goldens(cli_project, update=False, workers="0") == 0
     assert "unused goldens: none (every one of the 1 golden files was read)" in capsys.readouterr().out
-    stray = project / "goldens" / "test_a" / "test_removed_long_ago.txt"
+    stray = cli_project / "goldens" / "test_a" / "test_removed_long_ago.txt"
     stray.write_text(render_golden("t", []))
     capsys.readouterr()
 
-    assert run_goldens(project, update=False, workers="0") == 1
+    assert run_goldens(cli_project, update=False, workers="0") == 1
     out = capsys.readouterr().out
     assert "1 unused golden(s): no test reads them" in out
     assert "goldens/test_a/test_removed_long_ago.txt" in out and "test_one" not in out
     assert stray.exists(), "--check never deletes"
 
-    assert run_goldens(project, update=False, workers="0", pytest_args=["-k", "nothing_matches"]) == 5
+    assert run_goldens(cli_project, update=False, workers="0", pytest_args=["-k", "nothing_matches"]) == 5
     assert "unused goldens: not checked (1 golden test(s) did not pass" in capsys.readouterr().out
-    run_goldens(project, update=False, workers="0", pytest_args=["tests/test_a.py"])
+    run_goldens(cli_project, update=False, workers="0", pytest_args=["tests/test_a.py"])
     assert "unused goldens: not checked (the run was given paths" in capsys.readouterr().out
     assert stray.exists()
 
-    assert run_goldens(project, update=True, workers="0") == 0
+    assert run_goldens(cli_project, update=True, workers="0") == 0
     assert "deleted unused golden goldens/test_a/test_removed_long_ago.txt" in capsys.readouterr().out
     assert not stray.exists() and kept.exists()
-    assert run_goldens(project, update=False, workers="0") == 0
+    assert run_goldens(cli_project, update=False, workers="0") == 0
 
 
 def test_goldens_live_under_a_tests_directory(tmp_path):

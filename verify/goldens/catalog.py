@@ -82,6 +82,16 @@ def scenario_id(scenario: Scenario) -> str | None:
     return None
 
 
+def run_group(scenario: Scenario) -> str:
+    """The xdist group of the tests that read ``scenario``'s pipeline run (shared per process:
+    ``verify.pipeline.reuse_pipeline_runs``): the golden scenario's id, else a name made of the
+    scenario's fields. Tests that read one scenario's run name its group, so it is built once
+    per test run, by the first of them (the golden tests, where there are any: they collect
+    first)."""
+    sid = scenario_id(scenario)
+    return sid if sid is not None else f"run {scenario.header()}"
+
+
 def pipeline_options(scenario: Scenario) -> dict:
     """``run_pipeline`` keyword arguments the scenario's goldens were made with ({} = defaults)."""
     return dict(PIPELINE_OPTIONS.get(scenario_id(scenario), {}))

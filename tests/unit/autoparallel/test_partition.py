@@ -1,8 +1,11 @@
 """apply_placement, the first partition's save records, and the replay partitioner.
 
 Pipeline tests run tiny and debug LLaMA-3 with fsdp(dp=8) and fsdp_tp(dp=4,tp=2) through
-trace -> apply_placement -> torch.compile(autoparallel_backend()) on a fake world (graphs only).
-Replay-partitioner rules are checked on hand-built joint graphs.
+trace -> apply_placement -> torch.compile(autoparallel_backend()) on a fake world (graphs only),
+through verify.pipeline's shared runs: where the golden tests of the same worker have built a
+golden scenario's whole run, that run serves (its stages up to the second compile do not depend
+on the collective passes' settings). Replay-partitioner rules are checked on hand-built joint
+graphs.
 """
 
 import operator
@@ -23,7 +26,9 @@ from autoparallel.partition import (
     STEP_FIRST_PARTITION,
     ReplaySavesPartitioner,
 )
-from autoparallel.pipeline import PipelineOptions, run_pipeline, second_compile
+from autoparallel.pipeline import second_compile
+from verify.goldens.catalog import run_group
+from verify.pipeline import run_pipeline
 from verify.scenario import Scenario
 from verify.stats import saved_gathered_values
 
@@ -47,13 +52,14 @@ class Compiled:
 
 def _compile(sc: Scenario) -> Compiled:
     """The pipeline through the second compile (graphs only), on a fake world of the scenario."""
-    run = run_pipeline(*sc.pipeline_inputs(), PipelineOptions(snapshots=False), until=SECOND_COMPILE)
+    run = run_pipeline(sc, until=SECOND_COMPILE)
     return Compiled(run.module, run.stage(STEP_FIRST_PARTITION).graphs, run.stage(SECOND_COMPILE).graphs, run.group_dims)
 
 
 @pytest.fixture(scope="module")
-def pipelines():
-    """Compiled scenarios by name, built on first use and shared by the module's tests."""
+def pipelines(shared_pipeline_runs):
+    """Compiled scenarios by name, built on first use and shared by the module's tests (and with
+    the other tests of the scenario's xdist group: a golden scenario's whole run serves them)."""
     cache = {}
 
     def get(name):
@@ -65,8 +71,9 @@ def pipelines():
 
 
 def _group(name: str):
-    # Tests of one scenario share an xdist worker: its compiled pipeline is built once.
-    return pytest.mark.xdist_group(f"partition-{name}")
+    # Tests of one scenario share an xdist worker with the other tests of its pipeline run: the
+    # run is built once (a golden scenario's by the golden tests, which come first in the group).
+    return pytest.mark.xdist_group(run_group(SCENARIOS[name]))
 
 
 @pytest.fixture(scope="module", params=[pytest.param(n, marks=_group(n)) for n in sorted(SCENARIOS)])

@@ -1,11 +1,9 @@
-"""The plugin, run in throwaway projects: inert in a project that has not opted in; opted in, its
+"""The plugin, run in throwaway projects (in this process: tests/conftest.py ``inner_pytest``): inert in a project that has not opted in; opted in, its
 gates (gpu / multigpu(n) skip with a reason, --ap-require-gpu fails instead, slow tests only with
 --ap-run-slow, browser tests skip where Chromium is missing and fail with --ap-require-browser), GPU CI's selection on fake device counts, $AUTOPARALLEL_DISABLE checked at start,
 and no structured-trace noise in a failing test's captured log."""
 
-import os
-import subprocess
-import sys
+import logging
 import textwrap
 
 import pytest
@@ -47,26 +45,26 @@ TESTS = textwrap.dedent(
 OPTED_IN = f"[pytest]\naddopts = --strict-markers -p no:hypothesispytest -p no:cacheprovider\n{OPT_IN_INI} = true\n"
 
 
-def run(project, *args, env_extra=None, chromium="/nonexistent/chromium"):
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTEST_", "XDIST_", "AUTOPARALLEL_"))}
-    env["AP_CHROMIUM"] = chromium
-    env.update(env_extra or {})
-    return subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-rs", "-n", "0", *args],
-        cwd=project, capture_output=True, text=True, timeout=120, env=env,
-    )
+@pytest.fixture
+def run(inner_pytest):
+    """``run(*args, env_extra=None, chromium=...)``: pytest on the project in ``pytester.path``
+    (in this process: tests/conftest.py ``inner_pytest``), with ``-rs`` and no Chromium."""
+
+    def run(*args, env_extra=None, chromium="/nonexistent/chromium"):
+        return inner_pytest("-q", "-rs", "-n", "0", *args, env={"AP_CHROMIUM": chromium, **(env_extra or {})})
+
+    return run
 
 
-@pytest.fixture(scope="module")
-def project(tmp_path_factory):
-    root = tmp_path_factory.mktemp("gates")
-    (root / "pytest.ini").write_text(OPTED_IN)
-    (root / "test_gates.py").write_text(TESTS)
-    return root
+@pytest.fixture
+def project(pytester):
+    (pytester.path / "pytest.ini").write_text(OPTED_IN)
+    (pytester.path / "test_gates.py").write_text(TESTS)
+    return pytester.path
 
 
-def test_gpu_tests_skip_with_a_reason_without_cuda(project):
-    out = run(project)
+def test_gpu_tests_skip_with_a_reason_without_cuda(project, run):
+    out = run()
     assert out.returncode == 0, out.stdout
     assert "1 passed, 5 skipped" in out.stdout
     assert "needs 1 CUDA device(s), found 0" in out.stdout
@@ -75,8 +73,8 @@ def test_gpu_tests_skip_with_a_reason_without_cuda(project):
     assert "browser test cannot run: " in out.stdout
 
 
-def test_require_gpu_and_browser_turn_skips_into_failures_and_order_reverses(project):
-    out = run(project, "--ap-require-gpu", "--ap-require-browser", "--ap-run-slow", "--ap-order", "reverse", "-vv")
+def test_require_gpu_and_browser_turn_skips_into_failures_and_order_reverses(project, run):
+    out = run("--ap-require-gpu", "--ap-require-browser", "--ap-run-slow", "--ap-order", "reverse", "-vv")
     assert out.returncode == 1
     assert "2 passed, 4 errors" in out.stdout  # failed in setup: the test cannot run here
     assert "--ap-require-gpu is set: GPU CI must not pass by skipping" in out.stdout
@@ -86,8 +84,8 @@ def test_require_gpu_and_browser_turn_skips_into_failures_and_order_reverses(pro
                    "test_needs_gpu"], out.stdout
 
 
-def test_order_option_rejects_nonsense(project):
-    bad = run(project, "--ap-order", "sideways", "--collect-only")
+def test_order_option_rejects_nonsense(project, run):
+    bad = run("--ap-order", "sideways", "--collect-only")
     assert bad.returncode == 4 and "--ap-order takes 'file', 'reverse' or 'shuffle:SEED'" in bad.stderr
 
 
@@ -99,9 +97,9 @@ def test_order_option_rejects_nonsense(project):
         (4, ["test_needs_gpu", "test_needs_two_gpus", "test_needs_four_gpus"], []),
     ],
 )
-def test_gpu_ci_runs_what_fits_and_counts_what_does_not(project, gpus, ran, lacking):
+def test_gpu_ci_runs_what_fits_and_counts_what_does_not(project, run, gpus, ran, lacking):
     """--ap-gpu-ci with a faked visible GPU count: the selected tests are trivial, so they pass."""
-    out = run(project, "--ap-gpu-ci", "--ap-gpu-count", str(gpus), "-rA")
+    out = run("--ap-gpu-ci", "--ap-gpu-count", str(gpus), "-rA")
     assert out.returncode == 0, out.stdout
     passed = [line.split("::")[1] for line in out.stdout.splitlines() if line.startswith("PASSED ")]
     assert passed == ran, out.stdout
@@ -113,9 +111,9 @@ def test_gpu_ci_runs_what_fits_and_counts_what_does_not(project, gpus, ran, lack
         assert f"test_gates.py::{line}, {gpus} visible" in out.stdout
 
 
-def test_gpu_ci_fails_on_a_skip_and_without_gpus(tmp_path):
-    (tmp_path / "pytest.ini").write_text(OPTED_IN)
-    (tmp_path / "test_skips.py").write_text(textwrap.dedent(
+def test_gpu_ci_fails_on_a_skip_and_without_gpus(pytester, run):
+    (pytester.path / "pytest.ini").write_text(OPTED_IN)
+    (pytester.path / "test_skips.py").write_text(textwrap.dedent(
         """
         import pytest
 
@@ -128,21 +126,21 @@ def test_gpu_ci_fails_on_a_skip_and_without_gpus(tmp_path):
             pass
         """
     ))
-    out = run(tmp_path, "--ap-gpu-ci", "--ap-gpu-count", "1")
+    out = run("--ap-gpu-ci", "--ap-gpu-count", "1")
     assert out.returncode == 1, out.stdout
     assert "1 passed, 1 skipped" in out.stdout
     assert "FAILED: 1 GPU test(s) skipped; GPU CI must not pass by skipping" in out.stdout
     assert "test_skips.py::test_skips_itself: Skipped: needs a CUDA device" in out.stdout
-    none = run(tmp_path, "--ap-gpu-ci")  # this machine: no CUDA
+    none = run("--ap-gpu-ci")  # this machine: no CUDA
     assert none.returncode == 4 and "--ap-gpu-ci: no CUDA device is visible" in none.stderr
 
 
-def test_unknown_patch_name_in_the_environment_is_a_usage_error(project):
-    out = run(project, "--collect-only", env_extra={"AUTOPARALLEL_DISABLE": "replay_saves_partitioner,fsdp_chain_recompte"})
+def test_unknown_patch_name_in_the_environment_is_a_usage_error(project, run):
+    out = run("--collect-only", env_extra={"AUTOPARALLEL_DISABLE": "replay_saves_partitioner,fsdp_chain_recompte"})
     assert out.returncode == 4
     assert "unknown patch name(s) ['fsdp_chain_recompte'] in $AUTOPARALLEL_DISABLE" in out.stderr
     assert "fsdp_chain_recompute" in out.stderr  # the known names are listed
-    ok = run(project, "--collect-only", "-v", env_extra={"AUTOPARALLEL_DISABLE": "replay_saves_partitioner"})
+    ok = run("--collect-only", "-v", env_extra={"AUTOPARALLEL_DISABLE": "replay_saves_partitioner"})
     assert ok.returncode == 0 and "$AUTOPARALLEL_DISABLE disables patches ['replay_saves_partitioner']" in ok.stdout
 
 
@@ -180,40 +178,40 @@ FOREIGN_TESTS = textwrap.dedent(
 )
 
 
-def test_a_project_that_did_not_opt_in_is_untouched(tmp_path):
+def test_a_project_that_did_not_opt_in_is_untouched(pytester, run):
     """Another project in the same environment: same outcomes with and without the plugin."""
-    (tmp_path / "pytest.ini").write_text("[pytest]\naddopts = -p no:hypothesispytest -p no:cacheprovider\n")
-    (tmp_path / "conftest.py").write_text(FOREIGN_CONFTEST)
-    (tmp_path / "test_foreign.py").write_text(FOREIGN_TESTS)
-    with_plugin = run(tmp_path, "-rA", "--run-slow")
-    without = run(tmp_path, "-rA", "--run-slow", "-p", "no:verify.pytest_plugin")
+    (pytester.path / "pytest.ini").write_text("[pytest]\naddopts = -p no:hypothesispytest -p no:cacheprovider\n")
+    (pytester.path / "conftest.py").write_text(FOREIGN_CONFTEST)
+    (pytester.path / "test_foreign.py").write_text(FOREIGN_TESTS)
+    with_plugin = run("-rA", "--run-slow")
+    without = run("-rA", "--run-slow", "-p", "no:verify.pytest_plugin")
     summary = lambda out: sorted(line for line in out.stdout.splitlines() if line.startswith(("PASSED", "FAILED", "ERROR", "SKIPPED")))  # noqa: E731
     assert summary(with_plugin) == summary(without), with_plugin.stdout
     assert len(summary(with_plugin)) == 4 and "4 passed" in with_plugin.stdout, with_plugin.stdout
     assert "CUDA" not in with_plugin.stdout and "Inductor" not in with_plugin.stdout
-    markers = run(tmp_path, "--markers").stdout
+    markers = run("--markers").stdout
     assert "multigpu(n)" not in markers and "whole-model checks" not in markers
-    fixtures = run(tmp_path, "--fixtures", "-v").stdout
+    fixtures = run("--fixtures", "-v").stdout
     assert "golden -- conftest.py" in fixtures and "pytest_plugin.py" not in fixtures
-    refused = run(tmp_path, "--ap-run-slow")
+    refused = run("--ap-run-slow")
     assert refused.returncode == 4 and f"opt in with `{OPT_IN_INI} = true`" in refused.stderr
 
 
-def test_golden_outside_a_tests_directory_is_a_clear_failure(tmp_path):
-    (tmp_path / "pytest.ini").write_text(OPTED_IN)
-    (tmp_path / "test_here.py").write_text("def test_g(golden):\n    golden.check_text('x')\n")
-    out = run(tmp_path)
+def test_golden_outside_a_tests_directory_is_a_clear_failure(pytester, run):
+    (pytester.path / "pytest.ini").write_text(OPTED_IN)
+    (pytester.path / "test_here.py").write_text("def test_g(golden):\n    golden.check_text('x')\n")
+    out = run()
     assert out.returncode == 1
     assert "golden tests must live under a 'tests/' directory (goldens/ mirrors tests/)" in out.stdout
     assert "Traceback" not in out.stdout
 
 
-def test_failing_test_shows_no_structured_trace_records(tmp_path):
-    (tmp_path / "pytest.ini").write_text(OPTED_IN)
+def test_failing_test_shows_no_structured_trace_records(pytester, run):
+    (pytester.path / "pytest.ini").write_text(OPTED_IN)
     # The logger as torch._logging sets it up (always DEBUG, not propagating; pytest >= 9 attaches
     # its capture handlers to it anyway), without importing torch: Dynamo's trace_structured
     # writes one empty-message record per compile event.
-    (tmp_path / "test_compile.py").write_text(textwrap.dedent(
+    (pytester.path / "test_compile.py").write_text(textwrap.dedent(
         """
         import logging
 
@@ -228,7 +226,13 @@ def test_failing_test_shows_no_structured_trace_records(tmp_path):
             assert False
         """
     ))
-    out = run(tmp_path)
+    trace_log = logging.getLogger("torch.__trace")  # the inner test sets it up in this process
+    propagate, level = trace_log.propagate, trace_log.level
+    try:
+        out = run()
+    finally:
+        trace_log.propagate = propagate
+        trace_log.setLevel(level)
     assert out.returncode == 1
     assert "a record of the test's own" in out.stdout, "other log records are still shown"
     assert "torch.__trace" not in out.stdout

@@ -1,5 +1,10 @@
-"""The joint graph has the collectives the plan promises, on the mesh dims it names."""
+"""The joint graph has the collectives the plan promises, on the mesh dims it names.
 
+Traces of named scenarios come from verify.pipeline's shared runs (``traced``): the joint stage
+of the run the golden and partition tests of the same xdist group build anyway.
+"""
+
+import dataclasses
 from collections import Counter
 
 import pytest
@@ -11,6 +16,9 @@ from autoparallel.mesh import fake_world
 from autoparallel.mesh import fake_world as fw
 from autoparallel.models.llama3 import build_model
 from autoparallel.parallelize import ParallelPlan, build_joint_graph
+from autoparallel.pipeline import JOINT
+from verify.goldens.catalog import run_group
+from verify.pipeline import run_pipeline
 from verify.scenario import Scenario
 
 _c10d = torch.ops._c10d_functional
@@ -23,40 +31,39 @@ def collectives(jg) -> Counter:
     return Counter((NAMES[n.target], dims[group_of(n)]) for n in jg.gm.graph.nodes if n.target in NAMES)
 
 
-def _group(preset: str):
-    # Tests of one preset share an xdist worker, and so the module's traces (``traced``).
-    return pytest.mark.xdist_group(f"joint-graph-{preset}")
-
-
-@pytest.fixture(scope="module", params=[pytest.param(p, marks=_group(p)) for p in ("tiny", "debug")])
-def preset(request):
-    return request.param
+def _per_preset(plan: str, mesh: str, **kw):
+    """The scenario on the tiny and debug presets, each in the xdist group of its pipeline run."""
+    out = []
+    for preset in ("tiny", "debug"):
+        sc = Scenario(preset=preset, plan=plan, mesh=mesh, **kw)
+        out.append(pytest.param(sc, id=preset, marks=pytest.mark.xdist_group(run_group(sc))))
+    return out
 
 
 @pytest.fixture(scope="module")
-def traced():
-    """``traced(scenario)``: its joint graph, traced once per module (the tests only read it)."""
-    cache = {}
+def traced(shared_pipeline_runs):
+    """``traced(scenario)``: its joint graph, the joint stage of the scenario's shared pipeline
+    run (the tests only read it)."""
 
     def get(sc: Scenario):
-        if sc not in cache:
-            with sc.trace() as jg:
-                cache[sc] = jg
-        return cache[sc]
+        run = run_pipeline(sc, until=JOINT)
+        return dataclasses.replace(run.joint, gm=run.stage(JOINT).graphs)
 
     return get
 
 
-def test_fsdp_counts_equal_sharded_params(preset, traced):
-    jg = traced(Scenario(preset=preset, plan="fsdp", mesh="dp=8"))
+@pytest.mark.parametrize("sc", _per_preset("fsdp", "dp=8"))
+def test_fsdp_counts_equal_sharded_params(sc, traced):
+    jg = traced(sc)
     c = collectives(jg)
     n_params = len(jg.shardings)
     assert jg.num_params == n_params
     assert c == Counter({("all_gather", "dp"): n_params, ("reduce_scatter", "dp"): n_params})
 
 
-def test_fsdp_tp_puts_tp_all_reduces_on_tp(preset, traced):
-    jg = traced(Scenario(preset=preset, plan="fsdp_tp", mesh="dp=4,tp=2"))
+@pytest.mark.parametrize("sc", _per_preset("fsdp_tp", "dp=4,tp=2"))
+def test_fsdp_tp_puts_tp_all_reduces_on_tp(sc, traced):
+    jg = traced(sc)
     c = collectives(jg)
     n_layers = sum(1 for f in jg.shardings if f.endswith("attention.wq.weight"))
     n_params = len(jg.shardings)
@@ -71,25 +78,30 @@ def test_ddp_all_reduces_each_gradient_on_dp():
         assert collectives(jg) == Counter({("all_reduce", "dp"): len(jg.shardings)})
 
 
-def test_bf16_param_dtype_casts_before_each_all_gather():
-    with Scenario(mesh="dp=8", param_dtype="bf16", reduce_dtype="fp32").trace() as jg:
-        ags = [n for n in jg.gm.graph.nodes if n.target == AG]
-        assert ags
-        for ag in ags:
-            src = ag.args[0]
-            assert is_dtype_cast(src), ag.name
-            assert src.meta[M.VAL].dtype == torch.bfloat16
-            assert src.args[0].op == "placeholder" and src.args[0].meta[M.ROLE].startswith("param:")
-            assert ag.meta[M.VAL].dtype == torch.bfloat16
-        rss = [n for n in jg.gm.graph.nodes if n.target == RS]
-        assert all(rs.meta[M.VAL].dtype == torch.float32 for rs in rss)
+BF16 = Scenario(mesh="dp=8", param_dtype="bf16", reduce_dtype="fp32")
+TINY_FSDP = Scenario(preset="tiny", plan="fsdp", mesh="dp=8")  # Scenario() spelled out
 
 
-@_group("tiny")
+@pytest.mark.xdist_group(run_group(BF16))
+def test_bf16_param_dtype_casts_before_each_all_gather(traced):
+    jg = traced(BF16)
+    ags = [n for n in jg.gm.graph.nodes if n.target == AG]
+    assert ags
+    for ag in ags:
+        src = ag.args[0]
+        assert is_dtype_cast(src), ag.name
+        assert src.meta[M.VAL].dtype == torch.bfloat16
+        assert src.args[0].op == "placeholder" and src.args[0].meta[M.ROLE].startswith("param:")
+        assert ag.meta[M.VAL].dtype == torch.bfloat16
+    rss = [n for n in jg.gm.graph.nodes if n.target == RS]
+    assert all(rs.meta[M.VAL].dtype == torch.float32 for rs in rss)
+
+
+@pytest.mark.xdist_group(run_group(TINY_FSDP))
 def test_every_node_has_fake_val_and_roles(traced):
     from torch._subclasses.fake_tensor import FakeTensor
 
-    jg = traced(Scenario(preset="tiny", plan="fsdp", mesh="dp=8"))  # Scenario() spelled out
+    jg = traced(TINY_FSDP)
     for node in jg.gm.graph.nodes:
         if node.op == "output":
             continue

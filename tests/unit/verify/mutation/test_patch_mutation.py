@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 
+from verify.mutation import patches as harness
 from verify.mutation.patches import GuardRun, classify, format_table, mutate
 
 pytestmark = pytest.mark.xdist_group("mutation-harness")  # one worker runs the module fixture
@@ -60,11 +61,34 @@ class FakePatch:
     guards: tuple[str, ...]
 
 
+# Runs that must hang (a guard that sleeps 60 s) get a short limit; every other run a generous
+# one. One limit for all (it was 4 s) made each expected timeout cost its full limit and left a
+# normal run on a loaded machine little margin. The harness code is unchanged: the runs are real
+# pytest subprocesses, killed at their limit and classified from what that left.
+HANG_LIMIT_S = 1.0
+LIMIT_S = 60.0
+
+
+def _hangs(guards, disable) -> bool:
+    return disable == "p_slow" or any(g.endswith("::test_hangs") for g in guards)
+
+
 @pytest.fixture(scope="module")
-def results(tmp_path_factory):
+def short_limit_for_hanging_runs():
+    real = harness.run_guards
+
+    def run_guards(guards, *, disable="", timeout_s, **kw):
+        return real(guards, disable=disable, timeout_s=HANG_LIMIT_S if _hangs(guards, disable) else timeout_s, **kw)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(harness, "run_guards", run_guards)
+        yield
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory, short_limit_for_hanging_runs):
     root: Path = tmp_path_factory.mktemp("mutproj")
-    # no:hypothesispytest: the guard runs use no hypothesis, and its import is most of their startup
-    # (which also counts against the 4 s per-patch timeout below).
+    # no:hypothesispytest: the guard runs use no hypothesis, and its import is most of their startup.
     (root / "pytest.ini").write_text("[pytest]\ntestpaths = tests\naddopts = -p no:hypothesispytest\n")
     (root / "tests").mkdir()
     (root / "tests" / "test_guards.py").write_text(GUARDS)
@@ -78,7 +102,7 @@ def results(tmp_path_factory):
         FakePatch("p_setup_error", (g + "test_setup",)),
         FakePatch("p_param", (g + "test_param",)),
     ]
-    out = mutate(patches, workers=0, timeout_s=4, cwd=root)
+    out = mutate(patches, workers=0, timeout_s=LIMIT_S, cwd=root)
     return {r.name: r for r in out}, out, root
 
 
@@ -107,13 +131,13 @@ def test_table_reports_kill_rate_and_reasons(results):
     assert "p_broken: error: guard(s) do not pass with the patch enabled" in table
 
 
-def test_baseline_that_times_out_is_a_timeout_not_a_missing_guard(results):
+def test_baseline_that_times_out_is_a_timeout_not_a_missing_guard(results, short_limit_for_hanging_runs):
     """A guard that hangs with every patch enabled: the patch is reported as a timeout of its
     baseline, and the other patch (run in the same combined baseline first) is still classified."""
     _, _, root = results
     g = "tests/test_guards.py::"
     out = mutate([FakePatch("p_hangs", (g + "test_hangs",)), FakePatch("p_strong", (g + "test_strong",))],
-                 workers=0, timeout_s=4, cwd=root)
+                 workers=0, timeout_s=LIMIT_S, cwd=root)
     by_name = {r.name: r for r in out}
     assert by_name["p_hangs"].state == "timeout", by_name["p_hangs"].detail
     assert "baseline run (every patch enabled) exceeded the time limit" in by_name["p_hangs"].detail
