@@ -36,6 +36,7 @@ from torch.utils.checkpoint import CheckpointPolicy
 from autoparallel import meta as M
 from autoparallel import roles
 from autoparallel.mesh import attach_group_dims
+from autoparallel.parallelize.program import clean_fqn
 from autoparallel.passes.cleanup import CleanupReport, cleanup_graph
 from autoparallel.passes.fsdp_recompute import FsdpTagReport, mark_fsdp_all_gather_recomputation
 from autoparallel.runtime.parallel_module import ParallelModule, PartitionRecord
@@ -107,14 +108,17 @@ def label_partition(
     grad_roles: Sequence[str | None] | None,
     group_dims: Mapping[str, str] | None,
     stage: str,
+    plain_inputs: Sequence[str | None] | None = None,
 ) -> None:
     """Give a fw/bw pair what goldens and stats read: placeholder roles, output roles, the
     group-name registry (where known) and the stage name.
 
     ``placeholder_roles`` maps joint placeholder names to roles (partitioners keep primal and
     tangent names), so a saved parameter shard keeps its ``param:<fqn>`` role in the backward.
-    Forward outputs are ``loss`` / ``output:<i>`` then ``saved:<k>`` in order; a backward input
-    holding a computed saved value is named by the same ``saved:<k>``.
+    Forward outputs are ``mutated:<fqn>`` (a buffer's new value), ``loss`` / ``output:<i>``, then
+    ``saved:<k>`` in order; a backward input holding a computed saved value is named by the same
+    ``saved:<k>``. ``plain_inputs``: the roles of a Dynamo graph's inputs, which its descriptors
+    only number (see ``roles.of_descriptor``).
     """
     saved_names = {}
     out = fw.graph.output_node()
@@ -131,7 +135,7 @@ def label_partition(
                 saved_names.setdefault(v.name, role)
         else:
             # A user output: its descriptor says which one; without one, its position does.
-            role = roles.of_descriptor(d, name_unknown=False) or roles.user_output(i)
+            role = roles.of_descriptor(d, fqn=clean_fqn, plain_inputs=plain_inputs, name_unknown=False) or roles.user_output(i)
         labels.append(role)
     out.meta[M.ROLE] = labels
     for gm in (fw, bw):

@@ -1,8 +1,20 @@
 """Training steps on one rank, the same way for every executor of the parallel program.
 
-An executor maps (parameter shards, local batch) -> (loss, gradients). Running several
+An executor maps (parameter shards, local batch) -> (loss, gradients), and updates the rank's
+buffers in place where the model mutates them (BatchNorm's running stats). Running several
 executors through ``train_steps`` with the same optimizer lets parity tests compare eager, the
-joint graph and compiled modules step by step, optimizer updates included.
+joint graph, the split graphs and compiled modules step by step, optimizer updates and buffers
+included.
+
+Executors (each an :class:`Executor`: call it, and read ``.buffers`` for the live buffers it
+updates, by FQN):
+
+* :func:`eager_program_executor`: a ``ParallelProgram`` with autograd (the reference);
+* :func:`joint_graph_executor`: a joint graph ``gm(primals, tangents)``, forward and backward in
+  one call; the buffers' new values it returns (``mutated:<fqn>`` outputs) are applied;
+* :func:`split_graph_executor`: a (forward, backward) pair, inputs and outputs matched by role;
+* :func:`parallel_module_executor` / :func:`compiled_module_executor`: a ``ParallelModule`` and
+  its ``torch.compile``'d version (autograd drives the backward).
 """
 
 from __future__ import annotations
@@ -13,22 +25,38 @@ from dataclasses import dataclass, field
 import torch
 from torch import fx
 
+from autoparallel import meta as M
 from autoparallel import roles
+from autoparallel.parallelize.program import clean_fqn
 
-Executor = Callable[[Mapping[str, torch.Tensor], Sequence[torch.Tensor]], tuple[torch.Tensor, dict[str, torch.Tensor]]]
+Step = Callable[[Mapping[str, torch.Tensor], Sequence[torch.Tensor]], tuple[torch.Tensor, dict[str, torch.Tensor]]]
+
+
+@dataclass
+class Executor:
+    """One training step of some form of the parallel program: ``executor(params, inputs) ->
+    (loss, {fqn: grad})``. ``buffers``: the live buffers (by FQN) the step updates in place, which
+    ``train_steps`` records after every step."""
+
+    step: Step
+    buffers: Mapping[str, torch.Tensor] = field(default_factory=dict)
+
+    def __call__(self, params: Mapping[str, torch.Tensor], inputs: Sequence[torch.Tensor]):
+        return self.step(params, inputs)
 
 
 @dataclass
 class StepTrace:
-    """Losses and gradients of each step (detached copies)."""
+    """Losses, gradients and buffers (after the step) of each step (detached copies); ``buffers``
+    is empty for an executor without buffers."""
 
     losses: list[torch.Tensor] = field(default_factory=list)
     grads: list[dict[str, torch.Tensor]] = field(default_factory=list)
+    buffers: list[dict[str, torch.Tensor]] = field(default_factory=list)
 
 
 def eager_program_executor(program: torch.nn.Module) -> Executor:
     """Runs the ParallelProgram eagerly with autograd (the reference)."""
-
     def run(params, inputs):
         local = program.local_parameters()
         for fqn, p in local.items():
@@ -40,7 +68,7 @@ def eager_program_executor(program: torch.nn.Module) -> Executor:
         loss.backward()
         return loss.detach(), {fqn: p.grad for fqn, p in local.items()}
 
-    return run
+    return Executor(run, {clean_fqn(n): b for n, b in program.named_buffers()})
 
 
 def _module_step(module: torch.nn.Module, call: Callable[..., torch.Tensor]) -> Executor:
@@ -54,7 +82,7 @@ def _module_step(module: torch.nn.Module, call: Callable[..., torch.Tensor]) -> 
         loss.backward()
         return loss.detach(), {fqn: p.grad for fqn, p in local.items()}
 
-    return run
+    return Executor(run, dict(module.model.named_buffers()))
 
 
 def parallel_module_executor(module: torch.nn.Module) -> Executor:
@@ -87,39 +115,126 @@ def primals_by_role(
     return primals
 
 
+def _loss_and_updates(
+    values: Sequence[object], output_roles: Sequence[str | None], buffers: Mapping[str, torch.Tensor], where: str
+) -> torch.Tensor:
+    """The loss among a forward's outputs (by role); each ``mutated:<fqn>`` output is copied into
+    its buffer."""
+    loss = None
+    for value, role in zip(values, output_roles, strict=False):
+        if role == roles.LOSS:
+            loss = value
+        elif roles.is_mutated(role):
+            with torch.no_grad():
+                buffers[roles.name(role)].copy_(value)
+    if loss is None:
+        raise ValueError(f"{where}: no output has the role {roles.LOSS!r} (output roles: {list(output_roles)})")
+    return loss
+
+
+def _named_grads(values: Sequence[object], output_roles: Sequence[str | None], where: str) -> dict[str, torch.Tensor]:
+    named = {}
+    if len(values) != len(output_roles):
+        raise ValueError(f"{where}: {len(values)} outputs but {len(output_roles)} output roles")
+    for value, role in zip(values, output_roles, strict=True):
+        if not roles.is_grad(role):
+            continue
+        if value is None:
+            raise ValueError(f"{where}: output {role} is None; a parameter the loss does not use has no gradient")
+        named[roles.name(role)] = value
+    return named
+
+
+def _tangents(gm: fx.GraphModule) -> list[torch.Tensor]:
+    """Ones for the loss tangent(s), in the dtype the graph traced them with."""
+    out = []
+    for ph in gm.graph.find_nodes(op="placeholder"):
+        if roles.is_tangent(ph.meta.get(M.ROLE)):
+            val = ph.meta.get(M.VAL)
+            out.append(torch.ones((), dtype=val.dtype if isinstance(val, torch.Tensor) else torch.float32))
+    return out
+
+
 def joint_graph_executor(
     gm: fx.GraphModule,
     input_roles: Sequence[str],
     output_roles: Sequence[str | None],
     buffers: Mapping[str, torch.Tensor],
 ) -> Executor:
-    """Runs a joint graph ``gm(primals, tangents)``: forward and backward in one call."""
+    """Runs a joint graph: forward and backward in one call, ``gm(primals, tangents)`` as traced
+    (or ``gm(*primals, *tangents)`` once a pass has flattened its calling convention). Outputs
+    are read by role (``output_roles``, flat): the ``loss``, the ``grad:<fqn>`` gradients, and
+    ``mutated:<fqn>`` new buffer values, copied into ``buffers`` (the caller's)."""
     tangent_count = sum(1 for r in input_roles if roles.is_tangent(r))
+    tangents = _tangents(gm)
+    if len(tangents) != tangent_count:  # placeholders without roles: the loss tangent in fp32
+        tangents = [torch.ones((), dtype=torch.float32)] * tangent_count
+    nested = isinstance(gm.graph._codegen, fx.graph._PyTreeCodeGen)
 
     def run(params, inputs):
         primals = primals_by_role(input_roles, params, buffers, inputs)
         with torch.no_grad():
-            fw_out, grads = gm(primals, [torch.ones((), dtype=torch.float32)] * tangent_count)
-        loss = fw_out[0]
-        named = {}
-        grad_fqns = roles.names_of(output_roles, roles.GRAD)
-        for fqn, g in zip(grad_fqns, [g for g in grads if g is not None], strict=True):
-            named[fqn] = g
-        return loss.detach(), named
+            if nested:
+                fw_out, grads = gm(primals, tangents)
+                outs = [*fw_out, *grads]
+            else:
+                outs = list(gm(*primals, *tangents))
+        loss = _loss_and_updates(outs, output_roles, buffers, "joint graph")
+        return loss.detach(), _named_grads(outs, output_roles, "joint graph")
 
-    return run
+    return Executor(run, buffers)
+
+
+def split_graph_executor(fw: fx.GraphModule, bw: fx.GraphModule, buffers: Mapping[str, torch.Tensor]) -> Executor:
+    """Runs a (forward, backward) pair from a partitioner (``label_partition`` roles on both):
+    forward placeholders fed by role (``param:``, ``buffer:``, ``input:``), the loss and buffer
+    updates read from the forward's outputs by role, the backward fed the forward's ``saved:<k>``
+    outputs, parameters and ones for the loss tangent, gradients read by role."""
+    fw_roles = [ph.meta.get(M.ROLE) for ph in fw.graph.find_nodes(op="placeholder")]
+    bw_roles = [ph.meta.get(M.ROLE) for ph in bw.graph.find_nodes(op="placeholder")]
+    fw_out_roles = fw.graph.output_node().meta.get(M.ROLE)
+    bw_out_roles = bw.graph.output_node().meta.get(M.ROLE)
+    for what, labels in (("forward input", fw_roles), ("backward input", bw_roles)):
+        missing = [i for i, r in enumerate(labels) if r is None]
+        if missing:
+            raise ValueError(f"split_graph_executor: {what}s {missing} have no role; label the pair with partition.label_partition")
+    if fw_out_roles is None or bw_out_roles is None:
+        raise ValueError("split_graph_executor: the output nodes carry no roles; label the pair with partition.label_partition")
+    tangent_dtypes = {r: ph.meta[M.VAL].dtype for r, ph in zip(bw_roles, bw.graph.find_nodes(op="placeholder"), strict=True) if roles.is_tangent(r)}
+
+    def run(params, inputs):
+        primals = primals_by_role(fw_roles, params, buffers, inputs)
+        with torch.no_grad():
+            outs = fw(*primals)
+            loss = _loss_and_updates(outs, fw_out_roles, buffers, "forward graph")
+            saved = {r: v for v, r in zip(outs, fw_out_roles, strict=True) if roles.is_saved(r)}
+            bw_in = []
+            for r in bw_roles:
+                kind, name = roles.parse(r)
+                if kind == roles.SAVED:
+                    bw_in.append(saved[r])
+                elif kind == roles.TANGENT:
+                    bw_in.append(torch.ones((), dtype=tangent_dtypes[r]))
+                else:
+                    bw_in.append(primals_by_role([r], params, buffers, inputs)[0])
+            grads = bw(*bw_in)
+        return loss.detach(), _named_grads(grads, bw_out_roles, "backward graph")
+
+    return Executor(run, buffers)
 
 
 def train_steps(
-    executor: Executor,
+    executor: Executor | Step,
     params: Mapping[str, torch.Tensor],
     batches: Sequence[Sequence[torch.Tensor]],
     *,
     lr: float = 1e-2,
 ) -> StepTrace:
-    """Run one step per batch with AdamW between steps; ``params`` are updated in place."""
+    """Run one step per batch with AdamW between steps; ``params`` are updated in place. The
+    executor's ``buffers`` (if any) are recorded after each step."""
     leaves = {k: v if isinstance(v, torch.nn.Parameter) else torch.nn.Parameter(v) for k, v in params.items()}
     opt = torch.optim.AdamW(list(leaves.values()), lr=lr)
+    buffers = getattr(executor, "buffers", None) or {}
     trace = StepTrace()
     for inputs in batches:
         loss, grads = executor(leaves, inputs)
@@ -130,6 +245,8 @@ def train_steps(
             p.grad = grads[k]
         trace.losses.append(loss.detach().clone())
         trace.grads.append({k: g.detach().clone() for k, g in grads.items()})
+        if buffers:
+            trace.buffers.append({k: b.detach().clone() for k, b in buffers.items()})
         opt.step()
         opt.zero_grad(set_to_none=True)
     return trace

@@ -44,6 +44,7 @@ from torch.nn.utils.stateless import _reparametrize_module
 from autoparallel import meta as M
 from autoparallel import roles
 from autoparallel.patches import enabled
+from autoparallel.validate import check_loss
 
 __all__ = [
     "LOSS_ROLE",
@@ -196,20 +197,6 @@ def _validate_model(
     return params, tied
 
 
-def _check_loss(loss: Any) -> None:
-    if not isinstance(loss, torch.Tensor):
-        raise ValueError(f"loss_fn must return a scalar tensor, got {type(loss).__name__}")
-    if loss.dim() != 0:
-        raise ValueError(
-            f"loss_fn must return a scalar (0-dim) tensor, got shape {tuple(loss.shape)}; "
-            "reduce it (e.g. .mean()) inside loss_fn"
-        )
-    if not loss.dtype.is_floating_point:
-        raise ValueError(f"loss_fn must return a floating-point scalar, got dtype {loss.dtype}")
-    if loss.grad_fn is None:
-        raise ValueError("the loss does not depend on any parameter (it has no grad_fn)")
-
-
 def trace_train_step(
     model: torch.nn.Module,
     loss_fn: Callable[..., torch.Tensor],
@@ -255,7 +242,7 @@ def trace_train_step(
             with _phase(M.PHASE_FORWARD):
                 out = model(*x_in[:num_model_inputs])
                 loss = loss_fn(out, *x_in[num_model_inputs:])
-            _check_loss(loss)
+            check_loss(loss)
             handles = _install_seq_nr_hooks(loss)
             try:
                 with _phase(M.PHASE_BACKWARD):
