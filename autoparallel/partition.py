@@ -31,6 +31,7 @@ from typing import Any
 import torch
 from torch import fx
 from torch._inductor.custom_graph_pass import CustomPartitionerFn
+from torch._subclasses.fake_tensor import is_fake
 from torch.utils.checkpoint import CheckpointPolicy
 
 from autoparallel import meta as M
@@ -227,6 +228,7 @@ def _first_partition(p: Placement) -> PartitionRecord:
         captured["saved"] = tag_saved_outputs(fw_gm, captured.get("num_fwd_outputs", jg.num_fwd_outputs))
         return boxed_nop_preserve_node_meta(fw_gm, example_inputs)
 
+    jg.resume_fake_mode()
     try:
         compiled = aot_compile_joint_with_descriptors(
             jg.jd, partition_fn=partition, fw_compiler=fw_compiler, bw_compiler=boxed_nop_preserve_node_meta
@@ -250,9 +252,13 @@ def _first_partition(p: Placement) -> PartitionRecord:
         kind = roles.kind(ph.meta.get(M.ROLE))
         store = p.params if kind == roles.PARAM else p.buffers if kind == roles.BUFFER else None
         name = roles.name(ph.meta[M.ROLE]) if store is not None else None
-        if store is not None and name not in store:
-            v = ph.meta[M.VAL]
+        if store is None:
+            continue
+        v = ph.meta[M.VAL]
+        if name not in store:
             store[name] = torch.empty(v.shape, dtype=v.dtype)
+        else:
+            _check_local_tensor(kind, name, store[name], v)
     p.module = ParallelModule(
         compiled,
         jg.input_roles,
@@ -264,6 +270,20 @@ def _first_partition(p: Placement) -> PartitionRecord:
     )
     log.info("first partition saves %d values (%.2fs)", len(record.saved), time.perf_counter() - t0)
     return record
+
+
+def _check_local_tensor(kind: str, name: str, t: torch.Tensor, traced: torch.Tensor) -> None:
+    """A given local parameter/buffer must be real and have the traced local shape and dtype."""
+    if is_fake(t):
+        raise ValueError(
+            f"the local {kind} {name!r} given to apply_placement is a FakeTensor: it was created under a fake "
+            "mode (a trace's context); pass this rank's real local shards (e.g. ParallelProgram.local_parameters())"
+        )
+    if tuple(t.shape) != tuple(traced.shape) or t.dtype != traced.dtype:
+        raise ValueError(
+            f"the local {kind} {name!r} has shape {tuple(t.shape)} {t.dtype}, but the graph was traced with "
+            f"{tuple(traced.shape)} {traced.dtype} (this rank's shard under the plan)"
+        )
 
 
 #: The apply_placement boundary, in order.

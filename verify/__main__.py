@@ -64,6 +64,13 @@ def _preset(text: str) -> str:
     return text
 
 
+def _model_case(text: str) -> str:
+    from verify.model_case import load_case
+
+    load_case(text)  # ValueError naming the module or attribute that is wrong
+    return text
+
+
 def _mesh(text: str) -> str:
     from autoparallel.mesh import MeshSpec
 
@@ -86,7 +93,11 @@ def _parser() -> argparse.ArgumentParser:
     workers = _flag_type(_workers, "workers")
 
     r = sub.add_parser("report", help="pipeline stages, collectives and parity for one scenario")
-    r.add_argument("--preset", default="tiny", type=preset, help="model preset: tiny, debug, 8b (default: tiny)")
+    which = r.add_mutually_exclusive_group()
+    which.add_argument("--preset", default="tiny", type=preset, help="model preset: tiny, debug, 8b (default: tiny)")
+    which.add_argument("--model", default=None, type=_flag_type(_model_case, "model"),
+                       help="your model instead of a preset: package.module:name naming a verify.ModelCase "
+                            "(or a function returning one), or a verify.zoo name (gpt2, convnet, ln_mlp)")
     r.add_argument("--plan", default="fsdp", choices=["fsdp", "fsdp_tp", "ddp"], help="parallel plan (default: fsdp)")
     r.add_argument("--mesh", default="dp=8", type=mesh, help="mesh, e.g. dp=8 or dp=4,tp=2 (default: dp=8)")
     r.add_argument("--json", action="store_true", help="print one JSON object instead of tables")

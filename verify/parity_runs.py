@@ -27,7 +27,7 @@ process (see ``verify.parity.oracle_report``).
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 import torch._dynamo
@@ -38,8 +38,8 @@ from autoparallel import roles
 from autoparallel.compile import SECOND_COMPILE
 from autoparallel.mesh import build_mesh, fake_world
 from autoparallel.parallelize import ParallelProgram, split_batch
-from autoparallel.passes.collective import bucket_fw_bw
 from autoparallel.partition import STEP_CLEANUP, STEP_FIRST_PARTITION, STEP_FSDP_TAGS
+from autoparallel.passes.collective import CollectivePassesConfig, bucket_fw_bw
 from autoparallel.pipeline import JOINT, PipelineOptions, PipelineRun, run_pipeline
 from autoparallel.runtime import run_on_world
 from autoparallel.runtime.rebind import rebind_groups
@@ -53,8 +53,16 @@ from autoparallel.runtime.steps import (
     split_graph_executor,
     train_steps,
 )
-from verify.parity import OracleReport, check_within, module_scales, oracle_tolerance
-from verify.pipeline import pipeline_options
+from verify.parity import (
+    OracleReport,
+    ParityReport,
+    check_within,
+    compare_traces,
+    merge_reports,
+    module_scales,
+    oracle_tolerance,
+)
+from verify.pipeline import intra_op_threads, pipeline_options
 from verify.scenario import Scenario
 
 EAGER = "eager"  # the eager parallel program: the reference every executor is compared with
@@ -74,18 +82,19 @@ class RankParity:
     seconds: dict[str, float] = field(default_factory=dict)
 
 
-def _options(enable_ac: bool = False) -> PipelineOptions:
-    # The collective passes as the report and goldens configure them; the second compile keeps
-    # its compiled module (parity runs it) and every stage's graphs are snapshots (each stage
-    # is run as it was, not as later stages left it).
-    return pipeline_options(enable_ac=enable_ac, keep_compiled=True, snapshots=True, alternatives=False)
+def _options(enable_ac: bool = False, collective: CollectivePassesConfig | None = None) -> PipelineOptions:
+    # The second compile keeps its compiled module (parity runs it) and every stage's graphs are
+    # snapshots (each stage is run as it was, not as later stages left it).
+    options = pipeline_options(enable_ac=enable_ac, keep_compiled=True, snapshots=True, alternatives=False)
+    return options if collective is None else replace(options, collective=collective)
 
 
-def _pipeline(scenario: Scenario, mesh, enable_ac: bool) -> PipelineRun:
-    return run_pipeline(*scenario.pipeline_inputs()[:4], mesh, _options(enable_ac), until=SECOND_COMPILE)
+def _pipeline(scenario: Scenario, mesh, enable_ac: bool, collective: CollectivePassesConfig) -> PipelineRun:
+    options = _options(enable_ac, collective)
+    return run_pipeline(*scenario.pipeline_inputs()[:4], mesh, options, until=SECOND_COMPILE)
 
 
-def _rank_stages(rank, world_size, scenario: Scenario, batches, run: PipelineRun, executors, enable_ac):
+def _rank_stages(rank, world_size, scenario: Scenario, batches, run: PipelineRun, executors, enable_ac, collective):
     spec = scenario.mesh_spec
     mesh = build_mesh(spec)
     plan = scenario.plan_obj()
@@ -100,7 +109,7 @@ def _rank_stages(rank, world_size, scenario: Scenario, batches, run: PipelineRun
     inherited = _on_every_rank(mesh.group_dims == run.group_dims)
     if {STEP_FIRST_PARTITION, SECOND_COMPILE} & set(executors) and not inherited:
         torch._dynamo.reset()
-        run = _pipeline(scenario, mesh, enable_ac)
+        run = _pipeline(scenario, mesh, enable_ac, collective)
     joint = run.joint
 
     def fresh_buffers() -> dict[str, torch.Tensor]:
@@ -118,7 +127,7 @@ def _rank_stages(rank, world_size, scenario: Scenario, batches, run: PipelineRun
             return compiled_module_executor(run.module, run.compiled)
         if name == COLLECTIVE:
             fw, bw = (rebind_groups(g, mesh.group_dims) for g in run.stage(SECOND_COMPILE).graphs)
-            fw, bw, _ = bucket_fw_bw(fw, bw, _options().collective)
+            fw, bw, _ = bucket_fw_bw(fw, bw, collective)
             return split_graph_executor(fw, bw, fresh_buffers())
         raise ValueError(f"unknown executor {name!r}; executors: {list(STAGE_EXECUTORS)}")
 
@@ -151,32 +160,46 @@ def run_stage_parity(
     steps: int = 3,
     *,
     executors: tuple[str, ...] = STAGE_EXECUTORS,
+    run: PipelineRun | None = None,
+    collective: CollectivePassesConfig | None = None,
     enable_ac: bool = False,
     timeout_s: float = 180.0,
 ) -> list[RankParity]:
     """Train ``steps`` steps (AdamW between) on a gloo world of the scenario's mesh with each of
-    ``executors`` (default: every stage, see the module docstring); per-rank traces by name."""
+    ``executors`` (default: every stage, see the module docstring); per-rank traces by name.
+
+    ``run``: a pipeline run of this scenario to take the graphs and the compiled module from (made
+    with ``keep_compiled`` and one intra-op thread, as ``verify.pipeline.run_pipeline`` makes
+    it); default: one is made here, up to the second compile. ``collective``: the collective
+    passes' configuration (default: the pipeline's, as the report and goldens use it)."""
     unknown = sorted(set(executors) - set(STAGE_EXECUTORS))
     if unknown:
         raise ValueError(f"unknown executors {unknown}; executors: {list(STAGE_EXECUTORS)}")
-    threads = torch.get_num_threads()
-    # Dynamo guards on the thread count: compile with the ranks' (run_on_world's one thread).
-    torch.set_num_threads(_RANK_THREADS)
-    try:
-        with fake_world(scenario.mesh_spec) as mesh:
-            run = _pipeline(scenario, mesh, enable_ac)
-    finally:
-        torch.set_num_threads(threads)
+    collective = collective if collective is not None else pipeline_options().collective
+    if run is None:
+        with intra_op_threads(_RANK_THREADS), fake_world(scenario.mesh_spec) as mesh:
+            run = _pipeline(scenario, mesh, enable_ac, collective)
+    elif run.compiled is None and {STEP_FIRST_PARTITION, SECOND_COMPILE} & set(executors):
+        raise ValueError("run_stage_parity: the given pipeline run kept no compiled module; make it with keep_compiled=True")
     try:
         return run_on_world(
             _rank_stages,
             scenario.mesh_spec.world_size,
-            args=(scenario, scenario.batches(steps), run, tuple(executors), enable_ac),
+            args=(scenario, scenario.batches(steps), run, tuple(executors), enable_ac, collective),
             timeout_s=timeout_s,
             num_threads=_RANK_THREADS,
         )
     finally:
         torch._dynamo.reset()
+        run.compiled = None  # consumed: the reset invalidates it (a later parity run recompiles)
+
+
+def compare_with_eager(ranks: list[RankParity], executor: str) -> ParityReport:
+    """``executor`` against the eager parallel program, bitwise, every rank (names ``rank<i>/``)."""
+    return merge_reports(
+        [compare_traces(r.traces[EAGER], r.traces[executor], a_name=EAGER, b_name=executor) for r in ranks],
+        [f"rank{i}" for i in range(len(ranks))],
+    )
 
 
 def run_joint_parity(scenario: Scenario, steps: int = 1, timeout_s: float = 120.0) -> list[RankParity]:

@@ -12,6 +12,8 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 
+import torch
+
 from autoparallel import pipeline as P
 from autoparallel.passes.collective import CollectivePassesConfig
 from autoparallel.passes.pre_overlap_bucketing import PreOverlapConfig
@@ -39,6 +41,23 @@ def params_summary(run: P.PipelineRun) -> dict[str, int]:
     return {"count": len(shardings), "fsdp_sharded": sum(1 for s in shardings.values() if s.fsdp_dim is not None)}
 
 
+@contextlib.contextmanager
+def intra_op_threads(n: int = 1) -> Iterator[None]:
+    """Run with ``torch.set_num_threads(n)``, restored on exit.
+
+    On a small shared CI box (2 cores, 2 xdist workers) two intra-op threads per process spin
+    against each other: one debug-preset step took 0.7-2.3 s with 2 threads and 0.13 s with 1.
+    Results are bitwise the same either way. Dynamo guards on the thread count, so a module
+    compiled here for a gloo world's ranks (one thread each) is compiled with one thread too.
+    """
+    old = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(old)
+
+
 _shared_runs: dict | None = None  # while reuse_pipeline_runs() is entered: arguments -> PipelineRun
 
 
@@ -57,14 +76,26 @@ def reuse_pipeline_runs() -> Iterator[None]:
         _shared_runs = outer
 
 
-def run_pipeline(scenario: Scenario, *, bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB, topo_span=None) -> P.PipelineRun:
+def run_pipeline(
+    scenario: Scenario, *, bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB, topo_span=None, keep_compiled: bool = False
+) -> P.PipelineRun:
     """Every stage of ``autoparallel.pipeline.STAGES`` for ``scenario`` on one fake world (graphs
     of rank 0: bucketing is rank-specific), plus the alternatives, each stage's graphs copied.
-    ``bucket_cap_mb`` / ``topo_span``: see :func:`pipeline_options`."""
+    ``bucket_cap_mb`` / ``topo_span``: see :func:`pipeline_options`. ``keep_compiled``: the run
+    also keeps the second compile's compiled module (a parity run can use it; it runs one
+    forward on the fake world, so keep it off for models too large to run); a shared run that
+    kept it also serves requests without, until a parity run consumed its compiled module."""
     key = (scenario, bucket_cap_mb, topo_span)
-    if _shared_runs is not None and key in _shared_runs:
-        return _shared_runs[key]
-    run = P.run_pipeline(*scenario.pipeline_inputs(), pipeline_options(bucket_cap_mb, topo_span))
     if _shared_runs is not None:
-        _shared_runs[key] = run
+        for kept in (True,) if keep_compiled else (False, True):
+            run = _shared_runs.get((*key, kept))
+            # A parity run consumes the compiled module (Dynamo's reset invalidates it).
+            if run is not None and not (keep_compiled and run.compiled is None):
+                return run
+    options = pipeline_options(bucket_cap_mb, topo_span, keep_compiled=keep_compiled)
+    # A kept module is for gloo ranks with one intra-op thread each (Dynamo guards on it).
+    with intra_op_threads(1) if keep_compiled else contextlib.nullcontext():
+        run = P.run_pipeline(*scenario.pipeline_inputs(), options)
+    if _shared_runs is not None:
+        _shared_runs[(*key, keep_compiled)] = run
     return run

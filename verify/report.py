@@ -4,7 +4,9 @@ Each stage is a graph (or a forward/backward pair) with its node count and colle
 and mesh dim (from ``verify.pipeline``, shared with the golden tests), in the order
 ``autoparallel.pipeline`` runs them; then the alternatives (each collective pass alone on the
 second compile's graphs); whether each matches its golden; and parity on a small real world that
-keeps the plan's shape.
+keeps the plan's shape: every stage bitwise against the eager parallel program, and the eager
+parallel program against single-device eager within the oracle's tolerance (pass/fail).
+The model is a LLaMA preset (``--preset``) or any ``ModelCase`` (``--model package.module:name``).
 """
 
 from __future__ import annotations
@@ -16,18 +18,16 @@ import time
 from pathlib import Path
 
 from autoparallel.mesh import MeshSpec
-from autoparallel.pipeline import JOINT, PipelineRun, StageResult
+from autoparallel.pipeline import PipelineRun, StageResult
 from verify.goldens import catalog as golden_catalog
-from verify.parity import compare_tensors, compare_traces, merge_reports
 from verify.parity_runs import (
-    COMPILE_EXECUTORS,
     EAGER,
-    gather_full_grads,
-    run_compile_parity,
-    run_joint_parity,
-    single_device_step,
+    STAGE_EXECUTORS,
+    compare_with_eager,
+    oracle_check,
+    run_stage_parity,
 )
-from verify.pipeline import params_summary, run_pipeline
+from verify.pipeline import params_summary, pipeline_options, run_pipeline
 from verify.scenario import Scenario, check_flags, parameter_count
 from verify.stats import graph_stats, human_bytes
 
@@ -83,47 +83,52 @@ def parity_mesh(spec: MeshSpec) -> MeshSpec:
     return MeshSpec(tuple((n, min(s, 2)) for n, s in spec.dims))
 
 
-def _merged(ranks, a: str, b: str):
-    return merge_reports(
-        [compare_traces(r.traces[a], r.traces[b], a_name=a, b_name=b) for r in ranks],
-        [f"rank{i}" for i in range(len(ranks))],
-    )
-
-
-def run_parity(scenario: Scenario, steps: int = 2) -> dict:
-    """Each stage against the eager parallel program on gloo (bitwise), plus single-device eager."""
+def run_parity(scenario: Scenario, steps: int = 2, *, run: PipelineRun | None = None) -> dict:
+    """Each stage against the eager parallel program on gloo (bitwise), and the eager program
+    against single-device eager (the oracle, within its tolerance), on the smallest world that
+    keeps the plan's shape (:func:`parity_mesh`). ``run``: the scenario's pipeline run, made
+    with ``keep_compiled``, when its mesh is that world already."""
     small = dataclasses.replace(scenario, mesh=str(parity_mesh(scenario.mesh_spec)))
     progress(f"parity on a gloo world of {small.mesh_spec.world_size} ranks ({small.mesh_spec}), {steps} steps ...")
     t0 = time.perf_counter()
-    joint_ranks = run_joint_parity(small, steps=steps)
-    compile_ranks = run_compile_parity(small, steps=steps)
-    comparisons = {JOINT: _merged(joint_ranks, EAGER, JOINT)}
-    for stage in COMPILE_EXECUTORS[1:]:
-        comparisons[stage] = _merged(compile_ranks, EAGER, stage)
-    _, grads = single_device_step(small)
-    single = compare_tensors(grads, gather_full_grads(small, joint_ranks, JOINT), a_name="single-device", b_name=JOINT)
+    collective = pipeline_options(**golden_catalog.pipeline_options(scenario)).collective
+    ranks = run_stage_parity(small, steps=steps, run=run if small == scenario else None, collective=collective)
+    comparisons = {stage: compare_with_eager(ranks, stage) for stage in STAGE_EXECUTORS if stage != EAGER}
+    oracle = oracle_check(small, ranks)
     return {
         "mesh": str(small.mesh_spec),
         "steps": steps,
         "vs_eager": {stage: rep.to_dict() for stage, rep in comparisons.items()},
-        "single_device_max_abs_diff": single.max_abs,
+        "oracle": oracle.to_dict(),
+        "oracle_summary": oracle.summary(),
+        "single_device_max_abs_diff": oracle.max_abs,
         "seconds": round(time.perf_counter() - t0, 2),
     }
 
 
-def build_report(scenario: Scenario, *, parity: bool = True) -> dict:
+def parity_passed(parity: dict | None) -> bool:
+    """Every stage bitwise and the oracle within tolerance (True when parity was skipped)."""
+    if parity is None:
+        return True
+    return all(r["bitwise"] for r in parity["vs_eager"].values()) and parity.get("oracle", {}).get("passed", False)
+
+
+def build_report(scenario: Scenario, *, parity: bool = True, steps: int = 2) -> dict:
     progress(f"running the pipeline for {scenario.header()} ...")
     t0 = time.perf_counter()
-    run = run_pipeline(scenario, **golden_catalog.pipeline_options(scenario))
+    # When the mesh is already parity's world, one run serves the table, the goldens and parity.
+    keep = parity and parity_mesh(scenario.mesh_spec) == scenario.mesh_spec
+    run = run_pipeline(scenario, keep_compiled=keep, **golden_catalog.pipeline_options(scenario))
     progress(f"{len(run.results)} stage(s) and {len(run.alternatives)} alternative(s) in {time.perf_counter() - t0:.1f}s")
     return {
-        "preset": scenario.preset,
+        "model": scenario.model_name,
+        "preset": scenario.preset if scenario.model_case is None else None,
         "plan": scenario.plan_obj().describe(),
         "mesh": str(scenario.mesh_spec),
         "params": params_summary(run),
         "stages": [row for r in [*run.results, *run.alternatives] for row in stage_summaries(r)],
         "goldens": golden_status(scenario, run),
-        "parity": run_parity(scenario) if parity else None,
+        "parity": run_parity(scenario, steps, run=run if keep else None) if parity else None,
     }
 
 
@@ -134,8 +139,9 @@ def _cell(cs: dict | None) -> str:
 
 
 def format_report(report: dict) -> str:
+    model = f"preset={report['preset']}" if report.get("preset") else f"model={report.get('model')}"
     lines = [
-        f"autoparallel report: preset={report['preset']} mesh={report['mesh']}",
+        f"autoparallel report: {model} mesh={report['mesh']}",
         f"plan: {report['plan']}",
         f"params: {report['params']['count']} ({report['params']['fsdp_sharded']} FSDP-sharded)",
         "",
@@ -165,10 +171,22 @@ def format_report(report: dict) -> str:
         lines.append("parity: skipped (--no-parity)")
     else:
         lines.append(f"parity on gloo {p['mesh']} ({p['steps']} steps with AdamW, {p['seconds']}s), each stage vs the eager parallel program:")
+        width = max((len(stage) for stage in p["vs_eager"]), default=0)
         for stage, r in p["vs_eager"].items():
             verdict = "bitwise equal" if r["bitwise"] else f"NOT bitwise: {r['mismatches']} of {r['tensors']} tensors differ (max |diff| {r['max_abs_diff']:.2e})"
-            lines.append(f"  {stage:<16} {verdict} ({r['tensors']} tensors)")
-        lines.append(f"  single-device eager vs joint: max |diff| {p['single_device_max_abs_diff']:.2e} (reduction order differs)")
+            lines.append(f"  {stage:<{width}} {verdict} ({r['tensors']} tensors)")
+        oracle = p.get("oracle")
+        if oracle is None:
+            lines.append(f"  single-device eager: max |diff| {p['single_device_max_abs_diff']:.2e} (not checked against a tolerance)")
+        else:
+            verdict = "PASS" if oracle["passed"] else f"FAIL ({oracle['failures']} of {oracle['tensors']} tensors beyond tolerance)"
+            lines.append(
+                f"  single-device eager (independent oracle, step 0): {verdict}; max |diff| {oracle['max_abs_diff']:.2e}, "
+                f"worst |diff|/bound {oracle['worst_ratio']:.2e}, rtol {oracle['tolerance']['rtol']:.2e} "
+                f"({oracle['tolerance']['dtype']}, {oracle['tolerance']['layers']} layers x width {oracle['tolerance']['width']})"
+            )
+            if not oracle["passed"] and p.get("oracle_summary"):
+                lines.extend("    " + line for line in p["oracle_summary"].splitlines()[1:])
     return "\n".join(lines)
 
 
@@ -198,7 +216,7 @@ def check_parity_size(scenario: Scenario, *, anyway: bool) -> None:
 
 
 def main(args) -> int:
-    scenario = Scenario(preset=args.preset, plan=args.plan, mesh=args.mesh)
+    scenario = Scenario(preset=args.preset, plan=args.plan, mesh=args.mesh, case=getattr(args, "model", None))
     check_flags(scenario)
     if not args.no_parity:
         check_parity_size(scenario, anyway=args.parity_anyway)
@@ -207,5 +225,4 @@ def main(args) -> int:
         print(json.dumps(report, indent=2, sort_keys=False))
     else:
         print(format_report(report))
-    p = report.get("parity")
-    return 0 if p is None or all(r["bitwise"] for r in p["vs_eager"].values()) else 1
+    return 0 if parity_passed(report.get("parity")) else 1

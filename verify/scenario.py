@@ -129,6 +129,16 @@ class Scenario:
             return build_joint_graph(model, plan, m, inputs, loss_fn)
 
 
+def dtype_name(dtype: torch.dtype | None) -> str | None:
+    """The scenario spelling of a dtype (``torch.bfloat16`` -> ``"bf16"``), None for None."""
+    if dtype is None:
+        return None
+    for name, dt in _DTYPES.items():
+        if dt == dtype:
+            return name
+    raise ValueError(f"dtype {dtype} has no scenario name; valid: {sorted(set(_DTYPES.values()), key=str)}")
+
+
 def _dtype(name: str) -> torch.dtype:
     try:
         return _DTYPES[name]

@@ -125,7 +125,7 @@ class ParallelProgram(nn.Module):
         """The rowwise Linears with a bias inside ``region``: each now computes without its bias
         (the region's reduce hook adds it once, after the all-reduce)."""
         out = []
-        for fqn, sharding in self.shardings.items():
+        for sharding in self.shardings.values():
             linear_fqn = sharding.rowwise_bias_of
             if linear_fqn is None or not linear_fqn.startswith(region + "."):
                 continue

@@ -74,6 +74,8 @@ class TracedStep:
     num_inputs: int
     num_model_inputs: int
     tied: dict[str, str]
+    # (shape, dtype) of each traced input: the graph is specialized to them
+    input_specs: tuple[tuple[tuple[int, ...], torch.dtype], ...] = ()
 
     @property
     def input_roles(self) -> tuple[str, ...]:
@@ -109,6 +111,13 @@ class TracedStep:
             )
         if len(inputs) != self.num_inputs:
             raise ValueError(f"the traced step takes {self.num_inputs} inputs, got {len(inputs)}")
+        for i, (t, (shape, dtype)) in enumerate(zip(inputs, self.input_specs, strict=False)):
+            if tuple(t.shape) != shape or t.dtype != dtype:
+                raise ValueError(
+                    f"input {i} has shape {tuple(t.shape)} {t.dtype}, but the step was traced with {shape} {dtype}: "
+                    "a traced step is specialized to the traced shapes. Trace again (trace_train_step) with "
+                    "example inputs of this shape"
+                )
         return (
             [params[f] for f in self.param_fqns]
             + [buffers[f] for f in self.buffer_fqns]
@@ -279,6 +288,7 @@ def trace_train_step(
         num_inputs=len(inputs),
         num_model_inputs=num_model_inputs,
         tied=tied,
+        input_specs=tuple((tuple(x.shape), x.dtype) for x in inputs),
     )
     _label_roles(gm, traced.input_roles, traced.output_roles)
     copy_forward_meta_to_backward(gm)

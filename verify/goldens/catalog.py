@@ -86,8 +86,9 @@ def _options_text(options: dict) -> str:
 
 
 def header(scenario: Scenario, stage: str) -> dict[str, str]:
+    model = {"preset": scenario.preset} if scenario.model_case is None else {"model": scenario.model_name}
     out = {
-        "preset": scenario.preset,
+        **model,
         "mesh": str(scenario.mesh_spec),
         "plan": scenario.plan_obj().describe(),
     }
