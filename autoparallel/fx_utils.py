@@ -162,6 +162,20 @@ def wait_of(node: fx.Node) -> fx.Node | None:
     return user if user.op == "call_function" and user.target is WAIT else None
 
 
+def is_gathered(node: fx.Node) -> bool:
+    """``node`` is an all-gather, its wait, or computed from a wait alone through single-input
+    nodes (``t``, views, casts): a gathered parameter (e.g. one a partition must not save)."""
+    while node.op == "call_function":
+        if node.target is ALL_GATHER:
+            return True
+        if node.target is WAIT:
+            return node.args[0].target is ALL_GATHER
+        if len(node.all_input_nodes) != 1:
+            return False
+        node = node.all_input_nodes[0]
+    return False
+
+
 def is_flop_compute(node: fx.Node) -> bool:
     """A node PyTorch's FLOP counter knows (mm, bmm, addmm, SDPA, conv, ...): what Inductor's
     overlap scheduler calls a compute node."""

@@ -274,6 +274,7 @@ def _first_partition(p: Placement) -> PartitionRecord:
 
 def _check_local_tensor(kind: str, name: str, t: torch.Tensor, traced: torch.Tensor) -> None:
     """A given local parameter/buffer must be real and have the traced local shape and dtype."""
+    kind = "parameter" if kind == roles.PARAM else "buffer"
     if is_fake(t):
         raise ValueError(
             f"the local {kind} {name!r} given to apply_placement is a FakeTensor: it was created under a fake "
@@ -372,6 +373,14 @@ def choose_replay_saves(gm: fx.GraphModule, node_info) -> tuple[list[fx.Node], l
 
     Anything else is recomputed in the backward if the backward needs it. PREFER_RECOMPUTE
     appears in no rule: an AC pass can make the replay recompute, never save more.
+
+    ``custom.ap_must_save`` counts only on nodes traced in the forward: AOT gives every node it
+    traces in the backward the ``custom`` meta of the forward op being differentiated, and from
+    the re-trace's point of view that op is the whole first-partition forward, so backward nodes
+    can inherit the tag of whichever forward node ran last. A backward node that only reads
+    forward values (the transpose of a gathered weight, ``t(t(w))``, in a Linear's input
+    gradient) is then claimable by the forward, and with the leaked tag it was saved: an
+    all-gathered weight kept alive across the step.
     """
     from torch._functorch.partitioners import _is_assert_only_symbool, is_opaque_node, is_sym_node
 
@@ -391,7 +400,7 @@ def choose_replay_saves(gm: fx.GraphModule, node_info) -> tuple[list[fx.Node], l
             if not _is_assert_only_symbool(node):
                 saved_sym.append(node)
             continue
-        custom = _custom(node)
+        custom = {} if node.meta.get(M.PARTITIONER_TAG) == M.PARTITIONER_TAG_BACKWARD else _custom(node)
         if node.op == "call_function" and _is_multi_output(node):
             multi_output_parents.add(node)
             children = _getitem_children(node)

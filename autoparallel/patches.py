@@ -42,14 +42,16 @@ def _register(name: str, summary: str, when_disabled: str, guards: tuple[str, ..
 # apply_placement boundary, first partition, second compile (pipeline steps 3-5).
 _register(
     "fsdp_chain_recompute",
-    "mark_fsdp_all_gather_recomputation tags MUST_RECOMPUTE on the whole single-input chain after "
-    "each FSDP wait (t/permute/slice/view/cast) and on the dtype cast before the all-gather",
+    "mark_fsdp_all_gather_recomputation tags MUST_RECOMPUTE on every single-input node computed "
+    "from each FSDP wait alone (t/permute/slice/view/cast; a tree for a tied weight) and on the "
+    "dtype cast before the all-gather",
     "only the all-gather and its wait are tagged: the partitioner saves the first untagged node "
     "after the wait (the transposed gathered weight, 2.62 GiB on LLaMA-3 8B) and the cast shard",
     (
         "tests/unit/autoparallel/passes/test_fsdp_recompute.py::test_transposed_weight_after_wait_is_recomputed_not_saved",
         "tests/unit/autoparallel/passes/test_fsdp_recompute.py::test_recompute_tags_cast_all_gather_wait_and_chain",
         "tests/unit/autoparallel/test_partition.py::test_no_all_gather_output_or_wait_saved_for_backward",
+        "tests/unit/autoparallel/passes/test_fsdp_recompute.py::test_a_tied_weight_gathered_once_and_read_twice_is_recomputed_on_both_paths",
     ),
 )
 _register(

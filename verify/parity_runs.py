@@ -40,7 +40,7 @@ from autoparallel.mesh import build_mesh, fake_world
 from autoparallel.parallelize import ParallelProgram, split_batch
 from autoparallel.partition import STEP_CLEANUP, STEP_FIRST_PARTITION, STEP_FSDP_TAGS
 from autoparallel.passes.collective import CollectivePassesConfig, bucket_fw_bw
-from autoparallel.pipeline import JOINT, PipelineOptions, PipelineRun, run_pipeline
+from autoparallel.pipeline import JOINT, STAGE_NAMES, PipelineOptions, PipelineRun, run_pipeline
 from autoparallel.runtime import run_on_world
 from autoparallel.runtime.rebind import rebind_groups
 from autoparallel.runtime.steps import (
@@ -89,9 +89,34 @@ def _options(enable_ac: bool = False, collective: CollectivePassesConfig | None 
     return options if collective is None else replace(options, collective=collective)
 
 
-def _pipeline(scenario: Scenario, mesh, enable_ac: bool, collective: CollectivePassesConfig) -> PipelineRun:
+# The last pipeline stage each executor needs.
+_NEEDS = {EAGER: None, **{s: s for s in JOINT_EXECUTORS}, STEP_FIRST_PARTITION: STEP_FIRST_PARTITION,
+          SECOND_COMPILE: SECOND_COMPILE, COLLECTIVE: SECOND_COMPILE}
+
+
+def _last_stage(executors) -> str | None:
+    needed = [_NEEDS[e] for e in executors if _NEEDS[e] is not None]
+    return max(needed, key=STAGE_NAMES.index) if needed else None
+
+
+def _pipeline(scenario: Scenario, mesh, enable_ac: bool, collective: CollectivePassesConfig, until: str | None) -> PipelineRun:
     options = _options(enable_ac, collective)
-    return run_pipeline(*scenario.pipeline_inputs()[:4], mesh, options, until=SECOND_COMPILE)
+    return run_pipeline(*scenario.pipeline_inputs()[:4], mesh, options, until=until or JOINT)
+
+
+def parity_pipeline(
+    scenario: Scenario,
+    executors: tuple[str, ...] = STAGE_EXECUTORS,
+    *,
+    enable_ac: bool = False,
+    collective: CollectivePassesConfig | None = None,
+) -> PipelineRun:
+    """The pipeline run :func:`run_stage_parity` makes for ``executors``: on a fake world of the
+    scenario's mesh, with one intra-op thread (the ranks' count, which Dynamo guards on), up to
+    the last stage they need, every stage's graphs a snapshot, the compiled module kept."""
+    collective = collective if collective is not None else pipeline_options().collective
+    with intra_op_threads(_RANK_THREADS), fake_world(scenario.mesh_spec) as mesh:
+        return _pipeline(scenario, mesh, enable_ac, collective, _last_stage(executors))
 
 
 def _rank_stages(rank, world_size, scenario: Scenario, batches, run: PipelineRun, executors, enable_ac, collective):
@@ -109,7 +134,7 @@ def _rank_stages(rank, world_size, scenario: Scenario, batches, run: PipelineRun
     inherited = _on_every_rank(mesh.group_dims == run.group_dims)
     if {STEP_FIRST_PARTITION, SECOND_COMPILE} & set(executors) and not inherited:
         torch._dynamo.reset()
-        run = _pipeline(scenario, mesh, enable_ac, collective)
+        run = _pipeline(scenario, mesh, enable_ac, collective, _last_stage(executors))
     joint = run.joint
 
     def fresh_buffers() -> dict[str, torch.Tensor]:
@@ -170,15 +195,14 @@ def run_stage_parity(
 
     ``run``: a pipeline run of this scenario to take the graphs and the compiled module from (made
     with ``keep_compiled`` and one intra-op thread, as ``verify.pipeline.run_pipeline`` makes
-    it); default: one is made here, up to the second compile. ``collective``: the collective
+    it); default: :func:`parity_pipeline`, up to the last stage the executors need. ``collective``: the collective
     passes' configuration (default: the pipeline's, as the report and goldens use it)."""
     unknown = sorted(set(executors) - set(STAGE_EXECUTORS))
     if unknown:
         raise ValueError(f"unknown executors {unknown}; executors: {list(STAGE_EXECUTORS)}")
     collective = collective if collective is not None else pipeline_options().collective
     if run is None:
-        with intra_op_threads(_RANK_THREADS), fake_world(scenario.mesh_spec) as mesh:
-            run = _pipeline(scenario, mesh, enable_ac, collective)
+        run = parity_pipeline(scenario, executors, enable_ac=enable_ac, collective=collective)
     elif run.compiled is None and {STEP_FIRST_PARTITION, SECOND_COMPILE} & set(executors):
         raise ValueError("run_stage_parity: the given pipeline run kept no compiled module; make it with keep_compiled=True")
     try:

@@ -7,10 +7,11 @@ partitioner that sees the gathered weight used in the backward simply saves it. 
 the rule into the graph as checkpoint tags that every partitioner honours:
 
 * MUST_RECOMPUTE on the all-gather, its ``wait_tensor``, the dtype cast feeding the all-gather
-  (mixed precision) and the whole single-input chain after the wait (``t``, ``permute``,
-  ``slice``, ``view``/``reshape``, dtype casts, ...). Tagging only the all-gather and its wait is
-  not enough: the partitioner then saves the first untagged node after the wait, e.g. the
-  transposed gathered weight (2.62 GiB on LLaMA-3 8B in the seed document).
+  (mixed precision) and every single-input node computed from the wait alone (``t``,
+  ``permute``, ``slice``, ``view``/``reshape``, dtype casts, ...): a chain, or a tree when the
+  parameter has several uses (a tied embedding/head weight). Tagging only the all-gather and its
+  wait is not enough: the partitioner then saves the first untagged node after the wait, e.g.
+  the transposed gathered weight (2.62 GiB on LLaMA-3 8B in the seed document).
 * With ``reshard_after_forward=False`` the gathered parameter is meant to stay: the last
   non-view node of the chain is MUST_SAVE so no partitioner re-gathers it.
 
@@ -122,6 +123,23 @@ def _chain_after(wait: fx.Node) -> list[fx.Node]:
     return chain
 
 
+def _tree_after(wait: fx.Node) -> list[fx.Node]:
+    """Every node computed from ``wait`` alone: single-input nodes reachable through single-input
+    nodes, in graph order. A chain when the gathered parameter has one use; a tree when it has
+    several, e.g. a tied weight read by an embedding and, transposed, by the output head (the
+    transpose is a function of the gathered weight only, and must be recomputed with it)."""
+    found: list[fx.Node] = []
+    frontier = [wait]
+    while frontier:
+        cur = frontier.pop()
+        for user in cur.users:
+            if user.op == "call_function" and len(user.all_input_nodes) == 1 and user not in found:
+                found.append(user)
+                frontier.append(user)
+    order = {n: i for i, n in enumerate(wait.graph.nodes)} if len(found) > 1 else {}
+    return sorted(found, key=order.get) if order else found
+
+
 def _is_view(node: fx.Node) -> bool:
     t = node.target
     return isinstance(t, torch._ops.OpOverload) and t.is_view
@@ -157,7 +175,7 @@ def mark_fsdp_all_gather_recomputation(graph: fx.Graph | fx.GraphModule, reshard
             if chain_fix:
                 if is_dtype_cast(ag.args[0]):
                     tagged.insert(0, ag.args[0])
-                tagged.extend(chain)
+                tagged.extend(_tree_after(wait))
             for n in tagged:
                 _tag(n, CheckpointPolicy.MUST_RECOMPUTE)
             report.recomputed.extend(tagged)

@@ -15,7 +15,7 @@ from torch.utils.checkpoint import CheckpointPolicy
 
 from autoparallel import meta as M
 from autoparallel.compile import SECOND_COMPILE
-from autoparallel.fx_utils import ALL_GATHER, WAIT
+from autoparallel.fx_utils import ALL_GATHER, is_gathered
 from autoparallel.mesh import fake_world
 from autoparallel.parallelize import split_batch
 from autoparallel.partition import (
@@ -102,19 +102,6 @@ def _identity(node: fx.Node) -> tuple:
     return what, tuple(v.shape), v.dtype
 
 
-def _is_gathered(node: fx.Node) -> bool:
-    """An all-gather, its wait, or a single-input chain after an all-gather's wait."""
-    while node.op == "call_function":
-        if node.target is ALL_GATHER:
-            return True
-        if node.target is WAIT:
-            return node.args[0].target is ALL_GATHER
-        if len(node.all_input_nodes) != 1:
-            return False
-        node = node.all_input_nodes[0]
-    return False
-
-
 # --- the pipeline ----------------------------------------------------------------------------------
 
 
@@ -128,7 +115,7 @@ def test_second_compile_forward_all_gather_count_equals_first(stages):
 
 def test_no_all_gather_output_or_wait_saved_for_backward(stages):
     for stage, (fw, bw) in (("first", stages.first_partition), ("second", stages.second_compile)):
-        gathered = [n.name for n in _saved(fw, bw) if _is_gathered(n)]
+        gathered = [n.name for n in _saved(fw, bw) if is_gathered(n)]
         assert not gathered, f"{stage} partition saves all-gathered values {gathered}"
 
 
@@ -248,6 +235,17 @@ def _single(recompute=None, custom=None):
 )
 def test_replay_save_rules(recompute, custom, saved):
     assert _replay_saved(_single(recompute, custom)) == saved
+
+
+def test_replay_ignores_ap_must_save_on_a_node_traced_in_the_backward():
+    """AOT gives nodes it traces in the backward the custom meta of the forward op they
+    differentiate; in the second compile that op is the whole first-partition forward, so a
+    backward node can carry a leaked ap_must_save. A backward node that reads only forward values
+    (GPT-2's t(t(gathered weight)) of every biased Linear) was then saved."""
+    gm = _single(None, {M.AP_MUST_SAVE: True})
+    a = next(n for n in gm.graph.nodes if n.name == "a")
+    a.meta[M.PARTITIONER_TAG] = M.PARTITIONER_TAG_BACKWARD
+    assert _replay_saved(gm) == {"primals_1"}
 
 
 def _split(custom=None, recompute=None):

@@ -107,7 +107,7 @@ def test_transposed_weight_after_wait_is_recomputed_not_saved(first_partition_to
     assert any(ph.meta.get(M.ROLE) == "param:down.weight" and ph.users for ph in saved)
 
 
-def test_chain_stops_at_multi_input_node_and_multi_user_node():
+def test_chain_stops_at_multi_input_nodes_and_branches_at_multi_user_nodes():
     g, n = _fsdp_graph(chain=("permute",))
     mark_fsdp_all_gather_recomputation(g)
     assert M.RECOMPUTE not in n["mm"].meta  # two inputs: the chain ends before it
@@ -119,10 +119,32 @@ def test_chain_stops_at_multi_input_node_and_multi_user_node():
     t = _node(g, aten.t.default, (wait,), torch.empty(8, 16, device="meta"))
     a = _node(g, aten.relu.default, (t,), torch.empty(8, 16, device="meta"))
     b = _node(g, aten.neg.default, (t,), torch.empty(8, 16, device="meta"))
-    g.output((a, b))
+    mm = _node(g, aten.mm.default, (a, b), torch.empty(8, 8, device="meta"))
+    g.output((mm,))
     mark_fsdp_all_gather_recomputation(g)
-    assert _tags(t) == (MUST_RECOMPUTE, M.AP_AC_GRAPH_ID)  # t has two users: tagged, walk stops
-    assert M.RECOMPUTE not in a.meta and M.RECOMPUTE not in b.meta
+    # t has two users, both computed from the gathered weight alone: the walk follows both
+    # (a chain that stopped at t left a or b for the partitioner to save: a gathered weight)
+    for node in (t, a, b):
+        assert _tags(node) == (MUST_RECOMPUTE, M.AP_AC_GRAPH_ID), node.name
+    assert M.RECOMPUTE not in mm.meta  # two inputs
+
+
+def test_a_tied_weight_gathered_once_and_read_twice_is_recomputed_on_both_paths():
+    """GPT-2's head reads the embedding's gathered weight transposed: the wait has two users (the
+    embedding lookup, two inputs; the transpose, one). The transpose used to stay untagged and
+    the first partition saved it: the whole gathered embedding, across the step."""
+    g = fx.Graph()
+    w = _placeholder(g, "w", torch.empty(4, 8, device="meta"), "param:wte.weight")
+    ids = _placeholder(g, "ids", torch.empty(3, dtype=torch.long, device="meta"), "input:0")
+    ag = _node(g, ALL_GATHER, (w, 4, "dp"), torch.empty(16, 8, device="meta"))
+    wait = _node(g, WAIT, (ag,), torch.empty(16, 8, device="meta"))
+    emb = _node(g, aten.embedding.default, (wait, ids), torch.empty(3, 8, device="meta"))
+    t = _node(g, aten.t.default, (wait,), torch.empty(8, 16, device="meta"))
+    logits = _node(g, aten.mm.default, (emb, t), torch.empty(3, 16, device="meta"))
+    g.output((logits,))
+    report = mark_fsdp_all_gather_recomputation(g)
+    assert report.recomputed == [ag, wait, t]
+    assert M.RECOMPUTE not in emb.meta and M.RECOMPUTE not in logits.meta
 
 
 def test_activation_and_tp_all_gathers_are_untouched():
