@@ -20,6 +20,7 @@ from autoparallel.compile import SECOND_COMPILE
 from autoparallel.passes.collective import COLLECTIVE_PASS_NAMES, COLLECTIVE_PASSES
 from autoparallel.passes.topo_span_bucketing import TopoSpanConfig
 from autoparallel.pipeline import STAGE_NAMES, PipelineRun, StageResult
+from verify import zoo
 from verify.goldens.text import (
     GOLDENS_DIR,
     collective_counts_text,
@@ -40,6 +41,10 @@ GOLDEN_SCENARIOS: dict[str, Scenario] = {
     # caps small enough that buckets split: by bytes in pre_overlap_bucketing, by topological
     # span in topo_span_bucketing (PIPELINE_OPTIONS; tests/golden/test_golden_scenarios.py checks)
     "tiny-fsdp-dp4-split": Scenario(preset="tiny", plan="fsdp", mesh="dp=4"),
+    # not LLaMA (verify.zoo): tied embedding/head gathered once, LayerNorm, biased Linears
+    "gpt2-fsdp-dp2": Scenario(case=zoo.gpt2, plan="fsdp", mesh="dp=2"),
+    # qkv split as 3 chunks, rowwise biases added after the all-reduce
+    "gpt2-fsdp_tp-dp2tp2": Scenario(case=zoo.gpt2, plan="fsdp_tp", mesh="dp=2,tp=2"),
 }
 # Pass settings of scenarios whose goldens are not at the pipeline's defaults (shown in the header).
 PIPELINE_OPTIONS: dict[str, dict] = {
