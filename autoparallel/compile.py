@@ -150,6 +150,7 @@ class _Partitioner(CustomPartitionerFn):
             grad_roles=grad_roles,
             group_dims=None,
             stage=SECOND_COMPILE,
+            plain_inputs=self.input_roles,
         )
         if self.group_dims is not None:
             for g in (fw, bw):

@@ -99,6 +99,9 @@ class ParallelMesh:
     spec: MeshSpec
     device_mesh: DeviceMesh
     group_dims: dict[str, str] = field(default_factory=dict)  # group name -> "dp" / "tp" / "dp*tp"
+    # Labels whose group already has a label in group_dims (a mesh with a size-1 dim: "dp=1,tp=2"
+    # has one group for "tp" and "dp*tp"): label -> group name.
+    aliases: dict[str, str] = field(default_factory=dict)
 
     @property
     def flat_label(self) -> str:
@@ -109,7 +112,10 @@ class ParallelMesh:
         for name, lab in self.group_dims.items():
             if lab == label:
                 return name
-        raise ValueError(f"unknown mesh dim {label!r}; known: {sorted(set(self.group_dims.values()))}")
+        if label in self.aliases:
+            return self.aliases[label]
+        known = sorted({*self.group_dims.values(), *self.aliases})
+        raise ValueError(f"unknown mesh dim {label!r}; known: {known}")
 
     def group(self, label: str) -> dist.ProcessGroup:
         return dist.distributed_c10d._resolve_process_group(self.group_name(label))
@@ -136,17 +142,25 @@ def build_mesh(spec: MeshSpec | str | Mapping[str, int], device_type: str = "cpu
             f"mesh {spec} needs {spec.world_size} ranks but the running world has {dist.get_world_size()}"
         )
     dm = init_device_mesh(device_type, spec.shape, mesh_dim_names=spec.names)
-    group_dims = {}
+    pmesh = ParallelMesh(spec, dm)
+
+    def record(group_name: str, label: str) -> None:
+        # One group can serve two labels when a dim has size 1 ("dp=1,tp=2": the tp group is the
+        # flattened one). Graphs name it by the first label (a single dim before the flat one).
+        if group_name in pmesh.group_dims:
+            pmesh.aliases[label] = group_name
+        else:
+            pmesh.group_dims[group_name] = label
+
     for name in spec.names:
-        group_dims[dm[name].get_group().group_name] = name
-    pmesh = ParallelMesh(spec, dm, group_dims)
+        record(dm[name].get_group().group_name, name)
     if len(spec.dims) > 1:
         flat = dm._flatten(pmesh.flat_label.replace(FLAT_SEP, "_"))
-        group_dims[flat.get_group().group_name] = pmesh.flat_label
+        record(flat.get_group().group_name, pmesh.flat_label)
     if len(spec.dims) == 1 or spec.world_size == 1:
         # A 1-D mesh's only group may be WORLD itself; record it under that name too.
         world_name = dist.group.WORLD.group_name
-        group_dims.setdefault(world_name, spec.names[0] if len(spec.dims) == 1 else pmesh.flat_label)
+        pmesh.group_dims.setdefault(world_name, spec.names[0] if len(spec.dims) == 1 else pmesh.flat_label)
     return pmesh
 
 

@@ -31,11 +31,13 @@ from typing import Any
 import torch
 from torch import fx
 from torch._inductor.custom_graph_pass import CustomPartitionerFn
+from torch._subclasses.fake_tensor import is_fake
 from torch.utils.checkpoint import CheckpointPolicy
 
 from autoparallel import meta as M
 from autoparallel import roles
 from autoparallel.mesh import attach_group_dims
+from autoparallel.parallelize.program import clean_fqn
 from autoparallel.passes.cleanup import CleanupReport, cleanup_graph
 from autoparallel.passes.fsdp_recompute import FsdpTagReport, mark_fsdp_all_gather_recomputation
 from autoparallel.runtime.parallel_module import ParallelModule, PartitionRecord
@@ -107,14 +109,17 @@ def label_partition(
     grad_roles: Sequence[str | None] | None,
     group_dims: Mapping[str, str] | None,
     stage: str,
+    plain_inputs: Sequence[str | None] | None = None,
 ) -> None:
     """Give a fw/bw pair what goldens and stats read: placeholder roles, output roles, the
     group-name registry (where known) and the stage name.
 
     ``placeholder_roles`` maps joint placeholder names to roles (partitioners keep primal and
     tangent names), so a saved parameter shard keeps its ``param:<fqn>`` role in the backward.
-    Forward outputs are ``loss`` / ``output:<i>`` then ``saved:<k>`` in order; a backward input
-    holding a computed saved value is named by the same ``saved:<k>``.
+    Forward outputs are ``mutated:<fqn>`` (a buffer's new value), ``loss`` / ``output:<i>``, then
+    ``saved:<k>`` in order; a backward input holding a computed saved value is named by the same
+    ``saved:<k>``. ``plain_inputs``: the roles of a Dynamo graph's inputs, which its descriptors
+    only number (see ``roles.of_descriptor``).
     """
     saved_names = {}
     out = fw.graph.output_node()
@@ -131,7 +136,7 @@ def label_partition(
                 saved_names.setdefault(v.name, role)
         else:
             # A user output: its descriptor says which one; without one, its position does.
-            role = roles.of_descriptor(d, name_unknown=False) or roles.user_output(i)
+            role = roles.of_descriptor(d, fqn=clean_fqn, plain_inputs=plain_inputs, name_unknown=False) or roles.user_output(i)
         labels.append(role)
     out.meta[M.ROLE] = labels
     for gm in (fw, bw):
@@ -223,6 +228,7 @@ def _first_partition(p: Placement) -> PartitionRecord:
         captured["saved"] = tag_saved_outputs(fw_gm, captured.get("num_fwd_outputs", jg.num_fwd_outputs))
         return boxed_nop_preserve_node_meta(fw_gm, example_inputs)
 
+    jg.resume_fake_mode()
     try:
         compiled = aot_compile_joint_with_descriptors(
             jg.jd, partition_fn=partition, fw_compiler=fw_compiler, bw_compiler=boxed_nop_preserve_node_meta
@@ -246,9 +252,13 @@ def _first_partition(p: Placement) -> PartitionRecord:
         kind = roles.kind(ph.meta.get(M.ROLE))
         store = p.params if kind == roles.PARAM else p.buffers if kind == roles.BUFFER else None
         name = roles.name(ph.meta[M.ROLE]) if store is not None else None
-        if store is not None and name not in store:
-            v = ph.meta[M.VAL]
+        if store is None:
+            continue
+        v = ph.meta[M.VAL]
+        if name not in store:
             store[name] = torch.empty(v.shape, dtype=v.dtype)
+        else:
+            _check_local_tensor(kind, name, store[name], v)
     p.module = ParallelModule(
         compiled,
         jg.input_roles,
@@ -260,6 +270,21 @@ def _first_partition(p: Placement) -> PartitionRecord:
     )
     log.info("first partition saves %d values (%.2fs)", len(record.saved), time.perf_counter() - t0)
     return record
+
+
+def _check_local_tensor(kind: str, name: str, t: torch.Tensor, traced: torch.Tensor) -> None:
+    """A given local parameter/buffer must be real and have the traced local shape and dtype."""
+    kind = "parameter" if kind == roles.PARAM else "buffer"
+    if is_fake(t):
+        raise ValueError(
+            f"the local {kind} {name!r} given to apply_placement is a FakeTensor: it was created under a fake "
+            "mode (a trace's context); pass this rank's real local shards (e.g. ParallelProgram.local_parameters())"
+        )
+    if tuple(t.shape) != tuple(traced.shape) or t.dtype != traced.dtype:
+        raise ValueError(
+            f"the local {kind} {name!r} has shape {tuple(t.shape)} {t.dtype}, but the graph was traced with "
+            f"{tuple(traced.shape)} {traced.dtype} (this rank's shard under the plan)"
+        )
 
 
 #: The apply_placement boundary, in order.
@@ -348,6 +373,14 @@ def choose_replay_saves(gm: fx.GraphModule, node_info) -> tuple[list[fx.Node], l
 
     Anything else is recomputed in the backward if the backward needs it. PREFER_RECOMPUTE
     appears in no rule: an AC pass can make the replay recompute, never save more.
+
+    ``custom.ap_must_save`` counts only on nodes traced in the forward: AOT gives every node it
+    traces in the backward the ``custom`` meta of the forward op being differentiated, and from
+    the re-trace's point of view that op is the whole first-partition forward, so backward nodes
+    can inherit the tag of whichever forward node ran last. A backward node that only reads
+    forward values (the transpose of a gathered weight, ``t(t(w))``, in a Linear's input
+    gradient) is then claimable by the forward, and with the leaked tag it was saved: an
+    all-gathered weight kept alive across the step.
     """
     from torch._functorch.partitioners import _is_assert_only_symbool, is_opaque_node, is_sym_node
 
@@ -367,7 +400,7 @@ def choose_replay_saves(gm: fx.GraphModule, node_info) -> tuple[list[fx.Node], l
             if not _is_assert_only_symbool(node):
                 saved_sym.append(node)
             continue
-        custom = _custom(node)
+        custom = {} if node.meta.get(M.PARTITIONER_TAG) == M.PARTITIONER_TAG_BACKWARD else _custom(node)
         if node.op == "call_function" and _is_multi_output(node):
             multi_output_parents.add(node)
             children = _getitem_children(node)

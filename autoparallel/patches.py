@@ -58,7 +58,7 @@ _register(
     "fsdp_chain_recompute",
     "mark_fsdp_all_gather_recomputation tags MUST_RECOMPUTE on every forward node after each FSDP "
     "wait that reads only the gathered weight (t/permute/slice/select/view/cast, the narrow of a "
-    "padded uneven shard included; a chain or a fan-out tree) and on the dtype cast before the all-gather",
+    "padded uneven shard included; a chain or a fan-out tree, e.g. a tied weight) and on the dtype cast before the all-gather",
     "only the all-gather and its wait are tagged: the partitioner saves the first untagged node "
     "after the wait (the transposed gathered weight, 2.62 GiB on LLaMA-3 8B; the narrowed padded "
     "weight of an uneven shard) and the cast shard",
@@ -68,6 +68,7 @@ _register(
         "tests/unit/autoparallel/passes/test_fsdp_recompute.py::test_fan_out_after_a_padded_narrow_is_recomputed_not_saved",
         "tests/unit/autoparallel/passes/test_fsdp_recompute.py::test_padded_gathered_and_narrowed_weights_are_recomputed_not_saved",
         "tests/unit/autoparallel/test_partition.py::test_no_all_gather_output_or_wait_saved_for_backward",
+        "tests/unit/autoparallel/passes/test_fsdp_recompute.py::test_a_tied_weight_gathered_once_and_read_twice_is_recomputed_on_both_paths",
     ),
 )
 _register(

@@ -18,6 +18,8 @@ Labels:
 ``loss``           the loss, the first user output
 ``output:<i>``     another user output
 ``grad:<fqn>``     the gradient of parameter ``<fqn>``
+``mutated:<fqn>``  the new value of buffer ``<fqn>`` (an in-place update, e.g. BatchNorm's
+                   running stats, that the graph returns for the caller to apply)
 ``saved:<k>``      the k-th value a forward graph saves for its backward (and the
                    backward placeholder that receives it)
 =================  ==================================================================
@@ -36,9 +38,10 @@ OUTPUT = "output"
 GRAD = "grad"
 SAVED = "saved"
 LOSS = "loss"
+MUTATED = "mutated"
 
 _SEP = ":"
-KINDS = (PARAM, BUFFER, INPUT, TANGENT, LOSS, OUTPUT, GRAD, SAVED)
+KINDS = (PARAM, BUFFER, INPUT, TANGENT, LOSS, OUTPUT, GRAD, SAVED, MUTATED)
 
 
 # --- constructors -------------------------------------------------------------------------------
@@ -67,6 +70,11 @@ def grad(fqn: str) -> str:
 
 def saved(index: int) -> str:
     return f"{SAVED}{_SEP}{index}"
+
+
+def mutated(fqn: str) -> str:
+    """The new value of buffer (or input) ``fqn`` after an in-place update in the graph."""
+    return f"{MUTATED}{_SEP}{fqn}"
 
 
 def user_output(index: int) -> str:
@@ -130,6 +138,10 @@ def is_grad(role: object) -> bool:
 
 def is_saved(role: object) -> bool:
     return kind(role) == SAVED
+
+
+def is_mutated(role: object) -> bool:
+    return kind(role) == MUTATED
 
 
 def names_of(roles: Sequence[str | None], of_kind: str) -> list[str]:
@@ -211,6 +223,9 @@ def of_descriptor(
     if isinstance(desc, D.GradAOTOutput):
         inner = of_descriptor(desc.grad_of, fqn=fqn, plain_inputs=plain_inputs)
         return grad_of(inner) if kind(inner) is not None else None
+    if isinstance(desc, D.InputMutationAOTOutput):
+        inner = of_descriptor(desc.mutated_input, fqn=fqn, plain_inputs=plain_inputs)
+        return mutated(name(inner)) if kind(inner) is not None else None
     if isinstance(desc, D.SavedForBackwardsAOTOutput):
         return None  # numbered by the caller (saved:<k>), in output order
     return type(desc).__name__ if name_unknown else None

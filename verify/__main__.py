@@ -64,6 +64,13 @@ def _preset(text: str) -> str:
     return text
 
 
+def _model_case(text: str) -> str:
+    from verify.model_case import load_case
+
+    load_case(text)  # ValueError naming the module or attribute that is wrong
+    return text
+
+
 def _mesh(text: str) -> str:
     from autoparallel.mesh import MeshSpec
 
@@ -104,8 +111,12 @@ def _parser() -> argparse.ArgumentParser:
     workers = _flag_type(_workers, "workers")
 
     r = sub.add_parser("report", help="pipeline stages, collectives and parity for one scenario")
-    r.add_argument("--preset", default=None, type=preset,
-                   help="model preset: tiny, debug, 8b (default: tiny; debug with --trainer)")
+    which = r.add_mutually_exclusive_group()
+    which.add_argument("--preset", default=None, type=preset,
+                       help="model preset: tiny, debug, 8b (default: tiny; debug with --trainer)")
+    which.add_argument("--model", default=None, type=_flag_type(_model_case, "model"),
+                       help="your model instead of a preset: package.module:name naming a verify.ModelCase "
+                            "(or a function returning one), or a verify.zoo name (gpt2, convnet, ln_mlp)")
     r.add_argument("--plan", default=None, choices=["fsdp", "fsdp_tp", "ddp", "auto"],
                    help="parallel plan; auto: the ILP planner places everything (default: fsdp)")
     r.add_argument("--mesh", default=None, type=mesh, help="mesh, e.g. dp=8 or dp=4,tp=2 (default: dp=8)")
@@ -163,7 +174,7 @@ def _report_defaults(parser: argparse.ArgumentParser, args) -> None:
     """Fill in ``report``'s defaults, which depend on ``--trainer`` (flags it cannot take are an
     error naming them)."""
     if args.trainer:
-        given = [f"--{k}" for k in ("plan", "mesh") if getattr(args, k) is not None]
+        given = [f"--{k}" for k in ("model", "plan", "mesh") if getattr(args, k, None) is not None]
         if given:
             parser.error(f"argument --trainer: the graph trainer traces one single-device training step; "
                          f"{' and '.join(given)} {'does' if len(given) == 1 else 'do'} not apply")

@@ -12,6 +12,8 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 
+import torch
+
 from autoparallel import pipeline as P
 from autoparallel.passes.collective import CollectivePassesConfig
 from autoparallel.passes.pre_overlap_bucketing import PreOverlapConfig
@@ -60,6 +62,23 @@ def stage_tracer() -> StageTracer:
     return StageTracer(graph_text=_canonical_text, graph_stats=_stats_data)
 
 
+@contextlib.contextmanager
+def intra_op_threads(n: int = 1) -> Iterator[None]:
+    """Run with ``torch.set_num_threads(n)``, restored on exit.
+
+    On a small shared CI box (2 cores, 2 xdist workers) two intra-op threads per process spin
+    against each other: one debug-preset step took 0.7-2.3 s with 2 threads and 0.13 s with 1.
+    Results are bitwise the same either way. Dynamo guards on the thread count, so a module
+    compiled here for a gloo world's ranks (one thread each) is compiled with one thread too.
+    """
+    old = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(old)
+
+
 _shared_runs: dict | None = None  # while reuse_pipeline_runs() is entered: arguments -> [(until, run)]
 
 
@@ -87,22 +106,36 @@ def _covers(names: list[str], ran_until: str | None, until: str | None) -> bool:
 
 
 def run_pipeline(
-    scenario: Scenario, *, bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB, topo_span=None, until: str | None = None
+    scenario: Scenario,
+    *,
+    bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB,
+    topo_span=None,
+    until: str | None = None,
+    keep_compiled: bool = False,
 ) -> P.PipelineRun:
     """Every stage of ``autoparallel.pipeline.STAGES`` for ``scenario`` on one fake world (graphs
     of rank 0: bucketing is rank-specific), plus the alternatives, each stage's graphs copied.
     ``bucket_cap_mb`` / ``topo_span``: see :func:`pipeline_options`. ``until``: stop after that
-    stage, without the alternatives (a shared whole run is returned instead when there is one)."""
+    stage, without the alternatives (a shared whole run is returned instead when there is one).
+    ``keep_compiled``: the run also keeps the second compile's compiled module (a parity run can
+    use it; it runs one forward on the fake world, so keep it off for models too large to run); a
+    shared run that kept it also serves requests without, until a parity run consumed its
+    compiled module."""
     names = [stage.name for stage in P.stages_for(scenario.plan_obj())]
     if until is not None and until not in names:
         raise ValueError(f"until={until!r} is no stage; stages: {names}")
     key = (scenario, bucket_cap_mb, topo_span)
     if _shared_runs is not None:
-        for ran_until, run in _shared_runs.get(key, ()):
-            if _covers(names, ran_until, until):
+        for ran_until, kept, run in _shared_runs.get(key, ()):
+            # A parity run consumes the compiled module (Dynamo's reset invalidates it).
+            if _covers(names, ran_until, until) and not (keep_compiled and (not kept or run.compiled is None)):
                 return run
-    options = pipeline_options(bucket_cap_mb, topo_span, **({} if until is None else {"alternatives": False}))
-    run = P.run_pipeline(*scenario.pipeline_inputs(), options, until=until, trace=stage_tracer)
+    options = pipeline_options(
+        bucket_cap_mb, topo_span, keep_compiled=keep_compiled, **({} if until is None else {"alternatives": False})
+    )
+    # A kept module is for gloo ranks with one intra-op thread each (Dynamo guards on it).
+    with intra_op_threads(1) if keep_compiled else contextlib.nullcontext():
+        run = P.run_pipeline(*scenario.pipeline_inputs(), options, until=until, trace=stage_tracer)
     if _shared_runs is not None:
-        _shared_runs.setdefault(key, []).append((until, run))
+        _shared_runs.setdefault(key, []).append((until, keep_compiled, run))
     return run

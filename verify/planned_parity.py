@@ -115,7 +115,9 @@ def _primals(pg, params, buffers, inputs) -> list[torch.Tensor]:
 
 
 def eager_executor(planned, mesh, buffers) -> Executor:
-    """The reference: the plan's interpreter, eagerly, on this rank's real local tensors."""
+    """The reference: the plan's interpreter, eagerly, on this rank's real local tensors. Its
+    ``buffers`` are recorded like every executor's (it applies no buffer mutations: a model that
+    updates buffers in place shows up as a buffer mismatch, not as silence)."""
     pg, plan = planned.pg, planned.plan
     placed = node_placements(pg, plan)
     grad_fqns = [(i, roles.name(r)) for i, r in enumerate(pg.output_roles) if roles.is_grad(r)]
@@ -125,7 +127,7 @@ def eager_executor(planned, mesh, buffers) -> Executor:
             outs = PlacedInterpreter(pg.gm, placed, mesh, pg.keys).run(*_primals(pg, params, buffers, inputs), enable_io_processing=False)
         return outs[0].detach(), {fqn: outs[i] for i, fqn in grad_fqns}
 
-    return run
+    return Executor(run, buffers)
 
 
 def _rank_case(case: PlannedCase, solved: Plan, batches, executors, mesh) -> PlannedRank:

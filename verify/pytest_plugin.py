@@ -22,6 +22,8 @@ Opted in:
   with ``n`` <= the visible GPU count run, any skip among them fails the run, and the summary
   says how many ``multigpu`` tests could not run for lack of GPUs (``--ap-gpu-count N``
   overrides the visible count the gates and the selection use);
+* fixture ``model_check`` (``verify.check.check_model``: any model through every stage, parity
+  and the oracle; fails the test with the summary; ``golden=golden`` adds a golden per stage);
 * fixture ``golden`` (``verify.goldens``), which also reports the goldens it used when
   ``python -m verify goldens`` asks (``$AUTOPARALLEL_GOLDENS_LOG``), so that command can find
   goldens no test uses;
@@ -296,6 +298,29 @@ class VerifyPlugin:
         except ValueError as e:
             pytest.fail(f"{e} (goldens/ mirrors tests/)", pytrace=False)
         return GoldenChecker(snapshot, request, self._goldens)
+
+    # --- any model through every stage ----------------------------------------------------------
+
+    @pytest.fixture
+    def model_check(self):
+        """``model_check(model, loss_fn, batch, plan=..., mesh=..., golden=None, **kw)``: runs
+        ``verify.check.check_model`` and fails the test with its summary unless every stage is
+        bitwise equal to the eager parallel program and the oracle passes. ``golden=golden``
+        (the ``golden`` fixture) also compares each stage's canonical text with its golden file
+        (one per stage, named after the test and the stage). Returns the ``ModelCheck``."""
+
+        def check(*args, golden: GoldenChecker | None = None, **kwargs):
+            from verify.check import check_model
+
+            result = check_model(*args, **kwargs)
+            if not result.ok:
+                pytest.fail(f"{result.scenario.header()}:\n" + "\n".join(result.failures()), pytrace=False)
+            if golden is not None:
+                for stage, text in result.golden_texts().items():
+                    golden.check_text(text, name=stage)
+            return result
+
+        return check
 
 
 def _torch_description() -> str:

@@ -4,9 +4,11 @@ Each stage is a graph (or a forward/backward pair) with its node count and colle
 and mesh dim (from ``verify.pipeline``, shared with the golden tests), in the order
 ``autoparallel.pipeline`` runs them; then the alternatives (each collective pass alone on the
 second compile's graphs); whether each matches its golden; and parity on a small real world that
-keeps the plan's shape. ``--html DIR`` also writes the page of ``verify.html`` for the same run
-(parity and golden verdicts per stage). ``--trainer``: the graph trainer's stages instead
-(``verify.trainer_report``).
+keeps the plan's shape: every stage bitwise against the eager parallel program, and the eager
+parallel program against single-device eager within the oracle's tolerance (pass/fail).
+The model is a LLaMA preset (``--preset``) or any ``ModelCase`` (``--model package.module:name``).
+``--html DIR`` also writes the page of ``verify.html`` for the same run (parity and golden
+verdicts per stage). ``--trainer``: the graph trainer's stages instead (``verify.trainer_report``).
 """
 
 from __future__ import annotations
@@ -18,21 +20,20 @@ import time
 from pathlib import Path
 
 from autoparallel.mesh import MeshSpec
-from autoparallel.pipeline import JOINT, PLAN, PipelineRun, StageResult
+from autoparallel.pipeline import PLAN, PipelineRun, StageResult
 from verify.goldens import catalog as golden_catalog
 from verify.html import write_report
 from verify.html.records import records_from_pipeline_run
 from verify.parity import compare_tensors, compare_traces, merge_reports
 from verify.parity_runs import (
-    COMPILE_EXECUTORS,
     EAGER,
-    gather_full_grads,
-    run_compile_parity,
-    run_joint_parity,
-    single_device_step,
+    STAGE_EXECUTORS,
+    compare_with_eager,
+    oracle_check,
+    run_stage_parity,
     single_device_tolerance,
 )
-from verify.pipeline import params_summary, run_pipeline
+from verify.pipeline import params_summary, pipeline_options, run_pipeline
 from verify.planned_parity import EAGER as PLANNED_EAGER
 from verify.planned_parity import EXECUTORS as PLANNED_EXECUTORS
 from verify.planned_parity import full_grads, planned_case, run_planned_parity, single_device_replay
@@ -123,31 +124,33 @@ def planning_summary(run: PipelineRun) -> dict | None:
     return out
 
 
-def run_parity(scenario: Scenario, steps: int = 2) -> dict:
-    """Each stage against the eager parallel program on gloo (bitwise), plus single-device eager.
-    plan="auto": against eager execution of the plan's placements (verify.planned_parity)."""
+def run_parity(scenario: Scenario, steps: int = 2, *, run: PipelineRun | None = None) -> dict:
+    """Each stage against the eager parallel program on gloo (bitwise), and the eager program
+    against single-device eager (the oracle, within its tolerance), on the smallest world that
+    keeps the plan's shape (:func:`parity_mesh`). ``run``: the scenario's pipeline run, made
+    with ``keep_compiled``, when its mesh is that world already."""
     small = dataclasses.replace(scenario, mesh=str(parity_mesh(scenario.mesh_spec)))
     if scenario.is_auto:
         return run_planned_parity_summary(small, steps)
     progress(f"parity on a gloo world of {small.mesh_spec.world_size} ranks ({small.mesh_spec}), {steps} steps ...")
     t0 = time.perf_counter()
-    joint_ranks = run_joint_parity(small, steps=steps)
-    compile_ranks = run_compile_parity(small, steps=steps)
-    comparisons = {JOINT: _merged(joint_ranks, EAGER, JOINT)}
-    for stage in COMPILE_EXECUTORS[1:]:
-        comparisons[stage] = _merged(compile_ranks, EAGER, stage)
-    _, grads = single_device_step(small)
-    single = compare_tensors(grads, gather_full_grads(small, joint_ranks, JOINT), a_name="single-device", b_name=JOINT)
-    return _parity_summary(small, steps, comparisons, single.max_abs, t0)
+    collective = pipeline_options(**golden_catalog.pipeline_options(scenario)).collective
+    ranks = run_stage_parity(small, steps=steps, run=run if small == scenario else None, collective=collective)
+    comparisons = {stage: compare_with_eager(ranks, stage) for stage in STAGE_EXECUTORS if stage != EAGER}
+    oracle = oracle_check(small, ranks)
+    return {
+        **_parity_summary(small, steps, comparisons, t0),
+        "oracle": oracle.to_dict(),
+        "oracle_summary": oracle.summary(),
+        "single_device_max_abs_diff": oracle.max_abs,
+    }
 
 
-def _parity_summary(small: Scenario, steps: int, comparisons: dict, single_max_abs: float, t0: float) -> dict:
+def _parity_summary(small: Scenario, steps: int, comparisons: dict, t0: float) -> dict:
     return {
         "mesh": str(small.mesh_spec),
         "steps": steps,
         "vs_eager": {stage: rep.to_dict() for stage, rep in comparisons.items()},
-        "single_device_max_abs_diff": single_max_abs,
-        "single_device_tolerance": single_device_tolerance(small),
         "seconds": round(time.perf_counter() - t0, 2),
     }
 
@@ -163,28 +166,47 @@ def run_planned_parity_summary(small: Scenario, steps: int) -> dict:
     }
     single = single_device_replay(case, ranks)
     diff = compare_tensors(single.grads[0], full_grads(case, ranks, PLANNED_EAGER, 0), a_name="single-device", b_name=PLANNED_EAGER)
-    return _parity_summary(small, steps, comparisons, diff.max_abs, t0)
+    return {
+        **_parity_summary(small, steps, comparisons, t0),
+        "single_device_max_abs_diff": diff.max_abs,
+        "single_device_tolerance": single_device_tolerance(small),
+    }
 
 
-def build_report(scenario: Scenario, *, parity: bool = True) -> dict:
-    return report_and_run(scenario, parity=parity)[0]
+def parity_passed(parity: dict | None) -> bool:
+    """Every stage bitwise and the single-device check passed (True when parity was skipped): the
+    oracle's verdict for a hand plan, the replay within its tolerance for plan="auto"."""
+    if parity is None:
+        return True
+    if not all(r["bitwise"] for r in parity["vs_eager"].values()):
+        return False
+    if "oracle" in parity:
+        return bool(parity["oracle"]["passed"])
+    return parity["single_device_max_abs_diff"] <= parity["single_device_tolerance"]
 
 
-def report_and_run(scenario: Scenario, *, parity: bool = True) -> tuple[dict, PipelineRun]:
+def build_report(scenario: Scenario, *, parity: bool = True, steps: int = 2) -> dict:
+    return report_and_run(scenario, parity=parity, steps=steps)[0]
+
+
+def report_and_run(scenario: Scenario, *, parity: bool = True, steps: int = 2) -> tuple[dict, PipelineRun]:
     """The report's dict and the pipeline run it describes (the HTML page draws the run)."""
     progress(f"running the pipeline for {scenario.header()} ...")
     t0 = time.perf_counter()
-    run = run_pipeline(scenario, **golden_catalog.pipeline_options(scenario))
+    # When the mesh is already parity's world, one run serves the table, the goldens and parity.
+    keep = parity and parity_mesh(scenario.mesh_spec) == scenario.mesh_spec
+    run = run_pipeline(scenario, keep_compiled=keep, **golden_catalog.pipeline_options(scenario))
     progress(f"{len(run.results)} stage(s) and {len(run.alternatives)} alternative(s) in {time.perf_counter() - t0:.1f}s")
     return {
-        "preset": scenario.preset,
+        "model": scenario.model_name,
+        "preset": scenario.preset if scenario.model_case is None else None,
         "plan": scenario.plan_obj().describe(),
         "mesh": str(scenario.mesh_spec),
         "params": params_summary(run),
         "planning": planning_summary(run),
         "stages": [row for r in [*run.results, *run.alternatives] for row in stage_summaries(r)],
         "goldens": golden_status(scenario, run),
-        "parity": run_parity(scenario) if parity else None,
+        "parity": run_parity(scenario, steps, run=run if keep else None) if parity else None,
     }, run
 
 
@@ -231,8 +253,9 @@ def format_planning(p: dict) -> list[str]:
 
 
 def format_report(report: dict) -> str:
+    model = f"preset={report['preset']}" if report.get("preset") else f"model={report.get('model')}"
     lines = [
-        f"autoparallel report: preset={report['preset']} mesh={report['mesh']}",
+        f"autoparallel report: {model} mesh={report['mesh']}",
         f"plan: {report['plan']}",
         f"params: {report['params']['count']} ({report['params']['fsdp_sharded']} FSDP-sharded)",
         "",
@@ -262,8 +285,20 @@ def format_report(report: dict) -> str:
     p = report.get("parity")
     heading = "" if p is None else (f"parity on gloo {p['mesh']} ({p['steps']} steps with AdamW, {p['seconds']}s), "
                                     "each stage vs the eager parallel program:")
-    lines += parity_lines(p, heading)
-    if p is not None:
+    width = max((len(stage) for stage in (p or {}).get("vs_eager", {})), default=0)
+    lines += parity_lines(p, heading, width=width + 1)
+    oracle = None if p is None else p.get("oracle")
+    if oracle is not None:
+        verdict = "PASS" if oracle["passed"] else f"FAIL ({oracle['failures']} of {oracle['tensors']} tensors beyond tolerance)"
+        tol = oracle["tolerance"]
+        lines.append(
+            f"  single-device eager (independent oracle, step 0): {verdict}; max |diff| {oracle['max_abs_diff']:.2e}, "
+            f"worst |diff|/bound {oracle['worst_ratio']:.2e}, rtol {tol['rtol']:.2e} "
+            f"({tol['dtype']}, {tol['layers']} layers x width {tol['width']})"
+        )
+        if not oracle["passed"] and p.get("oracle_summary"):
+            lines.extend("    " + line for line in p["oracle_summary"].splitlines()[1:])
+    elif p is not None:
         lines.append("  " + single_device_line(p))
     if report.get("html"):
         lines.append(f"html report: {report['html']}")
@@ -297,12 +332,12 @@ def parity_lines(p: dict | None, heading: str, *, width: int = 16, versus: bool 
 
 
 def single_device_line(p: dict) -> str:
-    """The oracle's verdict: single-device eager vs the joint graph, within its tolerance?"""
+    """Single-device eager vs the eager parallel program (plan="auto"'s replay), within its tolerance?"""
     diff, tol = p["single_device_max_abs_diff"], p.get("single_device_tolerance")
     if tol is None:
-        return f"single-device eager vs joint: max |diff| {diff:.2e} (reduction order differs)"
+        return f"single-device eager vs the eager parallel program: max |diff| {diff:.2e} (reduction order differs)"
     verdict = "within" if diff <= tol else "EXCEEDS"
-    return f"single-device eager vs joint: max |diff| {diff:.2e}, {verdict} tolerance {tol:.0e} (reduction order differs)"
+    return f"single-device eager vs the eager parallel program: max |diff| {diff:.2e}, {verdict} tolerance {tol:.0e} (reduction order differs)"
 
 
 # Parity runs the model for real: each gloo rank builds the whole fp32 model, and the
@@ -331,7 +366,7 @@ def check_parity_size(scenario: Scenario, *, anyway: bool) -> None:
 
 
 def main(args) -> int:
-    scenario = Scenario(preset=args.preset, plan=args.plan, mesh=args.mesh)
+    scenario = Scenario(preset=args.preset, plan=args.plan, mesh=args.mesh, case=getattr(args, "model", None))
     check_flags(scenario)
     if not args.no_parity:
         check_parity_size(scenario, anyway=args.parity_anyway)
@@ -342,5 +377,4 @@ def main(args) -> int:
         print(json.dumps(report, indent=2, sort_keys=False))
     else:
         print(format_report(report))
-    p = report.get("parity")
-    return 0 if p is None or all(r["bitwise"] for r in p["vs_eager"].values()) else 1
+    return 0 if parity_passed(report.get("parity")) else 1

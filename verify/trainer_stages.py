@@ -14,9 +14,7 @@
 
 from __future__ import annotations
 
-import contextlib
 import functools
-from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist
@@ -35,6 +33,7 @@ from autoparallel.trainer import (
 )
 from verify.memory import peak_memory, ratio
 from verify.parity import ParityReport, compare_traces
+from verify.pipeline import intra_op_threads
 
 __all__ = [
     "cross_entropy_loss",
@@ -49,22 +48,6 @@ __all__ = [
     "traced_step",
     "traced_sac_step",
 ]
-
-
-@contextlib.contextmanager
-def intra_op_threads(n: int = 1) -> Iterator[None]:
-    """Run with ``torch.set_num_threads(n)``, restored on exit.
-
-    On a small shared CI box (2 cores, 2 xdist workers) two intra-op threads per process spin
-    against each other: one debug-preset step took 0.7-2.3 s with 2 threads and 0.13 s with 1.
-    Results are bitwise the same either way.
-    """
-    old = torch.get_num_threads()
-    torch.set_num_threads(n)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(old)
 
 
 def cross_entropy_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import fx, nn
 from torch._guards import detect_fake_mode
-from torch._subclasses.fake_tensor import FakeTensorMode
+from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
 
 from autoparallel import meta as M
 from autoparallel import roles
@@ -25,6 +25,7 @@ from autoparallel.mesh import ParallelMesh, attach_group_dims
 from autoparallel.parallelize.module_paths import annotate_module_paths
 from autoparallel.parallelize.plan import ParallelPlan, ParamSharding
 from autoparallel.parallelize.program import LossFn, ParallelProgram, clean_fqn, split_batch
+from autoparallel.validate import check_input_dtypes
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +50,8 @@ class JointGraph:
     trace_seconds: float
     fake_mode: FakeTensorMode
     _stack: contextlib.ExitStack = field(repr=False, default_factory=contextlib.ExitStack)
+    # Holds the export's fake mode off the dispatch stack between the trace and the compile.
+    _suspended: contextlib.ExitStack = field(repr=False, default_factory=contextlib.ExitStack)
 
     @property
     def group_dims(self) -> dict[str, str]:
@@ -62,7 +65,12 @@ class JointGraph:
     def num_params(self) -> int:
         return len(self.param_fqns)
 
+    def resume_fake_mode(self) -> None:
+        """Put the export's fake mode back (the first partition compiles under it)."""
+        self._suspended.close()
+
     def close(self) -> None:
+        self._suspended.close()
         self._stack.close()
 
     def __enter__(self) -> JointGraph:
@@ -87,6 +95,7 @@ def build_joint_graph(
     if not example_inputs:
         raise ValueError("example_inputs must hold the model inputs followed by the loss target")
     shardings = plan.resolve(model, mesh.spec)
+    check_input_dtypes(model, example_inputs[:-1], plan.param_dtype)
     fake_mode = detect_fake_mode(list(model.parameters()) + list(example_inputs)) or FakeTensorMode()
     local = split_batch(tuple(example_inputs), plan, mesh.spec, {d: 0 for d in mesh.spec.names})
     program = ParallelProgram(model, plan, mesh, loss_fn, shardings=shardings)
@@ -106,6 +115,15 @@ def build_joint_graph(
     seconds = time.perf_counter() - t0
     gm = jd.graph_module
     input_roles, output_roles, num_fwd = label_roles(gm)
+    unused = _params_without_grad(gm, input_roles, output_roles)
+    if unused:
+        stack.close()
+        raise ValueError(
+            f"parameter(s) {unused} do not contribute to the loss, so they get no gradient; the parallel "
+            "program needs one for every parameter it shards. Remove them, or register them as buffers"
+        )
+    suspended = contextlib.ExitStack()
+    suspended.enter_context(unset_fake_temporarily())
     attach_group_dims(gm, mesh.group_dims)
     gm.meta[M.GM_STAGE] = "joint"
     log.info("traced joint graph: %d nodes in %.2fs", len(gm.graph.nodes), seconds)
@@ -121,6 +139,7 @@ def build_joint_graph(
         trace_seconds=seconds,
         fake_mode=fake_mode,
         _stack=stack,
+        _suspended=suspended,
     )
 
 
@@ -143,6 +162,13 @@ def _to_fake(root: nn.Module, fake_mode: FakeTensorMode) -> None:
                     fake = _fake_like(t.detach(), fake_mode)
                     memo[id(t)] = nn.Parameter(fake, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else fake
                 store[name] = memo[id(t)]
+
+
+def _params_without_grad(gm: fx.GraphModule, input_roles: list[str], output_roles: list[str | None]) -> list[str]:
+    """Parameters whose gradient output is missing or None (the loss does not use them)."""
+    values = list(gm.graph.output_node().args[0])
+    grads = {roles.name(r): v for r, v in zip(output_roles, values, strict=True) if roles.is_grad(r)}
+    return [fqn for fqn in roles.names_of(input_roles, roles.PARAM) if grads.get(fqn) is None]
 
 
 def label_roles(gm: fx.GraphModule) -> tuple[list[str], list[str | None], int]:

@@ -6,12 +6,17 @@ layer, as they would under real FSDP. An uneven FSDP shard is zero-padded to the
 rank holds and narrowed back after its all-gather (``ParamSharding``, ``FSDPAllGather``). TP
 regions get Megatron's f/g around them. The same program runs eagerly on a real world (the
 parity reference) and is traced into the joint graph.
+
+Tied parameters (one tensor under several names, e.g. an output head sharing the token
+embedding) are held once, by their first name; the other names read it through that owner, and
+a parametrized value is computed once per forward (``parametrize.cached``), so a tied parameter
+is one graph input with one gradient, gathered (or all-reduced) once. The bias of a rowwise TP
+Linear is added once, after its region's all-reduce (see ``autoparallel.parallelize.plan``).
 """
 
 from __future__ import annotations
 
 import copy
-import fnmatch
 from collections.abc import Callable, Mapping
 
 import torch
@@ -26,7 +31,8 @@ from autoparallel.parallelize.collectives import (
     FSDPAllGather,
     ReduceFromTPRegion,
 )
-from autoparallel.parallelize.plan import ParallelPlan, ParamSharding
+from autoparallel.parallelize.plan import ParallelPlan, ParamSharding, in_module
+from autoparallel.validate import check_loss
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -92,30 +98,44 @@ class ParallelProgram(nn.Module):
         coord = mesh.coordinate()
         sizes = {n: s for n, s in mesh.spec.dims}
         self.model = copy.deepcopy(model)
-        # Tied parameters (one tensor, several names) share one shard and one sharding.
-        canonical: dict[int, str] = {}
-        by_id: dict[int, nn.Parameter] = {}
-        all_names = list(model.named_parameters(remove_duplicate=False))
-        for fqn, p in all_names:
-            if id(p) not in by_id:
-                canonical[id(p)] = fqn
-                shard = self.shardings[fqn].shard(p.detach(), coord, sizes)
-                by_id[id(p)] = nn.Parameter(shard, requires_grad=p.requires_grad)
-            _set_param(self.model, fqn, by_id[id(p)])
-        for fqn, p in all_names:
-            sharding = self.shardings[canonical[id(p)]]
+        regions = plan.region_modules(model) if plan.tp_dim is not None else []
+        # Tied parameters (one tensor, several names): the first name holds the shard, the others
+        # read it through the holder (one graph input, one gradient).
+        holder: dict[int, str] = {}
+        for fqn, p in model.named_parameters(remove_duplicate=False):
+            if id(p) in holder:
+                _tie(self.model, fqn, holder[id(p)])
+                continue
+            holder[id(p)] = fqn
+            sharding = self.shardings[fqn]
+            shard = sharding.shard(p.detach(), coord, sizes)
+            _set_param(self.model, fqn, nn.Parameter(shard, requires_grad=p.requires_grad))
             if sharding.fsdp_dim or sharding.ddp_dim:
                 owner, _, attr = fqn.rpartition(".")
                 module = self.model.get_submodule(owner) if owner else self.model
                 parametrize.register_parametrization(module, attr, _GatherParam(sharding, plan, mesh), unsafe=True)
         if plan.tp_dim is not None:
-            self._install_tp_regions(mesh.group_name(plan.tp_dim))
+            self._install_tp_regions(regions, mesh.group_name(plan.tp_dim))
 
-    def _install_tp_regions(self, group_name: str) -> None:
-        for name, module in self.model.named_modules():
-            if any(fnmatch.fnmatchcase(name, pat) for pat in self.plan.tp_regions):
-                module.register_forward_pre_hook(_copy_to_tp_hook(group_name))
-                module.register_forward_hook(_reduce_from_tp_hook(group_name))
+    def _install_tp_regions(self, regions: list[str], group_name: str) -> None:
+        for name in regions:
+            module = self.model.get_submodule(name)
+            biased = self._rowwise_biases_after_reduce(name)
+            module.register_forward_pre_hook(_copy_to_tp_hook(group_name))
+            module.register_forward_hook(_reduce_from_tp_hook(group_name, name, biased))
+
+    def _rowwise_biases_after_reduce(self, region: str) -> list[tuple[str, nn.Linear]]:
+        """The rowwise Linears with a bias inside ``region``: each now computes without its bias
+        (the region's reduce hook adds it once, after the all-reduce)."""
+        out = []
+        for sharding in self.shardings.values():
+            linear_fqn = sharding.rowwise_bias_of
+            if linear_fqn is None or not in_module(linear_fqn, region):
+                continue
+            linear = self.model.get_submodule(linear_fqn)
+            linear.forward = _LinearWithoutBias(linear)
+            out.append((linear_fqn, linear))
+        return out
 
     def local_parameters(self) -> dict[str, nn.Parameter]:
         """Local shards by the user's parameter FQN (deduplicated, model order)."""
@@ -123,7 +143,25 @@ class ParallelProgram(nn.Module):
 
     def forward(self, *inputs: torch.Tensor) -> torch.Tensor:
         *model_inputs, target = inputs
-        return self.loss_fn(self.model(*model_inputs), target)
+        # A parametrized (gathered) tensor read twice in one forward, e.g. a tied weight, is
+        # gathered once.
+        with parametrize.cached():
+            loss = self.loss_fn(self.model(*model_inputs), target)
+        check_loss(loss, needs_grad=False)
+        return loss
+
+
+class _LinearWithoutBias:
+    """A rowwise Linear's forward without its bias: ``x @ W_local.T`` is a partial sum."""
+
+    def __init__(self, linear: nn.Linear):
+        self.linear = linear
+        self.outputs: list[torch.Tensor] = []
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        out = F.linear(x, self.linear.weight)
+        self.outputs.append(out)
+        return out
 
 
 def _copy_to_tp_hook(group_name: str):
@@ -133,11 +171,36 @@ def _copy_to_tp_hook(group_name: str):
     return hook
 
 
-def _reduce_from_tp_hook(group_name: str):
+def _reduce_from_tp_hook(group_name: str, region: str, biased: list[tuple[str, nn.Linear]]):
     def hook(module, args, output):
-        return ReduceFromTPRegion.apply(output, group_name)
+        out = ReduceFromTPRegion.apply(output, group_name)
+        for name, linear in biased:
+            produced = linear.forward.outputs
+            last = produced[-1] if produced else None
+            produced.clear()
+            if last is not output:
+                raise ValueError(
+                    f"TP region {region!r} does not return the output of its rowwise Linear {name!r}, so "
+                    f"{name}.bias cannot be added once after the region's all-reduce: make {name!r} the "
+                    "region's last op, or give it no bias"
+                )
+            out = out + linear.bias
+        return out
 
     return hook
+
+
+def _tie(root: nn.Module, alias: str, holder: str) -> None:
+    """Make ``root.<alias>`` read the parameter held at ``root.<holder>`` (through the holder, so
+    its parametrization, if any, applies)."""
+    owner, _, attr = alias.rpartition(".")
+    module = root.get_submodule(owner) if owner else root
+    h_owner, _, h_attr = holder.rpartition(".")
+    source = root.get_submodule(h_owner) if h_owner else root
+    del module._parameters[attr]
+    cls = type(module)
+    tied = type(f"Tied{cls.__name__}", (cls,), {attr: property(lambda self: getattr(source, h_attr))})
+    module.__class__ = tied
 
 
 def _set_param(root: nn.Module, fqn: str, value: nn.Parameter) -> None:

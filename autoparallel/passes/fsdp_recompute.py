@@ -13,7 +13,8 @@ the rule into the graph as checkpoint tags that every partitioner honours:
   all-gather and its wait is not enough: the partitioner then saves the first untagged node
   after the wait, e.g. the transposed gathered weight (2.62 GiB on LLaMA-3 8B in the seed
   document). A tree, not just a chain: a parameter read in several places (``scale[0]``,
-  ``scale[1]``) fans out after the wait, and each branch is a view that would keep the whole
+  ``scale[1]``; a tied embedding/head weight, read by the lookup and, transposed, by the
+  head) fans out after the wait, and each branch is a view that would keep the whole
   gathered storage alive if saved. The narrow that drops the padding of an uneven shard
   (``autoparallel.parallelize.plan``) is such a node: the gathered padded weight is never saved.
 * With ``reshard_after_forward=False`` the gathered parameter is meant to stay: the last

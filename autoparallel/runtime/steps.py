@@ -1,8 +1,20 @@
 """Training steps on one rank, the same way for every executor of the parallel program.
 
-An executor maps (parameter shards, local batch) -> (loss, gradients). Running several
+An executor maps (parameter shards, local batch) -> (loss, gradients), and updates the rank's
+buffers in place where the model mutates them (BatchNorm's running stats). Running several
 executors through ``train_steps`` with the same optimizer lets parity tests compare eager, the
-joint graph and compiled modules step by step, optimizer updates included.
+joint graph, the split graphs and compiled modules step by step, optimizer updates and buffers
+included.
+
+Executors (each an :class:`Executor`: call it, and read ``.buffers`` for the live buffers it
+updates, by FQN):
+
+* :func:`eager_program_executor`: a ``ParallelProgram`` with autograd (the reference);
+* :func:`joint_graph_executor`: a joint graph ``gm(primals, tangents)``, forward and backward in
+  one call; the buffers' new values it returns (``mutated:<fqn>`` outputs) are applied;
+* :func:`split_graph_executor`: a (forward, backward) pair, inputs and outputs matched by role;
+* :func:`parallel_module_executor` / :func:`compiled_module_executor`: a ``ParallelModule`` and
+  its ``torch.compile``'d version (autograd drives the backward).
 """
 
 from __future__ import annotations
@@ -15,24 +27,39 @@ from torch import fx
 
 from autoparallel import meta as M
 from autoparallel import roles
+from autoparallel.parallelize.program import clean_fqn
 
-Executor = Callable[[Mapping[str, torch.Tensor], Sequence[torch.Tensor]], tuple[torch.Tensor, dict[str, torch.Tensor]]]
+Step = Callable[[Mapping[str, torch.Tensor], Sequence[torch.Tensor]], tuple[torch.Tensor, dict[str, torch.Tensor]]]
+
+
+@dataclass
+class Executor:
+    """One training step of some form of the parallel program: ``executor(params, inputs) ->
+    (loss, {fqn: grad})``. ``buffers``: the live buffers (by FQN) the step updates in place, which
+    ``train_steps`` records after every step."""
+
+    step: Step
+    buffers: Mapping[str, torch.Tensor] = field(default_factory=dict)
+
+    def __call__(self, params: Mapping[str, torch.Tensor], inputs: Sequence[torch.Tensor]):
+        return self.step(params, inputs)
 
 
 @dataclass
 class StepTrace:
-    """Losses and gradients of each step (detached copies), and the parameters and AdamW state
-    after the last step (``optimizer_state[fqn]``: ``exp_avg``, ``exp_avg_sq``)."""
+    """Losses, gradients and buffers (after the step) of each step (detached copies; ``buffers``
+    is empty for an executor without buffers), and the parameters and AdamW state after the last
+    step (``optimizer_state[fqn]``: ``exp_avg``, ``exp_avg_sq``)."""
 
     losses: list[torch.Tensor] = field(default_factory=list)
     grads: list[dict[str, torch.Tensor]] = field(default_factory=list)
+    buffers: list[dict[str, torch.Tensor]] = field(default_factory=list)
     params: dict[str, torch.Tensor] = field(default_factory=dict)
     optimizer_state: dict[str, dict[str, torch.Tensor]] = field(default_factory=dict)
 
 
 def eager_program_executor(program: torch.nn.Module) -> Executor:
     """Runs the ParallelProgram eagerly with autograd (the reference)."""
-
     def run(params, inputs):
         local = program.local_parameters()
         for fqn, p in local.items():
@@ -44,7 +71,7 @@ def eager_program_executor(program: torch.nn.Module) -> Executor:
         loss.backward()
         return loss.detach(), {fqn: p.grad for fqn, p in local.items()}
 
-    return run
+    return Executor(run, {clean_fqn(n): b for n, b in program.named_buffers()})
 
 
 def _module_step(module: torch.nn.Module, call: Callable[..., torch.Tensor]) -> Executor:
@@ -58,7 +85,7 @@ def _module_step(module: torch.nn.Module, call: Callable[..., torch.Tensor]) -> 
         loss.backward()
         return loss.detach(), {fqn: p.grad for fqn, p in local.items()}
 
-    return run
+    return Executor(run, dict(module.model.named_buffers()))
 
 
 def parallel_module_executor(module: torch.nn.Module) -> Executor:
@@ -91,74 +118,136 @@ def primals_by_role(
     return primals
 
 
+def _loss_and_updates(
+    values: Sequence[object], output_roles: Sequence[str | None], buffers: Mapping[str, torch.Tensor], where: str
+) -> torch.Tensor:
+    """The loss among a forward's outputs (by role); each ``mutated:<fqn>`` output is copied into
+    its buffer."""
+    loss = None
+    for value, role in zip(values, output_roles, strict=False):
+        if role == roles.LOSS:
+            loss = value
+        elif roles.is_mutated(role):
+            with torch.no_grad():
+                buffers[roles.name(role)].copy_(value)
+    if loss is None:
+        raise ValueError(f"{where}: no output has the role {roles.LOSS!r} (output roles: {list(output_roles)})")
+    return loss
+
+
+def _named_grads(values: Sequence[object], output_roles: Sequence[str | None], where: str) -> dict[str, torch.Tensor]:
+    named = {}
+    if len(values) != len(output_roles):
+        raise ValueError(f"{where}: {len(values)} outputs but {len(output_roles)} output roles")
+    for value, role in zip(values, output_roles, strict=True):
+        if not roles.is_grad(role):
+            continue
+        if value is None:
+            raise ValueError(f"{where}: output {role} is None; a parameter the loss does not use has no gradient")
+        named[roles.name(role)] = value
+    return named
+
+
+def _tangents(gm: fx.GraphModule) -> list[torch.Tensor]:
+    """Ones for the loss tangent(s), in the dtype the graph traced them with."""
+    out = []
+    for ph in gm.graph.find_nodes(op="placeholder"):
+        if roles.is_tangent(ph.meta.get(M.ROLE)):
+            val = ph.meta.get(M.VAL)
+            out.append(torch.ones((), dtype=val.dtype if isinstance(val, torch.Tensor) else torch.float32))
+    return out
+
+
 def joint_graph_executor(
     gm: fx.GraphModule,
     input_roles: Sequence[str],
     output_roles: Sequence[str | None],
     buffers: Mapping[str, torch.Tensor],
 ) -> Executor:
-    """Runs a joint graph: forward and backward in one call, ``gm(primals, tangents)`` as traced,
-    or with flat arguments once a pass has recompiled it (the placement steps' graphs)."""
+    """Runs a joint graph: forward and backward in one call, ``gm(primals, tangents)`` as traced
+    (or ``gm(*primals, *tangents)`` once a pass has flattened its calling convention). Outputs
+    are read by role (``output_roles``, flat): the ``loss``, the ``grad:<fqn>`` gradients, and
+    ``mutated:<fqn>`` new buffer values, copied into ``buffers`` (the caller's)."""
     tangent_count = sum(1 for r in input_roles if roles.is_tangent(r))
-    pytree = isinstance(gm.graph._codegen, fx.graph._PyTreeCodeGen)
+    tangents = _tangents(gm)
+    if len(tangents) != tangent_count:  # placeholders without roles: the loss tangent in fp32
+        tangents = [torch.ones((), dtype=torch.float32)] * tangent_count
+    nested = isinstance(gm.graph._codegen, fx.graph._PyTreeCodeGen)
 
     def run(params, inputs):
         primals = primals_by_role(input_roles, params, buffers, inputs)
-        tangents = [torch.ones((), dtype=torch.float32)] * tangent_count
         with torch.no_grad():
-            if pytree:
+            if nested:
                 fw_out, grads = gm(primals, tangents)
                 outs = [*fw_out, *grads]
             else:
                 outs = list(gm(*primals, *tangents))
-        named = {roles.name(r): o for r, o in zip(output_roles, outs, strict=True) if roles.is_grad(r)}
-        return outs[output_roles.index(roles.LOSS)].detach(), named
+        loss = _loss_and_updates(outs, output_roles, buffers, "joint graph")
+        return loss.detach(), _named_grads(outs, output_roles, "joint graph")
 
-    return run
+    return Executor(run, buffers)
 
 
-def split_graphs_executor(fw: fx.GraphModule, bw: fx.GraphModule, buffers: Mapping[str, torch.Tensor]) -> Executor:
-    """Runs a forward graph, then its backward graph on the values the forward saved: any
-    partition (the first, the second compile's, bucketed ones). Inputs and outputs are picked by
-    the role labels the partitions write on placeholders and outputs (``param:``, ``saved:``,
-    ``tangent:``, ``grad:`` ...), so the graphs' own order is all that matters."""
-    fw_inputs = [_role_of(n) for n in fw.graph.find_nodes(op="placeholder")]
-    fw_outputs = fw.graph.output_node().meta.get(M.ROLE)
-    bw_inputs = [_role_of(n) for n in bw.graph.find_nodes(op="placeholder")]
-    bw_outputs = bw.graph.output_node().meta.get(M.ROLE)
-    if fw_outputs is None or bw_outputs is None:
-        raise ValueError("split_graphs_executor: the forward or backward graph's output carries no role labels (meta[ROLE]); label them as the partitioners do")
+def split_graph_executor(fw: fx.GraphModule, bw: fx.GraphModule, buffers: Mapping[str, torch.Tensor]) -> Executor:
+    """Runs a (forward, backward) pair from a partitioner (``label_partition`` roles on both):
+    forward placeholders fed by role (``param:``, ``buffer:``, ``input:``), the loss and buffer
+    updates read from the forward's outputs by role, the backward fed the forward's ``saved:<k>``
+    outputs, parameters and ones for the loss tangent, gradients read by role."""
+    fw_roles = [_role_of(ph) for ph in fw.graph.find_nodes(op="placeholder")]
+    bw_roles = [_role_of(ph) for ph in bw.graph.find_nodes(op="placeholder")]
+    fw_out_roles = fw.graph.output_node().meta.get(M.ROLE)
+    bw_out_roles = bw.graph.output_node().meta.get(M.ROLE)
+    if fw_out_roles is None or bw_out_roles is None:
+        raise ValueError("split_graph_executor: the output nodes carry no roles; label the pair with partition.label_partition")
+    tangent_dtypes = {  # the loss tangent in the dtype the graph declares (fp32 if it says none)
+        r: getattr(ph.meta.get(M.VAL), "dtype", torch.float32)
+        for r, ph in zip(bw_roles, bw.graph.find_nodes(op="placeholder"), strict=True)
+        if roles.is_tangent(r)
+    }
 
     def run(params, inputs):
-        primals = primals_by_role(fw_inputs, params, buffers, inputs)
+        primals = primals_by_role(fw_roles, params, buffers, inputs)
         with torch.no_grad():
-            values = dict(zip(fw_inputs, primals, strict=True))  # the backward may read primals too
-            values.update(zip(fw_outputs, fw(*primals), strict=True))
-            grads = bw(*(torch.ones((), dtype=torch.float32) if roles.is_tangent(r) else values[r] for r in bw_inputs))
-        outs = values
-        named = {roles.name(r): g for r, g in zip(bw_outputs, grads, strict=True) if roles.is_grad(r)}
-        return outs[roles.LOSS].detach(), named
+            outs = fw(*primals)
+            loss = _loss_and_updates(outs, fw_out_roles, buffers, "forward graph")
+            saved = {r: v for v, r in zip(outs, fw_out_roles, strict=True) if roles.is_saved(r)}
+            bw_in = []
+            for r in bw_roles:
+                kind, name = roles.parse(r)
+                if kind == roles.SAVED:
+                    bw_in.append(saved[r])
+                elif kind == roles.TANGENT:
+                    bw_in.append(torch.ones((), dtype=tangent_dtypes[r]))
+                else:
+                    bw_in.append(primals_by_role([r], params, buffers, inputs)[0])
+            grads = bw(*bw_in)
+        return loss.detach(), _named_grads(grads, bw_out_roles, "backward graph")
 
-    return run
+    return Executor(run, buffers)
 
 
 def _role_of(node: fx.Node) -> str:
     role = node.meta.get(M.ROLE)
     if role is None:
-        raise ValueError(f"placeholder {node.name!r} has no role label (meta[ROLE]); cannot tell what to feed it")
+        raise ValueError(
+            f"placeholder {node.name!r} has no role label (meta[ROLE]); cannot tell what to feed it "
+            "(label the pair with partition.label_partition)"
+        )
     return role
 
 
 def train_steps(
-    executor: Executor,
+    executor: Executor | Step,
     params: Mapping[str, torch.Tensor],
     batches: Sequence[Sequence[torch.Tensor]],
     *,
     lr: float = 1e-2,
 ) -> StepTrace:
-    """Run one step per batch with AdamW between steps; ``params`` are updated in place."""
+    """Run one step per batch with AdamW between steps; ``params`` are updated in place. The
+    executor's ``buffers`` (if any) are recorded after each step."""
     leaves = {k: v if isinstance(v, torch.nn.Parameter) else torch.nn.Parameter(v) for k, v in params.items()}
     opt = torch.optim.AdamW(list(leaves.values()), lr=lr)
+    buffers = getattr(executor, "buffers", None) or {}
     trace = StepTrace()
     for inputs in batches:
         loss, grads = executor(leaves, inputs)
@@ -169,6 +258,8 @@ def train_steps(
             p.grad = grads[k]
         trace.losses.append(loss.detach().clone())
         trace.grads.append({k: g.detach().clone() for k, g in grads.items()})
+        if buffers:
+            trace.buffers.append({k: b.detach().clone() for k, b in buffers.items()})
         opt.step()
         opt.zero_grad(set_to_none=True)
     trace.params = {k: p.detach().clone() for k, p in leaves.items()}

@@ -44,6 +44,7 @@ from torch.nn.utils.stateless import _reparametrize_module
 from autoparallel import meta as M
 from autoparallel import roles
 from autoparallel.patches import enabled
+from autoparallel.validate import check_loss
 
 __all__ = [
     "LOSS_ROLE",
@@ -73,6 +74,8 @@ class TracedStep:
     num_inputs: int
     num_model_inputs: int
     tied: dict[str, str]
+    # (shape, dtype) of each traced input: the graph is specialized to them
+    input_specs: tuple[tuple[tuple[int, ...], torch.dtype], ...] = ()
 
     @property
     def input_roles(self) -> tuple[str, ...]:
@@ -108,6 +111,13 @@ class TracedStep:
             )
         if len(inputs) != self.num_inputs:
             raise ValueError(f"the traced step takes {self.num_inputs} inputs, got {len(inputs)}")
+        for i, (t, (shape, dtype)) in enumerate(zip(inputs, self.input_specs, strict=False)):
+            if tuple(t.shape) != shape or t.dtype != dtype:
+                raise ValueError(
+                    f"input {i} has shape {tuple(t.shape)} {t.dtype}, but the step was traced with {shape} {dtype}: "
+                    "a traced step is specialized to the traced shapes. Trace again (trace_train_step) with "
+                    "example inputs of this shape"
+                )
         return (
             [params[f] for f in self.param_fqns]
             + [buffers[f] for f in self.buffer_fqns]
@@ -196,20 +206,6 @@ def _validate_model(
     return params, tied
 
 
-def _check_loss(loss: Any) -> None:
-    if not isinstance(loss, torch.Tensor):
-        raise ValueError(f"loss_fn must return a scalar tensor, got {type(loss).__name__}")
-    if loss.dim() != 0:
-        raise ValueError(
-            f"loss_fn must return a scalar (0-dim) tensor, got shape {tuple(loss.shape)}; "
-            "reduce it (e.g. .mean()) inside loss_fn"
-        )
-    if not loss.dtype.is_floating_point:
-        raise ValueError(f"loss_fn must return a floating-point scalar, got dtype {loss.dtype}")
-    if loss.grad_fn is None:
-        raise ValueError("the loss does not depend on any parameter (it has no grad_fn)")
-
-
 def trace_train_step(
     model: torch.nn.Module,
     loss_fn: Callable[..., torch.Tensor],
@@ -255,7 +251,7 @@ def trace_train_step(
             with _phase(M.PHASE_FORWARD):
                 out = model(*x_in[:num_model_inputs])
                 loss = loss_fn(out, *x_in[num_model_inputs:])
-            _check_loss(loss)
+            check_loss(loss)
             handles = _install_seq_nr_hooks(loss)
             try:
                 with _phase(M.PHASE_BACKWARD):
@@ -292,6 +288,7 @@ def trace_train_step(
         num_inputs=len(inputs),
         num_model_inputs=num_model_inputs,
         tied=tied,
+        input_specs=tuple((tuple(x.shape), x.dtype) for x in inputs),
     )
     _label_roles(gm, traced.input_roles, traced.output_roles)
     copy_forward_meta_to_backward(gm)

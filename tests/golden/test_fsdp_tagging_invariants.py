@@ -112,11 +112,11 @@ def _dp_group(group_dims: dict[str, str]) -> str:
 
 
 # FSDP golden scenarios at the default bucket cap (at a small cap a parameter may be alone in its bucket).
-FSDP_SIDS = ("tiny-fsdp-bf16-dp8", "tiny-fsdp-dp8", "tiny-fsdp_tp-dp4tp2", "tiny-fsdp-dp3-uneven")
+FSDP_SIDS = ("gpt2-fsdp-dp2", "tiny-fsdp-bf16-dp8", "tiny-fsdp-dp8", "tiny-fsdp_tp-dp4tp2", "tiny-fsdp-dp3-uneven")
 
 
 @pytest.mark.parametrize("sid", [pytest.param(s, marks=pytest.mark.xdist_group(s)) for s in FSDP_SIDS])
-def test_llama_fsdp_all_gathers_tagged_and_bucketed_in_both_compiles(sid, shared_pipeline_runs):
+def test_fsdp_all_gathers_tagged_and_bucketed_in_both_compiles(sid, shared_pipeline_runs):
     sc = GOLDEN_SCENARIOS[sid]
     assert not PIPELINE_OPTIONS.get(sid)
     run = golden_run(sid)

@@ -26,8 +26,8 @@ def test_compiled_stage_bitwise_equals_eager_for_three_steps(compile_run, execut
     ranks = compile_run
     reports = [compare_traces(r.traces["eager"], r.traces[executor], a_name="eager", b_name=executor) for r in ranks]
     report = merge_reports(reports, [f"rank{i}" for i in range(len(ranks))])
-    n_grads = len(ranks[0].traces["eager"].grads[0])
-    assert n_grads > 0 and len(report.diffs) == len(ranks) * STEPS * (1 + n_grads)
+    n_grads, n_buffers = len(ranks[0].traces["eager"].grads[0]), len(ranks[0].traces["eager"].buffers[0])
+    assert n_grads > 0 and len(report.diffs) == len(ranks) * STEPS * (1 + n_grads + n_buffers)
     report.assert_bitwise()
 
 

@@ -34,7 +34,9 @@ def test_joint_graph_bitwise_equals_eager_for_three_steps(parity_run):
     _, _, ranks = parity_run
     reports = [compare_traces(r.traces["eager"], r.traces["joint"], a_name="eager", b_name="joint") for r in ranks]
     report = merge_reports(reports, [f"rank{i}" for i in range(len(ranks))])
-    assert len(report.diffs) == len(ranks) * 3 * (1 + len(ranks[0].traces["eager"].grads[0]))
+    eager = ranks[0].traces["eager"]
+    # loss, every gradient and every buffer (LLaMA's RoPE tables), per rank and step
+    assert len(report.diffs) == len(ranks) * 3 * (1 + len(eager.grads[0]) + len(eager.buffers[0]))
     report.assert_bitwise()
 
 

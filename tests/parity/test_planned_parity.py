@@ -63,11 +63,13 @@ def llama_case(preset: str, mesh: str) -> PlannedCase:
 def check(case: PlannedCase, ranks) -> None:
     """Bitwise per executor on every rank and step; single-device within tolerance; it trained."""
     n_grads = len(ranks[0].traces[EAGER].grads[0])
+    buffers = ranks[0].traces[EAGER].buffers  # the buffers after each step (LLaMA's rope tables)
+    n_buffers = len(buffers[0]) if buffers else 0
     assert n_grads == len(list(case.model("meta").parameters())) > 0
     for executor in EXECUTORS[1:]:
         reports = [compare_traces(r.traces[EAGER], r.traces[executor], a_name=EAGER, b_name=executor) for r in ranks]
         report = merge_reports(reports, [f"rank{i}" for i in range(len(ranks))])
-        assert len(report.diffs) == len(ranks) * STEPS * (1 + n_grads)
+        assert len(report.diffs) == len(ranks) * STEPS * (1 + n_grads + n_buffers)
         report.assert_bitwise()
     single = single_device_replay(case, ranks)
     for step in range(STEPS):

@@ -3,7 +3,8 @@
 * the traced step (no AC) vs eager ``loss.backward()``;
 * the traced step with graph op SAC + remat vs eager ``apply_ac(model, "op")``;
 * the traced step with tied embedding/output weights, whose single gradient must equal eager's
-  (a doubled gradient would show up as a mismatch on ``tok_embeddings.weight`` at step 0).
+  (a doubled gradient would show up as a mismatch on ``tok_embeddings.weight`` at step 0);
+* a conv net with BatchNorm (``verify.zoo.convnet``): running stats updated like eager's.
 """
 
 from __future__ import annotations
@@ -11,8 +12,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from autoparallel.runtime.steps import train_steps
-from autoparallel.trainer import recompute_summary
+from autoparallel.runtime.steps import Executor, train_steps
+from autoparallel.trainer import recompute_summary, run_traced, trace_train_step
+from verify import zoo
 from verify.parity import compare_traces
 from verify.trainer_stages import (
     eager_executor,
@@ -76,3 +78,33 @@ def test_traced_step_bitwise_equals_eager(case, batches):
         assert "output.weight" not in traced.grads[0]
         for a, b in zip(eager_model.parameters(), traced_model.parameters(), strict=True):
             assert torch.equal(a, b)  # weights after 3 updates
+
+
+def _executors(model, loss_fn, step=None) -> Executor:
+    """loss.backward() (eager) or run_traced (step), with the model's live buffers."""
+
+    def run(params, inputs):
+        model.zero_grad(set_to_none=True)
+        if step is None:
+            loss = loss_fn(model(*inputs[:-1]), inputs[-1])
+            loss.backward()
+        else:
+            loss = run_traced(step, model, inputs)
+        return loss.detach(), {fqn: p.grad for fqn, p in model.named_parameters()}
+
+    return Executor(run, dict(model.named_buffers()))
+
+
+def test_traced_step_updates_batchnorm_buffers_like_eager():
+    """A conv net with BatchNorm (running stats updated in place) and GroupNorm, and its own loss:
+    losses, gradients and running stats bitwise over 3 AdamW steps."""
+    case = zoo.convnet
+    batches = case.batches(4, STEPS)
+    eager_model, traced_model = case.build(), case.build()
+    step = trace_train_step(traced_model, case.loss_fn, batches[0])
+    eager = train_steps(_executors(eager_model, case.loss_fn), dict(eager_model.named_parameters()), batches)
+    traced = train_steps(_executors(traced_model, case.loss_fn, step), dict(traced_model.named_parameters()), batches)
+    report = compare_traces(eager, traced, a_name="eager", b_name="traced")
+    assert len(report.diffs) == STEPS * (1 + len(eager.grads[0]) + 3)
+    report.assert_bitwise()
+    assert [int(b["bn.num_batches_tracked"]) for b in traced.buffers] == [1, 2, 3]

@@ -20,6 +20,7 @@ from autoparallel.compile import SECOND_COMPILE
 from autoparallel.passes.collective import COLLECTIVE_PASS_NAMES, COLLECTIVE_PASSES
 from autoparallel.passes.topo_span_bucketing import TopoSpanConfig
 from autoparallel.pipeline import PLAN, PLANNED_STAGE_NAMES, STAGE_NAMES, PipelineRun, StageResult
+from verify import zoo
 from verify.goldens.text import (
     GOLDENS_DIR,
     collective_counts_text,
@@ -46,6 +47,10 @@ GOLDEN_SCENARIOS: dict[str, Scenario] = {
     # plan="auto": the planner places everything (plan stage golden: the plan text), lowered
     "tiny-auto-dp8": Scenario(preset="tiny", plan="auto", mesh="dp=8"),
     "tiny-auto-dp4tp2": Scenario(preset="tiny", plan="auto", mesh="dp=4,tp=2"),
+    # not LLaMA (verify.zoo): tied embedding/head gathered once, LayerNorm, biased Linears
+    "gpt2-fsdp-dp2": Scenario(case=zoo.gpt2, plan="fsdp", mesh="dp=2"),
+    # qkv split as 3 chunks, rowwise biases added after the all-reduce
+    "gpt2-fsdp_tp-dp2tp2": Scenario(case=zoo.gpt2, plan="fsdp_tp", mesh="dp=2,tp=2"),
 }
 # Pass settings of scenarios whose goldens are not at the pipeline's defaults (shown in the header).
 PIPELINE_OPTIONS: dict[str, dict] = {
@@ -113,7 +118,7 @@ def _options_text(options: dict) -> str:
 
 
 def header(scenario: Scenario, stage: str) -> dict[str, str]:
-    out = {"preset": scenario.preset}
+    out = {"preset": scenario.preset} if scenario.model_case is None else {"model": scenario.model_name}
     if scenario.n_layers is not None:  # only where it differs from the preset's (older goldens have none)
         out["layers"] = str(scenario.n_layers)
     out |= {

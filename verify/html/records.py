@@ -46,7 +46,8 @@ Graphs = fx.GraphModule | tuple[fx.GraphModule, fx.GraphModule]
 class Parity:
     """Parity of one stage. ``bitwise``: losses and grads equal to the eager parallel program
     (None: not compared); ``oracle_max_abs_diff``: against single-device eager, with
-    ``oracle_tolerance`` when the check has one."""
+    ``oracle_tolerance`` when the check has one tolerance, or the independent oracle's verdict
+    ``oracle_passed`` (each tensor within its own bound: ``verify.parity.oracle_check``)."""
 
     bitwise: bool | None
     tensors: int = 0
@@ -56,10 +57,11 @@ class Parity:
     steps: int = 0
     oracle_max_abs_diff: float | None = None
     oracle_tolerance: float | None = None
+    oracle_passed: bool | None = None
 
     @property
     def ok(self) -> bool | None:
-        if self.bitwise is False:
+        if self.bitwise is False or self.oracle_passed is False:
             return False
         if self.oracle_tolerance is not None and self.oracle_max_abs_diff is not None:
             if not self.oracle_max_abs_diff <= self.oracle_tolerance:
@@ -75,7 +77,10 @@ class Parity:
                 f"NOT bitwise: {self.mismatches} of {self.tensors} tensors differ "
                 f"(max |diff| {self.max_abs_diff:.2e})"
             )
-        if self.oracle_max_abs_diff is not None:
+        if self.oracle_passed is not None:
+            verdict = "PASS" if self.oracle_passed else "FAIL"
+            parts.append(f"single-device eager (oracle) {verdict}: max |diff| {self.oracle_max_abs_diff:.2e}")
+        elif self.oracle_max_abs_diff is not None:
             tol = f" (tolerance {self.oracle_tolerance:.0e})" if self.oracle_tolerance is not None else ""
             parts.append(f"single-device eager max |diff| {self.oracle_max_abs_diff:.2e}{tol}")
         return "; ".join(parts) or "not compared"
@@ -114,6 +119,10 @@ class StageRecord:
         return [("graph", self.graphs)]
 
 
+# verify.parity_runs.COLLECTIVE: parity of the collective passes composed, shown on the last one
+COMPOSED_PASSES = "collective_passes"
+
+
 def parity_from_report(parity: Mapping[str, Any] | None) -> dict[str, Parity]:
     """Per stage, from ``verify.report.run_parity``'s dict (the joint stage also gets the
     single-device comparison, which is made against it). ``"where"`` says what ran the
@@ -135,6 +144,8 @@ def parity_from_report(parity: Mapping[str, Any] | None) -> dict[str, Parity]:
         out["joint"].oracle_max_abs_diff = float(single)
         tol = parity.get("single_device_tolerance")
         out["joint"].oracle_tolerance = None if tol is None else float(tol)
+        if "oracle" in parity:
+            out["joint"].oracle_passed = bool(parity["oracle"]["passed"])
     return out
 
 
@@ -165,6 +176,9 @@ def records_from_pipeline_run(
     pass's record has none. ``parity``: ``verify.report.run_parity``'s dict."""
 
     verdicts = parity_from_report(parity)
+    composed = [r.name for r in run.results if r.name in COLLECTIVE_PASS_NAMES]
+    if COMPOSED_PASSES in verdicts and composed:  # every pass in sequence: the last one's output
+        verdicts[composed[-1]] = verdicts.pop(COMPOSED_PASSES)
     unknown = sorted(set(verdicts) - set(run.names))
     if unknown:
         raise ValueError(

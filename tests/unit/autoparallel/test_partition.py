@@ -245,6 +245,17 @@ def test_replay_save_rules(recompute, custom, saved):
     assert _replay_saved(_single(recompute, custom)) == saved
 
 
+def test_replay_ignores_ap_must_save_on_a_node_traced_in_the_backward():
+    """AOT gives nodes it traces in the backward the custom meta of the forward op they
+    differentiate; in the second compile that op is the whole first-partition forward, so a
+    backward node can carry a leaked ap_must_save. A backward node that reads only forward values
+    (GPT-2's t(t(gathered weight)) of every biased Linear) was then saved."""
+    gm = _single(None, {M.AP_MUST_SAVE: True})
+    a = next(n for n in gm.graph.nodes if n.name == "a")
+    a.meta[M.PARTITIONER_TAG] = M.PARTITIONER_TAG_BACKWARD
+    assert _replay_saved(gm) == {"primals_1"}
+
+
 def _split(custom=None, recompute=None):
     def build(g, x, tan):
         halves = (torch.randn(2), torch.randn(2))

@@ -13,7 +13,19 @@ import pytest
 import torch
 
 from autoparallel.runtime.steps import StepTrace
-from verify.parity import ParityReport, compare_tensors, compare_traces, diff_tensors, merge_reports
+from verify.parity import (
+    ORACLE_SAFETY,
+    OracleReport,
+    OracleTolerance,
+    ParityReport,
+    check_within,
+    compare_tensors,
+    compare_traces,
+    diff_tensors,
+    merge_reports,
+    module_scales,
+    oracle_tolerance,
+)
 
 
 def _f32_from_bits(bits: int) -> float:
@@ -229,3 +241,66 @@ def test_merge_reports_keeps_every_rank_and_refuses_mixed_comparisons():
         merge_reports([ok, other], ["rank0", "rank1"])
     with pytest.raises(ValueError):
         merge_reports([ok, ok], ["rank0"])  # a prefix per report
+
+
+def test_compare_traces_compares_buffers_and_reports_a_buffer_one_run_never_updated():
+    a = _trace([1.0], [{"w": [1.0]}])
+    a.buffers = [{"bn.running_mean": torch.tensor([0.1]), "bn.num_batches_tracked": torch.tensor(1)}]
+    same = _trace([1.0], [{"w": [1.0]}])
+    same.buffers = [{k: v.clone() for k, v in a.buffers[0].items()}]
+    assert compare_traces(a, same).bitwise and len(compare_traces(a, same).diffs) == 4
+    stale = _trace([1.0], [{"w": [1.0]}])
+    stale.buffers = [{"bn.running_mean": torch.tensor([0.0]), "bn.num_batches_tracked": torch.tensor(0)}]
+    assert sorted(d.name for d in compare_traces(a, stale).mismatches()) == [
+        "step0/buffer:bn.num_batches_tracked", "step0/buffer:bn.running_mean"]
+    none = _trace([1.0], [{"w": [1.0]}])  # an executor that keeps no buffers at all
+    assert {d.note for d in compare_traces(a, none, b_name="joint").mismatches()} == {"missing in joint"}
+
+
+# --- the oracle: single-device eager within a derived tolerance ------------------------------------
+
+
+def test_oracle_tolerance_follows_the_formula():
+    model = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.ReLU(), torch.nn.Linear(64, 4))
+    tol = oracle_tolerance(model, (torch.randn(2, 8),), slices=2)
+    # two weights; width: max(fan-in 64, rows 16) + 2 slices
+    assert (tol.dtype, tol.layers, tol.width) == (torch.float32, 2, 66)
+    assert tol.rtol == pytest.approx(ORACLE_SAFETY * 2.0**-24 * math.sqrt(2 * 66))
+    bf16 = oracle_tolerance(model, (torch.randn(2, 8),), slices=2, compute_dtype=torch.bfloat16)
+    assert bf16.rtol == pytest.approx(tol.rtol * 2.0**16)  # u(bf16) / u(fp32)
+    assert "sqrt(2 layers * width 66)" in tol.describe()
+    with pytest.raises(ValueError, match="no unit roundoff for torch.int64"):
+        _ = OracleTolerance(torch.int64, 1, 1).rtol
+
+
+def test_check_within_fails_what_a_max_diff_report_would_only_print():
+    ref = torch.tensor([1.0, -2.0])
+    assert check_within("w", ref, ref + 1e-7, rtol=1e-6).passed  # bound 2e-6
+    over = check_within("w", ref, ref + torch.tensor([0.0, 1e-5]), rtol=1e-6)
+    assert not over.passed and over.max_abs == pytest.approx(1e-5, rel=1e-2) and over.bound == pytest.approx(2e-6)
+    for got, note in ((torch.tensor([1.0, float("nan")]), "NaN"), (torch.ones(3), "shape/dtype"), (None, "missing")):
+        c = check_within("w", ref, got, rtol=1.0)  # even a huge tolerance cannot pass these
+        assert not c.passed and c.max_abs == float("inf") and note in c.note
+    ints = check_within("n", torch.tensor(3), torch.tensor(4), rtol=1.0)
+    assert not ints.passed and ints.note == "integers: exact"
+
+
+def test_a_gradient_is_judged_at_its_module_scale():
+    """A bias before a normalisation has an exactly-zero gradient made of cancelling terms: at its
+    own scale its rounding noise (1e-9) looked like a 33% error on the conv net."""
+    grads = {"conv.weight": torch.tensor([0.5, -0.25]), "conv.bias": torch.tensor([1e-9]), "head.bias": torch.tensor([2.0])}
+    assert module_scales(grads) == {"conv.weight": 0.5, "conv.bias": 0.5, "head.bias": 2.0}
+
+
+def test_oracle_report_passes_only_when_every_tensor_is_within_its_bound():
+    tol = OracleTolerance(torch.float32, 1, 1)
+    report = OracleReport(tol)
+    assert not report.passed and "nothing compared" in report.summary()
+    report.checks = [check_within("loss", torch.tensor(1.0), torch.tensor(1.0), tol.rtol)]
+    assert report.passed and report.worst_ratio == 0.0
+    report.checks.append(check_within("grad:w", torch.tensor([1.0]), torch.tensor([2.0]), tol.rtol))
+    assert not report.passed and [c.name for c in report.failures()] == ["grad:w"]
+    assert "FAIL: 1 of 2 beyond tolerance" in report.summary() and "grad:w: |diff| 1.000e+00 > bound" in report.summary()
+    with pytest.raises(AssertionError, match="grad:w"):
+        report.assert_passed()
+    assert report.to_dict()["failures"] == 1 and report.to_dict()["tolerance"]["layers"] == 1

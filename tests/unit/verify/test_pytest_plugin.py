@@ -211,7 +211,7 @@ def test_failing_test_shows_no_structured_trace_records(pytester, run):
     # The logger as torch._logging sets it up (always DEBUG, not propagating; pytest >= 9 attaches
     # its capture handlers to it anyway), without importing torch: Dynamo's trace_structured
     # writes one empty-message record per compile event.
-    (pytester.path / "test_compile.py").write_text(textwrap.dedent(
+    (pytester.path / "test_inner_compile.py").write_text(textwrap.dedent(
         """
         import logging
 

@@ -1,5 +1,6 @@
-"""ParallelPlan.resolve on the tiny LLaMA-3 preset: FSDP/TP shardings, shard/unshard, errors that
-name the parameter and mesh dim; uneven FSDP shards (padding, real rows); and clean_fqn."""
+"""ParallelPlan.resolve on the tiny LLaMA-3 preset and the zoo: FSDP/TP shardings (chunked TP
+rules, Linear biases), shard/unshard, patterns that match one dotted name per '*', errors that
+name the parameter, module and mesh dim; uneven FSDP shards (padding, real rows); and clean_fqn."""
 
 import pytest
 import torch
@@ -8,9 +9,11 @@ from torch import nn
 from autoparallel.mesh import MeshSpec
 from autoparallel.models.llama3 import build_model
 from autoparallel.parallelize import ParallelPlan
+from autoparallel.parallelize.plan import TPRule, fqn_match
 from autoparallel.parallelize.program import clean_fqn
 from autoparallel.planner.api import hand_plan_pins
 from autoparallel.planner.costs import local_shape
+from verify import zoo
 
 
 @pytest.fixture(scope="module")
@@ -180,3 +183,91 @@ def test_auto_plan_is_left_to_the_planner(tiny):
     assert auto.data_dims == () and auto.tp_rules == {}
     with pytest.raises(ValueError, match=r"plan 'auto' has no hand placements to resolve: the pipeline's plan stage"):
         auto.resolve(tiny, MeshSpec.parse("dp=8"))
+# --- patterns, TP rules and regions on models that are not LLaMA (verify.zoo) ---------------------
+
+@pytest.mark.parametrize(
+    "pattern, fqn, match",
+    [
+        ("blocks.*", "blocks.0", True),
+        ("blocks.*", "blocks.0.attn", False),  # fnmatch's '*' crosses dots: it matched child modules
+        ("blocks.*.attn.qkv.weight", "blocks.12.attn.qkv.weight", True),
+        ("blocks.*.weight", "blocks.0.attn.weight", False),
+        ("blocks.?.w*", "blocks.3.wq", True),
+        ("layers.*.attention.wq.weight", "layers.0.attention.wq.weight", True),
+    ],
+)
+def test_patterns_match_one_dotted_name_per_star(pattern, fqn, match):
+    assert fqn_match(pattern, fqn) is match
+
+
+def test_region_pattern_names_only_the_modules_it_matches():
+    model = zoo.ln_mlp.build(device="meta")
+    plan = ParallelPlan.fsdp_tp(tp_rules=dict(zoo.ln_mlp.tp_rules), tp_regions=zoo.ln_mlp.tp_regions)
+    assert plan.region_modules(model) == ["blocks.0", "blocks.1"]  # not blocks.0.fc, blocks.0.proj
+
+
+def test_nested_regions_and_unmatched_regions_are_errors():
+    model = zoo.gpt2.build(device="meta")
+    rules = dict(zoo.gpt2.tp_rules)
+    with pytest.raises(ValueError, match=r"TP region 'blocks.0.attn' is inside TP region 'blocks.0'"):
+        ParallelPlan.fsdp_tp(tp_rules=rules, tp_regions=("blocks.*", "blocks.*.attn")).region_modules(model)
+    with pytest.raises(ValueError, match=r"TP region 'layers.\*.attention' matches no module"):
+        ParallelPlan.fsdp_tp(tp_rules=rules).resolve(model, MeshSpec.parse("dp=2,tp=2"))
+
+
+def _gpt2_tp(**kw):
+    return ParallelPlan.fsdp_tp(tp_rules=kw.pop("rules", dict(zoo.gpt2.tp_rules)), tp_regions=zoo.gpt2.tp_regions, **kw)
+
+
+def test_fused_qkv_split_as_three_chunks_and_biases_follow_their_weights():
+    model = zoo.gpt2.build()
+    spec = MeshSpec.parse("dp=2,tp=2")
+    sh = _gpt2_tp().resolve(model, spec)
+    qkv, bias = sh["blocks.0.attn.qkv.weight"], sh["blocks.0.attn.qkv.bias"]
+    assert (qkv.tp_axis, qkv.tp_chunks, qkv.local_shape) == (0, 3, (48 // 2 // 2, 16))
+    assert (bias.tp_style, bias.tp_chunks, bias.local_shape) == ("colwise", 3, (48 // 2 // 2,))
+    proj_bias = sh["blocks.0.attn.proj.bias"]
+    assert proj_bias.tp_style is None and proj_bias.rowwise_bias_of == "blocks.0.attn.proj"
+    # TP rank 1 holds rows 8:16 of each of q, k and v (24 rows); FSDP rank 0 the first 12 of those
+    full = dict(model.named_parameters())["blocks.0.attn.qkv.weight"].detach()
+    local = qkv.shard(full, {"dp": 0, "tp": 1}, dict(spec.dims))
+    assert torch.equal(local, torch.cat([full[8:16], full[24:28]]))
+    for fqn, p in model.named_parameters():
+        pieces = {tuple(c.values()): sh[fqn].shard(p.detach(), c, dict(spec.dims)) for c in map(spec.coordinate, range(4))}
+        assert torch.equal(sh[fqn].unshard(pieces, spec), p.detach()), fqn
+
+
+def test_chunks_that_do_not_divide_name_the_parameter():
+    model = zoo.gpt2.build(device="meta")
+    with pytest.raises(ValueError, match=r"'blocks.0.attn.qkv.weight': dim 0 of size 48 as 3 chunks of 16 is not divisible by mesh dim 'tp' of size 3"):
+        _gpt2_tp().resolve(model, MeshSpec.parse("dp=1,tp=3"))
+
+
+def test_tied_names_with_different_tp_rules_are_an_error():
+    model = zoo.gpt2.build(device="meta")  # head.weight is wte.weight
+    rules = {**dict(zoo.gpt2.tp_rules), "head.weight": "colwise"}
+    with pytest.raises(ValueError, match=r"'head.weight' is tied to 'wte.weight'.*different layouts"):
+        _gpt2_tp(rules=rules).resolve(model, MeshSpec.parse("dp=2,tp=2"))
+
+
+def test_a_replicated_parameter_inside_a_tp_region_is_an_error():
+    """Its gradient would be a partial sum on each TP rank, reduced by nothing (silently wrong)."""
+    model = zoo.gpt2.build(device="meta")
+    plan = ParallelPlan.fsdp_tp(tp_rules=dict(zoo.gpt2.tp_rules), tp_regions=("blocks.*",))
+    with pytest.raises(ValueError, match=r"'blocks.0.ln_1.weight' is inside TP region 'blocks.0' but no TP rule shards it"):
+        plan.resolve(model, MeshSpec.parse("dp=2,tp=2"))
+
+
+def test_a_tp_sharded_parameter_outside_every_region_is_an_error():
+    model = zoo.gpt2.build(device="meta")
+    plan = ParallelPlan.fsdp_tp(tp_rules=dict(zoo.gpt2.tp_rules), tp_regions=("blocks.*.attn",))
+    with pytest.raises(ValueError, match=r"'blocks.0.mlp.fc.weight' is TP-sharded \(colwise\) but is in no TP region"):
+        plan.resolve(model, MeshSpec.parse("dp=2,tp=2"))
+
+
+def test_tp_rule_values():
+    assert TPRule("rowwise").axis == 1 and TPRule("colwise", dim=1).axis == 1
+    with pytest.raises(ValueError, match="chunks=0"):
+        TPRule("colwise", chunks=0)
+    with pytest.raises(ValueError, match="'diagonal'"):
+        TPRule("diagonal")

@@ -151,6 +151,24 @@ def test_fan_out_after_a_padded_narrow_is_recomputed_not_saved():
     assert M.RECOMPUTE not in bw.meta and M.RECOMPUTE not in y.meta
 
 
+def test_a_tied_weight_gathered_once_and_read_twice_is_recomputed_on_both_paths():
+    """GPT-2's head reads the embedding's gathered weight transposed: the wait has two users (the
+    embedding lookup, two inputs; the transpose, one). The transpose used to stay untagged and
+    the first partition saved it: the whole gathered embedding, across the step."""
+    g = fx.Graph()
+    w = _placeholder(g, "w", torch.empty(4, 8, device="meta"), "param:wte.weight")
+    ids = _placeholder(g, "ids", torch.empty(3, dtype=torch.long, device="meta"), "input:0")
+    ag = _node(g, ALL_GATHER, (w, 4, "dp"), torch.empty(16, 8, device="meta"))
+    wait = _node(g, WAIT, (ag,), torch.empty(16, 8, device="meta"))
+    emb = _node(g, aten.embedding.default, (wait, ids), torch.empty(3, 8, device="meta"))
+    t = _node(g, aten.t.default, (wait,), torch.empty(8, 16, device="meta"))
+    logits = _node(g, aten.mm.default, (emb, t), torch.empty(3, 16, device="meta"))
+    g.output((logits,))
+    report = mark_fsdp_all_gather_recomputation(g)
+    assert report.recomputed == [ag, wait, t]
+    assert M.RECOMPUTE not in emb.meta and M.RECOMPUTE not in logits.meta
+
+
 def test_activation_and_tp_all_gathers_are_untouched():
     g, n = _fsdp_graph(activation_ag=True)
     assert is_fsdp_all_gather(n["ag"]) and not is_fsdp_all_gather(n["act_ag"])

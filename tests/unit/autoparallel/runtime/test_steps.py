@@ -10,7 +10,7 @@ from torch import fx
 
 from autoparallel import meta as M
 from autoparallel import roles
-from autoparallel.runtime.steps import joint_graph_executor, split_graphs_executor, train_steps
+from autoparallel.runtime.steps import joint_graph_executor, split_graph_executor, train_steps
 
 aten = torch.ops.aten
 
@@ -37,21 +37,21 @@ def _fw_bw():
     return fw_gm, bw_gm
 
 
-def test_split_graphs_executor_feeds_by_role_and_train_steps_keeps_final_state():
+def test_split_graph_executor_feeds_by_role_and_train_steps_keeps_final_state():
     fw, bw = _fw_bw()
     x = torch.tensor([1.0, 2.0, 3.0])
-    trace = train_steps(split_graphs_executor(fw, bw, {}), {"w": torch.ones(3)}, [(x,), (x,)])
+    trace = train_steps(split_graph_executor(fw, bw, {}), {"w": torch.ones(3)}, [(x,), (x,)])
     assert torch.equal(trace.losses[0], torch.tensor(6.0)) and torch.equal(trace.grads[0]["w"], x)
     assert set(trace.params) == {"w"} and not torch.equal(trace.params["w"], torch.ones(3))
     assert set(trace.optimizer_state["w"]) == {"exp_avg", "exp_avg_sq"}
     assert torch.all(trace.optimizer_state["w"]["exp_avg_sq"] > 0)
 
 
-def test_split_graphs_executor_names_an_unlabelled_placeholder():
+def test_split_graph_executor_names_an_unlabelled_placeholder():
     fw, bw = _fw_bw()
     del next(iter(bw.graph.find_nodes(op="placeholder"))).meta[M.ROLE]
     with pytest.raises(ValueError, match=r"placeholder 'tangents_1' has no role label"):
-        split_graphs_executor(fw, bw, {})
+        split_graph_executor(fw, bw, {})
 
 
 def test_joint_graph_executor_runs_a_flat_codegen_joint_graph():

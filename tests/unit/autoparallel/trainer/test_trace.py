@@ -235,3 +235,10 @@ def test_run_traced_rejects_a_different_model(tiny_step, tiny_batch):
         run_traced(tiny_step, other, tiny_batch)
     with pytest.raises(ValueError, match="takes 2 inputs, got 1"):
         run_traced(tiny_step, make_model(PRESET), tiny_batch[:1])
+
+
+def test_run_traced_with_another_batch_shape_says_the_step_is_specialized(tiny_step, tiny_batch):
+    """It used to fail deep in a view: "shape '[4, 8]' is invalid for input of size 16"."""
+    tokens, labels = tiny_batch
+    with pytest.raises(ValueError, match=r"input 0 has shape \(1, \d+\) torch.int64, but the step was traced with \(\d+, \d+\).*specialized to the traced shapes"):
+        run_traced(tiny_step, make_model(PRESET), (tokens[:1], labels[:1]))

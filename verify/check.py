@@ -1,0 +1,170 @@
+"""Check your own model: every pipeline stage, parity (bitwise and the oracle), stats and goldens.
+
+::
+
+    from verify.check import check_model
+
+    result = check_model(MyNet, my_loss, my_batch, plan="fsdp", mesh="dp=2")
+    result.assert_ok()        # every stage bitwise vs the eager parallel program, oracle within tolerance
+    print(result.summary())   # stages, collectives, parity and oracle verdicts
+
+``check_model`` takes a model factory (called under a fixed seed), its loss
+(``loss_fn(model(*inputs[:-1]), inputs[-1])``) and a batch factory (``batch(n)`` -> the model
+inputs then the target, ``n`` examples), or a :class:`~verify.model_case.ModelCase` holding all
+three, and a plan: ``"fsdp"``, ``"ddp"``, ``"fsdp_tp"`` (with ``tp_rules`` / ``tp_regions`` by
+FQN pattern) or a ``ParallelPlan`` over the mesh dims ``dp`` / ``tp``. It runs
+``autoparallel.pipeline`` on a fake world of ``mesh`` (graphs of rank 0), then trains ``steps``
+steps on a gloo world of the same mesh with every stage (``verify.parity_runs``), compares each
+with the eager parallel program bitwise and the eager program with single-device eager within
+the oracle's tolerance (``verify.parity``). Dynamo's caches are reset when it returns.
+
+From pytest, the plugin's ``model_check`` fixture runs it and fails the test with the summary
+when something is off; ``goldens=True`` also compares each stage's canonical graph text with
+its golden file (``python -m verify goldens --update`` writes them). From the command line:
+``python -m verify report --model package.module:name`` (a ``ModelCase``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+from torch import nn
+
+from autoparallel.parallelize import ParallelPlan
+from autoparallel.pipeline import STAGE_NAMES, PipelineRun
+from verify.goldens.catalog import golden_result, header
+from verify.goldens.text import graph_golden_text
+from verify.model_case import Batch, ModelCase
+from verify.parity import OracleReport, ParityReport
+from verify.parity_runs import (
+    EAGER,
+    STAGE_EXECUTORS,
+    compare_with_eager,
+    oracle_check,
+    run_stage_parity,
+)
+from verify.pipeline import run_pipeline
+from verify.scenario import Scenario, check_flags, dtype_name
+from verify.stats import graph_stats
+
+__all__ = ["ModelCase", "ModelCheck", "check_model"]
+
+_PRESET_DIMS = {"fsdp": ("dp", None, None), "fsdp_tp": ("dp", "tp", None), "ddp": (None, None, "dp")}
+
+
+@dataclass
+class ModelCheck:
+    """What :func:`check_model` found: the pipeline run (every stage's graphs), parity of each
+    stage against the eager parallel program, and the oracle."""
+
+    scenario: Scenario
+    run: PipelineRun
+    parity: dict[str, ParityReport] = field(default_factory=dict)
+    oracle: OracleReport | None = None
+
+    def failures(self) -> list[str]:
+        """One line per problem: a stage that is not bitwise, the oracle beyond tolerance."""
+        out = [f"{stage}: {rep.summary(limit=3)}" for stage, rep in self.parity.items() if not rep.bitwise]
+        if self.oracle is not None and not self.oracle.passed:
+            out.append(self.oracle.summary(limit=5))
+        return out
+
+    @property
+    def ok(self) -> bool:
+        return not self.failures()
+
+    def assert_ok(self) -> None:
+        if not self.ok:
+            raise AssertionError(f"{self.scenario.header()}:\n" + "\n".join(self.failures()))
+
+    def stats(self) -> dict[str, dict]:
+        """Per graph row (``joint``, ``first_partition fwd`` ...): node count, collectives per
+        kind and mesh dim, saved tensors, static peak (``verify.stats``)."""
+        return {label: graph_stats(gm).to_dict() for r in self.run.results for label, gm in r.graph_rows()}
+
+    def golden_texts(self) -> dict[str, str]:
+        """Per stage: the canonical golden text (header, stats, graphs) a golden file holds."""
+        return {
+            stage: graph_golden_text(
+                f"{self.scenario.model_name} {stage}", header(self.scenario, stage), golden_result(self.run, stage).graphs
+            )
+            for stage in STAGE_NAMES
+        }
+
+    def summary(self) -> str:
+        lines = [self.scenario.header()]
+        for label, st in self.stats().items():
+            coll = ", ".join(f"{k}[{d}] {c['count']}" for k, per in st["collectives"].items() for d, c in per.items())
+            lines.append(f"  {label:<28} {st['num_nodes']:>5} nodes  {coll or 'no collectives'}")
+        for stage, rep in self.parity.items():
+            lines.append(f"  parity {stage:<18} {'bitwise equal' if rep.bitwise else 'NOT bitwise'} ({len(rep.diffs)} tensors)")
+        if self.oracle is not None:
+            lines.append("  " + self.oracle.summary(limit=5).replace("\n", "\n  "))
+        return "\n".join(lines)
+
+
+def _plan_fields(plan: str | ParallelPlan) -> dict:
+    """Scenario fields of a plan name or a ParallelPlan over the preset mesh dims."""
+    if isinstance(plan, str):
+        return {"plan": plan}
+    dims = (plan.fsdp_dim, plan.tp_dim, plan.ddp_dim)
+    if _PRESET_DIMS.get(plan.name) != dims:
+        raise ValueError(
+            f"plan {plan.describe()!r}: check_model takes the fsdp / fsdp_tp / ddp plans over mesh dims 'dp' "
+            f"and 'tp' (ParallelPlan.fsdp(), .fsdp_tp(), .ddp() with any rules and options)"
+        )
+    return {
+        "plan": plan.name,
+        "param_dtype": dtype_name(plan.param_dtype),
+        "reduce_dtype": dtype_name(plan.reduce_dtype),
+        "reshard_after_forward": plan.reshard_after_forward,
+        "tp_rules": dict(plan.tp_rules),
+        "tp_regions": tuple(plan.tp_regions),
+    }
+
+
+def check_model(
+    model: Callable[[], nn.Module] | ModelCase,
+    loss_fn: Callable | None = None,
+    batch: Batch | None = None,
+    *,
+    plan: str | ParallelPlan = "fsdp",
+    mesh: str = "dp=2",
+    tp_rules: Mapping | None = None,
+    tp_regions: Sequence[str] | None = None,
+    batch_per_rank: int = 1,
+    steps: int = 3,
+    seed: int = 0,
+    name: str | None = None,
+    parity: bool = True,
+) -> ModelCheck:
+    """Run the pipeline, parity and the oracle for a model; see the module docstring.
+
+    ``tp_rules`` / ``tp_regions`` (parameter and module FQN patterns) are for ``fsdp_tp``;
+    ``plan`` may be a ``ParallelPlan`` instead (its rules win over the case's). ``mesh``: the
+    world the graphs are traced for and the gloo world parity runs on (keep it small: each rank
+    is a process). ``parity=False``: graphs and stats only. Bad input (a plan that does not fit
+    the model, a loss that is not a scalar, a parameter the loss does not use ...) raises
+    ValueError naming it."""
+    fields = _plan_fields(plan)
+    if isinstance(model, ModelCase):
+        case = model
+    else:
+        if loss_fn is None or batch is None:
+            raise ValueError("check_model(model_factory, loss_fn, batch): give the loss and the batch factory, or a ModelCase")
+        label = name or getattr(model, "__name__", type(model).__name__)
+        case = ModelCase(label, model, loss_fn, batch, tp_rules or {}, tuple(tp_regions or ()), batch_per_rank)
+    rules = fields.pop("tp_rules", None)
+    regions = fields.pop("tp_regions", None)
+    if rules is not None:
+        case = ModelCase(case.name, case.factory, case.loss_fn, case.batch, rules, regions, case.batch_per_rank)
+    scenario = Scenario(case=case, mesh=mesh, seed=seed, **fields)
+    check_flags(scenario)
+    run = run_pipeline(scenario, keep_compiled=parity)
+    result = ModelCheck(scenario, run)
+    if parity:
+        ranks = run_stage_parity(scenario, steps, run=run)
+        result.parity = {stage: compare_with_eager(ranks, stage) for stage in STAGE_EXECUTORS if stage != EAGER}
+        result.oracle = oracle_check(scenario, ranks)
+    return result
