@@ -71,9 +71,18 @@ class ZooRun:
     executors: tuple[str, ...]
 
 
+# In CI's slow step only (.ci/run: pytest -m slow --ap-run-slow), ~20 CPU-s: gpt2 under DDP (the
+# DDP path is the convnet's in the tier, gpt2's tied weight is gpt2-fsdp's) and the LayerNorm MLP
+# under fsdp_tp on dp=1,tp=2 (gpt2-fsdp_tp-dp1tp2 runs the same TP path with a size-1 dim).
+SLOW_CASES = ("gpt2-ddp-dp2", "ln_mlp-fsdp_tp-dp1tp2")
+
+
 @pytest.fixture(
     scope="module",
-    params=[pytest.param(n, marks=pytest.mark.xdist_group(f"zoo-{n}")) for n in CASES],
+    params=[
+        pytest.param(n, marks=[pytest.mark.xdist_group(f"zoo-{n}"), *([pytest.mark.slow] if n in SLOW_CASES else [])])
+        for n in CASES
+    ],
 )
 def zoo_run(request) -> ZooRun:
     scenario, executors = CASES[request.param]

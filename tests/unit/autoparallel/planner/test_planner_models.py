@@ -313,6 +313,7 @@ def plan_text() -> str:
         return plan_model(model, mesh, _mlp_inputs(), F.cross_entropy, description="mlp stack").text()
 
 
+@pytest.mark.slow  # a fresh interpreter is the point (~9 CPU-s); CI runs it in its slow step
 def test_plan_text_is_identical_in_a_fresh_process_with_another_hash_seed():
     """The LLaMA goldens cover fresh processes and worker counts; this pins the hash seed too."""
     seed = "12345" if os.environ.get("PYTHONHASHSEED") != "12345" else "54321"
