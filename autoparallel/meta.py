@@ -12,6 +12,7 @@ AC_GRAPH_ID = "ac_graph_id"  # int region id; PyTorch compares these with ``>``
 CUSTOM = "custom"  # free-form dict written by torch.fx.traceback.annotate / preserved by re-traces
 DESC = "desc"  # AOT descriptor on joint-graph placeholders/outputs
 PARTITIONER_TAG = "partitioner_tag"  # "is_forward" / "is_backward" on AOT joint graphs
+PARTITIONER_TAG_BACKWARD = "is_backward"  # the PARTITIONER_TAG of a backward-region node
 SEQ_NR = "seq_nr"
 NN_MODULE_STACK = "nn_module_stack"
 STACK_TRACE = "stack_trace"

@@ -348,6 +348,13 @@ def choose_replay_saves(gm: fx.GraphModule, node_info) -> tuple[list[fx.Node], l
 
     Anything else is recomputed in the backward if the backward needs it. PREFER_RECOMPUTE
     appears in no rule: an AC pass can make the replay recompute, never save more.
+
+    A ``custom.ap_must_save`` record counts on forward-region nodes only (rules 3 and 6). AOT
+    copies a forward node's ``custom`` onto the backward nodes of the same autograd node, and in
+    the re-trace of a ParallelModule the whole first partition is one autograd node: every
+    backward op inherits the first forward op's record. Where nothing is gathered (DDP) some of
+    those backward ops read forward values only, ``classify_nodes`` places them in the forward,
+    and honouring the inherited record saved them (5 extra values on tiny LLaMA-3 under DDP).
     """
     from torch._functorch.partitioners import _is_assert_only_symbool, is_opaque_node, is_sym_node
 
@@ -368,12 +375,13 @@ def choose_replay_saves(gm: fx.GraphModule, node_info) -> tuple[list[fx.Node], l
                 saved_sym.append(node)
             continue
         custom = _custom(node)
+        recorded = bool(custom.get(M.AP_MUST_SAVE)) and node.meta.get(M.PARTITIONER_TAG) != M.PARTITIONER_TAG_BACKWARD
         if node.op == "call_function" and _is_multi_output(node):
             multi_output_parents.add(node)
             children = _getitem_children(node)
             if recompute == CheckpointPolicy.MUST_SAVE:
                 saved.extend(children)
-            elif custom.get(M.AP_MUST_SAVE):
+            elif recorded:
                 if not children:
                     raise ValueError(
                         f"node {node.name!r} ({node.target}) is tagged custom.{M.AP_MUST_SAVE} as a "
@@ -394,7 +402,7 @@ def choose_replay_saves(gm: fx.GraphModule, node_info) -> tuple[list[fx.Node], l
             if recompute == CheckpointPolicy.MUST_SAVE:
                 saved.append(node)
             continue
-        if custom.get(M.AP_MUST_SAVE) or recompute == CheckpointPolicy.MUST_SAVE:
+        if recorded or recompute == CheckpointPolicy.MUST_SAVE:
             saved.append(node)
     dedup = lambda xs: list(dict.fromkeys(xs))  # noqa: E731
     return dedup(saved), dedup(saved_sym), dedup(saved_opaque)
