@@ -57,6 +57,7 @@ __all__ = [
     "PartitionStats",
     "collective_kind",
     "collective_node_bytes",
+    "group_label",
     "node_category",
     "graph_stats",
     "partition_stats",
@@ -202,7 +203,8 @@ def collective_node_bytes(node: fx.Node) -> int:
     return _collective_bytes(node, kind) if kind is not None else 0
 
 
-def _group_label(node: fx.Node, group_dims: Mapping[str, str]) -> str:
+def group_label(node: fx.Node, group_dims: Mapping[str, str]) -> str:
+    """Mesh-dim label of a collective's group ("?" for a node that names none)."""
     g = group_arg(node)
     if g is None:
         return "?"
@@ -290,7 +292,7 @@ def graph_stats(
             st.waits += 1
         elif cat == "collective":
             kind = collective_kind(node)
-            label = _group_label(node, dims)
+            label = group_label(node, dims)
             cs = st.collectives.setdefault(kind, {}).setdefault(label, CollectiveStat())
             cs.count += 1
             cs.bytes += _collective_bytes(node, kind)
