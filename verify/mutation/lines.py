@@ -15,9 +15,9 @@ What runs
       mutmut run per group of :data:`VERIFY_GROUPS`, each with the narrowest tests that cover it
       (the group's own unit and negative tests), merged into one table; ``--group NAME`` runs only
       some. Tests that run pytest or python in a subprocess (the pytest plugin's, the goldens
-      command's) see the mutants too: the scratch directory's ``mutants/`` comes first on their
-      ``PYTHONPATH``, mutmut's ``MUTANT_UNDER_TEST`` reaches them through the environment, and a
-      ``sitecustomize`` bridge reports the functions they ran as coverage
+      command's) see the mutants too: a ``sitecustomize`` bridge on their ``PYTHONPATH`` puts the
+      scratch directory's ``mutants/`` first on their path and reports the functions they ran as
+      coverage, and mutmut's ``MUTANT_UNDER_TEST`` reaches them through the environment
       (verify/mutation/subprocess_hits.py). A test that starts a process with a scrubbed
       environment still runs the original code there.
     * Mutated (``--target passes``): every ``.py`` file of ``autoparallel/passes`` except ``__init__.py`` and
@@ -134,6 +134,13 @@ VERIFY_GROUP_NAMES = tuple(group_name(files) for files, _ in VERIFY_GROUPS)
 SUBPROCESS_BRIDGE = '''"""Written by verify.mutation.lines (python -m verify mutate --lines)."""
 import atexit
 import os
+import sys
+
+# The mutants go first on the path here, not through $PYTHONPATH: mutmut's own process starts
+# before mutants/ exists, and Python would cache that path as "nothing to import from" for good.
+_mutants = os.environ.get("AP_MUTATION_MUTANTS", "")
+if _mutants and os.path.isdir(_mutants) and _mutants not in sys.path:
+    sys.path.insert(0, _mutants)
 
 if os.environ.get("MUTANT_UNDER_TEST") == "stats" and os.environ.get("AP_MUTATION_HITS"):
     import mutmut.mutation.trampoline as _trampoline
@@ -485,12 +492,12 @@ def write_config(root: Path, workdir: Path, config: str) -> None:
 
 def _env(max_examples: int, workdir: Path | None = None) -> dict[str, str]:
     """mutmut's environment; with ``workdir``, also what lets the processes a test starts run the
-    mutants and report coverage (the mutants and the bridge first on ``PYTHONPATH``)."""
+    mutants and report coverage (the bridge on ``PYTHONPATH``; it puts the mutants first on the path)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTEST_", "XDIST_", "MUTANT_UNDER_TEST"))}
     env[MAX_EXAMPLES_ENV] = str(max_examples)
     if workdir is not None:
-        path = [str(workdir / "mutants"), str(workdir / BRIDGE_DIR), env.get("PYTHONPATH", "")]
-        env["PYTHONPATH"] = os.pathsep.join(p for p in path if p)
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(workdir / BRIDGE_DIR), env.get("PYTHONPATH", "")) if p)
+        env["AP_MUTATION_MUTANTS"] = str(workdir / "mutants")
         env["AP_MUTATION_HITS"] = str(workdir / HITS_DIR)
     return env
 

@@ -7,7 +7,8 @@ its function's mutants as "no coverage". The scratch directory puts a ``sitecust
 subprocesses' path (``verify.mutation.lines.SUBPROCESS_BRIDGE``): while mutmut collects coverage,
 each Python process a test starts writes the mutated functions it ran to ``$AP_MUTATION_HITS``.
 Here, before mutmut files the test's calls, those are added to them. Mutants themselves reach the
-subprocesses through the environment (``MUTANT_UNDER_TEST``) and the path (``PYTHONPATH``)."""
+subprocesses through the environment (``MUTANT_UNDER_TEST``) and the path (the bridge puts
+``$AP_MUTATION_MUTANTS`` first on it)."""
 
 from __future__ import annotations
 

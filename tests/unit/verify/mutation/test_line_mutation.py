@@ -360,8 +360,10 @@ def test_processes_a_test_starts_report_the_mutated_functions_they_ran(tmp_path)
     bridge.mkdir()
     hits.mkdir()
     (bridge / "sitecustomize.py").write_text(L.SUBPROCESS_BRIDGE)
-    env = {**L._env(1), "PYTHONPATH": str(bridge), "AP_MUTATION_HITS": str(hits), "MUTANT_UNDER_TEST": "stats"}
-    code = ("import mutmut.mutation.trampoline as t; "
+    env = {**L._env(1, tmp_path), "AP_MUTATION_HITS": str(hits), "MUTANT_UNDER_TEST": "stats"}
+    (tmp_path / "mutants").mkdir()
+    code = ("import sys, mutmut.mutation.trampoline as t; "
+            f"assert sys.path.index({str(tmp_path / 'mutants')!r}) <= 1, sys.path; "  # after '' (python -c), before the rest
             "t.record_trampoline_hit('verify.parity.x_diff_tensors'); t.record_trampoline_hit('verify.canon.x_f')")
     subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, check=True, timeout=120)
     assert collect_subprocess_hits(hits) == {"verify.parity.x_diff_tensors", "verify.canon.x_f"}
