@@ -380,7 +380,8 @@ def choose_replay_saves(gm: fx.GraphModule, node_info) -> tuple[list[fx.Node], l
     can inherit the tag of whichever forward node ran last. A backward node that only reads
     forward values (the transpose of a gathered weight, ``t(t(w))``, in a Linear's input
     gradient) is then claimable by the forward, and with the leaked tag it was saved: an
-    all-gathered weight kept alive across the step.
+    all-gathered weight kept alive across the step. Where nothing is gathered (DDP) such
+    backward ops were saved too (5 extra values on tiny LLaMA-3 under DDP).
     """
     from torch._functorch.partitioners import _is_assert_only_symbool, is_opaque_node, is_sym_node
 
@@ -400,13 +401,14 @@ def choose_replay_saves(gm: fx.GraphModule, node_info) -> tuple[list[fx.Node], l
             if not _is_assert_only_symbool(node):
                 saved_sym.append(node)
             continue
-        custom = {} if node.meta.get(M.PARTITIONER_TAG) == M.PARTITIONER_TAG_BACKWARD else _custom(node)
+        custom = _custom(node)
+        recorded = bool(custom.get(M.AP_MUST_SAVE)) and node.meta.get(M.PARTITIONER_TAG) != M.PARTITIONER_TAG_BACKWARD
         if node.op == "call_function" and _is_multi_output(node):
             multi_output_parents.add(node)
             children = _getitem_children(node)
             if recompute == CheckpointPolicy.MUST_SAVE:
                 saved.extend(children)
-            elif custom.get(M.AP_MUST_SAVE):
+            elif recorded:
                 if not children:
                     raise ValueError(
                         f"node {node.name!r} ({node.target}) is tagged custom.{M.AP_MUST_SAVE} as a "
@@ -427,7 +429,7 @@ def choose_replay_saves(gm: fx.GraphModule, node_info) -> tuple[list[fx.Node], l
             if recompute == CheckpointPolicy.MUST_SAVE:
                 saved.append(node)
             continue
-        if custom.get(M.AP_MUST_SAVE) or recompute == CheckpointPolicy.MUST_SAVE:
+        if recorded or recompute == CheckpointPolicy.MUST_SAVE:
             saved.append(node)
     dedup = lambda xs: list(dict.fromkeys(xs))  # noqa: E731
     return dedup(saved), dedup(saved_sym), dedup(saved_opaque)

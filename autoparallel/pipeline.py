@@ -51,6 +51,7 @@ import torch
 from torch import fx, nn
 
 from autoparallel import meta as M
+from autoparallel import roles
 from autoparallel.compile import OVERLAP_PATCH, SECOND_COMPILE, autoparallel_backend
 from autoparallel.fx_utils import copy_graph_module
 from autoparallel.mesh import MeshSpec, ParallelMesh, attach_group_dims, fake_world
@@ -110,7 +111,9 @@ class StageResult:
     """One stage's output: ``graphs`` (one GraphModule, a (forward, backward) pair, or None for a
     stage that makes no graph), its wall ``seconds``, the stage that produced its input
     (``input``), its ``report`` (CleanupReport, FsdpTagReport, PartitionRecord, PipelineMetrics
-    ...), and ``alternative`` for a collective pass run alone on ``second_compile``'s graphs."""
+    ...), ``acted``: how much the pass changed (its stage's ``acted`` count; None for a stage
+    that is no pass, e.g. the trace), and ``alternative`` for a collective pass run alone on
+    ``second_compile``'s graphs."""
 
     name: str
     graphs: Graphs | None
@@ -118,6 +121,7 @@ class StageResult:
     input: str | None = None
     report: Any = None
     alternative: bool = False
+    acted: int | None = None
 
     @property
     def label(self) -> str:
@@ -164,16 +168,26 @@ class PipelineState:
         return split_batch(self.example_inputs, self.plan, self.mesh.spec, self.mesh.coordinate())
 
 
+def report_acted(graphs: Graphs | None, report: Any) -> int:
+    """The ``acted`` count of a stage whose report carries one (CleanupReport, FsdpTagReport,
+    PartitionRecord, PipelineMetrics)."""
+    return report.acted
+
+
 @dataclass(frozen=True)
 class Stage:
     """A pipeline stage: ``run(state) -> (graphs, report)``; ``skip(state)``: not run this time
-    (a collective pass its config switches off). ``patches``: registered patches it applies."""
+    (a collective pass its config switches off). ``patches``: registered patches it applies.
+    ``acted(graphs, report) -> int``: what the stage changed (rewrites, tags, saves, merged
+    collectives), so a pass that silently does nothing shows as 0; None for a stage that is no
+    pass (the trace, a planner)."""
 
     name: str
     run: Callable[[PipelineState], tuple[Graphs | None, Any]]
     summary: str
     skip: Callable[[PipelineState], bool] = lambda state: False
     patches: tuple[str, ...] = ()
+    acted: Callable[[Graphs | None, Any], int] | None = None
 
 
 @dataclass
@@ -359,7 +373,7 @@ def _placement_stage(step: PlacementStep) -> Stage:
             return (fp.fw, fp.bw), report
         return state.joint.gm, report
 
-    return Stage(step.name, run, step.summary, patches=step.patches)
+    return Stage(step.name, run, step.summary, patches=step.patches, acted=report_acted)
 
 
 def _tag_only(config: CollectivePassesConfig) -> CollectivePassesConfig:
@@ -383,13 +397,26 @@ def _second_compile(state: PipelineState) -> tuple[Graphs, Any]:
     return (sc.fw, sc.bw), sc.metrics
 
 
+def _saved_values(graphs: Graphs | None, report: Any) -> int:
+    """The second compile's work is its partition: the values its forward saves for the backward."""
+    fw, _ = graphs
+    return sum(1 for label in fw.graph.output_node().meta.get(M.ROLE) or [] if roles.is_saved(label))
+
+
 def _collective_stage(p: CollectivePass) -> Stage:
     def run(state: PipelineState) -> tuple[Graphs, Any]:
         fw, bw = state.graphs
         fw, bw, metrics = bucket_fw_bw(fw, bw, state.options.collective, only=(p.name,))
         return (fw, bw), metrics
 
-    return Stage(p.name, run, p.summary, skip=lambda state: not p.enabled(state.options.collective), patches=p.patches)
+    return Stage(
+        p.name,
+        run,
+        p.summary,
+        skip=lambda state: not p.enabled(state.options.collective),
+        patches=p.patches,
+        acted=report_acted,
+    )
 
 
 #: The stage list, in order (see the module docstring).
@@ -401,6 +428,7 @@ STAGES: tuple[Stage, ...] = (
         _second_compile,
         "torch.compile with autoparallel_backend: replay partition, bucketing tags",
         patches=(REPLAY_PATCH, OVERLAP_PATCH),
+        acted=_saved_values,
     ),
     *(_collective_stage(p) for p in COLLECTIVE_PASSES),
 )
@@ -467,7 +495,8 @@ def _alternatives(state: PipelineState, after: StageResult, observers: Sequence[
         fw, bw = (copy_graph_module(g) for g in state.graphs)
         t0 = time.perf_counter()
         fw, bw, metrics = bucket_fw_bw(fw, bw, state.options.collective, only=(p.name,))
-        result = StageResult(p.name, (fw, bw), time.perf_counter() - t0, after.name, metrics, alternative=True)
+        result = StageResult(p.name, (fw, bw), time.perf_counter() - t0, after.name, metrics, alternative=True,
+                             acted=metrics.acted)
         for observe in observers:
             observe(result)
         out.append(result)
@@ -532,7 +561,8 @@ def run_pipeline(
             seconds = time.perf_counter() - t0
             state.graphs = graphs if graphs is not None else state.graphs
             kept = _snapshot(graphs, stage.name) if options.snapshots else graphs
-            result = StageResult(stage.name, kept, seconds, prev, report)
+            acted = stage.acted(graphs, report) if stage.acted is not None else None
+            result = StageResult(stage.name, kept, seconds, prev, report, acted=acted)
             state.results.append(result)
             for observe in observers:
                 observe(result)
@@ -561,6 +591,7 @@ __all__ = [
     "Stage",
     "StageResult",
     "insert_stage",
+    "report_acted",
     "run_pipeline",
     "second_compile",
     "stages_for",

@@ -10,7 +10,9 @@ import tempfile
 from dataclasses import dataclass
 
 import pytest
+import torch
 import torch.distributed as dist
+from torch import nn
 
 # pytester runs the plugin, golden and workflow tests' throwaway projects in this process
 # (``inner_pytest``): a pytest subprocess pays ~1 s of imports each time.
@@ -144,6 +146,56 @@ def inner_pytest(pytester, monkeypatch):
     return run
 
 
+class TwoNormMLP(nn.Module):
+    """Not LLaMA: two LayerNorms (native_layer_norm saves mean and rstd, getitems 1 and 2, for
+    its backward), biased Linears, GELU, a residual, an output head."""
+
+    def __init__(self, dim: int = 32, hidden: int = 64, out: int = 16):
+        super().__init__()
+        self.norm = nn.LayerNorm(dim)
+        self.up = nn.Linear(dim, hidden)
+        self.down = nn.Linear(hidden, dim)
+        self.norm2 = nn.LayerNorm(dim)
+        self.head = nn.Linear(dim, out, bias=False)
+
+    def forward(self, x):
+        h = x + self.down(nn.functional.gelu(self.up(self.norm(x))))
+        return self.head(self.norm2(h))
+
+
+def mse_loss(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return ((out - target) ** 2).mean()
+
+
+@pytest.fixture(scope="session")
+def two_norm_mlp():
+    """``(model, loss_fn, (inputs, target))`` for ``autoparallel.pipeline.run_pipeline``: the
+    two-LayerNorm MLP (seeded), an MSE loss, a batch of 16 (divisible by meshes up to 16 ranks).
+    (``layernorm_mlp`` above gives the one-norm model's class, for tests that build their own.)"""
+    g = torch.Generator().manual_seed(0)
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        model = TwoNormMLP()
+    return model, mse_loss, (torch.randn(16, 32, generator=g), torch.randn(16, 16, generator=g))
+
+
+MLP_MESH = "dp=8"
+MLP_BUCKET_CAP_MB = 0.001  # 1 KB buckets: the 9 parameters do not fit one, both bucketing passes merge
+
+
+@pytest.fixture(scope="session")
+def mlp_pipeline_run(two_norm_mlp):
+    """The LayerNorm MLP through every stage of ``autoparallel.pipeline`` (fsdp over ``MLP_MESH``,
+    ``MLP_BUCKET_CAP_MB`` buckets), once per process (the modules that read it share an xdist
+    group, MODULE_GROUPS below). Read-only."""
+    from autoparallel.parallelize import ParallelPlan
+    from autoparallel.pipeline import run_pipeline
+    from verify.pipeline import pipeline_options
+
+    model, loss, batch = two_norm_mlp
+    return run_pipeline(model, loss, batch, ParallelPlan.fsdp(), MLP_MESH, pipeline_options(MLP_BUCKET_CAP_MB, alternatives=False))
+
+
 @pytest.fixture(scope="session")
 def shared_pipeline_runs():
     """run_pipeline builds each scenario once in this process (read-only runs; see
@@ -204,6 +256,9 @@ MODULE_GROUPS = {
     ),
     # its module fixture ``traced`` traces three scenarios.
     "pre-overlap-bucketing": ("tests/unit/autoparallel/passes/test_pre_overlap_bucketing.py",),
+    # the session fixture ``mlp_pipeline_run`` (tests whose own xdist_group mark names a golden
+    # scenario run with that scenario instead).
+    "layernorm-mlp": ("tests/golden/test_pass_invariants.py", "tests/unit/verify/test_bisect.py"),
 }
 _GROUP_OF_MODULE = {m: g for g, mods in MODULE_GROUPS.items() for m in mods}
 

@@ -10,6 +10,8 @@ imports only the standard library, torch, numpy and ``autoparallel`` at module l
   ``golden`` fixture. Reading and comparing goldens (``verify.goldens.text``) needs no syrupy,
   so the report shows golden status on the base install.
 * ``verify.strategies`` (hypothesis): graph generators for the property tests.
+* ``verify.mutation.subprocess_hits`` (pytest): a pytest plugin for mutmut's own runs
+  (``python -m verify mutate --lines``), loaded with ``-p`` only there.
 
 Elsewhere a test-only package is imported inside the function that needs it, where that code only
 runs under pytest or mutmut (``verify.mutation.lines``' pytest hook). ``goldens`` and ``mutate``
@@ -18,5 +20,10 @@ run the test suite in a subprocess and say what to install when pytest is missin
 """
 
 # Modules allowed to import a test-only package at module level (see above).
-TEST_ONLY_MODULES = ("verify.pytest_plugin", "verify.goldens.syrupy_ext", "verify.strategies")
+TEST_ONLY_MODULES = (
+    "verify.pytest_plugin",
+    "verify.goldens.syrupy_ext",
+    "verify.strategies",
+    "verify.mutation.subprocess_hits",
+)
 TEST_ONLY_PACKAGES = ("pytest", "_pytest", "syrupy", "hypothesis", "xdist", "pytest_timeout", "mutmut")

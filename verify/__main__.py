@@ -1,4 +1,4 @@
-"""``python -m verify {report, plan, goldens, mutate, scale}``: the equivalence layer's command line.
+"""``python -m verify {report, plan, goldens, mutate, scale, bisect}``: the equivalence layer's command line.
 
 Every flag is checked where it is parsed, so a bad value is one line that names the flag
 (``argument --layers: ...``), never a traceback or a bare ``int()`` message. ``$AUTOPARALLEL_DISABLE``
@@ -102,6 +102,17 @@ def _html_dir(text: str):
     return path
 
 
+def _patch_list(text: str) -> list[str]:
+    from autoparallel.patches import PATCHES
+
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    unknown = sorted(set(names) - set(PATCHES))
+    if not names or unknown:
+        raise ValueError(f"takes registered patch names like fuse_chained_allgathers,pre_overlap_bucketing; "
+                         f"unknown: {unknown or [text]}; known: {sorted(PATCHES)}")
+    return names
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m verify", description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="command", required=True)
@@ -149,7 +160,27 @@ def _parser() -> argparse.ArgumentParser:
     m.add_argument("-n", dest="workers", default="0", type=workers, help="pytest-xdist workers per run (default: 0)")
     m.add_argument("--timeout", type=_positive(float), default=300.0,
                    help="seconds allowed per disabled run (default: 300)")
-    m.add_argument("--lines", action="store_true", help="line-level mutation of autoparallel/passes with mutmut (slow)")
+    m.add_argument("--lines", action="store_true", help="line-level mutation with mutmut (slow)")
+    m.add_argument("--target", choices=["passes", "verify"], default="passes",
+                   help="with --lines: autoparallel/passes, or the checkers of verify/ group by group (default: passes)")
+    from verify.mutation.lines import VERIFY_GROUP_NAMES  # stdlib only, like the rest of the parser
+
+    m.add_argument("--group", action="append", choices=VERIFY_GROUP_NAMES,
+                   help="with --lines --target verify: only this group of checkers (repeatable; default: all)")
+
+    b = sub.add_parser("bisect", help="name the first pass whose graphs compute other values (simulated ranks)")
+    b.add_argument("--preset", default="tiny", type=preset, help="model preset: tiny, debug, 8b (default: tiny)")
+    b.add_argument("--plan", default="fsdp", choices=["fsdp", "fsdp_tp", "ddp"], help="parallel plan (default: fsdp)")
+    b.add_argument("--mesh", default="dp=8", type=mesh,
+                   help="mesh, e.g. dp=8 or dp=4,tp=2; its size is the number of simulated ranks (default: dp=8)")
+    b.add_argument("--param-dtype", default=None, type=dtype, help="FSDP mixed-precision param dtype, e.g. bf16")
+    b.add_argument("--reduce-dtype", default=None, type=dtype, help="FSDP gradient reduce dtype, e.g. fp32")
+    b.add_argument("--bucket-cap-mb", type=_positive(float), default=25.0, help="pre-overlap bucket cap (default: 25)")
+    b.add_argument("--disable", default=None, type=_flag_type(_patch_list, "patch list"),
+                   help="compare the pipeline with these patches disabled (A, comma list) against as configured (B)")
+    b.add_argument("--seed", default=0, type=_flag_type(_non_negative_int, "int >= 0"),
+                   help="seed of the random inputs (default: 0)")
+    b.add_argument("--json", action="store_true", help="print one JSON object")
 
     sc = sub.add_parser("scale", help="benchmark every pipeline stage on real-size graphs (fake world)")
     sc.add_argument("--preset", default="8b", type=preset, help="model preset (default: 8b)")
@@ -216,6 +247,10 @@ def main(argv: list[str] | None = None) -> int:
             from verify.scale import main as scale_main
 
             return scale_main(args)
+        if args.command == "bisect":
+            from verify.bisect import main as bisect_main
+
+            return bisect_main(args)
         if args.command == "goldens":
             from verify.goldens.cli import main as goldens_main
 

@@ -65,6 +65,7 @@ __all__ = [
     "PartitionStats",
     "collective_kind",
     "collective_node_bytes",
+    "group_label",
     "node_category",
     "graph_stats",
     "partition_stats",
@@ -212,7 +213,8 @@ def collective_node_bytes(node: fx.Node) -> int:
     return _collective_bytes(node, kind) if kind is not None else 0
 
 
-def _group_label(node: fx.Node, group_dims: Mapping[str, str]) -> str:
+def group_label(node: fx.Node, group_dims: Mapping[str, str]) -> str:
+    """Mesh-dim label of a collective's group ("?" for a node that names none)."""
     g = group_arg(node)
     if g is None:
         return "?"
@@ -317,14 +319,14 @@ def graph_stats(
             st.waits += 1
         elif cat == "collective":
             kind = collective_kind(node)
-            label = _group_label(node, dims)
+            label = group_label(node, dims)
             cs = st.collectives.setdefault(kind, {}).setdefault(label, CollectiveStat())
             cs.count += 1
             cs.bytes += _collective_bytes(node, kind)
         padded = _padding_of(node)
         if padded is not None:
             collective, nbytes = padded
-            ps = st.padding.setdefault(collective_kind(collective), {}).setdefault(_group_label(collective, dims), CollectiveStat())
+            ps = st.padding.setdefault(collective_kind(collective), {}).setdefault(group_label(collective, dims), CollectiveStat())
             ps.count += 1
             ps.bytes += nbytes
         pol = node.meta.get(M.RECOMPUTE)

@@ -32,7 +32,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from autoparallel import meta as M
 from autoparallel import roles
-from autoparallel.mesh import ParallelMesh, attach_group_dims
+from autoparallel.mesh import FLAT_SEP, ParallelMesh, attach_group_dims
 
 aten = torch.ops.aten
 _c10d = torch.ops._c10d_functional
@@ -157,6 +157,9 @@ KINDS = (
     # weight computed and on L2 of what the L1 weight computed: each same-dim pair is
     # independent, but bucketing both pairs closes a cycle.
     "crossed_gathers",
+    # A parameter sharded over two mesh dims: all-gather over one, (views composing to the
+    # identity,) all-gather over the other: the chain chained all-gather fusion rewrites.
+    "param_ag_chain",
 )
 
 
@@ -275,6 +278,19 @@ def build_synthetic(
                 acts.append(
                     b.call(aten.sum.dim_IntList, b.call(aten.view.default, g, [size, B, H]), [0])
                 )
+        elif k == "param_ag_chain":
+            dims = sorted(label for label in b.groups if FLAT_SEP not in label)
+            if len(dims) < 2:  # a 1-D mesh has no chain: an ordinary parameter all-gather
+                w = b.all_gather(b.param((op.rows, H)), op.label)
+            else:
+                first, second = (dims[0], dims[1]) if op.variant % 2 == 0 else (dims[1], dims[0])
+                w = b.all_gather(b.param((op.rows, H)), first)
+                if op.variant >= 2:
+                    shape = list(b._meta[w].shape)
+                    w = b.call(aten.reshape.default, b.call(aten.reshape.default, w, [-1]), shape)
+                w = b.all_gather(w, second)
+            weights.append(w)
+            acts.append(use(pick(acts, op.a), w))
         else:
             raise ValueError(f"unknown op kind {k!r}; valid: {KINDS}")
     loss = b.call(aten.sum.default, acts[-1])

@@ -34,6 +34,11 @@ class CleanupReport:
     removed: Counter  # op name -> count of removed nodes
     views_to_reshape: int
 
+    @property
+    def acted(self) -> int:
+        """Rewrites made (nodes removed, views turned into reshapes): 0 means the pass did nothing."""
+        return self.nodes_before - self.nodes_after + self.views_to_reshape
+
     def summary(self) -> str:
         top = ", ".join(f"{k} x{v}" for k, v in sorted(self.removed.items()))
         return (

@@ -78,6 +78,17 @@ class PipelineMetrics:
             for name, g in self.graphs.items()
         }
 
+    @property
+    def acted(self) -> int:
+        """Collectives the passes rewrote, over all graphs: chains fused, collectives merged into
+        pre-overlap buckets and into topo-span buckets. 0 means no pass did anything."""
+        total = 0
+        for g in self.graphs.values():
+            total += g.fused_chains + sum(b.num_bucketed for b in g.overlap_bucketing)
+            if g.pre_overlap is not None:
+                total += sum(b.num_bucketed for b in g.pre_overlap.metrics.values())
+        return total
+
     def summary(self) -> str:
         lines = []
         for name, g in self.graphs.items():

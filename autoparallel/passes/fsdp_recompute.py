@@ -55,6 +55,11 @@ class FsdpTagReport:
     saved: list[fx.Node] = field(default_factory=list)  # nodes tagged MUST_SAVE
     gathered_bytes: int = 0  # total size of the FSDP all-gather outputs
 
+    @property
+    def acted(self) -> int:
+        """Tags written (MUST_RECOMPUTE and MUST_SAVE nodes): 0 means the pass did nothing."""
+        return len(self.recomputed) + len(self.saved)
+
     def summary(self) -> str:
         return (
             f"{len(self.all_gathers)} FSDP all-gathers ({self.gathered_bytes} B): "

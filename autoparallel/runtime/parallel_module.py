@@ -31,6 +31,11 @@ class PartitionRecord:
     saved: list[str] = field(default_factory=list)  # forward output node names saved for backward
     num_fwd_outputs: int = 1
 
+    @property
+    def acted(self) -> int:
+        """Values the partition saved for the backward (recorded as ``ap_must_save``)."""
+        return len(self.saved)
+
 
 def _module_tree(params: Mapping[str, torch.Tensor], buffers: Mapping[str, torch.Tensor]) -> nn.Module:
     root = nn.Module()

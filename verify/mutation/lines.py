@@ -1,4 +1,5 @@
-"""Line-level mutation of ``autoparallel/passes`` with mutmut 3 (``python -m verify mutate --lines``).
+"""Line-level mutation with mutmut 3 (``python -m verify mutate --lines``): of ``autoparallel/passes``
+(``--target passes``, the default) or of the verification layer itself (``--target verify``).
 
 The patch-level harness (verify/mutation/patches.py) asks "does some test notice when a whole fix is
 turned off?"; this one asks it for every small edit mutmut can make inside a function of the
@@ -10,7 +11,16 @@ else mutmut reports: suspicious, segfault, skipped, not checked), then a kill-ra
 mutant that was not killed with ``file:line`` and its diff.
 
 What runs
-    * Mutated: every ``.py`` file of ``autoparallel/passes`` except ``__init__.py`` and
+    * ``--target verify``: the checkers (parity, canon, stats, memory, goldens, pytest_plugin), one
+      mutmut run per group of :data:`VERIFY_GROUPS`, each with the narrowest tests that cover it
+      (the group's own unit and negative tests), merged into one table; ``--group NAME`` runs only
+      some. Tests that run pytest or python in a subprocess (the pytest plugin's, the goldens
+      command's) see the mutants too: a ``sitecustomize`` bridge on their ``PYTHONPATH`` puts the
+      scratch directory's ``mutants/`` first on their path and reports the functions they ran as
+      coverage, and mutmut's ``MUTANT_UNDER_TEST`` reaches them through the environment
+      (verify/mutation/subprocess_hits.py). A test that starts a process with a scrubbed
+      environment still runs the original code there.
+    * Mutated (``--target passes``): every ``.py`` file of ``autoparallel/passes`` except ``__init__.py`` and
       ``registry.py`` (the patch registry: every pass calls ``enabled()``, so mutating it only
       re-tests the whole suite, and the patch-level harness already covers it). mutmut only mutates
       code inside functions and skips decorated functions (except ``@staticmethod`` and
@@ -47,6 +57,8 @@ Cost
 
 Usage
     python -m verify mutate --lines                    # everything above, table on stdout
+    python -m verify mutate --lines --target verify    # the checkers, group by group
+    python -m verify mutate --lines --target verify --group parity --group canon
     python -m verify mutate --lines --json -n 2        # one JSON object; -n: mutmut workers
                                                        # (0/auto: all cores); --patch and
                                                        # --timeout apply to patch-level only
@@ -94,6 +106,67 @@ DEFAULT_TESTS = (
     "tests/unit/autoparallel/test_fx_utils.py",
     "tests/property",
 )
+# --target verify: (files mutated together, the narrowest tests that cover them), one mutmut run each.
+VERIFY_GROUPS: tuple[tuple[tuple[str, ...], tuple[str, ...]], ...] = (
+    (("verify/parity.py",), ("tests/unit/verify/test_parity.py",)),
+    (("verify/canon.py",), ("tests/unit/verify/test_canon.py", "tests/unit/verify/test_canon_negative.py")),
+    (("verify/stats.py",), ("tests/unit/verify/test_stats.py", "tests/unit/verify/test_stats_negative.py")),
+    (("verify/memory.py",), ("tests/unit/verify/test_memory.py", "tests/unit/verify/test_memory_negative.py")),
+    (
+        ("verify/goldens/text.py", "verify/goldens/catalog.py", "verify/goldens/cli.py", "verify/goldens/syrupy_ext.py"),
+        ("tests/unit/verify/goldens", "tests/golden/test_golden_workflow.py"),
+    ),
+    (("verify/pytest_plugin.py",), ("tests/unit/verify/test_pytest_plugin.py",)),
+)
+TARGETS = ("passes", "verify")
+
+
+def group_name(files: Sequence[str]) -> str:
+    """A group's name for ``--group``: the module (``parity``), or the package (``goldens``)."""
+    first = Path(files[0])
+    return first.stem if first.parent.name == "verify" else first.parent.name
+
+
+VERIFY_GROUP_NAMES = tuple(group_name(files) for files, _ in VERIFY_GROUPS)
+# Written as sitecustomize.py into the scratch directory, on the path of every process a test starts
+# (see verify/mutation/subprocess_hits.py): while mutmut collects coverage, remember the mutated
+# functions this process runs and leave them in $AP_MUTATION_HITS when it exits.
+SUBPROCESS_BRIDGE = '''"""Written by verify.mutation.lines (python -m verify mutate --lines)."""
+import atexit
+import os
+import sys
+
+# The mutants go first on the path here, not through $PYTHONPATH: mutmut's own process starts
+# before mutants/ exists, and Python would cache that path as "nothing to import from" for good.
+_mutants = os.environ.get("AP_MUTATION_MUTANTS", "")
+if _mutants and os.path.isdir(_mutants) and _mutants not in sys.path:
+    sys.path.insert(0, _mutants)
+
+if os.environ.get("MUTANT_UNDER_TEST") == "stats" and os.environ.get("AP_MUTATION_HITS"):
+    import mutmut.mutation.trampoline as _trampoline
+
+    _hits = set()
+    _original = [_trampoline.record_trampoline_hit]
+
+    def _record(name, caller=None):
+        _hits.add(name)
+        if _original:  # mutmut's own process: its bookkeeping too (it fails outside mutmut's cwd)
+            try:
+                _original[0](name, caller)
+            except Exception:
+                _original.clear()
+
+    def _dump():
+        if _hits:
+            path = os.path.join(os.environ["AP_MUTATION_HITS"], f"{os.getpid()}.txt")
+            with open(path, "w") as f:
+                f.write("\\n".join(sorted(_hits)))
+
+    _trampoline.record_trampoline_hit = _record
+    atexit.register(_dump)
+'''
+BRIDGE_DIR = "ap-subprocess-bridge"
+HITS_DIR = "ap-subprocess-hits"
 MAX_EXAMPLES_ENV = "AP_MUTATION_MAX_EXAMPLES"
 DEFAULT_MAX_EXAMPLES = 10
 DEFAULT_TIMEOUT_MULTIPLIER = 5.0
@@ -336,19 +409,28 @@ def _toml_list(items: Iterable[str]) -> str:
     return "[" + ", ".join(json.dumps(str(i)) for i in items) + "]"
 
 
+def source_packages(files: Sequence[str]) -> list[str]:
+    """The top-level packages the mutated files live in (mutmut's ``source_paths``)."""
+    return sorted({Path(f).parts[0] for f in files})
+
+
 def mutmut_config(files: Sequence[str], tests: Sequence[str], deselect: Sequence[str] = (), *,
                   timeout_multiplier: float = DEFAULT_TIMEOUT_MULTIPLIER,
                   timeout_constant: float = DEFAULT_TIMEOUT_CONSTANT) -> str:
-    """The ``[tool.mutmut]`` table written into the scratch directory's pyproject.toml."""
+    """The ``[tool.mutmut]`` table written into the scratch directory's pyproject.toml. ``goldens``
+    is copied next to the mutants: code under ``verify`` finds the repository root from its own
+    path (``verify.repo``), which is mutmut's ``mutants/`` there."""
     selection = [*tests]
     for nodeid in deselect:
         selection += ["--deselect", nodeid]
     return "\n".join([
         "[tool.mutmut]",
-        'source_paths = ["autoparallel"]',
+        f"source_paths = {_toml_list(source_packages(files))}",
+        'also_copy = ["goldens"]',
         f"only_mutate = {_toml_list(files)}",
         f"pytest_add_cli_args_test_selection = {_toml_list(selection)}",
-        'pytest_add_cli_args = ["-p", "no:cacheprovider", "-p", "verify.mutation.lines"]',
+        'pytest_add_cli_args = ["-p", "no:cacheprovider", "-p", "verify.mutation.lines", "-p", '
+        '"verify.mutation.subprocess_hits"]',
         'process_isolation = "forkserver"',
         'forkserver_warmup = "collect"',
         f"timeout_multiplier = {float(timeout_multiplier)}",
@@ -389,12 +471,18 @@ def prepare_workdir(root: Path, workdir: Path) -> None:
     """Copy what mutmut and the tests need from ``root`` into ``workdir`` (no old ``mutants/``)."""
     ignore = shutil.ignore_patterns("__pycache__", "*.pyc", ".hypothesis", ".pytest_cache")
     workdir.mkdir(parents=True, exist_ok=True)
-    for name in ("autoparallel", "tests"):
+    for name in ("autoparallel", "verify", "tests", "goldens"):
+        if not (root / name).exists():
+            continue
         if (workdir / name).exists():
             shutil.rmtree(workdir / name)
         shutil.copytree(root / name, workdir / name, ignore=ignore)
     if (workdir / "mutants").exists():  # a kept workdir: start over, results must be fresh
         shutil.rmtree(workdir / "mutants")
+    for name in (BRIDGE_DIR, HITS_DIR):
+        shutil.rmtree(workdir / name, ignore_errors=True)
+        (workdir / name).mkdir()
+    (workdir / BRIDGE_DIR / "sitecustomize.py").write_text(SUBPROCESS_BRIDGE)
 
 
 def write_config(root: Path, workdir: Path, config: str) -> None:
@@ -402,9 +490,15 @@ def write_config(root: Path, workdir: Path, config: str) -> None:
     (workdir / "pyproject.toml").write_text(pyproject + "\n" + config)
 
 
-def _env(max_examples: int) -> dict[str, str]:
+def _env(max_examples: int, workdir: Path | None = None) -> dict[str, str]:
+    """mutmut's environment; with ``workdir``, also what lets the processes a test starts run the
+    mutants and report coverage (the bridge on ``PYTHONPATH``; it puts the mutants first on the path)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTEST_", "XDIST_", "MUTANT_UNDER_TEST"))}
     env[MAX_EXAMPLES_ENV] = str(max_examples)
+    if workdir is not None:
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(workdir / BRIDGE_DIR), env.get("PYTHONPATH", "")) if p)
+        env["AP_MUTATION_MUTANTS"] = str(workdir / "mutants")
+        env["AP_MUTATION_HITS"] = str(workdir / HITS_DIR)
     return env
 
 
@@ -564,7 +658,7 @@ def run(root: Path, *, files: Sequence[str], tests: Sequence[str], workdir: Path
                                               timeout_constant=timeout_constant))
     progress(f"mutmut run --max-children {max_children} ...")
     proc = subprocess.Popen([*_mutmut_cmd(), "run", "--max-children", str(max_children)], cwd=workdir,
-                            env=_env(max_examples), stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+                            env=_env(max_examples, workdir), stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     seen = _relay(proc.stdout, progress)
     rc = proc.wait()
     mutants = collect(workdir, progress)
@@ -579,6 +673,40 @@ def _max_children(workers) -> int:
     return max(1, int(w))
 
 
+def groups(args, root: Path) -> list[tuple[list[str], list[str]]]:
+    """``[(files, tests)]``, one mutmut run each: ``--files``/``--tests`` as given, else the
+    target's defaults (``passes``: one run; ``verify``: :data:`VERIFY_GROUPS`)."""
+    target = getattr(args, "target", None) or "passes"
+    if target not in TARGETS:
+        raise ValueError(f"--target {target!r}: choose from {list(TARGETS)}")
+    files, tests = getattr(args, "files", None), getattr(args, "tests", None)
+    chosen = getattr(args, "group", None)
+    if chosen and (target != "verify" or files):
+        raise ValueError("--group selects among the groups of --target verify (and not with --files)")
+    unknown = sorted(set(chosen or ()) - set(VERIFY_GROUP_NAMES))
+    if unknown:
+        raise ValueError(f"--group {unknown}: choose from {list(VERIFY_GROUP_NAMES)}")
+    if target == "verify" and not files:
+        if tests:
+            raise ValueError("--tests with --target verify needs --files too (each group has its own tests)")
+        return [(list(f), list(t)) for f, t in VERIFY_GROUPS if not chosen or group_name(f) in chosen]
+    return [(list(files or default_files(root)), list(tests or default_tests(root)))]
+
+
+def merge_runs(runs: Sequence[LineMutationRun]) -> LineMutationRun:
+    """One run's worth of results out of several (one table)."""
+    out = LineMutationRun([], [], [], {}, 0.0, runs[0].workdir, 0)
+    for r in runs:
+        out.mutants += r.mutants
+        out.files += r.files
+        out.tests += [t for t in r.tests if t not in out.tests]
+        out.deselected.update(r.deselected)
+        out.seconds += r.seconds
+        out.mutmut_exit = out.mutmut_exit or r.mutmut_exit
+        out.mutmut_tail = "\n".join(x for x in (out.mutmut_tail, r.mutmut_tail) if x)
+    return out
+
+
 def main(args) -> int:
     root = repo_root()
 
@@ -587,37 +715,53 @@ def main(args) -> int:
 
     if getattr(args, "patch", None):
         progress("--patch selects patch-level mutants; it is ignored with --lines")
-    files = list(getattr(args, "files", None) or default_files(root))
-    tests = list(getattr(args, "tests", None) or default_tests(root))
-    for f in [*files, *tests]:
+    plan = groups(args, root)
+    for f in [x for files, tests in plan for x in (*files, *tests)]:
         if not (root / f).exists():
             raise ValueError(f"{f} does not exist under {root}")
     keep = getattr(args, "workdir", None)
+
+    def workdir_of(i: int) -> Path | None:
+        if not keep:
+            return None
+        return Path(keep).resolve() / f"group{i}" if len(plan) > 1 else Path(keep).resolve()
+
     if getattr(args, "report_only", False):
         if not keep:
             raise ValueError("--report-only needs --workdir (a directory a previous run kept)")
         t0 = time.perf_counter()
-        files, tests, deselect = read_config(Path(keep))
-        r = LineMutationRun(collect(Path(keep), progress), files, tests, dict.fromkeys(deselect, "deselected"),
-                            0.0, Path(keep), 0)
+        runs = []
+        for i in range(len(plan)):
+            wd = workdir_of(i)
+            if not (wd / "pyproject.toml").exists():
+                continue
+            files, tests, deselect = read_config(wd)
+            runs.append(LineMutationRun(collect(wd, progress), files, tests, dict.fromkeys(deselect, "deselected"), 0.0, wd, 0))
+        if not runs:
+            raise ValueError(f"--workdir {keep} holds no kept run")
+        r = merge_runs(runs)
         r.seconds = time.perf_counter() - t0
         return _report(args, r)
-    workdir = Path(keep).resolve() if keep else Path(tempfile.mkdtemp(prefix="ap-mutmut-"))
-    try:
-        r = run(root, files=files, tests=tests, workdir=workdir, max_children=_max_children(getattr(args, "workers", 0)),
-                max_examples=getattr(args, "max_examples", DEFAULT_MAX_EXAMPLES),
-                timeout_multiplier=getattr(args, "timeout_multiplier", DEFAULT_TIMEOUT_MULTIPLIER),
-                timeout_constant=getattr(args, "timeout_constant", DEFAULT_TIMEOUT_CONSTANT),
-                skip_baseline=getattr(args, "no_baseline", False), progress=progress)
-    except (RuntimeError, subprocess.SubprocessError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
-    finally:
-        if not keep:
-            shutil.rmtree(workdir, ignore_errors=True)
-    if keep:
-        progress(f"kept {workdir}: `cd {workdir} && mutmut browse` or `mutmut show <name>`")
-    return _report(args, r)
+    runs = []
+    for i, (files, tests) in enumerate(plan):
+        if len(plan) > 1:
+            progress(f"group {i + 1} of {len(plan)}")
+        wd = workdir_of(i) or Path(tempfile.mkdtemp(prefix="ap-mutmut-"))
+        try:
+            runs.append(run(root, files=files, tests=tests, workdir=wd, max_children=_max_children(getattr(args, "workers", 0)),
+                            max_examples=getattr(args, "max_examples", DEFAULT_MAX_EXAMPLES),
+                            timeout_multiplier=getattr(args, "timeout_multiplier", DEFAULT_TIMEOUT_MULTIPLIER),
+                            timeout_constant=getattr(args, "timeout_constant", DEFAULT_TIMEOUT_CONSTANT),
+                            skip_baseline=getattr(args, "no_baseline", False), progress=progress))
+        except (RuntimeError, subprocess.SubprocessError) as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 1
+        finally:
+            if not keep:
+                shutil.rmtree(wd, ignore_errors=True)
+        if keep:
+            progress(f"kept {wd}: `cd {wd} && mutmut browse` or `mutmut show <name>`")
+    return _report(args, merge_runs(runs))
 
 
 def _report(args, r: LineMutationRun) -> int:
@@ -661,6 +805,10 @@ def pytest_collection_modifyitems(items) -> None:
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m verify.mutation.lines", description=__doc__.split("\n\n")[0])
+    p.add_argument("--target", choices=TARGETS, default="passes",
+                   help="passes: autoparallel/passes; verify: the checkers, group by group (default: passes)")
+    p.add_argument("--group", action="append", choices=VERIFY_GROUP_NAMES,
+                   help="with --target verify: only this group (repeatable; default: all)")
     p.add_argument("--files", nargs="+", help=f"files to mutate (default: {PASSES_DIR}/*.py except {', '.join(EXCLUDED_FILES)})")
     p.add_argument("--tests", nargs="+", help=f"test files or directories (default: {' '.join(DEFAULT_TESTS)})")
     p.add_argument("--by", choices=["file", "function"], default="file", help="one table row per file or per function")

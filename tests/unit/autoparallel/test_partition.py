@@ -286,6 +286,20 @@ def test_replay_multi_output_getitem_indices(custom, recompute, saved):
     assert _replay_saved(_split(custom, recompute)) == saved
 
 
+@pytest.mark.parametrize("region, saved", [(None, {"b"}), (M.PARTITIONER_TAG_BACKWARD, {"primals_1"})])
+def test_replay_honours_save_records_on_forward_nodes_only(region, saved):
+    # A backward op that reads forward values only, carrying the record AOT copied onto it from
+    # a forward node (DDP re-traces: 5 extra saves on tiny LLaMA-3 before this rule).
+    def build(g, x, tan):
+        b = _call(g, aten.sin.default, (x,), torch.randn(4), custom={M.AP_MUST_SAVE: True})
+        b.name = "b"
+        if region is not None:
+            b.meta[M.PARTITIONER_TAG] = region
+        return _call(g, aten.cos.default, (x,), torch.randn(4)), _call(g, aten.mul.Tensor, (b, tan), torch.randn(4))
+
+    assert _replay_saved(_joint(build)) == saved
+
+
 def test_replay_multi_output_tag_without_getitem_users_is_an_error():
     def build(g, x, tan):
         s = _call(g, aten.split.Tensor, (x, 2), (torch.randn(2), torch.randn(2)), custom={M.AP_MUST_SAVE: True})

@@ -18,6 +18,7 @@ from verify.parity import (
     OracleReport,
     OracleTolerance,
     ParityReport,
+    TensorDiff,
     check_within,
     compare_tensors,
     compare_traces,
@@ -304,3 +305,77 @@ def test_oracle_report_passes_only_when_every_tensor_is_within_its_bound():
     with pytest.raises(AssertionError, match="grad:w"):
         report.assert_passed()
     assert report.to_dict()["failures"] == 1 and report.to_dict()["tolerance"]["layers"] == 1
+
+
+# --- exact fields and text (each kills a line-level mutant that the checks above let through) ---------
+
+
+def test_every_field_of_each_kind_of_verdict():
+    inf = float("inf")
+    x, y = torch.zeros(2), torch.zeros(3)
+    assert diff_tensors("w", x, y) == TensorDiff("w", False, inf, "shape (2,) vs (3,)", 0, 3)
+    assert diff_tensors("w", torch.zeros(2), torch.zeros(2, dtype=torch.float64)) == TensorDiff(
+        "w", False, inf, "dtype torch.float32 vs torch.float64", 0, 2)
+    assert diff_tensors("w", torch.ones(4), torch.ones(4)) == TensorDiff("w", True, 0.0, "", 0, 4)
+    d = diff_tensors("w", torch.tensor([1.0, 2.0]), torch.tensor([1.0, 4.0]))
+    assert d == TensorDiff("w", False, 2.0, "1 of 2 elements differ in bits; first at [1]: 2.0 vs 4.0", 1, 2)
+    assert diff_tensors("w", [1.0], torch.ones(1)) == TensorDiff("w", False, inf, "a is not a tensor: list")
+    assert diff_tensors("w", torch.ones(1), (1,)).note == "b is not a tensor: tuple"
+    (missing, *rest) = compare_tensors({"a": torch.ones(1), "b": torch.ones(1), "c": torch.ones(1)},
+                                       {"b": torch.ones(1), "c": torch.zeros(1)}, a_name="eager", b_name="joint").diffs
+    assert missing == TensorDiff("a", False, inf, "missing in joint")
+    assert [d.name for d in rest] == ["b", "c"] and not rest[1].equal  # comparing goes on after a missing one
+
+
+def test_max_abs_is_computed_wider_than_the_values():
+    # In float32, 1e8 - 1 rounds to 1e8; the report must say 99999999.
+    d = diff_tensors("w", torch.tensor([1e8]), torch.tensor([1.0]))
+    assert d.max_abs == 99999999.0
+
+
+def test_nan_payload_counts_only_differing_nans():
+    x = torch.tensor([QUIET_NAN, QUIET_NAN, 1.0])
+    y = torch.tensor([QUIET_NAN, 1.0, OTHER_NAN])
+    d = diff_tensors("w", x, y)
+    assert d.note.startswith("2 of 3 elements differ in bits; 2 NaN vs number; first at [1]")
+    both = diff_tensors("w", torch.tensor([QUIET_NAN, QUIET_NAN]), torch.tensor([QUIET_NAN, OTHER_NAN]))
+    assert "1 NaN vs NaN with other bits" in both.note and "NaN vs number" not in both.note
+
+
+def test_complex_tensors_of_two_dims_find_the_differing_element():
+    z = torch.zeros(2, 3, dtype=torch.complex64)
+    w = z.clone()
+    w[1, 2] = 0.5j
+    d = diff_tensors("z", z, w)
+    assert (d.differing, d.numel) == (1, 6) and "first at [1, 2]" in d.note
+
+
+def test_summary_text_exactly():
+    equal = compare_tensors({"w": torch.ones(1)}, {"w": torch.ones(1)})
+    assert equal.summary() == "a vs b: 1 tensors, bitwise equal, max |diff| 0.000e+00"
+    no_note = ParityReport("a", "b", [TensorDiff("w", False, 1.0)])
+    assert no_note.summary().splitlines()[1] == "  w: max |diff| 1.000e+00"
+    eleven = ParityReport("a", "b", [TensorDiff(f"w{i}", False, 1.0, "n") for i in range(11)])
+    assert eleven.summary().splitlines()[1:] == [f"  w{i}: max |diff| 1.000e+00; n" for i in range(10)] + ["  ... and 1 more"]
+    ten = ParityReport("a", "b", eleven.diffs[:10])
+    assert len(ten.summary().splitlines()) == 11 and "more" not in ten.summary()
+    twelve = ParityReport("a", "b", [*eleven.diffs, TensorDiff("w11", False, 1.0)])
+    assert twelve.summary(limit=10).splitlines()[-1] == "  ... and 2 more"
+
+
+def test_compare_traces_names_its_sides():
+    a = _trace([1.0], [{"w": [1.0], "v": [1.0]}])
+    report = compare_traces(a, _trace([1.0], [{"w": [1.0]}]))
+    assert (report.a, report.b) == ("a", "b")
+    assert report.mismatches()[0].note == "missing in b"
+    named = compare_traces(_trace([1.0], [{"w": [1.0]}]), a, a_name="eager", b_name="joint")
+    assert (named.a, named.b) == ("eager", "joint") and named.mismatches()[0].note == "missing in eager"
+
+
+def test_merge_reports_keeps_the_comparison_names_and_says_why_it_refuses():
+    one = compare_tensors({"w": torch.ones(1)}, {"w": torch.ones(1)}, a_name="eager", b_name="joint")
+    merged = merge_reports([one], ["rank0"])
+    assert (merged.a, merged.b) == ("eager", "joint")
+    with pytest.raises(ValueError) as e:
+        merge_reports([], [])
+    assert str(e.value) == "no reports to merge"

@@ -1,14 +1,18 @@
 """verify.mutation.lines's parsing and reporting, on canned mutmut 3.8 output (mutmut never runs here)."""
 
 import io
+import subprocess
+import sys
 import textwrap
 import tomllib
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 
-from verify.__main__ import main
+from verify.__main__ import _parser, main
 from verify.mutation import lines as L
+from verify.mutation.subprocess_hits import collect_subprocess_hits
 
 RESULTS = textwrap.dedent(
     """\
@@ -297,3 +301,74 @@ def test_hypothesis_cap_plugin_limits_examples(monkeypatch):
     prop()
     assert len(calls) <= 3
     assert prop._hypothesis_internal_use_settings.derandomize
+
+
+def test_verify_target_runs_each_checker_group_with_its_own_tests(tmp_path):
+    plan = L.groups(SimpleNamespace(target="verify", files=None, tests=None), tmp_path)
+    assert [files for files, _ in plan][:4] == [["verify/parity.py"], ["verify/canon.py"], ["verify/stats.py"],
+                                                ["verify/memory.py"]]
+    assert {f for files, _ in plan for f in files} >= {"verify/pytest_plugin.py", "verify/goldens/text.py"}
+    assert plan[0][1] == ["tests/unit/verify/test_parity.py"]
+    assert all(tests for _, tests in plan)
+    one = L.groups(SimpleNamespace(target="verify", files=["verify/canon.py"], tests=["t.py"]), tmp_path)
+    assert one == [(["verify/canon.py"], ["t.py"])]
+    with pytest.raises(ValueError, match="--tests with --target verify needs --files too"):
+        L.groups(SimpleNamespace(target="verify", files=None, tests=["t.py"]), tmp_path)
+    with pytest.raises(ValueError, match=r"--target 'lines': choose from \['passes', 'verify'\]"):
+        L.groups(SimpleNamespace(target="lines", files=None, tests=None), tmp_path)
+
+
+def test_group_selects_named_verify_groups(tmp_path):
+    assert L.VERIFY_GROUP_NAMES == ("parity", "canon", "stats", "memory", "goldens", "pytest_plugin")
+    two = L.groups(SimpleNamespace(target="verify", files=None, tests=None, group=["canon", "goldens"]), tmp_path)
+    assert [files[0] for files, _ in two] == ["verify/canon.py", "verify/goldens/text.py"]
+    with pytest.raises(ValueError, match=r"--group \['nope'\]: choose from"):
+        L.groups(SimpleNamespace(target="verify", files=None, tests=None, group=["nope"]), tmp_path)
+    with pytest.raises(ValueError, match="--group selects among the groups of --target verify"):
+        L.groups(SimpleNamespace(target="passes", files=None, tests=None, group=["canon"]), tmp_path)
+    args = _parser().parse_args(["mutate", "--lines", "--target", "verify", "--group", "parity", "--group", "memory"])
+    assert args.group == ["parity", "memory"]
+
+
+def test_every_verify_group_names_files_and_tests_that_exist():
+    root = Path(__file__).resolve().parents[4]
+    missing = [p for files, tests in L.VERIFY_GROUPS for p in (*files, *tests) if not (root / p).exists()]
+    assert missing == []
+
+
+def test_config_mutates_the_packages_of_its_files_and_copies_goldens():
+    cfg = tomllib.loads(L.mutmut_config(["verify/parity.py", "verify/goldens/text.py"], ["tests/t.py"]))["tool"]["mutmut"]
+    assert cfg["source_paths"] == ["verify"] and cfg["also_copy"] == ["goldens"]
+    assert L.source_packages(["autoparallel/passes/a.py", "verify/canon.py"]) == ["autoparallel", "verify"]
+
+
+def test_merged_runs_make_one_table(tmp_path):
+    a = L.LineMutationRun([L.Mutant("verify.parity.x_f__mutmut_1", "killed")], ["verify/parity.py"], ["t1"], {},
+                          1.0, tmp_path, 0, "a")
+    b = L.LineMutationRun([L.Mutant("verify.canon.x_g__mutmut_1", "survived")], ["verify/canon.py"], ["t1", "t2"],
+                          {"t2::x": "failed"}, 2.0, tmp_path, 1, "b")
+    m = L.merge_runs([a, b])
+    assert [x.file for x in m.mutants] == ["verify/parity.py", "verify/canon.py"]
+    assert (m.files, m.tests, m.deselected, m.seconds, m.mutmut_exit, m.mutmut_tail) == (
+        ["verify/parity.py", "verify/canon.py"], ["t1", "t2"], {"t2::x": "failed"}, 3.0, 1, "a\nb")
+
+
+def test_processes_a_test_starts_report_the_mutated_functions_they_ran(tmp_path):
+    """The sitecustomize bridge, in a real subprocess, as mutmut's coverage run would start it."""
+    pytest.importorskip("mutmut")
+    bridge, hits = tmp_path / L.BRIDGE_DIR, tmp_path / L.HITS_DIR
+    bridge.mkdir()
+    hits.mkdir()
+    (bridge / "sitecustomize.py").write_text(L.SUBPROCESS_BRIDGE)
+    env = {**L._env(1, tmp_path), "AP_MUTATION_HITS": str(hits), "MUTANT_UNDER_TEST": "stats"}
+    (tmp_path / "mutants").mkdir()
+    code = ("import sys, mutmut.mutation.trampoline as t; "
+            f"assert sys.path.index({str(tmp_path / 'mutants')!r}) <= 1, sys.path; "  # after '' (python -c), before the rest
+            "t.record_trampoline_hit('verify.parity.x_diff_tensors'); t.record_trampoline_hit('verify.canon.x_f')")
+    subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, check=True, timeout=120)
+    assert collect_subprocess_hits(hits) == {"verify.parity.x_diff_tensors", "verify.canon.x_f"}
+    assert list(hits.iterdir()) == []  # read once
+    env["MUTANT_UNDER_TEST"] = "verify.parity.x_diff_tensors__mutmut_1"  # a mutant run: mutmut's own hook
+    untouched = "import sys, mutmut.mutation.trampoline as t; sys.exit(t.record_trampoline_hit.__module__ != 'mutmut.stats')"
+    subprocess.run([sys.executable, "-c", untouched], cwd=tmp_path, env=env, check=True, timeout=120)
+    assert collect_subprocess_hits(hits) == set()
