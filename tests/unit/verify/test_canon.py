@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import operator
 import os
 import re
 import subprocess
@@ -335,3 +336,293 @@ def test_get_attr_constant_without_val_is_described_from_the_attribute():
         3, device="meta"
     )
     assert canonicalize(gm).splitlines()[1] == "get_attr_0: f16[3] = get_attr('scale')"
+
+
+# --- exact spellings (each kills line-level mutants of verify/canon.py that the checks above let through) ---
+
+
+class _Color(__import__("enum").Enum):
+    RED = 1
+
+
+def test_every_constant_kind_has_one_exact_spelling():
+    from verify.canon import SymbolNamer, _const_text
+
+    syms = SymbolNamer()
+    cases = [
+        (None, "None"), (True, "True"), ("0x1f", "'0x1f'"), (3, "3"), ("s", "'s'"), (1.5, "1.5"), (torch.float16, "torch.float16"),
+        (torch.device("cuda", 1), "device('cuda:1')"), (torch.strided, "torch.strided"),
+        (torch.channels_last, "torch.channels_last"), (torch.zeros(2, dtype=torch.int32), "tensor(i32[2])"),
+        (_Color.RED, "_Color.RED"), (aten.mm.default, "aten.mm.default"), (aten.mm, "aten.mm"),
+        (slice(1, None, -2), "slice(1, None, -2)"), (slice(None, 2.5, None), "slice(None, 2.5, None)"),
+    ]
+    assert [_const_text(x, syms) for x, _ in cases] == [text for _, text in cases]
+    assert _const_text(object(), syms).startswith("<object object at 0x?")
+
+
+def test_dtype_spellings():
+    from verify.canon import dtype_abbr
+
+    known = {torch.bool: "b8", torch.uint8: "u8", torch.int8: "i8", torch.int16: "i16", torch.int32: "i32",
+             torch.int64: "i64", torch.float16: "f16", torch.bfloat16: "bf16", torch.float32: "f32",
+             torch.float64: "f64", torch.complex64: "c64", torch.complex128: "c128"}
+    assert {d: dtype_abbr(d) for d in known} == known
+    assert dtype_abbr(torch.float8_e4m3fn) == "f8e4m3fn"  # from torch.fx's table
+    assert dtype_abbr(torch.quint8) == "quint8"  # in neither table: spelled out
+
+
+def test_symbols_are_renamed_per_prefix_in_name_order_keeping_assumptions():
+    import sympy
+
+    from verify.canon import SymbolNamer
+
+    syms = SymbolNamer()
+    s9, s3 = sympy.Symbol("s9", positive=True, integer=True), sympy.Symbol("s3", positive=True, integer=True)
+    u7, odd = sympy.Symbol("u7", integer=True), sympy.Symbol("9z")
+    assert syms.expr_text(s9 * s3 + u7) == "s0*s1 + u0"  # s3 < s9 by name: s3 -> s0
+    assert syms.expr_text(s9 + odd) == "s1 + s2"  # known symbols keep their names; no prefix: "s"
+    assert syms.expr_text(7) == "7" and syms.expr_text("x") == "x"
+    assert syms.expr_text(sympy.Abs(s9) - s9) == "0"  # still positive after renaming
+    assert syms._map[s9].assumptions0 == s9.assumptions0
+
+
+def test_missing_val_error_names_the_node_and_the_way_out():
+    from verify.canon import _missing_val_error
+
+    g = fx.Graph()
+    x = g.placeholder("x")
+    msg = str(_missing_val_error(x))
+    assert "node 'x'" in msg and "needed for canonical text (shapes inline); propagate" in msg
+    assert msg.endswith("; or pass require_val=False to omit shapes")
+
+
+def test_canonicalize_pair_exact_layout_and_arguments_reach_both_sections():
+    fw, bw = fx.Graph(), fx.Graph()
+    fw.output(fw.placeholder("a"))
+    bw.output(bw.placeholder("b"))
+    text = canonicalize_pair(fw, bw, require_val=False)
+    assert text == "== forward ==\narg_0\nreturn: arg_0\n\n== backward ==\narg_0\nreturn: arg_0\n"
+    assert canonicalize_pair(fw, bw, title="t", require_val=False).startswith("# t\n== forward ==\n")
+    with pytest.raises(ValueError, match="no meta\\['val'\\]"):  # require_val defaults to True
+        canonicalize_pair(fw, bw)
+    with pytest.raises(ValueError, match="no meta\\['val'\\]"):  # ... and reaches the backward
+        canonicalize_pair(_fsdp_like({}, "1", "3"), bw)
+    with pytest.raises(ValueError, match="no meta\\['val'\\]"):  # ... and the forward
+        canonicalize_pair(fw, _fsdp_like({}, "1", "3"))
+    a, b = _fsdp_like({}, "1", "3"), _fsdp_like({}, "3", "1")
+    pair = canonicalize_pair(a, b, group_dims={"1": "X", "3": "Y"})
+    fw_part, bw_part = pair.split("\n== backward ==\n")
+    assert "8, X)" in fw_part and "8, Y)" in bw_part
+
+
+def test_pair_shares_one_symbol_renaming():
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    env = ShapeEnv()
+    with FakeTensorMode(shape_env=env):
+        fw_val, bw_val = torch.empty(env.create_unbacked_symint()), torch.empty(env.create_unbacked_symint())
+
+    def one(val):
+        g = fx.Graph()
+        x = g.placeholder("x")
+        x.meta[M.VAL] = val
+        g.output(x)
+        return g
+
+    fw_text, bw_text = canonicalize_pair(one(fw_val), one(bw_val)).split("\n== backward ==\n")
+    assert "f32[u0]" in fw_text and "f32[u1]" in bw_text  # not u0 again: one renaming for both
+
+
+def test_constant_symint_prints_its_value():
+    import sympy
+    from torch.fx.experimental.sym_node import SymNode
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    from verify.canon import SymbolNamer
+
+    four = torch.SymInt(SymNode(sympy.Integer(4), ShapeEnv(), int, 4))
+    assert SymbolNamer().sym_text(four) == "4"
+
+
+def test_containers_groups_attributes_and_module_paths():
+    from verify.canon import SymbolNamer, _group_name_of, _resolve_attr, _stack_path, val_text
+
+    syms = SymbolNamer()
+    assert val_text((torch.zeros(2),), syms) == "(f32[2],)"
+    assert val_text((1, 2), syms) == "(1, 2)"
+    assert _group_name_of(type("PG", (), {"group_name": "7"})()) == "7" and _group_name_of(3) == "3"
+    root = torch.nn.Module()
+    root.sub = torch.nn.Module()
+    root.sub.register_buffer("scale", torch.ones(1))
+    assert _resolve_attr(root, "sub.scale") is root.sub.scale
+    assert _resolve_attr(root, "sub.nope.deeper") is None
+    assert _stack_path("L['self'].layers['0'].attn") == "layers.0.attn"
+    assert _stack_path(("['layers']", torch.nn.Module)) == "layers"
+    assert _stack_path("ab") == "ab"
+
+
+def test_output_roles_single_and_shorter_than_the_outputs():
+    def graph(roles, multi):
+        g = fx.Graph()
+        x = g.placeholder("x")
+        out = g.output((x, x) if multi else x)
+        out.meta[M.ROLE] = roles
+        return canonicalize(g, require_val=False)
+
+    assert graph(["loss"], False).endswith("return: loss = arg_0\n")
+    assert graph("loss", False).endswith("return: loss = arg_0\n")
+    assert graph(None, False).endswith("return: arg_0\n")
+    assert graph(["grad:w"], True).endswith("return:\n  grad:w = arg_0\n  arg_0\n")
+
+
+def test_values_off_the_cpu_symbolic_and_constant():
+    from types import SimpleNamespace
+
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    from verify.canon import SymbolNamer, _const_text, tensor_text, val_text
+
+    syms = SymbolNamer()
+    on_gpu = SimpleNamespace(shape=(2, 3), dtype=torch.float32, device=torch.device("cuda", 0))
+    assert tensor_text(on_gpu, syms) == "f32[2, 3]@cuda:0"
+    env = ShapeEnv()
+    _, u = env.create_unbacked_symint(), env.create_unbacked_symint()  # u is u1 before renaming
+    with FakeTensorMode(shape_env=env):
+        t = torch.empty(u)
+    assert val_text(slice(u, u, u), SymbolNamer()) == "slice(u0, u0, u0)"
+    assert _const_text(t, SymbolNamer()) == "tensor(f32[u0])"
+    assert val_text(u, syms) == "u0"
+    assert val_text([t, 2], syms) == "[f32[u0], 2]"
+    assert val_text(3, syms) == "3"
+
+
+def test_recompute_tag_that_is_not_a_policy_is_printed_with_repr():
+    g = fx.Graph()
+    x = g.placeholder("x")
+    y = g.call_function(aten.relu.default, (x,))
+    y.meta[M.RECOMPUTE] = "custom"
+    g.output(y)
+    assert "{recompute='custom'}" in canonicalize(g, require_val=False)
+
+
+def test_group_arg_positional_keyword_or_none():
+    from verify.canon import group_arg
+
+    g = fx.Graph()
+    x = g.placeholder("x")
+    pos = g.call_function(c10d.all_reduce.default, (x, "sum", "5"))
+    kw = g.call_function(c10d.all_reduce.default, (x, "sum"), {"group_name": "6"})
+    plain = g.call_function(aten.relu.default, (x,))
+    assert (group_arg(pos), group_arg(kw), group_arg(plain), group_arg(x)) == ("5", "6", None, None)
+
+
+class _Fn:
+    """A call_function target without ``__name__``/``__qualname__`` (FX's qualified name fails)."""
+
+    def __call__(self, x):
+        return x
+
+    def __repr__(self):
+        return "Fn(0x1234)"
+
+
+class _NoModuleFn(_Fn):
+    @property
+    def __module__(self):
+        raise AttributeError("__module__")
+
+
+def test_target_spellings_of_every_kind_of_node():
+    from verify.canon import _target_text
+
+    def local_fn(x):
+        return x
+
+    g = fx.Graph()
+    x = g.placeholder("x")
+    nodes = [
+        g.call_function(operator.add, (x, x)),
+        g.call_function(local_fn, (x,)),
+        g.create_node("call_function", _Fn(), (x,), name="fn"),
+        g.create_node("call_function", _NoModuleFn(), (x,), name="fn2"),
+        g.call_method("add", (x, x)),
+        g.call_module("sub.lin", (x,)),
+        g.get_attr("scale"),
+    ]
+    assert [_target_text(n) for n in nodes] == [
+        "operator.add",
+        f"{__name__}.local_fn",
+        f"{__name__}.Fn(0x?)",
+        "?.Fn(0x?)",
+        "call_method.add",
+        "call_module[sub.lin]",
+        "scale",
+    ]
+
+
+@pytest.mark.filterwarnings("ignore:Attempted to insert a get_attr Node")
+def test_get_attr_of_a_module_or_of_nothing():
+    root = torch.nn.Module()
+    root.sub = torch.nn.Linear(1, 1)
+    g = fx.Graph()
+    g.output((g.get_attr("sub"),))
+    gm = fx.GraphModule(root, g)  # copies the attributes the graph names: add "nope" after
+    (sub,), out = gm.graph.find_nodes(op="get_attr"), gm.graph.find_nodes(op="output")[0]
+    with gm.graph.inserting_before(out):
+        out.args = ((sub, gm.graph.get_attr("nope")),)
+    lines = canonicalize(gm, require_val=False).splitlines()
+    assert lines[:2] == ["get_attr_0: module = get_attr('sub')", "get_attr_1 = get_attr('nope')"]
+    with pytest.raises(ValueError, match="node 'nope'.*canonical text"):
+        canonicalize(gm)
+
+
+@pytest.mark.filterwarnings("ignore:Raw SymInt value")
+def test_only_the_group_argument_is_printed_as_a_mesh_dim_and_symbols_are_shared():
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    from verify.canon import SymbolNamer
+
+    g = fx.Graph()
+    w = g.placeholder("w")
+    g.output(g.call_function(c10d.all_gather_into_tensor.default, (w,), {"group_size": 8, "group_name": "1"}))
+    text = canonicalize(g, group_dims={"1": "dp"}, require_val=False)
+    assert "all_gather_into_tensor.default(arg_0, group_name=dp, group_size=8)" in text
+    env = ShapeEnv()
+    u0, u1 = env.create_unbacked_symint(), env.create_unbacked_symint()
+    g2 = fx.Graph()
+    x = g2.placeholder("x")
+    g2.output(g2.call_function(aten.view.default, (x, [u1])))
+    syms = SymbolNamer()
+    syms.sym_text(u0)  # an earlier graph named u0 already
+    assert "aten.view.default(arg_0, [u1])" in canonicalize(g2, require_val=False, symbols=syms)
+
+
+def test_short_op_names_of_every_kind_of_node():
+    from verify.canon import _op_short_name
+
+    odd = lambda x: x  # noqa: E731
+    dots = _Fn()
+    g = fx.Graph()
+    x = g.placeholder("x")
+    nodes = [
+        g.call_function(aten.mm, (x, x)),
+        g.call_function(torch.ops.higher_order.run_const_graph, (x,)),
+        g.create_node("call_function", dots, (x,), name="fn"),
+        g.call_function(odd, (x,)),
+        g.call_method("add", (x, x)),
+        g.call_module("sub.lin", (x,)),
+        g.get_attr("w"),
+    ]
+    symbols_only = g.call_method("@@", (x,))
+    assert [_op_short_name(n) for n in nodes] == ["mm", "run_const_graph", "_Fn", "_lambda_", "add", "sub_lin",
+                                                 "get_attr"]
+    assert _op_short_name(symbols_only) == "node"
+
+
+def test_placeholders_with_the_same_role_are_numbered_apart():
+    g = fx.Graph()
+    xs = [g.placeholder(f"x{i}") for i in range(3)]
+    for x in xs:
+        x.meta[M.ROLE] = "input:0"
+    g.output(tuple(xs))
+    assert canonicalize(g, require_val=False).splitlines()[:3] == ["input:0", "input:0~1", "input:0~2"]
