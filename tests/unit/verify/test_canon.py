@@ -16,7 +16,23 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
 from autoparallel import meta as M
-from verify.canon import canonical_names, canonicalize, canonicalize_pair
+from verify.canon import (
+    SymbolNamer,
+    _const_text,
+    _group_name_of,
+    _missing_val_error,
+    _op_short_name,
+    _resolve_attr,
+    _stack_path,
+    _target_text,
+    canonical_names,
+    canonicalize,
+    canonicalize_pair,
+    dtype_abbr,
+    group_arg,
+    tensor_text,
+    val_text,
+)
 
 aten = torch.ops.aten
 c10d = torch.ops._c10d_functional
@@ -346,7 +362,6 @@ class _Color(__import__("enum").Enum):
 
 
 def test_every_constant_kind_has_one_exact_spelling():
-    from verify.canon import SymbolNamer, _const_text
 
     syms = SymbolNamer()
     cases = [
@@ -361,7 +376,6 @@ def test_every_constant_kind_has_one_exact_spelling():
 
 
 def test_dtype_spellings():
-    from verify.canon import dtype_abbr
 
     known = {torch.bool: "b8", torch.uint8: "u8", torch.int8: "i8", torch.int16: "i16", torch.int32: "i32",
              torch.int64: "i64", torch.float16: "f16", torch.bfloat16: "bf16", torch.float32: "f32",
@@ -374,7 +388,6 @@ def test_dtype_spellings():
 def test_symbols_are_renamed_per_prefix_in_name_order_keeping_assumptions():
     import sympy
 
-    from verify.canon import SymbolNamer
 
     syms = SymbolNamer()
     s9, s3 = sympy.Symbol("s9", positive=True, integer=True), sympy.Symbol("s3", positive=True, integer=True)
@@ -387,7 +400,6 @@ def test_symbols_are_renamed_per_prefix_in_name_order_keeping_assumptions():
 
 
 def test_missing_val_error_names_the_node_and_the_way_out():
-    from verify.canon import _missing_val_error
 
     g = fx.Graph()
     x = g.placeholder("x")
@@ -438,14 +450,12 @@ def test_constant_symint_prints_its_value():
     from torch.fx.experimental.sym_node import SymNode
     from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
-    from verify.canon import SymbolNamer
 
     four = torch.SymInt(SymNode(sympy.Integer(4), ShapeEnv(), int, 4))
     assert SymbolNamer().sym_text(four) == "4"
 
 
 def test_containers_groups_attributes_and_module_paths():
-    from verify.canon import SymbolNamer, _group_name_of, _resolve_attr, _stack_path, val_text
 
     syms = SymbolNamer()
     assert val_text((torch.zeros(2),), syms) == "(f32[2],)"
@@ -480,7 +490,6 @@ def test_values_off_the_cpu_symbolic_and_constant():
 
     from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
-    from verify.canon import SymbolNamer, _const_text, tensor_text, val_text
 
     syms = SymbolNamer()
     on_gpu = SimpleNamespace(shape=(2, 3), dtype=torch.float32, device=torch.device("cuda", 0))
@@ -506,7 +515,6 @@ def test_recompute_tag_that_is_not_a_policy_is_printed_with_repr():
 
 
 def test_group_arg_positional_keyword_or_none():
-    from verify.canon import group_arg
 
     g = fx.Graph()
     x = g.placeholder("x")
@@ -533,7 +541,6 @@ class _NoModuleFn(_Fn):
 
 
 def test_target_spellings_of_every_kind_of_node():
-    from verify.canon import _target_text
 
     def local_fn(x):
         return x
@@ -580,7 +587,6 @@ def test_get_attr_of_a_module_or_of_nothing():
 def test_only_the_group_argument_is_printed_as_a_mesh_dim_and_symbols_are_shared():
     from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
-    from verify.canon import SymbolNamer
 
     g = fx.Graph()
     w = g.placeholder("w")
@@ -598,7 +604,6 @@ def test_only_the_group_argument_is_printed_as_a_mesh_dim_and_symbols_are_shared
 
 
 def test_short_op_names_of_every_kind_of_node():
-    from verify.canon import _op_short_name
 
     odd = lambda x: x  # noqa: E731
     dots = _Fn()
