@@ -8,7 +8,16 @@ from __future__ import annotations
 import pytest
 import torch
 
-from verify.memory import peak_memory, ratio, replay_peak
+from verify.memory import (
+    PeakMemory,
+    compare_peaks,
+    memory_timeline,
+    peak_memory,
+    ratio,
+    replay_peak,
+    replay_series,
+    with_fresh_vals,
+)
 
 MiB = 1 << 20
 
@@ -24,12 +33,14 @@ class FakeCudaAllocator:
         self.active_peak = 16 << 30
         self.pending: list[int] = []
         self.calls: list[str] = []
+        self.devices: list = []  # the device argument of every call that takes one
 
     def run(self, *deltas: int) -> None:
         self.pending.extend(deltas)
 
     def synchronize(self, device=None) -> None:
         self.calls.append("synchronize")
+        self.devices.append(device)
         for d in self.pending:
             self.allocated += d
             self.peak = max(self.peak, self.allocated)
@@ -44,15 +55,18 @@ class FakeCudaAllocator:
 
     def reset_peak_memory_stats(self, device=None) -> None:
         self.calls.append("reset")
+        self.devices.append(device)
         self.peak = self.active_peak = self.allocated
         self.reserved_peak = self.reserved
 
     def memory_allocated(self, device=None) -> int:
         self.calls.append("memory_allocated")
+        self.devices.append(device)
         return self.allocated
 
     def memory_stats(self, device=None) -> dict:
         self.calls.append("memory_stats")
+        self.devices.append(device)
         return {
             "allocated_bytes.all.peak": self.peak,
             "reserved_bytes.all.peak": self.reserved_peak,
@@ -111,3 +125,88 @@ def test_cuda_and_cpu_measurements_do_not_mix():
 )
 def test_replay_peak(events, peak):
     assert replay_peak(events) == peak
+
+
+# --- what line-level mutation of verify/memory.py found untested (mutate --lines --group memory) ---
+
+
+def test_every_cuda_call_names_the_measured_device():
+    """device=None with an allocator: its current device (3); each statistic is read for it, not
+    for whatever device is current when the call runs."""
+    cuda = FakeCudaAllocator()
+    pm = peak_memory(lambda: cuda.run(MiB), allocator=cuda, warmup=0)
+    assert pm.device == "cuda:3"
+    assert cuda.devices and set(cuda.devices) == {torch.device("cuda", 3)}
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU default needs a machine without CUDA")
+def test_device_none_without_cuda_measures_cpu():
+    assert peak_memory(lambda: torch.empty(1024)).device == "cpu"
+
+
+def test_defaults_one_warmup_call_and_no_profile_kept():
+    calls = []
+    pm = peak_memory(lambda: calls.append(torch.empty(256)), device="cpu")
+    assert len(calls) == 2 and pm.profile is None
+    assert peak_memory(lambda: torch.empty(256), device="cpu", detailed=True).profile is not None
+    calls.clear()
+    memory_timeline(lambda: calls.append(torch.empty(256)))
+    assert len(calls) == 2
+    calls.clear()
+    memory_timeline(lambda: calls.append(1), warmup=0)  # 0 is allowed
+    assert len(calls) == 1
+
+
+@pytest.mark.parametrize("measure", [peak_memory, memory_timeline])
+@pytest.mark.parametrize("warmup", [-1, True, "2", 1.0])
+def test_warmup_must_be_a_non_negative_int(measure, warmup):
+    with pytest.raises(ValueError, match=rf"{measure.__name__}: warmup must be an int >= 0, got {warmup!r}"):
+        measure(lambda: None, warmup=warmup, **({"device": "cpu"} if measure is peak_memory else {}))
+
+
+@pytest.mark.parametrize("measure", [peak_memory, memory_timeline])
+def test_fn_must_be_callable_and_the_error_names_its_type(measure):
+    with pytest.raises(ValueError, match=rf"^{measure.__name__}: fn must be callable, got int$"):
+        measure(42)
+
+
+def test_memory_timeline_is_in_milliseconds_from_the_first_event():
+    tl = memory_timeline(lambda: [torch.empty(1 << 16) for _ in range(3)])
+    assert tl.times_ms[0] == 0.0 and list(tl.times_ms) == sorted(tl.times_ms)
+    assert tl.times_ms[-1] < 60_000  # a few allocations: well under a minute, in ms
+    assert tl.peak == max(tl.bytes) > 0
+    empty = memory_timeline(lambda: None)  # no allocation at all: an empty timeline
+    assert empty.times_ms == () and empty.peak == 0
+
+
+def test_replay_series_counts_a_one_byte_block():
+    assert replay_series([(1, 1), (2, 8), (1, 0)]) == [1, 9, 8]
+
+
+def test_describe_names_every_measured_quantity():
+    cuda = PeakMemory(device="cuda:0", source="cuda-allocator", peak=3 * MiB, baseline=MiB, reserved=8 * MiB, active=4 * MiB)
+    assert cuda.describe() == "peak 3.00 MiB, reserved 8.00 MiB, active 4.00 MiB, baseline 1.00 MiB [cuda:0, cuda-allocator]"
+    cpu = PeakMemory(device="cpu", source="cpu-profiler", peak=MiB // 2)
+    assert cpu.describe() == "peak 0.50 MiB [cpu, cpu-profiler]"
+
+
+def test_ratio_accepts_a_one_byte_reference_and_the_table_is_exact():
+    a = PeakMemory(device="cpu", source="cpu-profiler", peak=3)
+    assert ratio(a, PeakMemory(device="cpu", source="cpu-profiler", peak=1)) == 3.0
+    runs = {"eager": PeakMemory(device="cpu", source="cpu-profiler", peak=4 * MiB),
+            "traced": PeakMemory(device="cpu", source="cpu-profiler", peak=2 * MiB)}
+    assert compare_peaks(runs, reference="eager").splitlines() == [
+        "peak memory on cpu (cpu-profiler)",
+        "run         peak MiB  x eager",
+        "eager           4.00    1.000",
+        "traced          2.00    0.500",
+    ]
+
+
+def test_static_peak_refuses_real_placeholder_values_by_name():
+    g = torch.fx.Graph()
+    x = g.placeholder("x")
+    x.meta["val"] = torch.empty(2)  # a real tensor, not a FakeTensor
+    g.output(x)
+    with pytest.raises(ValueError, match=r"^static_peak: the placeholders' meta\['val'\] are not FakeTensors$"):
+        with_fresh_vals(torch.fx.GraphModule(torch.nn.Module(), g))
