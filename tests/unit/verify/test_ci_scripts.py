@@ -1,6 +1,6 @@
 """The CI scripts: both README lines are found between their markers (the main job installs no
 test extra), the main job's report check rejects incomplete reports, and .ci/gpu refuses a torch
-without CUDA (its selection is tested in test_pytest_plugin.py with faked GPU counts)."""
+without CUDA and overlays a venv interpreter's packages (its selection is tested in test_pytest_plugin.py with faked GPU counts)."""
 
 import io
 import runpy
@@ -96,6 +96,28 @@ def test_gpu_ci_refuses_a_torch_without_cuda(tmp_path):
     assert out.returncode == 1
     assert "sees no CUDA device; GPU CI needs one" in out.stderr
     assert not (ROOT / ".venv-gpu").exists(), "nothing is installed before the check"
+
+
+def test_gpu_overlay_venv_sees_the_packages_of_an_interpreter_that_is_itself_a_venv(tmp_path):
+    """Found on the GPU machine (python3 there is /opt/torch/.venv/bin/python3): a venv made from a
+    venv with --system-site-packages sees the base interpreter's packages, not torch or pytest, so
+    .ci/gpu tried to install everything and failed offline. This test's interpreter is a venv too."""
+    assert sys.prefix != sys.base_prefix, "this test needs to run in a virtual environment"
+    has = "import importlib.util as u, sys; print(sys.prefix, u.find_spec('torch') is not None)"
+    plain = tmp_path / "plain"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", "--system-site-packages", str(plain)],
+                   check=True, timeout=60)
+    assert subprocess.run([str(plain / "bin" / "python"), "-c", has], capture_output=True, text=True,
+                          check=True).stdout.split()[1] == "False", "the failure this overlay exists for"
+    overlay = tmp_path / "overlay"
+    subprocess.run(["bash", str(ROOT / ".ci" / "overlay_venv"), sys.executable, str(overlay)], check=True,
+                   timeout=120)
+    prefix, found = subprocess.run([str(overlay / "bin" / "python"), "-c", has], capture_output=True,
+                                   text=True, check=True).stdout.split()
+    assert (prefix, found) == (str(overlay), "True")
+    pip = subprocess.run([str(overlay / "bin" / "python"), "-m", "pip", "--version"], capture_output=True,
+                         text=True, timeout=60)
+    assert pip.returncode == 0, pip.stderr
 
 
 def test_browser_step_says_plainly_when_it_cannot_run(monkeypatch):
