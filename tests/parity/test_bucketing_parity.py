@@ -76,7 +76,9 @@ def _rank_bucketed_vs_plain(rank, world_size, sc, fw, bw, in_roles, out_roles, n
     return traces, counts
 
 
-@pytest.mark.parametrize("name", sorted(SCENARIOS))
+@pytest.mark.parametrize(
+    "name", [pytest.param(n, marks=pytest.mark.xdist_group(f"bucketing-parity-{n}")) for n in sorted(SCENARIOS)]
+)
 def test_bucketed_fw_bw_bitwise_equal_unbucketed_for_three_steps(name):
     sc = SCENARIOS[name]
     with fake_world(sc.mesh_spec) as mesh:

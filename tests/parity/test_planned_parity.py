@@ -7,10 +7,12 @@ verify.planned_parity for why that is an honest reference), and the eager run is
 tolerance of single-device eager (the independent oracle: the unsharded model, plain autograd, at
 the ranks' parameters of each step).
 
-Default tier: one gloo world of 2 ranks (dp=2) running LLaMA tiny and a model that is not LLaMA
-(the ``layernorm_mlp`` fixture: LayerNorm, biased Linears, GELU, a residual, MSE). Slow tier (``--ap-run-slow``): the 2x2 world (dp=2,tp=2)
-with tiny, debug and the MLP, and debug on dp=2: each rank lowers, partitions and compiles
-for itself, which a 2-core machine pays four times.
+All in CI's slow step (``--ap-run-slow``; tests/conftest.py SLOW_GROUPS "planned-parity"): one
+gloo world of 2 ranks (dp=2) running LLaMA tiny and a model that is not LLaMA (the
+``layernorm_mlp`` fixture: LayerNorm, biased Linears, GELU, a residual, MSE); the 2x2 world
+(dp=2,tp=2) with tiny, debug and the MLP, and debug on dp=2: each rank lowers, partitions and
+compiles for itself, which a 2-core machine pays four times. The quick tier keeps plan="auto"'s
+goldens and stage invariants (tiny-auto-dp8).
 """
 
 from __future__ import annotations

@@ -61,7 +61,9 @@ def run_goldens(root: Path, *, update: bool, workers: str = "auto", pytest_args=
     except ImportError as e:
         raise ValueError(f"python -m verify goldens runs the golden tests and needs {e.name}: "
                          f"pip install -e '.[test]'") from None
-    cmd = [sys.executable, "-m", "pytest", "-q", "-m", "syrupy_snapshot", "-n", str(workers)]
+    # --ap-run-slow: every golden, also those of the scenarios the quick tier leaves to CI's slow
+    # step (tests/conftest.py SLOW_GROUPS): a check or update covers them all.
+    cmd = [sys.executable, "-m", "pytest", "-q", "-m", "syrupy_snapshot", "--ap-run-slow", "-n", str(workers)]
     if update:
         cmd.append("--snapshot-update")
     cmd += list(pytest_args)
