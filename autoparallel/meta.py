@@ -17,6 +17,7 @@ SEQ_NR = "seq_nr"
 NN_MODULE_STACK = "nn_module_stack"
 STACK_TRACE = "stack_trace"
 AUTOGRAD_BACKWARD = "autograd_backward"
+FROM_NODE = "from_node"  # list[torch.fx.traceback.NodeSource]: provenance history (Inductor, tlparse)
 GRAPHARG = "grapharg"  # Dynamo GraphArg (with .source) on the placeholders of a Dynamo graph
 
 # --- keys inside node.meta["custom"] (they survive preserve_node_meta re-traces) -----------

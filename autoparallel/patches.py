@@ -121,6 +121,18 @@ _register(
     ),
 )
 _register(
+    "shared_provenance",
+    "the collective passes run with the nodes' provenance histories (meta from_node) taken off and "
+    "given back after: upstream bucketing's NodeSources then copy empty lists, and get the "
+    "originals' histories shared (same provenance, half the passes' time on tiny LLaMA)",
+    "upstream bucketing deep-copies every bucket member's history into every node it creates "
+    "(new nodes x members deep copies)",
+    (
+        "tests/unit/autoparallel/passes/test_shared_provenance.py::test_bucketed_nodes_share_the_histories_of_their_members",
+        "tests/unit/autoparallel/passes/test_shared_provenance.py::test_histories_come_back_when_the_pass_raises",
+    ),
+)
+_register(
     "primary_fsdp_group",
     "inside the overlap scheduler, identify_fsdp_groups returns only the process group with the "
     "most FSDP all-gathers (ties: the one seen first)",

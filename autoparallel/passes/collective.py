@@ -38,6 +38,7 @@ from autoparallel.passes.pre_overlap_bucketing import (
     collective_counts,
     tag_collectives_for_bucketing,
 )
+from autoparallel.passes.shared_provenance import run_with_shared_provenance
 from autoparallel.passes.topo_span_bucketing import TopoSpanConfig
 
 log = logging.getLogger(__name__)
@@ -174,7 +175,7 @@ def _run(
 ) -> tuple[fx.GraphModule, GraphPassMetrics]:
     m = GraphPassMetrics(before=collective_counts(gm))
     for p in _selected(config, only):
-        gm = p.run(gm, config, m)
+        gm = run_with_shared_provenance(gm, lambda g, p=p: p.run(g, config, m))
     m.after = collective_counts(gm)
     log.info("collective passes on %s: %s", name, {k: (m.before[k], m.after[k]) for k in m.before})
     return gm, m
