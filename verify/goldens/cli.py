@@ -68,7 +68,7 @@ def run_goldens(root: Path, *, update: bool, workers: str = "auto", pytest_args=
     if update:
         cmd.append("--snapshot-update")
     cmd += list(pytest_args)
-    print(f"[verify] {' '.join(cmd[2:])}", file=sys.stderr, flush=True)
+    print(f"[verify] {' '.join(cmd[2:])}", file=sys.stderr)  # line-buffered: out before pytest's
     with tempfile.TemporaryDirectory(prefix="ap-goldens-") as log_dir:
         env = dict(os.environ, **{USAGE_LOG_ENV: log_dir})
         rc = subprocess.call(cmd, cwd=root, env=env)

@@ -74,7 +74,8 @@ def test_update_runs_the_golden_tests_and_lists_the_goldens_git_sees_changed(pro
                         "--snapshot-update", "-k", "llama"]
     assert call.cwd == project and call.log_existed
     assert call.env["PATH"] == os.environ["PATH"]  # the caller's environment, plus the log directory
-    assert not Path(call.env[USAGE_LOG_ENV]).exists()  # a temporary directory, gone afterwards
+    log = Path(call.env[USAGE_LOG_ENV])  # a temporary directory, named for whoever finds one left over
+    assert log.name.startswith("ap-goldens-") and not log.exists()
     out, err = capsys.readouterr()
     assert err == "[verify] pytest -q -m syrupy_snapshot -n 3 --snapshot-update -k llama\n"
     assert out == (
@@ -112,8 +113,9 @@ def test_failed_update_and_check_runs_do_not_report_git_changes(project, monkeyp
 
 
 def test_check_names_unused_goldens_and_fails_keeping_pytests_own_failure(project, monkeypatch, capsys):
-    stub_pytest(monkeypatch, project, read=[GOLDEN_A])
+    calls = stub_pytest(monkeypatch, project, read=[GOLDEN_A])
     assert run_goldens(project, update=False) == 1
+    assert calls[0].cmd[-2:] == ["-n", "auto"]  # xdist's worker count by default
     assert capsys.readouterr().out == (
         "1 unused golden(s): no test reads them; `python -m verify goldens --update` deletes them:\n"
         f"  {GOLDEN_B}\n"
