@@ -88,7 +88,7 @@ def run_goldens(root: Path, *, update: bool, workers: str = "auto", pytest_args=
         print(f"unused goldens: none (every one of the {check.files} golden files was read)")
     if update and rc == 0:
         status = subprocess.run(
-            ["git", "status", "--short", "--", GOLDENS_DIR], cwd=root, capture_output=True, text=True
+            ["git", "status", "--short", GOLDENS_DIR], cwd=root, capture_output=True, text=True
         )
         if status.returncode:  # not a git checkout: it cannot tell, and must not say "unchanged"
             print(f"goldens changed or not: `git status` could not tell (exit status {status.returncode}: "

@@ -42,7 +42,7 @@ def read_golden(path: str | Path) -> str:
     """The text of a golden file; CorruptGoldenError (naming the file) if it is not one of ours."""
     raw = Path(path).read_bytes()
     try:
-        text = raw.decode("utf-8")
+        text = raw.decode()  # UTF-8
     except UnicodeDecodeError as e:
         raise CorruptGoldenError(_corrupt(str(path), f"not UTF-8 text ({e.reason} at byte {e.start})")) from None
     if not text.startswith(FORMAT_LINE + "\n"):

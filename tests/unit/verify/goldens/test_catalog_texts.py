@@ -302,3 +302,19 @@ def test_golden_run_runs_the_scenario_with_the_pass_settings_its_goldens_were_ma
     assert calls == [(catalog.ALL_SCENARIOS[sid], catalog.PIPELINE_OPTIONS.get(sid, {}))]
     if sid == "tiny-fsdp-dp4-split":
         assert calls[0][1]["bucket_cap_mb"] == 0.1 and calls[0][1]["topo_span"].max_topo_span == 60
+
+
+def test_metrics_lines_of_passes_composed_in_one_report_list_everything_in_pass_order():
+    # bucket_fw_bw with every pass on (autoparallel_backend's run) records them all in one
+    # graph's metrics: fused chains, pre-overlap buckets, overlap buckets, then the schedule.
+    metrics = PipelineMetrics({"fw": GraphPassMetrics(
+        {}, fused_chains=1, chains=ChainReport(fused=["a"], unfused=[("b", SHARED)]),
+        pre_overlap=PreOverlapResult(True, {}, {}, {"all_gather": _bucketing(2, 1, 2, 4)}),
+        overlap_bucketing=[_bucketing(3, 1, 2, 5, 60)], max_consec_compute_between_rs=2,
+    )})
+    assert catalog._metrics_lines("composed", metrics) == [
+        "composed fw: fused chains 1; 2 chained all-gathers found, 1 fused; left: 1 x an intermediate value has "
+        "other users; all_gather: 1 buckets (2 of 2 collectives), max_span=4, closed (bytes=1, span=2), skipped "
+        "dependent=3, max_topo_span=None; overlap bucketing: 1 buckets (2 of 3 collectives), max_span=5, closed "
+        "(bytes=1, span=2), skipped dependent=3, max_topo_span=60; max_consec_compute_between_rs=2"
+    ]
