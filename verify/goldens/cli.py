@@ -7,11 +7,14 @@ unused-snapshot detection off as soon as a run deselects any test, which ``-m`` 
 collected the whole test tree and every golden test ran and passed, a file under ``goldens/``
 that no test read is unused: ``--check`` fails naming it, ``--update`` deletes it. A narrower run
 (paths, ``-k``, a skipped or failing golden test) says why it could not check, and deletes nothing.
+After a passing ``--update`` it lists the golden files ``git status`` sees changed (or says that git
+could not tell, outside a git checkout), for the reviewer to read and commit with their cause.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -49,7 +52,7 @@ def find_unused(root: Path, log_dir: Path) -> UnusedCheck:
                                f"e.g. {missing[0]}")
     used = {Path(u) for r in records for u in r["used"]}
     goldens = root / GOLDENS_DIR
-    files = sorted(p for p in goldens.rglob("*") if p.is_file() and not p.name.startswith(".")) if goldens.is_dir() else []
+    files = sorted(p for p in goldens.rglob("*") if p.is_file() and not p.name.startswith("."))  # none: no goldens/
     return UnusedCheck([p for p in files if p.resolve() not in used], files=len(files))
 
 
@@ -67,33 +70,33 @@ def run_goldens(root: Path, *, update: bool, workers: str = "auto", pytest_args=
     if update:
         cmd.append("--snapshot-update")
     cmd += list(pytest_args)
-    print(f"[verify] {' '.join(cmd[2:])}", file=sys.stderr, flush=True)
+    print(f"[verify] {' '.join(cmd[2:])}", file=sys.stderr)  # line-buffered: out before pytest's
     with tempfile.TemporaryDirectory(prefix="ap-goldens-") as log_dir:
-        import os
-
         env = dict(os.environ, **{USAGE_LOG_ENV: log_dir})
         rc = subprocess.call(cmd, cwd=root, env=env)
         check = find_unused(root, Path(log_dir))
-    rel = lambda p: p.relative_to(root) if p.is_relative_to(root) else p  # noqa: E731
     if check.not_checked:
         print(f"unused goldens: not checked ({check.not_checked})")
     elif check.unused and update:
         for p in check.unused:
             p.unlink()
-            print(f"deleted unused golden {rel(p)} (no test reads it)")
+            print(f"deleted unused golden {p.relative_to(root)} (no test reads it)")
     elif check.unused:
         print(f"{len(check.unused)} unused golden(s): no test reads them; `{UPDATE_COMMAND}` deletes them:")
         for p in check.unused:
-            print(f"  {rel(p)}")
+            print(f"  {p.relative_to(root)}")
         rc = rc or 1
     else:
         print(f"unused goldens: none (every one of the {check.files} golden files was read)")
     if update and rc == 0:
         status = subprocess.run(
-            ["git", "status", "--short", "--", GOLDENS_DIR], cwd=root, capture_output=True, text=True
-        ).stdout
-        if status.strip():
-            print(f"goldens changed (review with `git diff {GOLDENS_DIR}/`, commit with the change):\n{status}")
+            ["git", "status", "--short", GOLDENS_DIR], cwd=root, capture_output=True, text=True
+        )
+        if status.returncode:  # not a git checkout: it cannot tell, and must not say "unchanged"
+            print(f"goldens changed or not: `git status` could not tell (exit status {status.returncode}: "
+                  f"{status.stderr.strip()}); compare {GOLDENS_DIR}/ by hand")
+        elif status.stdout.strip():
+            print(f"goldens changed (review with `git diff {GOLDENS_DIR}/`, commit with the change):\n{status.stdout}")
         else:
             print("goldens unchanged")
     return rc

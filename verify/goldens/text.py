@@ -42,11 +42,11 @@ def read_golden(path: str | Path) -> str:
     """The text of a golden file; CorruptGoldenError (naming the file) if it is not one of ours."""
     raw = Path(path).read_bytes()
     try:
-        text = raw.decode("utf-8")
+        text = raw.decode()  # UTF-8
     except UnicodeDecodeError as e:
         raise CorruptGoldenError(_corrupt(str(path), f"not UTF-8 text ({e.reason} at byte {e.start})")) from None
     if not text.startswith(FORMAT_LINE + "\n"):
-        first = text.split("\n", 1)[0][:60]
+        first = text.partition("\n")[0][:60]
         raise CorruptGoldenError(_corrupt(str(path), f"first line is {first!r}, expected {FORMAT_LINE!r}"))
     return text
 
@@ -106,14 +106,14 @@ def collective_counts_text(rows: Sequence[tuple[str, object]]) -> str:
         st = graph_stats(gm)
         cells = []
         for kind in kinds:
-            per = st.collectives.get(kind, {})
+            per = st.collectives.get(kind)
             if not per:
                 cells.append("-")
                 continue
             cells.append(" ".join(f"{dim}:{per[dim].count}/{per[dim].bytes}B" for dim in sorted(per)))
         table.append((name, *cells))
     widths = [max(len(r[i]) for r in table) for i in range(len(table[0]))]
-    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in table)
+    return "\n".join("  ".join(c.ljust(widths[i]) for i, c in enumerate(r)).rstrip() for r in table)
 
 
 # --- diffs a reviewer reads ---------------------------------------------------------------------

@@ -37,6 +37,7 @@ def test_render_format():
         ("\ufeff".encode() + GOOD.encode(), "first line is '\\ufeff# autoparallel golden v1'"),  # a BOM
         (GOOD.replace("\n", "\r\n").encode(), "first line is '# autoparallel golden v1\\r'"),  # CRLF checkout
         (GOOD.split("\n", 1)[1].encode(), "first line is '# t'"),  # format line lost
+        (b"y" * 80 + b"\n" + GOOD.encode(), f"first line is '{'y' * 60}', expected"),  # cut at 60 characters
     ],
 )
 def test_corrupt_golden_names_the_file_why_and_what_to_do(tmp_path, raw, why):
@@ -66,11 +67,31 @@ def test_catalog_compare_with_golden(tmp_path):
     path.write_text(GOOD)
     assert compare_with_golden(tmp_path, "test_x", "sid", GOOD) == "matches"
     assert compare_with_golden(tmp_path, "test_x", "sid", GOOD + "x\n") == "differs"
+    path.write_bytes(GOOD.replace("\n", "\r\n").encode())  # a CRLF checkout: its golden test fails (corrupt)
+    assert compare_with_golden(tmp_path, "test_x", "sid", GOOD) == "differs"
+    path.write_bytes(GOOD.replace("graph", "graph \u2192 \u00e9").encode())  # UTF-8, whatever the locale
+    assert compare_with_golden(tmp_path, "test_x", "sid", GOOD.replace("graph", "graph \u2192 \u00e9")) == "matches"
+
+
+@pytest.mark.parametrize("body", ["  x = 1  \n\n", "\nafter a blank line", "ends in X\n", "tab\t"])
+def test_render_keeps_a_section_body_as_given_less_its_trailing_newlines(body):
+    assert render_golden("t", [("s", body)]) == f"{FORMAT_LINE}\n# t\n\n== s ==\n{body.rstrip(chr(10))}\n"
 
 
 def test_sections():
     names = [(n, at) for n, at, _ in golden_sections(GOOD)]
     assert names == [("", 0), ("header", 2), ("stats", 5), ("graph", 8)]  # from the blank line before
+    assert golden_sections(GOOD)[1][2] == ["", "== header ==", "stage: joint"]
+
+
+def test_sections_only_at_whole_header_lines():
+    text = "# t\n== x ==\n== not a header\nnot one either ==\n==  ==\n== ==\nbody\n\n== y ==\nlast"
+    assert golden_sections(text) == [
+        ("", 0, ["# t"]),
+        # no blank line before it: nothing of the title is taken into the section
+        ("x", 1, ["== x ==", "== not a header", "not one either ==", "==  ==", "== ==", "body"]),
+        ("y", 7, ["", "== y ==", "last"]),
+    ]
 
 
 def _golden(stats: str, graph: list[str]) -> str:
@@ -95,6 +116,31 @@ def test_diff_puts_a_summary_first_then_stats_then_graph_hunks_uncut():
     assert hunk == f"@@ -{10 + 3 + 1},5 +{10 + 3 + 1},5 @@"  # file line numbers: graph starts at line 11
 
 
+def test_diff_of_a_changed_title_and_of_every_section_changed():
+    old, new = _golden("nodes 3", ["a"]), render_golden("u", [("header", "stage: cleanup"), ("stats", "nodes 4"), ("graph", "b")])
+    diff = golden_diff(old, new, name="g.txt").splitlines()
+    assert diff[:5] == [
+        "g.txt: changed sections: title: 1 hunk(s), +1 -1; header: 1 hunk(s), +1 -1; stats: 1 hunk(s), +1 -1; "
+        "graph: 1 hunk(s), +1 -1",  # nothing unchanged: no "(unchanged: ...)"
+        "full diff below (19 lines), the stats table first",
+        "--- golden g.txt",
+        "+++ produced now",
+        "== stats ==",
+    ]
+    assert diff[diff.index("== title ==") + 1:diff.index("== header ==")] == ["@@ -1,2 +1,2 @@", " " + FORMAT_LINE, "-# t", "+# u"]
+    assert len(diff) == 4 + 4 + 19  # the lines above the first section, a line per section, the hunks
+
+
+def test_diff_of_a_long_run_of_equal_lines_shows_the_one_line_changed():
+    # A backward graph returns None for every input without a gradient: a long run of equal
+    # lines. difflib's "popular line" heuristic (autojunk) would show the whole run replaced.
+    graph = [f"n{i}: f32[2] = aten.relu.default(n{i - 1})" for i in range(150)] + ["return:"] + ["  None"] * 100
+    changed = list(graph)
+    changed[200] = "  grad_5"
+    diff = golden_diff(_golden("s", graph), _golden("s", changed))
+    assert diff.splitlines()[0] == "golden: changed sections: graph: 2 hunk(s), +1 -1 (unchanged: title, header, stats)"
+
+
 def test_diff_of_a_stats_only_change_and_of_sections_added_or_removed():
     old = _golden("nodes 3", ["a"])
     assert golden_diff(old, old) == "golden: no difference"
@@ -114,11 +160,15 @@ def test_collective_counts_text_has_known_counts_and_bytes():
     ag.meta[M.VAL] = torch.empty(32, 16, device="meta")
     rs = g.call_function(c10d.reduce_scatter_tensor.default, (x, "sum", 2, "3"))
     rs.meta[M.VAL] = torch.empty(2, 16, device="meta")
-    g.output((ag, rs))
+    ag_tp = g.call_function(c10d.all_gather_into_tensor.default, (x, 2, "3"))
+    ag_tp.meta[M.VAL] = torch.empty(8, 16, device="meta")
+    g.output((ag, rs, ag_tp))
     gm = fx.GraphModule(torch.nn.Module(), g)
     gm.meta[M.GM_GROUP_DIMS] = {"1": "dp", "3": "tp"}
     text = collective_counts_text([("joint", gm)])
-    assert [ln.split() for ln in text.splitlines()] == [
-        ["stage", "all_gather", "reduce_scatter", "all_reduce"],
-        ["joint", "dp:1/2048B", "tp:1/256B", "-"],  # all-gather: output bytes; reduce-scatter: input
+    # all-gather: output bytes, one cell per kind with its mesh dims in name order; reduce-scatter:
+    # input bytes; columns left-aligned to the widest cell, no trailing blanks
+    assert text.splitlines() == [
+        "stage  all_gather            reduce_scatter  all_reduce",
+        "joint  dp:1/2048B tp:1/512B  tp:1/256B       -",
     ]
