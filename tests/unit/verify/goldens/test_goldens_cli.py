@@ -70,14 +70,14 @@ def test_update_runs_the_golden_tests_and_lists_the_goldens_git_sees_changed(pro
     calls = stub_pytest(monkeypatch, project, rewrite=[GOLDEN_A])
     assert run_goldens(project, update=True, workers="3", pytest_args=["-k", "llama"]) == 0
     (call,) = calls
-    assert call.cmd == [sys.executable, "-m", "pytest", "-q", "-m", "syrupy_snapshot", "-n", "3",
+    assert call.cmd == [sys.executable, "-m", "pytest", "-q", "-m", "syrupy_snapshot", "--ap-run-slow", "-n", "3",
                         "--snapshot-update", "-k", "llama"]
     assert call.cwd == project and call.log_existed
     assert call.env["PATH"] == os.environ["PATH"]  # the caller's environment, plus the log directory
     log = Path(call.env[USAGE_LOG_ENV])  # a temporary directory, named for whoever finds one left over
     assert log.name.startswith("ap-goldens-") and not log.exists()
     out, err = capsys.readouterr()
-    assert err == "[verify] pytest -q -m syrupy_snapshot -n 3 --snapshot-update -k llama\n"
+    assert err == "[verify] pytest -q -m syrupy_snapshot --ap-run-slow -n 3 --snapshot-update -k llama\n"
     assert out == (
         "unused goldens: none (every one of the 2 golden files was read)\n"
         "goldens changed (review with `git diff goldens/`, commit with the change):\n"
@@ -108,7 +108,7 @@ def test_failed_update_and_check_runs_do_not_report_git_changes(project, monkeyp
     assert "goldens changed" not in capsys.readouterr().out
     calls = stub_pytest(monkeypatch, project, rewrite=[GOLDEN_A])
     assert run_goldens(project, update=False, workers="0") == 0
-    assert calls[0].cmd[3:] == ["-q", "-m", "syrupy_snapshot", "-n", "0"]  # --check: no --snapshot-update
+    assert calls[0].cmd[3:] == ["-q", "-m", "syrupy_snapshot", "--ap-run-slow", "-n", "0"]  # --check: no --snapshot-update
     assert capsys.readouterr().out == "unused goldens: none (every one of the 2 golden files was read)\n"
 
 
