@@ -567,24 +567,26 @@ class _Walk:
         return out
 
 
-def _written_alias_arg(node: fx.Node) -> fx.Node | None:
-    """The argument whose buffer an op returns, by its schema (``Tensor(a!) out -> Tensor(a!)``:
-    ``all_gather_into_tensor_out``, in-place ops). A re-trace may give the result a fake storage
-    of its own; at run time it is the argument's buffer."""
+def _written_alias_args(node: fx.Node) -> list[fx.Node]:
+    """The arguments whose buffers an op returns, by its schema (``Tensor(a!) out -> Tensor(a!)``:
+    ``all_gather_into_tensor_out``, in-place ops; ``Tensor[](a!) inputs -> Tensor[](a!)``:
+    ``all_reduce_coalesced_``), in the order of the returned tensors. A re-trace may give the
+    result fake storages of its own; at run time they are the arguments' buffers."""
     target = node.target
     if node.op != "call_function" or not isinstance(target, torch._ops.OpOverload):
-        return None
+        return []
     rets = target._schema.returns
     if len(rets) != 1 or rets[0].alias_info is None or not rets[0].alias_info.is_write:
-        return None
+        return []
     sets = rets[0].alias_info.before_set
     for i, arg in enumerate(target._schema.arguments):
         info = arg.alias_info
         if info is None or not info.is_write or not (info.before_set & sets):
             continue
         value = _arg(node, i, arg.name, None)  # (a kwarg-only argument is never in node.args)
-        return value if isinstance(value, fx.Node) else None
-    return None
+        values = value if isinstance(value, (list, tuple)) else [value]
+        return [v for v in values if isinstance(v, fx.Node)]
+    return []
 
 
 def _liveness_walk(
@@ -614,8 +616,8 @@ def _liveness_walk(
             alias_of = [k for a in saved_of[node] for k in stor.keys[a]]
         elif is_wait(node) and node.args and isinstance(node.args[0], fx.Node):
             alias_of = stor.keys[node.args[0]]  # wait_tensor returns its input
-        elif (written := _written_alias_arg(node)) is not None:
-            alias_of = stor.keys[written]  # an out= / in-place op returns its argument's buffer
+        elif written := _written_alias_args(node):  # an out= / in-place op returns its arguments' buffers
+            alias_of = [k for a in written for k in stor.keys[a]]
         keys = stor.compute(node, alias_of)
         resident = node.op in ("placeholder", "get_attr") and node.graph is fw_graph
         for key in keys:
@@ -636,7 +638,8 @@ def static_peak_bytes(
 
     Model: memory is counted per tensor storage (``untyped_storage().nbytes()``), so views and
     other aliases of one storage count once; ``wait_tensor`` returns its input's storage, an op
-    whose schema returns a written argument (``out=``, in-place) returns that argument's; a
+    whose schema returns a written argument (``out=``, in-place, the list of an in-place
+    coalesced all-reduce) returns that argument's storages; a
     backward node holding a forward node's fake storage (a recompute copied with its
     ``meta["val"]``) is a buffer of its own, only saved placeholders alias the forward. Nodes
     run in graph order. A storage is allocated when the first node holding it runs and freed

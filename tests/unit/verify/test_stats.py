@@ -198,6 +198,17 @@ def test_an_out_variant_returns_its_out_buffer_in_static_peak():
     assert static_peak_bytes(gm) == 256 + 2048 + 2048 + 4  # the out buffer counted once, not twice
 
 
+def test_an_in_place_op_traced_onto_its_argument_s_storage_counts_it_once():
+    g = fx.Graph()
+    x = g.placeholder("x")  # 256 B, live throughout
+    buf = g.call_function(aten.mul.Tensor, (x, 2.0))  # 256 B
+    r = g.call_function(aten.relu_.default, (buf,))  # FakeTensorProp: the same storage as buf
+    g.output(g.call_function(aten.sum.default, (r,)))
+    gm = _gm(g, torch.randn(4, 16))
+    assert r.meta[M.VAL].untyped_storage()._cdata == buf.meta[M.VAL].untyped_storage()._cdata
+    assert static_peak_bytes(gm) == 256 + 256 + 4
+
+
 def _fw_bw(bw_names: tuple[str, str], fw_out_order: str = "cbx", tangent_role: bool = False):
     """A forward/backward pair with a hand-computed peak.
 

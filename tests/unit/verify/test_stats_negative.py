@@ -557,3 +557,15 @@ def _in_place(kind: str):
 )
 def test_an_op_that_returns_a_written_argument_returns_its_buffer(kind, peak):
     assert static_peak_bytes(_in_place(kind)) == peak
+
+
+def test_an_in_place_coalesced_all_reduce_returns_its_input_buffers():
+    g = fx.Graph()
+    g1 = _node(g, aten.empty.memory_format, ([512],), _meta((512,)))  # 2 KiB
+    g2 = _node(g, aten.empty.memory_format, ([256],), _meta((256,)))  # 1 KiB
+    out = [_meta((512,)), _meta((256,))]  # storages of their own, as after a re-trace
+    ar = _node(g, c10d.all_reduce_coalesced_.default, ([g1, g2], "avg", "1"), out)
+    sums = [_node(g, aten.sum.default, (_node(g, operator.getitem, (ar, i), out[i]),), _meta(())) for i in range(2)]
+    g.output(tuple(sums))
+    # at the first sum: both gradients (once each) and that sum; fresh buffers would give 6 KiB
+    assert static_peak_bytes(_gm(g)) == 2048 + 1024 + 4
