@@ -11,12 +11,17 @@ Conventions (stable; goldens depend on them):
 * **Collective kinds**: ``all_gather`` (``all_gather_into_tensor``, ``_out``, ``_coalesced``),
   ``reduce_scatter`` (``reduce_scatter_tensor``, ``_out``, ``_coalesced``), ``all_reduce``
   (``all_reduce``, ``all_reduce_``, ``_coalesced``, ``_coalesced_``), ``all_to_all``
-  (``all_to_all_single``), ``broadcast`` (``broadcast``, ``broadcast_``); other collectives keep
-  their op name. Each is counted per mesh-dim label of its ``group_name`` argument.
+  (``all_to_all_single``), ``broadcast`` (``broadcast``, ``broadcast_``), ``p2p`` (``isend``,
+  ``irecv``, ``batch_p2p_ops``); any other op of those namespaces keeps its op name (a collective
+  added upstream shows up under its own name instead of vanishing). Each is counted per mesh-dim
+  label of its ``group_name`` argument (``?`` for an op without one).
 * **Collective bytes** are the bytes of the full (unsharded) buffer, ``numel * element_size`` of
-  a FakeTensor: the OUTPUT of an all-gather; the INPUT of a reduce-scatter, all-reduce,
-  all-to-all and broadcast. Coalesced variants sum over their tensors. Symbolic sizes use the
-  trace-time hint (``optimization_hint``).
+  a FakeTensor: the OUTPUT of an all-gather; for every other kind the INPUT, i.e. the op's first
+  tensor argument by its schema (``input`` of a reduce-scatter, all-reduce, all-to-all and
+  broadcast, ``tensor`` of ``isend``/``irecv``, ``tensors`` of ``batch_p2p_ops``), passed by
+  position or by keyword. Coalesced variants sum over their tensors. Symbolic sizes use the
+  trace-time hint (``optimization_hint``); a data-dependent (unbacked) size has none and raises
+  ``ValueError`` naming the node.
 * **Padding** (uneven FSDP shards, ``autoparallel.parallelize.plan``): the collective bytes
   above count the padded buffers, which is what goes on the wire; the padding part of them is
   counted per collective kind and mesh dim, as count (padded tensors) and bytes. An all-gather's
@@ -49,6 +54,7 @@ from typing import Any
 
 import torch
 import torch.fx as fx
+from torch.fx.experimental.symbolic_shapes import has_free_unbacked_symbols, optimization_hint
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from autoparallel import meta as M
@@ -56,6 +62,7 @@ from autoparallel import roles
 from autoparallel.fx_utils import max_consec_compute_between_rs, node_val
 from autoparallel.mesh import dim_label, group_dims_of
 from verify.canon import _group_name_of, canonical_names, graph_and_owner, group_arg
+from verify.canon import _resolve_attr as resolve_attr
 
 __all__ = [
     "CATEGORIES",
@@ -141,9 +148,7 @@ def node_category(node: fx.Node) -> str:
         return node.op
     if node.op == "get_attr":
         return "other"
-    if node.op in ("call_method", "call_module"):
-        return "compute"
-    t = node.target
+    t = node.target  # call_method / call_module: a string, "compute" at the end
     if is_wait(node):
         return "wait"
     if collective_kind(node) is not None:
@@ -167,15 +172,15 @@ def node_category(node: fx.Node) -> str:
 
 
 def _hint(x: Any, node: fx.Node) -> int:
+    """``x`` as an int: a symbolic size's trace-time hint. A data-dependent (unbacked) size has
+    none: torch's ``optimization_hint`` would make one up (8192), so it is refused instead."""
     if isinstance(x, torch.SymInt):
-        from torch.fx.experimental.symbolic_shapes import optimization_hint
-
-        try:
-            return int(optimization_hint(x))
-        except Exception as e:
+        if has_free_unbacked_symbols(x):
             raise ValueError(
-                f"node {node.name!r}: size {x} has no hint (unbacked symbol?); cannot count bytes"
-            ) from e
+                f"node {node.name!r}: size {x} is data-dependent (an unbacked symbol, no trace-time "
+                "hint); cannot count its bytes"
+            )
+        return int(optimization_hint(x))
     return int(x)
 
 
@@ -198,7 +203,8 @@ def _value_bytes(v: Any, node: fx.Node) -> int:
 def _collective_bytes(node: fx.Node, kind: str) -> int:
     if kind == "all_gather":
         return _value_bytes(node_val(node, f"the bytes of collective {node.name!r}"), node)
-    src = node.args[0] if node.args else node.kwargs.get("input", node.kwargs.get("inputs"))
+    i, arg = next((i, a) for i, a in enumerate(node.target._schema.arguments) if "Tensor" in str(a.type))
+    src = _arg(node, i, arg.name, None)
     srcs = src if isinstance(src, (list, tuple)) else [src]
     total = 0
     for s in srcs:
@@ -356,28 +362,25 @@ def _narrowed_all_gather(node: fx.Node) -> fx.Node | None:
     if not isinstance(src, fx.Node) or dim != 0 or start not in (0, None) or step != 1 or len(src.users) != 1:
         return None
     cur = src
-    while isinstance(cur, fx.Node) and cur.op == "call_function":
-        if is_wait(cur):
-            coll = cur.args[0]
-            if isinstance(coll, fx.Node) and coll.target is operator.getitem:
-                coll = coll.args[0]  # one output of a coalesced all-gather
-            return coll if isinstance(coll, fx.Node) and collective_kind(coll) == "all_gather" else None
+    while not is_wait(cur):
         if len(cur.all_input_nodes) != 1:
             return None
         cur = cur.all_input_nodes[0]
-    return None
+    coll = cur.args[0]
+    if isinstance(coll, fx.Node) and coll.target is operator.getitem:
+        coll = coll.args[0]  # one output of a coalesced all-gather
+    return coll if isinstance(coll, fx.Node) and collective_kind(coll) == "all_gather" else None
 
 
 def _padded_reduce_scatter(node: fx.Node) -> fx.Node | None:
     """The reduce-scatter the trailing dim-0 zero padding ``node`` (constant_pad_nd) feeds, if any."""
     pads = list(_arg(node, 1, "pad", ()))
     value = _arg(node, 2, "value", 0)
-    if len(pads) < 2 or value != 0 or any(pads[:-1]) or pads[-1] <= 0:
-        return None
-    rank = len(pads) // 2  # pads list the dims from the last one: the final pair is dim -rank
+    if len(pads) < 2 or value != 0 or any(pads[:-1]):
+        return None  # (a pad that adds no rows is dropped by _padding_of: it moves no padding bytes)
     val = node.meta.get(M.VAL)
-    if isinstance(val, torch.Tensor) and val.dim() != rank:
-        return None  # the padded dim is not dim 0
+    if isinstance(val, torch.Tensor) and 2 * val.dim() != len(pads):
+        return None  # pads list the dims from the last one: the final pair is not dim 0
     cur = node
     while len(cur.users) == 1:
         (cur,) = cur.users
@@ -407,10 +410,10 @@ def _padding_of(node: fx.Node) -> tuple[fx.Node, int] | None:
 _INF = float("inf")
 
 
-def _resolve_attr(node: fx.Node) -> Any:
-    obj = node.graph.owning_module
-    for part in str(node.target).split("."):
-        obj = getattr(obj, part, None)
+def _constant(node: fx.Node) -> Any:
+    """The attribute a ``get_attr`` node without a ``val`` reads (a missing one: the missing-val
+    error, naming the node)."""
+    obj = resolve_attr(node.graph.owning_module, node.target)
     if obj is None:
         node_val(node, "static peak memory")  # raises, naming the node
     return obj
@@ -439,23 +442,14 @@ class _Storages:
 
     def _raw(self, node: fx.Node) -> list[tuple[Any, int]]:
         if node.op == "get_attr" and M.VAL not in node.meta:  # a constant: use the attribute
-            v = _resolve_attr(node)
+            v = _constant(node)
         else:
             v = node_val(node, "static peak memory")
-        raw, seen = [], set()
-        for t in _tensors(v):
-            st = t.untyped_storage()
-            ref = (node.graph, StorageWeakRef(st))
-            if ref not in seen:
-                seen.add(ref)
-                raw.append((ref, _hint(st.nbytes(), node)))
-        return raw
+        storages = [t.untyped_storage() for t in _tensors(v)]  # repeats are folded in compute
+        return [((node.graph, StorageWeakRef(st)), _hint(st.nbytes(), node)) for st in storages]
 
     def compute(self, node: fx.Node, alias_of: list | None = None) -> list:
-        if node in self.keys:
-            return self.keys[node]
-        if node.op == "output":
-            self.keys[node] = []
+        if node.op == "output":  # holds nothing; its inputs' uses are counted by the walk
             return []
         if alias_of is not None and M.VAL not in node.meta:
             self.keys[node] = list(alias_of)
@@ -488,12 +482,10 @@ def _saved_placeholders(bw_graph: fx.Graph) -> list[fx.Node]:
     return [n for n in bw_graph.nodes if n.op == "placeholder" and not _is_tangent(n)]
 
 
-def _output_values(graph: fx.Graph) -> tuple[fx.Node | None, list[Any]]:
+def _output_values(graph: fx.Graph) -> list[Any]:
     out = next((n for n in reversed(graph.nodes) if n.op == "output"), None)
-    if out is None or not out.args:
-        return out, []
-    v = out.args[0]
-    return out, list(v) if isinstance(v, (list, tuple)) else [v]
+    v = out.args[0] if out is not None else ()
+    return list(v) if isinstance(v, (list, tuple)) else [v]
 
 
 def _holds_tensor(node: fx.Node) -> bool:
@@ -509,7 +501,7 @@ def _fw_saved_outputs(fw_graph: fx.Graph, bw_graph: fx.Graph) -> list[tuple[fx.N
     forward outputs, in order (AOT layout: user outputs, saved tensors, then saved symints).
     """
     saved = [n for n in _saved_placeholders(bw_graph) if _holds_tensor(n) or M.VAL not in n.meta]
-    _, outs = _output_values(fw_graph)
+    outs = _output_values(fw_graph)
     out_nodes = [o for o in outs if isinstance(o, fx.Node)]
     by_name = {o.name: o for o in out_nodes}
     if saved and all(ph.name in by_name for ph in saved):
@@ -575,24 +567,26 @@ class _Walk:
         return out
 
 
-def _written_alias_arg(node: fx.Node) -> fx.Node | None:
-    """The argument whose buffer an op returns, by its schema (``Tensor(a!) out -> Tensor(a!)``:
-    ``all_gather_into_tensor_out``, in-place ops). A re-trace may give the result a fake storage
-    of its own; at run time it is the argument's buffer."""
+def _written_alias_args(node: fx.Node) -> list[fx.Node]:
+    """The arguments whose buffers an op returns, by its schema (``Tensor(a!) out -> Tensor(a!)``:
+    ``all_gather_into_tensor_out``, in-place ops; ``Tensor[](a!) inputs -> Tensor[](a!)``:
+    ``all_reduce_coalesced_``), in the order of the returned tensors. A re-trace may give the
+    result fake storages of its own; at run time they are the arguments' buffers."""
     target = node.target
     if node.op != "call_function" or not isinstance(target, torch._ops.OpOverload):
-        return None
+        return []
     rets = target._schema.returns
     if len(rets) != 1 or rets[0].alias_info is None or not rets[0].alias_info.is_write:
-        return None
+        return []
     sets = rets[0].alias_info.before_set
     for i, arg in enumerate(target._schema.arguments):
         info = arg.alias_info
         if info is None or not info.is_write or not (info.before_set & sets):
             continue
-        value = node.args[i] if not arg.kwarg_only and i < len(node.args) else node.kwargs.get(arg.name)
-        return value if isinstance(value, fx.Node) else None
-    return None
+        value = _arg(node, i, arg.name, None)  # (a kwarg-only argument is never in node.args)
+        values = value if isinstance(value, (list, tuple)) else [value]
+        return [v for v in values if isinstance(v, fx.Node)]
+    return []
 
 
 def _liveness_walk(
@@ -622,8 +616,8 @@ def _liveness_walk(
             alias_of = [k for a in saved_of[node] for k in stor.keys[a]]
         elif is_wait(node) and node.args and isinstance(node.args[0], fx.Node):
             alias_of = stor.keys[node.args[0]]  # wait_tensor returns its input
-        elif (written := _written_alias_arg(node)) is not None:
-            alias_of = stor.keys[written]  # an out= / in-place op returns its argument's buffer
+        elif written := _written_alias_args(node):  # an out= / in-place op returns its arguments' buffers
+            alias_of = [k for a in written for k in stor.keys[a]]
         keys = stor.compute(node, alias_of)
         resident = node.op in ("placeholder", "get_attr") and node.graph is fw_graph
         for key in keys:
@@ -632,9 +626,8 @@ def _liveness_walk(
                 last_use[key] = s
                 origin[key] = node
         use(keys, _INF if resident else s)
-        final = node.op == "output" and (node.graph is not fw_graph or bw_graph is None)
-        for inp in node.all_input_nodes:
-            use(stor.keys[inp], _INF if final else s)
+        for inp in node.all_input_nodes:  # (a graph's output node is its last step: what the
+            use(stor.keys[inp], s)  # last output holds stays live to the end)
     return _Walk(steps, bw_graph, stor.size, alloc_at, last_use, origin)
 
 
@@ -645,7 +638,8 @@ def static_peak_bytes(
 
     Model: memory is counted per tensor storage (``untyped_storage().nbytes()``), so views and
     other aliases of one storage count once; ``wait_tensor`` returns its input's storage, an op
-    whose schema returns a written argument (``out=``, in-place) returns that argument's; a
+    whose schema returns a written argument (``out=``, in-place, the list of an in-place
+    coalesced all-reduce) returns that argument's storages; a
     backward node holding a forward node's fake storage (a recompute copied with its
     ``meta["val"]``) is a buffer of its own, only saved placeholders alias the forward. Nodes
     run in graph order. A storage is allocated when the first node holding it runs and freed
@@ -784,16 +778,31 @@ def human_bytes(n: int) -> str:
     """``4096`` -> ``4.0 KiB`` (``512 B`` below 1 KiB)."""
     if abs(n) < 1024:
         return f"{n} B"
-    value = float(n)
-    for unit in ("KiB", "MiB", "GiB", "TiB"):
-        value /= 1024.0
-        if abs(value) < 1024 or unit == "TiB":
+    value = n / 1024.0
+    for unit in ("KiB", "MiB", "GiB"):
+        if abs(value) < 1024:
             return f"{value:.1f} {unit}"
-    raise AssertionError("unreachable")
+        value /= 1024.0
+    return f"{value:.1f} TiB"
 
 
 def _bytes_cell(n: int) -> str:
     return f"{n} ({human_bytes(n)})" if n else "0"
+
+
+_Row = tuple[str, str, list[tuple[str, str]]]  # (stat, detail, [(count, bytes)] per graph)
+
+
+def _per_dim_rows(tables: list[dict[str, dict[str, CollectiveStat]]], suffix: str) -> list[_Row]:
+    """One row per (kind, mesh dim) any graph has, kinds in ``COLLECTIVE_KINDS`` order; a graph
+    without that kind or dim gets 0."""
+    keys = sorted({(kind, dim) for t in tables for kind, per in t.items() for dim in per},
+                  key=lambda kd: (_kind_order(kd[0]), kd[1]))
+    rows = []
+    for kind, dim in keys:
+        stats = [t.get(kind, {}).get(dim, CollectiveStat()) for t in tables]
+        rows.append((kind + suffix, dim, [(str(s.count), _bytes_cell(s.bytes)) for s in stats]))
+    return rows
 
 
 def format_stats_table(stats: GraphStats | PartitionStats) -> str:
@@ -805,27 +814,9 @@ def format_stats_table(stats: GraphStats | PartitionStats) -> str:
     else:
         raise TypeError(f"expected GraphStats or PartitionStats, got {type(stats).__name__}")
 
-    rows: list[tuple[str, str, list[tuple[str, str]]]] = []  # (stat, detail, [(count, bytes)])
-    keys = sorted(
-        {(kind, dim) for _, g in graphs for kind, per in g.collectives.items() for dim in per},
-        key=lambda kd: (_kind_order(kd[0]), kd[1]),
-    )
-    for kind, dim in keys:
-        cells = []
-        for _, g in graphs:
-            cs = g.collectives.get(kind, {}).get(dim, CollectiveStat())
-            cells.append((str(cs.count), _bytes_cell(cs.bytes)))
-        rows.append((kind, dim, cells))
-    padded = sorted(
-        {(kind, dim) for _, g in graphs for kind, per in g.padding.items() for dim in per},
-        key=lambda kd: (_kind_order(kd[0]), kd[1]),
-    )
-    for kind, dim in padded:  # rows only where shards are uneven: even goldens keep their table
-        cells = []
-        for _, g in graphs:
-            ps = g.padding.get(kind, {}).get(dim, CollectiveStat())
-            cells.append((str(ps.count), _bytes_cell(ps.bytes)))
-        rows.append((f"{kind} padding", dim, cells))
+    rows = _per_dim_rows([g.collectives for _, g in graphs], "")
+    # rows only where shards are uneven: even goldens keep their table
+    rows += _per_dim_rows([g.padding for _, g in graphs], " padding")
     rows.append(("wait_tensor", "", [(str(g.waits), "") for _, g in graphs]))
     policies = sorted({p for _, g in graphs for p in g.recompute})
     for p in policies:
@@ -841,15 +832,15 @@ def format_stats_table(stats: GraphStats | PartitionStats) -> str:
     )
     rows.append(("nodes", "", [(str(g.num_nodes), "") for _, g in graphs]))
     for cat in CATEGORIES:
-        rows.append(("nodes", cat, [(str(g.categories.get(cat, 0)), "") for _, g in graphs]))
+        rows.append(("nodes", cat, [(str(g.categories[cat]), "") for _, g in graphs]))
 
     extra: list[tuple[str, str, str]] = []
     if isinstance(stats, PartitionStats):
         extra.append(("saved for backward", str(stats.saved_count), _bytes_cell(stats.saved_bytes)))
         extra.append(("static peak", "", _bytes_cell(stats.static_peak_bytes)))
 
-    w_stat = max([len(r[0]) for r in rows] + [4])
-    w_detail = max([len(r[1]) for r in rows] + [3])
+    w_stat = max(len(r[0]) for r in rows)  # wider than "stat" and "dim": the rows always
+    w_detail = max(len(r[1]) for r in rows)  # include max_consec_compute_between_rs, placeholder
     w_count = max([len(c) for r in rows for c, _ in r[2]] + [5])
     w_bytes = max([len(b) for r in rows for _, b in r[2]] + [5])
     left = w_stat + 2 + w_detail
@@ -873,5 +864,5 @@ def format_stats_table(stats: GraphStats | PartitionStats) -> str:
         out.append("")
         w_e = max(len(e[0]) for e in extra)
         for name, count, nbytes in extra:
-            out.append(f"{name.ljust(w_e)}  {count.rjust(w_count)}  {nbytes}".rstrip())
+            out.append(f"{name.ljust(w_e)}  {count.rjust(w_count)}  {nbytes}")
     return "\n".join(out) + "\n"

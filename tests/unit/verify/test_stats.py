@@ -14,7 +14,9 @@ from torch.utils.checkpoint import CheckpointPolicy
 
 from autoparallel import meta as M
 from verify.stats import (
+    CollectiveStat,
     GraphStats,
+    PartitionStats,
     format_stats_table,
     graph_stats,
     human_bytes,
@@ -194,6 +196,17 @@ def test_an_out_variant_returns_its_out_buffer_in_static_peak():
     with detect_fake_mode([ag.meta[M.VAL]]):  # a re-trace gives the result a storage of its own
         ag.meta[M.VAL] = torch.empty(32, 16)
     assert static_peak_bytes(gm) == 256 + 2048 + 2048 + 4  # the out buffer counted once, not twice
+
+
+def test_an_in_place_op_traced_onto_its_argument_s_storage_counts_it_once():
+    g = fx.Graph()
+    x = g.placeholder("x")  # 256 B, live throughout
+    buf = g.call_function(aten.mul.Tensor, (x, 2.0))  # 256 B
+    r = g.call_function(aten.relu_.default, (buf,))  # FakeTensorProp: the same storage as buf
+    g.output(g.call_function(aten.sum.default, (r,)))
+    gm = _gm(g, torch.randn(4, 16))
+    assert r.meta[M.VAL].untyped_storage()._cdata == buf.meta[M.VAL].untyped_storage()._cdata
+    assert static_peak_bytes(gm) == 256 + 256 + 4
 
 
 def _fw_bw(bw_names: tuple[str, str], fw_out_order: str = "cbx", tangent_role: bool = False):
@@ -458,7 +471,7 @@ def _saving_pair(save: str):
     narrow = fw.call_function(aten.slice.Tensor, (wait, 0, 0, 10))
     t = fw.call_function(aten.t.default, (narrow,))
     mm = fw.call_function(aten.mm.default, (x, t))
-    nodes = {"x": x, "t": t, "mm": mm, "narrow": narrow, "wait": wait}
+    nodes = {"x": x, "t": t, "mm": mm, "narrow": narrow, "wait": wait, "ag": ag}
     fw.output((mm, nodes[save]))
     fw_gm = _gm(fw, torch.randn(3, 16), torch.randn(2, 16))
     bw = fx.Graph()
@@ -468,7 +481,182 @@ def _saving_pair(save: str):
     return fw_gm, bw_gm, nodes[save]
 
 
-@pytest.mark.parametrize("save, gathered", [("t", True), ("narrow", True), ("wait", True), ("x", False), ("mm", False)])
+@pytest.mark.parametrize(
+    "save, gathered", [("t", True), ("narrow", True), ("wait", True), ("ag", True), ("x", False), ("mm", False)]
+)
 def test_saved_gathered_values_finds_a_saved_gathered_weight(save, gathered):
     fw, bw, node = _saving_pair(save)
     assert saved_gathered_values(fw, bw) == ([node] if gathered else [])
+
+
+# --- every field spelled out: dicts, tables, byte texts -----------------------------------------
+
+
+def test_graph_stats_to_dict_spells_every_field():
+    assert graph_stats(_padded_graph()).to_dict() == {
+        "categories": {"collective": 2, "compute": 2, "other": 0, "output": 1, "placeholder": 2, "view": 2, "wait": 2},
+        "collectives": {"all_gather": {"dp": {"bytes": 768, "count": 1}}, "reduce_scatter": {"dp": {"bytes": 768, "count": 1}}},
+        "max_consec_compute_between_rs": 0,
+        "must_save": 0,
+        "num_nodes": 11,
+        "recompute": {},
+        "waits": 2,
+        "padding": {"all_gather": {"dp": {"bytes": 128, "count": 1}}, "reduce_scatter": {"dp": {"bytes": 128, "count": 1}}},
+    }
+
+
+def test_partition_and_liveness_to_dict_spell_every_field():
+    fw, bw = _fw_bw(("saved_b", "saved_x"))
+    d = partition_stats(fw, bw).to_dict()
+    assert d["fw"] == graph_stats(fw).to_dict() and d["bw"] == graph_stats(bw).to_dict()
+    assert {k: v for k, v in d.items() if k not in ("fw", "bw")} == {
+        "saved_bytes": 512, "saved_count": 2, "static_peak_bytes": 3072}
+    # forward only: w + x resident, a (its view shares it), b, then the loss once a is dead
+    assert static_liveness(fw).to_dict() == {
+        "at_peak": [
+            {"name": "arg_0", "phase": "forward", "bytes": 1024},
+            {"name": "arg_1", "phase": "forward", "bytes": 256},
+            {"name": "mm_0", "phase": "forward", "bytes": 256},
+            {"name": "relu_0", "phase": "forward", "bytes": 256},
+        ],
+        "live": [1280, 1280, 1536, 1536, 1792, 1540, 1540],
+        "names": ["arg_0", "arg_1", "mm_0", "view_0", "relu_0", "sum_0", "return"],
+        "peak_bytes": 1792,
+        "peak_step": 4,
+        "phases": ["forward"] * 7,
+    }
+
+
+def test_backward_steps_carry_the_backward_names():
+    liv = static_liveness(*_fw_bw(("saved_b", "saved_x")))
+    assert liv.names[7:] == ["arg_0", "arg_1", "arg_2", "expand_0", "mul_0", "t_0", "view_0", "mm_0", "mul_1", "return"]
+
+
+def test_an_empty_graph_has_no_peak():
+    assert static_peak_bytes(fx.Graph()) == 0
+    liv = static_liveness(fx.Graph())
+    assert (liv.live, liv.peak_bytes, liv.peak_step, liv.at_peak) == ([], 0, 0, [])
+
+
+def test_partition_stats_passes_group_dims_to_both_graphs():
+    fw, bw = _fw_bw(("saved_b", "saved_x"))
+    for gm, name in ((fw, "a"), (bw, "mul")):
+        gm.meta[M.GM_GROUP_DIMS] = {}  # the graphs name no group: only the argument does
+        node = next(n for n in gm.graph.nodes if n.name.startswith(name))
+        with gm.graph.inserting_after(node):
+            ar = gm.graph.call_function(c10d.all_reduce.default, (node, "sum", "7"))
+        ar.meta[M.VAL] = node.meta[M.VAL]
+    ps = partition_stats(fw, bw, group_dims={"7": "ep"})
+    assert ps.fw.collective_count("all_reduce", "ep") == ps.bw.collective_count("all_reduce", "ep") == 1
+
+
+def test_getitems_of_a_multi_output_op_share_its_storages():
+    g = fx.Graph()
+    x = g.placeholder("x")  # 256 B, resident
+    vm = g.call_function(aten.var_mean.correction, (x, [1]), {"keepdim": True})  # two f32[4, 1]: 16 B each
+    v, m = (g.call_function(operator.getitem, (vm, i)) for i in range(2))
+    g.output(g.call_function(aten.add.Tensor, (v, m)))  # 16 B
+    assert static_peak_bytes(_gm(g, torch.randn(4, 16))) == 256 + 16 + 16 + 16
+
+
+@pytest.mark.parametrize("wait_val", ["none", "missing"])
+def test_a_wait_without_a_tensor_val_still_returns_the_gathered_buffer(wait_val):
+    g = fx.Graph()
+    x = g.placeholder("x")  # 256 B
+    w = g.call_function(c10d.wait_tensor.default, (g.call_function(c10d.all_gather_into_tensor.default, (x, 8, "1")),))
+    g.output(g.call_function(aten.relu.default, (w,)))  # 2048 B
+    gm = _gm(g, torch.randn(4, 16))
+    if wait_val == "none":
+        w.meta[M.VAL] = None
+    else:
+        del w.meta[M.VAL]
+    assert static_peak_bytes(gm) == 256 + 2048 + 2048  # the gathered buffer lives until the relu
+
+
+def test_human_bytes_at_each_unit_boundary():
+    assert [human_bytes(n) for n in (1023, 1024, 1536, 1024 * 1023, 2**20, 5 * 2**20, 2**30, 3 * 2**40, 2**50)] == [
+        "1023 B", "1.0 KiB", "1.5 KiB", "1023.0 KiB", "1.0 MiB", "5.0 MiB", "1.0 GiB", "3.0 TiB", "1024.0 TiB"]
+    assert human_bytes(-2048) == "-2.0 KiB"
+
+
+def test_the_table_of_a_pair_spelled_out():
+    """Every row and column of a forward/backward table: kinds in fixed order (then others by
+    name), dims sorted, 0 where one graph lacks a kind, a dim or a recompute policy, padding rows
+    after the collectives, the saved and peak lines under it."""
+    fw = GraphStats(
+        num_nodes=21,
+        categories={"placeholder": 3, "output": 1, "collective": 4, "wait": 4, "view": 2, "compute": 5, "other": 2},
+        collectives={"all_gather": {"tp": CollectiveStat(1, 512), "dp": CollectiveStat(2, 6144)},
+                     "p2p": {"?": CollectiveStat(1, 64)}},
+        waits=4, recompute={"MUST_RECOMPUTE": 2}, must_save=1,
+        padding={"all_gather": {"tp": CollectiveStat(1, 64), "dp": CollectiveStat(2, 1024)}},
+    )
+    bw = GraphStats(
+        num_nodes=9,
+        categories={"placeholder": 2, "output": 1, "collective": 2, "wait": 2, "view": 0, "compute": 2, "other": 0},
+        collectives={"all_gather": {"dp": CollectiveStat(1, 2048)}, "reduce_scatter": {"dp": CollectiveStat(1, 12 * 2**20)}},
+        waits=2, recompute={"PREFER_SAVE": 1}, max_consec_compute_between_rs=3,
+        padding={"reduce_scatter": {"dp": CollectiveStat(1, 128)}},
+    )
+    assert format_stats_table(PartitionStats(fw, bw, 3, 1536, 10 * 2**20)).splitlines() == [
+        "                                               forward                     backward",
+        "stat                           dim             count  bytes                count  bytes",
+        "all_gather                     dp                  2  6144 (6.0 KiB)           1  2048 (2.0 KiB)",
+        "all_gather                     tp                  1  512 (512 B)              0  0",
+        "reduce_scatter                 dp                  0  0                        1  12582912 (12.0 MiB)",
+        "p2p                            ?                   1  64 (64 B)                0  0",
+        "all_gather padding             dp                  2  1024 (1.0 KiB)           0  0",
+        "all_gather padding             tp                  1  64 (64 B)                0  0",
+        "reduce_scatter padding         dp                  0  0                        1  128 (128 B)",
+        "wait_tensor                                        4                           2",
+        "recompute                      MUST_RECOMPUTE      2                           0",
+        "recompute                      PREFER_SAVE         0                           1",
+        "ap_must_save                                       1                           0",
+        "max_consec_compute_between_rs                      0                           3",
+        "nodes                                             21                           9",
+        "nodes                          placeholder         3                           2",
+        "nodes                          output              1                           1",
+        "nodes                          collective          4                           2",
+        "nodes                          wait                4                           2",
+        "nodes                          view                2                           0",
+        "nodes                          compute             5                           2",
+        "nodes                          other               2                           0",
+        "",
+        "saved for backward      3  1536 (1.5 KiB)",
+        "static peak                10485760 (10.0 MiB)",
+    ]
+
+
+def test_the_table_of_one_empty_graph_spelled_out():
+    """No collectives: the bytes column is as wide as its header; no ap_must_save row."""
+    assert format_stats_table(GraphStats()) == "\n".join([
+        "                                            graph",
+        "stat                           dim          count  bytes",
+        "wait_tensor                                     0",
+        "max_consec_compute_between_rs                   0",
+        "nodes                                           0",
+        "nodes                          placeholder      0",
+        "nodes                          output           0",
+        "nodes                          collective       0",
+        "nodes                          wait             0",
+        "nodes                          view             0",
+        "nodes                          compute          0",
+        "nodes                          other            0",
+    ]) + "\n"
+
+
+def test_the_table_refuses_other_objects():
+    with pytest.raises(TypeError, match=r"^expected GraphStats or PartitionStats, got dict$"):
+        format_stats_table(GraphStats().to_dict())
+
+
+def test_a_saved_all_reduced_value_is_not_gathered():
+    fw = fx.Graph()
+    x = fw.placeholder("x")
+    w = fw.call_function(c10d.wait_tensor.default, (fw.call_function(c10d.all_reduce.default, (x, "sum", "3")),))
+    fw.output((fw.call_function(aten.sum.default, (w,)), w))
+    fw_gm = _gm(fw, torch.randn(4, 16))
+    bw = fx.Graph()
+    saved, tangent = bw.placeholder(w.name), bw.placeholder("tangents_1")
+    bw.output((bw.call_function(aten.mul.Tensor, (saved, tangent)),))
+    assert saved_gathered_values(fw_gm, _gm(bw, torch.randn(4, 16), torch.randn(()))) == []
