@@ -237,3 +237,122 @@ def test_failing_test_shows_no_structured_trace_records(pytester, run):
     assert out.returncode == 1
     assert "a record of the test's own" in out.stdout, "other log records are still shown"
     assert "torch.__trace" not in out.stdout
+
+
+# What `pytest --help` says about the plugin, in every project (opted in or not), at a width that
+# does not wrap: the options a user can pass and what each does.
+HELP = """\
+autoparallel verify (needs autoparallel_verify = true):
+  --ap-require-gpu      fail (instead of skip) tests marked gpu/multigpu when CUDA or enough GPUs are missing
+  --ap-run-slow         also run tests marked slow (cold Inductor compiles, whole-model checks); CI runs them in their own step
+  --ap-require-browser  fail (instead of skip) tests marked browser when Chromium or Playwright is missing
+  --ap-order=AP_ORDER   test order: 'file' (default), 'reverse', or 'shuffle:SEED'; proves tests do not depend on order
+  --ap-gpu-ci           GPU CI: run only gpu and multigpu(n <= visible GPUs) tests; any skip fails the run
+  --ap-gpu-count=N      the visible GPU count the gates and --ap-gpu-ci use (default: torch.cuda.device_count())
+"""
+INI_HELP = """\
+  autoparallel_verify (bool):
+                        turn on autoparallel's verify plugin (markers gpu/multigpu/slow, fixture golden, --ap-* options)
+"""
+MARKERS = [
+    "@pytest.mark.slow: costly (cold Inductor compiles, whole-model checks); skipped unless --ap-run-slow",
+    "@pytest.mark.gpu: needs a CUDA device; skipped without one unless --ap-require-gpu",
+    "@pytest.mark.multigpu(n): needs n CUDA devices; skipped with fewer unless --ap-require-gpu",
+    "@pytest.mark.browser: needs headless Chromium + playwright; skipped without them unless --ap-require-browser",
+]
+
+
+def test_help_spells_out_the_options_and_the_opt_in(pytester, run):
+    (pytester.path / "pytest.ini").write_text("[pytest]\naddopts = -p no:hypothesispytest -p no:cacheprovider\n")
+    out = run("--help", env_extra={"COLUMNS": "200"})
+    assert out.returncode == 0
+    assert HELP in out.stdout + "\n", out.stdout
+    assert INI_HELP in out.stdout + "\n", out.stdout
+
+
+def test_markers_say_what_each_gate_needs(project, run):
+    listed = run("--markers").stdout.splitlines()
+    assert [line for line in listed if line in MARKERS] == MARKERS, listed
+
+
+def test_opting_out_explicitly_keeps_the_plugin_off(pytester, run):
+    """``autoparallel_verify = false`` is a bool, not a non-empty (truthy) string."""
+    (pytester.path / "pytest.ini").write_text(OPTED_IN.replace("= true", "= false"))
+    (pytester.path / "test_gates.py").write_text(TESTS)
+    refused = run("--ap-run-slow")
+    assert refused.returncode == 4 and "--ap-run-slow: autoparallel's verify plugin is off in this project" in refused.stderr
+    assert "6 passed" in run().stdout  # no gate skips anything
+
+
+@pytest.mark.parametrize("given", ["-1", "two"])
+def test_gpu_count_takes_a_count(project, run, given):
+    out = run("--ap-gpu-count", given, "--collect-only")
+    assert out.returncode == 4
+    assert f"argument --ap-gpu-count: takes an int >= 0, got '{given}'" in out.stderr
+
+
+def test_gpu_count_zero_is_a_count(project, pytester, run):
+    out = run("--ap-gpu-count", "0")
+    assert out.returncode == 0 and "needs 1 CUDA device(s), found 0" in out.stdout, out.stdout
+    (pytester.path / "pytest.ini").write_text("[pytest]\naddopts = -p no:hypothesispytest -p no:cacheprovider\n")
+    refused = run("--ap-gpu-count", "0")  # off in this project: even 0 is refused, not ignored
+    assert refused.returncode == 4 and "--ap-gpu-count: autoparallel's verify plugin is off" in refused.stderr
+
+
+def test_misused_multigpu_marker_is_an_error_naming_the_test(pytester, run):
+    (pytester.path / "pytest.ini").write_text(OPTED_IN)
+    (pytester.path / "test_m.py").write_text(textwrap.dedent(
+        """
+        import pytest
+
+        @pytest.mark.multigpu
+        def test_no_n():
+            pass
+
+        @pytest.mark.multigpu(0)
+        def test_zero():
+            pass
+
+        @pytest.mark.multigpu(True)
+        def test_bool():
+            pass
+
+        @pytest.mark.multigpu("2")
+        def test_str():
+            pass
+
+        @pytest.mark.multigpu(1)
+        def test_one():
+            pass
+        """
+    ))
+    out = run()
+    assert out.returncode == 1 and "1 skipped, 4 errors" in out.stdout, out.stdout
+    for name in ("test_no_n", "test_zero", "test_bool", "test_str"):
+        assert f"UsageError: test_m.py::{name}: use @pytest.mark.multigpu(n) with an int n >= 1" in out.stdout
+    assert "SKIPPED [1] " in out.stdout and "needs 1 CUDA device(s), found 0" in out.stdout
+
+
+@pytest.mark.parametrize("available, count, passed", [(True, 2, 3), (False, 2, 1)])
+def test_gates_count_the_gpus_torch_can_use(project, run, monkeypatch, available, count, passed):
+    """Without --ap-gpu-count the gates ask torch (the inner run is in this process). NVML can see
+    GPUs that CUDA cannot use (``device_count()`` > 0, ``is_available()`` False): then none count."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: available)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: count)
+    out = run()
+    assert f"{passed} passed" in out.stdout, out.stdout
+    assert f"needs 4 CUDA device(s), found {count if available else 0}" in out.stdout
+
+
+def test_shuffle_order_follows_its_seed(project, run):
+    import random
+
+    names = ["test_needs_gpu", "test_needs_two_gpus", "test_needs_four_gpus", "test_slow", "test_plain",
+             "test_in_browser"]
+    out = run("--ap-order", "shuffle:3", "--collect-only")
+    listed = [line.split("::")[1] for line in out.stdout.splitlines() if line.startswith("test_gates.py::")]
+    random.Random(3).shuffle(names)
+    assert listed == names, out.stdout
+    for bad in ("shuffle", "shuffle:x", "File"):
+        refused = run("--ap-order", bad, "--collect-only")
+        assert refused.returncode == 4 and f"got {bad!r}" in refused.stderr
