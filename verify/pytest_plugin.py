@@ -256,8 +256,9 @@ class VerifyPlugin:
         pytest.skip(reason)
 
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
-        if report.skipped:
-            self._skipped.setdefault(report.nodeid, str(report.longrepr[-1]) if isinstance(report.longrepr, tuple) else "")
+        if report.skipped:  # an xfail is reported as skipped too, with the failure as its longrepr
+            why = report.longrepr[-1] if isinstance(report.longrepr, tuple) else f"xfail: {report.wasxfail}"
+            self._skipped.setdefault(report.nodeid, str(why))
         if report.when == "call" and report.passed:
             self._goldens.passed(report.nodeid)
 
@@ -440,22 +441,6 @@ class GoldenChecker:
         except Exception as e:  # the golden's failure is the news: never hide it behind this one
             return f"(no HTML diff: {type(e).__name__}: {e})"
         return f"side-by-side HTML diff: {out}"
-
-    def graph(self, graphs, *, header, title: str | None = None, name: str | None = None) -> None:
-        """Golden of one GraphModule or a (forward, backward) pair: header, stats, canonical text."""
-        from verify.goldens import graph_golden_text
-
-        self.check_text(graph_golden_text(title or self._request.node.nodeid, header, graphs), name=name)
-
-    def counts(self, rows, *, header, title: str | None = None, name: str | None = None) -> None:
-        """Golden of collective counts per stage: ``rows`` are (stage name, GraphModule)."""
-        from verify.goldens import collective_counts_text, header_text, render_golden
-
-        text = render_golden(
-            title or self._request.node.nodeid,
-            [("header", header_text(header)), ("collectives", collective_counts_text(rows))],
-        )
-        self.check_text(text, name=name)
 
 
 def _unified_diff(path, text: str) -> str:

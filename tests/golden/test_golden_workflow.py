@@ -70,6 +70,7 @@ def test_missing_changed_corrupt_and_unused_goldens(pytester, inner_pytest):
     missing = pytest_run()
     assert missing.returncode == 1
     assert f"golden file {golden} is missing" in missing.stdout
+    assert "pytest.fail(" not in missing.stdout, "the message, not the plugin's traceback"
     assert UPDATE_COMMAND in missing.stdout
 
     created = pytest_run("--snapshot-update")
@@ -84,17 +85,20 @@ def test_missing_changed_corrupt_and_unused_goldens(pytester, inner_pytest):
     assert f"graph changed: golden file {golden} differs" in changed.stdout
     assert UPDATE_COMMAND in changed.stdout
     assert "aten.mm(a, b)" in changed.stdout and "aten.mm(b, a)" in changed.stdout
+    assert "pytest.fail(" not in changed.stdout
     # a page beside it, in pytest's tmp dir: the same two texts, side by side
     page = Path(re.search(r"side-by-side HTML diff: (\S+\.html)", changed.stdout).group(1))
     assert page.name == "golden-diff-test_one.html" and "pytest-of-" in str(page)
     data = json.loads(re.search(r"<script type='application/json' id=ap-data>(.*?)</script>", page.read_text(), re.S).group(1))
     assert data["texts"] == [golden.read_text(), render_golden("t", [("graph", "mm_0 = aten.mm(b, a)")])]
     assert [op[0] for op in data["diffs"][0]["ops"]] == ["e", "r"] and "<details class='diff diff-golden' data-diff='0' open>" in page.read_text()
+    assert f"{golden} (left) against what the code produces now (right)" in page.read_text()
 
     golden.write_bytes(b"\xff\xfe not a golden")
     corrupt = pytest_run()
     assert corrupt.returncode == 1
     assert f"golden file {golden} is corrupt" in corrupt.stdout
+    assert "pytest.fail(" not in corrupt.stdout
     golden.write_text("some other text\n")
     assert "is corrupt: first line is 'some other text'" in pytest_run().stdout
     assert golden.read_text() == "some other text\n", "a failing run must never rewrite a golden"

@@ -20,6 +20,13 @@ What runs
       coverage, and mutmut's ``MUTANT_UNDER_TEST`` reaches them through the environment
       (verify/mutation/subprocess_hits.py). A test that starts a process with a scrubbed
       environment still runs the original code there.
+    * A mutated module that is one of the project's own pytest plugins (a ``pytest11`` entry point
+      in ``pyproject.toml``: ``verify.pytest_plugin``) is blocked (``-p no:NAME``) in the pytest
+      runs that judge it (mutmut's and the baseline's), and loaded only by the pytest runs its tests
+      start (pytester, in the same process: they see the mutants). Otherwise a mutant that skips
+      or deselects tests would skip the very tests meant to catch it (mutmut counts the run as
+      passed: "survived"), and one that makes pytest stop with a usage error or a crash in a hook
+      would stop mutmut's run of them (mutmut files such a run under "timeout").
     * Mutated (``--target passes``): every ``.py`` file of ``autoparallel/passes`` except ``__init__.py`` and
       ``registry.py`` (the patch registry: every pass calls ``enabled()``, so mutating it only
       re-tests the whole suite, and the patch-level harness already covers it). mutmut only mutates
@@ -116,7 +123,8 @@ VERIFY_GROUPS: tuple[tuple[tuple[str, ...], tuple[str, ...]], ...] = (
         ("verify/goldens/text.py", "verify/goldens/catalog.py", "verify/goldens/cli.py", "verify/goldens/syrupy_ext.py"),
         ("tests/unit/verify/goldens", "tests/golden/test_golden_workflow.py"),
     ),
-    (("verify/pytest_plugin.py",), ("tests/unit/verify/test_pytest_plugin.py",)),
+    # The golden workflow's throwaway projects are where GoldenChecker (the golden fixture) runs.
+    (("verify/pytest_plugin.py",), ("tests/unit/verify/test_pytest_plugin.py", "tests/golden/test_golden_workflow.py")),
 )
 TARGETS = ("passes", "verify")
 
@@ -414,23 +422,45 @@ def source_packages(files: Sequence[str]) -> list[str]:
     return sorted({Path(f).parts[0] for f in files})
 
 
+def mutated_pytest_plugins(root: Path, files: Sequence[str]) -> list[str]:
+    """The names of the ``pytest11`` entry points (``[project.entry-points.pytest11]`` of
+    ``root/pyproject.toml``) whose module is one of ``files``: pytest plugins that the pytest runs
+    judging the mutants must not load (see the module docstring)."""
+    import tomllib
+
+    path = root / "pyproject.toml"
+    if not path.exists():
+        return []
+    entry_points = tomllib.loads(path.read_text()).get("project", {}).get("entry-points", {}).get("pytest11", {})
+    mutated = set(files)
+    return sorted(name for name, target in entry_points.items() if module_file(target.partition(":")[0]) in mutated)
+
+
+def outer_pytest_args(blocked_plugins: Sequence[str]) -> list[str]:
+    """``-p no:NAME`` for each blocked plugin."""
+    return [arg for name in blocked_plugins for arg in ("-p", f"no:{name}")]
+
+
 def mutmut_config(files: Sequence[str], tests: Sequence[str], deselect: Sequence[str] = (), *,
+                  blocked_plugins: Sequence[str] = (),
                   timeout_multiplier: float = DEFAULT_TIMEOUT_MULTIPLIER,
                   timeout_constant: float = DEFAULT_TIMEOUT_CONSTANT) -> str:
     """The ``[tool.mutmut]`` table written into the scratch directory's pyproject.toml. ``goldens``
     is copied next to the mutants: code under ``verify`` finds the repository root from its own
-    path (``verify.repo``), which is mutmut's ``mutants/`` there."""
+    path (``verify.repo``), which is mutmut's ``mutants/`` there. ``blocked_plugins``: pytest
+    plugins mutmut's own pytest runs leave out (:func:`mutated_pytest_plugins`)."""
     selection = [*tests]
     for nodeid in deselect:
         selection += ["--deselect", nodeid]
+    pytest_args = ["-p", "no:cacheprovider", "-p", "verify.mutation.lines", "-p", "verify.mutation.subprocess_hits",
+                   *outer_pytest_args(blocked_plugins)]
     return "\n".join([
         "[tool.mutmut]",
         f"source_paths = {_toml_list(source_packages(files))}",
         'also_copy = ["goldens"]',
         f"only_mutate = {_toml_list(files)}",
         f"pytest_add_cli_args_test_selection = {_toml_list(selection)}",
-        'pytest_add_cli_args = ["-p", "no:cacheprovider", "-p", "verify.mutation.lines", "-p", '
-        '"verify.mutation.subprocess_hits"]',
+        f"pytest_add_cli_args = {_toml_list(pytest_args)}",
         'process_isolation = "forkserver"',
         'forkserver_warmup = "collect"',
         f"timeout_multiplier = {float(timeout_multiplier)}",
@@ -512,13 +542,15 @@ def _mutmut_cmd() -> list[str]:
     return [found]
 
 
-def baseline(workdir: Path, tests: Sequence[str], max_examples: int, timeout_s: float | None = None) -> dict[str, str]:
-    """Outcomes (``verify.mutation.outcome_log``) of the selected tests on the unmutated copy."""
+def baseline(workdir: Path, tests: Sequence[str], max_examples: int, timeout_s: float | None = None,
+             blocked_plugins: Sequence[str] = ()) -> dict[str, str]:
+    """Outcomes (``verify.mutation.outcome_log``) of the selected tests on the unmutated copy, run
+    as mutmut will run them (without ``blocked_plugins``)."""
     log = workdir / "baseline-outcomes.json"
     env = _env(max_examples)
     env[OUTCOME_ENV] = str(log)
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "verify.mutation.outcome_log",
-           "-p", "verify.mutation.lines", "--rootdir", str(workdir), *tests]
+           "-p", "verify.mutation.lines", *outer_pytest_args(blocked_plugins), "--rootdir", str(workdir), *tests]
     proc = subprocess.run(cmd, cwd=workdir, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                           timeout=timeout_s)
     if not log.exists():
@@ -640,10 +672,13 @@ def run(root: Path, *, files: Sequence[str], tests: Sequence[str], workdir: Path
     progress(f"scratch directory {workdir}; mutating {len(files)} file(s): {' '.join(files)}")
     progress(f"tests: {' '.join(tests)}")
     prepare_workdir(root, workdir)
+    blocked = mutated_pytest_plugins(root, files)
+    if blocked:
+        progress(f"pytest plugins under mutation, left out of the runs that judge them: {' '.join(blocked)}")
     deselected: dict[str, str] = {}
     if not skip_baseline:
         progress("baseline: running the selected tests on the unmutated code ...")
-        outcomes = baseline(workdir, tests, max_examples)
+        outcomes = baseline(workdir, tests, max_examples, blocked_plugins=blocked)
         deselected = {nid: o for nid, o in outcomes.items() if o in ("failed", "error")}
         bad_files = sorted({nid for nid in deselected if "::" not in nid})
         tests = [t for t in tests if not any(t == f or f.startswith(t.rstrip("/") + "/") for f in bad_files)]
@@ -654,8 +689,8 @@ def run(root: Path, *, files: Sequence[str], tests: Sequence[str], workdir: Path
         if not tests:
             raise RuntimeError("no selected test file collects on the unmutated code")
     deselect = [nid for nid in deselected if "::" in nid]
-    write_config(root, workdir, mutmut_config(files, tests, deselect, timeout_multiplier=timeout_multiplier,
-                                              timeout_constant=timeout_constant))
+    write_config(root, workdir, mutmut_config(files, tests, deselect, blocked_plugins=blocked,
+                                              timeout_multiplier=timeout_multiplier, timeout_constant=timeout_constant))
     progress(f"mutmut run --max-children {max_children} ...")
     proc = subprocess.Popen([*_mutmut_cmd(), "run", "--max-children", str(max_children)], cwd=workdir,
                             env=_env(max_examples, workdir), stdout=subprocess.PIPE, stderr=subprocess.STDOUT)

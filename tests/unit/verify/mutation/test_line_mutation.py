@@ -372,3 +372,35 @@ def test_processes_a_test_starts_report_the_mutated_functions_they_ran(tmp_path)
     untouched = "import sys, mutmut.mutation.trampoline as t; sys.exit(t.record_trampoline_hit.__module__ != 'mutmut.stats')"
     subprocess.run([sys.executable, "-c", untouched], cwd=tmp_path, env=env, check=True, timeout=120)
     assert collect_subprocess_hits(hits) == set()
+
+
+def test_a_mutated_pytest_plugin_is_left_out_of_the_runs_that_judge_it(tmp_path, monkeypatch):
+    """The project's own pytest plugin, mutated, must not load in mutmut's pytest (nor in the
+    baseline's): a mutant that skips tests there skips the tests meant to catch it."""
+    (tmp_path / "pyproject.toml").write_text(
+        '[project]\nname = "x"\n[project.entry-points.pytest11]\n"pkg.plug" = "pkg.plug"\nother = "pkg.other:hooks"\n'
+    )
+    assert L.mutated_pytest_plugins(tmp_path, ["pkg/plug.py", "pkg/a.py"]) == ["pkg.plug"]
+    assert L.mutated_pytest_plugins(tmp_path, ["pkg/other.py", "pkg/plug.py"]) == ["other", "pkg.plug"]
+    assert L.mutated_pytest_plugins(tmp_path, ["pkg/a.py"]) == []
+    assert L.mutated_pytest_plugins(tmp_path / "nowhere", ["pkg/plug.py"]) == []
+    root = Path(__file__).resolve().parents[4]
+    blocked = {L.group_name(files): L.mutated_pytest_plugins(root, files) for files, _ in L.VERIFY_GROUPS}
+    assert blocked == {"parity": [], "canon": [], "stats": [], "memory": [], "goldens": [],
+                       "pytest_plugin": ["verify.pytest_plugin"]}
+
+    cfg = tomllib.loads(L.mutmut_config(["pkg/plug.py"], ["tests/t.py"], blocked_plugins=["pkg.plug"]))["tool"]["mutmut"]
+    assert cfg["pytest_add_cli_args"][-2:] == ["-p", "no:pkg.plug"]
+    assert "no:pkg.plug" not in L.mutmut_config(["pkg/a.py"], ["tests/t.py"])
+
+    seen = []
+
+    def fake_run(cmd, **kw):
+        seen.append(cmd)
+        Path(kw["env"][L.OUTCOME_ENV]).write_text('{"tests/t.py::test_a": "passed"}')
+        return SimpleNamespace(returncode=0, stdout="")
+
+    monkeypatch.setattr(L.subprocess, "run", fake_run)
+    assert L.baseline(tmp_path, ["tests/t.py"], 1, blocked_plugins=["pkg.plug"]) == {"tests/t.py::test_a": "passed"}
+    i = seen[0].index("no:pkg.plug")
+    assert seen[0][i - 1] == "-p" and seen[0][-1] == "tests/t.py"
