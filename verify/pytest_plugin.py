@@ -408,13 +408,16 @@ class GoldenChecker:
                 f"(or `pytest --snapshot-update`), review it, and commit it with the change that needs it.",
                 pytrace=False,
             )
+        corrupt = None
         if path.exists():
             try:
                 read_golden(path)
             except CorruptGoldenError as e:
-                if not updating:
-                    pytest.fail(str(e), pytrace=False)
-                path.unlink()  # an explicit update replaces a corrupt golden
+                corrupt = str(e)
+        if corrupt is not None:
+            if not updating:  # outside the except block: the message is shown once, not chained twice
+                pytest.fail(corrupt, pytrace=False)
+            path.unlink()  # an explicit update replaces a corrupt golden
         matched = snap == text
         if not matched:
             diff = _unified_diff(path, text)
