@@ -267,21 +267,20 @@ _GROUP_OF_MODULE = {m: g for g, mods in MODULE_GROUPS.items() for m in mods}
 #
 # The tier (the README's test line, ``pytest -n auto``) keeps one representative of every kind of
 # check: the goldens, invariants and differential runs of tiny-fsdp-dp8, tiny-fsdp_tp-dp4tp2 (2-D,
-# fusion), tiny-auto-dp8 (the planner) and gpt2-fsdp-dp2 (not LLaMA: tied weights, LayerNorm,
-# biases); parity on gloo for the joint graph, every stage, bucketing, the compiled module, the zoo
-# (gpt2, the BatchNorm convnet under DDP), plan="auto", uneven shards and the oracle. Each group
-# below shares one costly pipeline run or gloo world (the tests that read it are in its
-# xdist_group); its tests are marked ``slow``, so CI's slow step (``pytest -m slow --ap-run-slow``)
-# and ``python -m verify goldens`` run them on every submission. The CPU seconds are one quiet
-# ``pytest -n 0`` of the group on the 2-core box (tests/README-style figures: measured, not assumed).
+# fusion) and tiny-auto-dp8 (the planner); parity on gloo for the joint graph, every stage,
+# bucketing, the compiled module, the zoo (gpt2's tied weights, the BatchNorm convnet under DDP)
+# and the oracle. Each group below shares one costly pipeline run or gloo world (the tests that
+# read it are in its xdist_group); its tests are marked ``slow``, so CI's slow step
+# (``pytest -m slow --ap-run-slow``) and ``python -m verify goldens`` run them on every submission.
 SLOW_GROUPS: dict[str, str] = {
     # golden scenarios beyond the representatives (their goldens, invariants, differential runs)
-    "tiny-ddp-dp8": "DDP: the convnet's DDP parity and gpt2-ddp goldens' path stay in the tier",
+    "tiny-ddp-dp8": "DDP's goldens (DDP trains in the tier: zoo convnet-ddp-dp2)",
     "tiny-fsdp-bf16-dp8": "bf16 params / fp32 reduce",
     "tiny-fsdp-dp4-split": "bucket cap and topo span that split buckets",
-    "tiny-fsdp-dp3-uneven": "uneven shards (their dp=2 parity stays in the tier)",
+    "tiny-fsdp-dp3-uneven": "uneven shards' goldens",
     "tiny-auto-dp4tp2": "plan=auto on a 2-D mesh (tiny-auto-dp8 stays in the tier)",
-    "gpt2-fsdp_tp-dp2tp2": "gpt2 under fsdp_tp (gpt2-fsdp-dp2 stays in the tier)",
+    "gpt2-fsdp-dp2": "gpt2's goldens (its parity, zoo-gpt2-fsdp-dp2, stays in the tier)",
+    "gpt2-fsdp_tp-dp2tp2": "gpt2 under fsdp_tp",
     "debug-fsdp-dp8": "collective counts of the debug preset",
     "planner-debug": "plan goldens of the debug preset (the tiny preset's stay in the tier)",
     # parity worlds beyond the representatives
@@ -291,8 +290,11 @@ SLOW_GROUPS: dict[str, str] = {
     "bucketing-parity-fsdp-bf16-dp2": "bucketed bf16 all-gathers",
     "zoo-gpt2-fsdp_tp-dp1tp2": "gpt2 TP with a size-1 dim: each rank re-runs the pipeline (2-D group names)",
     "zoo-convnet-fsdp-dp2": "convnet under FSDP (its DDP run stays in the tier)",
+    "uneven-fsdp-dp=2": "uneven shards trained on gloo (their padding properties stay in the tier)",
     "uneven-fsdp-dp=4": "uneven shards on 4 ranks, ranks that hold only padding",
     "planned-parity": "plan=auto trained on gloo (the tiny-auto-dp8 goldens and invariants stay in the tier)",
+    "scale-benchmark": "python -m verify scale end to end (a benchmark; its table formatting stays in the tier)",
+    "mutation-harness": "the patch-mutation harness on throwaway projects (CI also runs python -m verify mutate itself)",
 }
 # Shared pipeline runs of the debug preset (verify.goldens.catalog.run_group names them "run <header>"):
 # the tiny preset's runs of the same plans stay in the tier.

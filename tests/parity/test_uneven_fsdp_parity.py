@@ -8,6 +8,9 @@ a 4-expert router ``[4, D]`` and a 10-class head ``[10, D]`` (D = 6). On dp=4 ra
 only padding of the class token, and rank 3 holds only padding of the branch scale. The 4-rank
 world also runs fsdp_tp (dp=2, tp=2) on a toy whose TP-local shards are uneven over dp.
 
+All in CI's slow step (tests/conftest.py SLOW_GROUPS); the quick tier keeps the padding
+properties (tests/property/test_fsdp_padding_properties.py) and the uneven FSDP unit tests.
+
 Until issue 14's "check my model" API lands, the stages run through the runtime executors and
 ``run_on_world`` here (the pattern of ``verify/parity_runs.py``); :func:`_stage_parity_run` is
 the part to replace by that API (model factory, loss, batches, plan, mesh in; per-rank traces per

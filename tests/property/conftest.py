@@ -1,6 +1,6 @@
 """Hypothesis profiles for the property tests: what the tier runs, and what CI's deeper pass runs.
 
-The tier (``pytest -n auto``, every machine, <= 90 s on 2 cores) runs ``TIER_EXAMPLES`` examples
+The tier (``pytest -n auto``, every machine, <= 90 s on 2 cores) runs ``TIER_EXAMPLES`` (25) examples
 per property: enough to exercise every strategy branch in seconds. The depth lives in CI's own
 property step (``.ci/run``), which runs ``DEEP_EXAMPLES`` per property twice: derandomized (the
 fixed example set CI's tier used to run, so CI checks at least what it checked before) and with a
@@ -32,7 +32,7 @@ import os
 import pytest
 from hypothesis import HealthCheck, settings
 
-TIER_EXAMPLES = 50
+TIER_EXAMPLES = 25
 DEEP_EXAMPLES = 200
 
 settings.register_profile(

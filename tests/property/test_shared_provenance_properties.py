@@ -48,7 +48,7 @@ def _provenance(gm):
 def test_pre_overlap_pass_leaves_upstreams_provenance():
     with fake_world(MESH) as mesh:
 
-        @given(synthetic_graphs(mesh, min_ops=4, max_ops=14), caps_mb)
+        @given(synthetic_graphs(mesh, min_ops=3, max_ops=8), caps_mb)
         def prop(sg, cap_mb):
             gm = sg.gm
             tag_collectives_for_bucketing(gm)

@@ -2,12 +2,15 @@
 
 import json
 
+import pytest
+
 from autoparallel.passes.collective import COLLECTIVE_PASS_NAMES
 from autoparallel.pipeline import STAGE_NAMES
 from verify.__main__ import main
 from verify.scale import format_scaling
 
 
+@pytest.mark.xdist_group("scale-benchmark")  # tests/conftest.py SLOW_GROUPS: CI's slow step
 def test_scale_json_has_every_stage_and_field(capsys):
     assert main(["scale", "--preset", "tiny", "--layers", "1", "--mesh", "dp=4,tp=2", "--json"]) == 0
     result = json.loads(capsys.readouterr().out)
