@@ -298,6 +298,9 @@ def test_opting_out_explicitly_keeps_the_plugin_off(pytester, run):
     refused = run("--ap-run-slow")
     assert refused.returncode == 4 and "--ap-run-slow: autoparallel's verify plugin is off in this project" in refused.stderr
     assert "6 passed" in run().stdout  # no gate skips anything
+    both = run("--ap-run-slow", "--ap-require-gpu")
+    assert both.returncode == 4
+    assert "--ap-require-gpu, --ap-run-slow: autoparallel's verify plugin is off" in both.stderr, "every option given, named"
 
 
 @pytest.mark.parametrize("given", ["-1", "two"])
