@@ -69,6 +69,20 @@ class PatchResult:
         }
 
 
+def _run_slow_flag(cwd: Path | None) -> list[str]:
+    """``--ap-run-slow`` where the project opts in to the verify plugin: a guard is named to run,
+    and a ``slow`` mark (the quick tier's, tests/conftest.py SLOW_GROUPS) must not skip it. A
+    project that has not opted in would refuse the option."""
+    import tomllib
+
+    try:
+        cfg = tomllib.loads(((cwd or Path.cwd()) / "pyproject.toml").read_text(encoding="utf-8"))
+    except (OSError, tomllib.TOMLDecodeError):
+        return []
+    opted = cfg.get("tool", {}).get("pytest", {}).get("ini_options", {}).get("autoparallel_verify")
+    return ["--ap-run-slow"] if opted in (True, "true") else []
+
+
 def run_guards(
     guards: Sequence[str], *, disable: str = "", workers: str | int = 0, timeout_s: float = 300.0, cwd: Path | None = None
 ) -> GuardRun:
@@ -79,7 +93,7 @@ def run_guards(
         env[OUTCOME_ENV] = str(log)
         env[DISABLE_ENV] = disable
         cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "verify.mutation.outcome_log",
-               "--snapshot-warn-unused", "-n", str(workers), *guards]
+               "--snapshot-warn-unused", *_run_slow_flag(cwd), "-n", str(workers), *guards]
         t0 = time.perf_counter()
         proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                 text=True, start_new_session=True)
