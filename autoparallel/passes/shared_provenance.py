@@ -25,19 +25,18 @@ from autoparallel import meta as M
 from autoparallel import patches
 
 PATCH = "shared_provenance"
-_FROM_NODE = M.FROM_NODE
 
 
 def _take_histories(gm: fx.GraphModule) -> dict[str, list]:
-    return {n.name: n.meta.pop(_FROM_NODE) for n in gm.graph.nodes if _FROM_NODE in n.meta}
+    return {n.name: n.meta.pop(M.FROM_NODE) for n in gm.graph.nodes if M.FROM_NODE in n.meta}
 
 
 def _give_back_histories(gm: fx.GraphModule, histories: dict[str, list]) -> None:
     for n in gm.graph.nodes:
-        sources = n.meta.get(_FROM_NODE)
+        sources = n.meta.get(M.FROM_NODE)
         if sources is None:
             if n.name in histories:  # a node that was there before the pass
-                n.meta[_FROM_NODE] = histories[n.name]
+                n.meta[M.FROM_NODE] = histories[n.name]
             continue
         for src in sources:  # made by the pass, from nodes that were there before it
             info = getattr(src, "node_info", None)

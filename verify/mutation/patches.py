@@ -72,7 +72,9 @@ class PatchResult:
 def _run_slow_flag(cwd: Path | None) -> list[str]:
     """``--ap-run-slow`` where the project opts in to the verify plugin: a guard is named to run,
     and a ``slow`` mark (the quick tier's, tests/conftest.py SLOW_GROUPS) must not skip it. A
-    project that has not opted in would refuse the option."""
+    project that has not opted in would refuse the option. Reads ``pyproject.toml`` only (this
+    module must import without pytest, so not verify.pytest_plugin's OPT_IN_INI): a project that
+    opts in elsewhere runs its slow guards skipped, which the harness reports as an error."""
     import tomllib
 
     try:
