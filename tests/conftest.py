@@ -10,9 +10,6 @@ import tempfile
 from dataclasses import dataclass
 
 import pytest
-import torch
-import torch.distributed as dist
-from torch import nn
 
 # pytester runs the plugin, golden and workflow tests' throwaway projects in this process
 # (``inner_pytest``): a pytest subprocess pays ~1 s of imports each time.
@@ -23,13 +20,17 @@ pytest_plugins = ("pytester",)
 def _no_world_leaks():
     """A test must not leave a default process group behind (it would break forked gloo worlds)."""
     yield
+    import torch.distributed as dist
+
     if dist.is_initialized():
         dist.destroy_process_group()
         pytest.fail("test left a default process group initialized")
 
 
-# Fixtures import first-party modules when a test asks for them: this file is loaded by every pytest
-# process (each xdist worker, --collect-only, the goldens CLI's runs) before any test needs them.
+# Fixtures import torch and first-party modules when a test asks for them: this file is loaded by
+# every pytest process (each xdist worker, --collect-only, the goldens CLI's runs) before any test
+# needs them, and xdist's controller, which runs no test, starts its workers ~1.8 s sooner without
+# torch.
 
 
 @pytest.fixture
@@ -146,32 +147,33 @@ def inner_pytest(pytester, monkeypatch):
     return run
 
 
-class TwoNormMLP(nn.Module):
-    """Not LLaMA: two LayerNorms (native_layer_norm saves mean and rstd, getitems 1 and 2, for
-    its backward), biased Linears, GELU, a residual, an output head."""
-
-    def __init__(self, dim: int = 32, hidden: int = 64, out: int = 16):
-        super().__init__()
-        self.norm = nn.LayerNorm(dim)
-        self.up = nn.Linear(dim, hidden)
-        self.down = nn.Linear(hidden, dim)
-        self.norm2 = nn.LayerNorm(dim)
-        self.head = nn.Linear(dim, out, bias=False)
-
-    def forward(self, x):
-        h = x + self.down(nn.functional.gelu(self.up(self.norm(x))))
-        return self.head(self.norm2(h))
-
-
-def mse_loss(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    return ((out - target) ** 2).mean()
-
-
 @pytest.fixture(scope="session")
 def two_norm_mlp():
     """``(model, loss_fn, (inputs, target))`` for ``autoparallel.pipeline.run_pipeline``: the
     two-LayerNorm MLP (seeded), an MSE loss, a batch of 16 (divisible by meshes up to 16 ranks).
     (``layernorm_mlp`` above gives the one-norm model's class, for tests that build their own.)"""
+    import torch
+    from torch import nn
+
+    class TwoNormMLP(nn.Module):
+        """Not LLaMA: two LayerNorms (native_layer_norm saves mean and rstd, getitems 1 and 2, for
+        its backward), biased Linears, GELU, a residual, an output head."""
+
+        def __init__(self, dim: int = 32, hidden: int = 64, out: int = 16):
+            super().__init__()
+            self.norm = nn.LayerNorm(dim)
+            self.up = nn.Linear(dim, hidden)
+            self.down = nn.Linear(hidden, dim)
+            self.norm2 = nn.LayerNorm(dim)
+            self.head = nn.Linear(dim, out, bias=False)
+
+        def forward(self, x):
+            h = x + self.down(nn.functional.gelu(self.up(self.norm(x))))
+            return self.head(self.norm2(h))
+
+    def mse_loss(out, target):
+        return ((out - target) ** 2).mean()
+
     g = torch.Generator().manual_seed(0)
     with torch.random.fork_rng():
         torch.manual_seed(0)

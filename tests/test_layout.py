@@ -13,6 +13,7 @@ Each checker is also fed a small bad source, so a checker that cannot fail fails
 from __future__ import annotations
 
 import ast
+import functools
 import re
 from pathlib import Path
 
@@ -24,6 +25,14 @@ from verify.mutation.lines import DEFAULT_TESTS
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("autoparallel", "verify")
+# One worker parses the sources once for every check here (parsing ~200 files takes ~1 s).
+pytestmark = pytest.mark.xdist_group("layout")
+
+
+@functools.cache
+def _parse(text: str) -> ast.Module:
+    """The checks only read the trees: one parse per distinct source text."""
+    return ast.parse(text)
 
 
 def _sources(*dirs: str) -> dict[str, str]:
@@ -67,7 +76,7 @@ def import_graph(sources: dict[str, str]) -> dict[str, set[str]]:
     graph = {}
     for path, text in sources.items():
         me = _module_name(path)
-        deps = set().union(*(resolve(name) for name, _ in _imported(ast.parse(text))))
+        deps = set().union(*(resolve(name) for name, _ in _imported(_parse(text))))
         graph[me] = {d for d in deps if d != me and not me.startswith(d + ".")}
     return graph
 
@@ -125,7 +134,7 @@ def test_autoparallel_never_imports_verify_or_tests():
     bad = [
         f"{path}:{line}: {name}"
         for path, text in _sources("autoparallel").items()
-        for name, line in _imported(ast.parse(text))
+        for name, line in _imported(_parse(text))
         if name.split(".")[0] in ("verify", "tests")
     ]
     assert bad == []
@@ -145,7 +154,7 @@ LOCAL_IMPORTS_ALLOWED = {
 def local_first_party_imports(sources: dict[str, str]) -> list[str]:
     out = []
     for path, text in sources.items():
-        for fn in ast.walk(ast.parse(text)):
+        for fn in ast.walk(_parse(text)):
             if not isinstance(fn, ast.FunctionDef | ast.AsyncFunctionDef):
                 continue
             for n in ast.walk(fn):
@@ -188,7 +197,7 @@ def meta_key_literals(sources: dict[str, str]) -> list[str]:
     """``x.meta["val"]``, ``x.meta.get("val")`` / ``.pop`` / ``.setdefault``, ``"val" in x.meta``."""
     out = []
     for path, text in sources.items():
-        for n in ast.walk(ast.parse(text)):
+        for n in ast.walk(_parse(text)):
             key = None
             if isinstance(n, ast.Subscript) and _is_meta_dict(n.value):
                 key = n.slice
@@ -215,7 +224,7 @@ def role_literals(sources: dict[str, str]) -> list[str]:
     """String constants (f-string pieces included) that start a role label (``param:``, ...)."""
     out = []
     for path, text in sources.items():
-        tree = ast.parse(text)
+        tree = _parse(text)
         # docstrings and other bare string statements document labels; they do not build them
         prose = {id(n.value) for n in ast.walk(tree) if isinstance(n, ast.Expr) and isinstance(n.value, ast.Constant)}
         for n in ast.walk(tree):
@@ -235,7 +244,7 @@ def ac_policy_literals(sources: dict[str, str]) -> list[str]:
     ``v["op"]``) are field names, not policies."""
     out = []
     for path, text in sources.items():
-        tree = ast.parse(text)
+        tree = _parse(text)
         fields = {id(k) for n in ast.walk(tree) if isinstance(n, ast.Dict) for k in n.keys if k is not None}
         fields |= {id(n.slice) for n in ast.walk(tree) if isinstance(n, ast.Subscript)}
         for n in ast.walk(tree):

@@ -93,7 +93,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from verify.mutation import STATES
+from verify.mutation import STATES, run_slow_args
 from verify.mutation.outcome_log import ENV as OUTCOME_ENV
 from verify.repo import repo_root
 
@@ -442,18 +442,19 @@ def outer_pytest_args(blocked_plugins: Sequence[str]) -> list[str]:
 
 
 def mutmut_config(files: Sequence[str], tests: Sequence[str], deselect: Sequence[str] = (), *,
-                  blocked_plugins: Sequence[str] = (),
+                  blocked_plugins: Sequence[str] = (), run_slow: Sequence[str] = (),
                   timeout_multiplier: float = DEFAULT_TIMEOUT_MULTIPLIER,
                   timeout_constant: float = DEFAULT_TIMEOUT_CONSTANT) -> str:
     """The ``[tool.mutmut]`` table written into the scratch directory's pyproject.toml. ``goldens``
     is copied next to the mutants: code under ``verify`` finds the repository root from its own
     path (``verify.repo``), which is mutmut's ``mutants/`` there. ``blocked_plugins``: pytest
-    plugins mutmut's own pytest runs leave out (:func:`mutated_pytest_plugins`)."""
+    plugins mutmut's own pytest runs leave out (:func:`mutated_pytest_plugins`); ``run_slow``:
+    :func:`verify.mutation.run_slow_args` of the project (its ``slow`` tests run too)."""
     selection = [*tests]
     for nodeid in deselect:
         selection += ["--deselect", nodeid]
     pytest_args = ["-p", "no:cacheprovider", "-p", "verify.mutation.lines", "-p", "verify.mutation.subprocess_hits",
-                   *outer_pytest_args(blocked_plugins)]
+                   *run_slow, *outer_pytest_args(blocked_plugins)]
     return "\n".join([
         "[tool.mutmut]",
         f"source_paths = {_toml_list(source_packages(files))}",
@@ -543,14 +544,14 @@ def _mutmut_cmd() -> list[str]:
 
 
 def baseline(workdir: Path, tests: Sequence[str], max_examples: int, timeout_s: float | None = None,
-             blocked_plugins: Sequence[str] = ()) -> dict[str, str]:
+             blocked_plugins: Sequence[str] = (), run_slow: Sequence[str] = ()) -> dict[str, str]:
     """Outcomes (``verify.mutation.outcome_log``) of the selected tests on the unmutated copy, run
     as mutmut will run them (without ``blocked_plugins``)."""
     log = workdir / "baseline-outcomes.json"
     env = _env(max_examples)
     env[OUTCOME_ENV] = str(log)
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "verify.mutation.outcome_log",
-           "-p", "verify.mutation.lines", *outer_pytest_args(blocked_plugins), "--rootdir", str(workdir), *tests]
+           "-p", "verify.mutation.lines", *run_slow, *outer_pytest_args(blocked_plugins), "--rootdir", str(workdir), *tests]
     proc = subprocess.run(cmd, cwd=workdir, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                           timeout=timeout_s)
     if not log.exists():
@@ -673,12 +674,13 @@ def run(root: Path, *, files: Sequence[str], tests: Sequence[str], workdir: Path
     progress(f"tests: {' '.join(tests)}")
     prepare_workdir(root, workdir)
     blocked = mutated_pytest_plugins(root, files)
+    slow = run_slow_args(root)
     if blocked:
         progress(f"pytest plugins under mutation, left out of the runs that judge them: {' '.join(blocked)}")
     deselected: dict[str, str] = {}
     if not skip_baseline:
         progress("baseline: running the selected tests on the unmutated code ...")
-        outcomes = baseline(workdir, tests, max_examples, blocked_plugins=blocked)
+        outcomes = baseline(workdir, tests, max_examples, blocked_plugins=blocked, run_slow=slow)
         deselected = {nid: o for nid, o in outcomes.items() if o in ("failed", "error")}
         bad_files = sorted({nid for nid in deselected if "::" not in nid})
         tests = [t for t in tests if not any(t == f or f.startswith(t.rstrip("/") + "/") for f in bad_files)]
@@ -689,7 +691,7 @@ def run(root: Path, *, files: Sequence[str], tests: Sequence[str], workdir: Path
         if not tests:
             raise RuntimeError("no selected test file collects on the unmutated code")
     deselect = [nid for nid in deselected if "::" in nid]
-    write_config(root, workdir, mutmut_config(files, tests, deselect, blocked_plugins=blocked,
+    write_config(root, workdir, mutmut_config(files, tests, deselect, blocked_plugins=blocked, run_slow=slow,
                                               timeout_multiplier=timeout_multiplier, timeout_constant=timeout_constant))
     progress(f"mutmut run --max-children {max_children} ...")
     proc = subprocess.Popen([*_mutmut_cmd(), "run", "--max-children", str(max_children)], cwd=workdir,

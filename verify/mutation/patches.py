@@ -24,6 +24,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from verify.mutation import run_slow_args
 from verify.mutation.outcome_log import ENV as OUTCOME_ENV
 
 DISABLE_ENV = "AUTOPARALLEL_DISABLE"
@@ -69,22 +70,6 @@ class PatchResult:
         }
 
 
-def _run_slow_flag(cwd: Path | None) -> list[str]:
-    """``--ap-run-slow`` where the project opts in to the verify plugin: a guard is named to run,
-    and a ``slow`` mark (the quick tier's, tests/conftest.py SLOW_GROUPS) must not skip it. A
-    project that has not opted in would refuse the option. Reads ``pyproject.toml`` only (this
-    module must import without pytest, so not verify.pytest_plugin's OPT_IN_INI): a project that
-    opts in elsewhere runs its slow guards skipped, which the harness reports as an error."""
-    import tomllib
-
-    try:
-        cfg = tomllib.loads(((cwd or Path.cwd()) / "pyproject.toml").read_text(encoding="utf-8"))
-    except (OSError, tomllib.TOMLDecodeError):
-        return []
-    opted = cfg.get("tool", {}).get("pytest", {}).get("ini_options", {}).get("autoparallel_verify")
-    return ["--ap-run-slow"] if opted in (True, "true") else []
-
-
 def run_guards(
     guards: Sequence[str], *, disable: str = "", workers: str | int = 0, timeout_s: float = 300.0, cwd: Path | None = None
 ) -> GuardRun:
@@ -95,7 +80,7 @@ def run_guards(
         env[OUTCOME_ENV] = str(log)
         env[DISABLE_ENV] = disable
         cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "verify.mutation.outcome_log",
-               "--snapshot-warn-unused", *_run_slow_flag(cwd), "-n", str(workers), *guards]
+               "--snapshot-warn-unused", *run_slow_args(cwd or Path.cwd()), "-n", str(workers), *guards]
         t0 = time.perf_counter()
         proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                 text=True, start_new_session=True)

@@ -6,6 +6,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 import verify
 
 SCRIPT = r"""
@@ -49,6 +51,9 @@ print(json.dumps(out))
 """
 
 
+# A fresh interpreter imports every verify module (~4 s): CI's slow step. CI's first step also runs
+# the README's main job on a base install.
+@pytest.mark.slow
 def test_cli_modules_import_without_test_packages(capfd):
     proc = subprocess.run(
         [sys.executable, "-c", SCRIPT, json.dumps(verify.TEST_ONLY_PACKAGES), json.dumps(verify.TEST_ONLY_MODULES)],

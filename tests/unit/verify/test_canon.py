@@ -283,6 +283,7 @@ def test_tags_shown_in_fixed_order_and_constants_sorted():
     assert canonicalize(_tagged_graph()) == TAGGED_TEXT
 
 
+@pytest.mark.slow  # a fresh interpreter imports torch (~2 s): CI's slow step
 def test_output_independent_of_pythonhashseed():
     """A fresh interpreter with another hash seed prints the same bytes as this process."""
     own = os.environ.get("PYTHONHASHSEED")

@@ -90,6 +90,7 @@ def test_report_check_exits_1_naming_the_problem(monkeypatch, capsys):
     assert ok.returncode == 0 and "ci: main job report complete" in ok.stdout and not ok.stderr
 
 
+@pytest.mark.slow  # .ci/gpu imports torch in a fresh interpreter (~1.7 s): CI's slow step
 def test_gpu_ci_refuses_a_torch_without_cuda(tmp_path):
     out = subprocess.run(["bash", str(ROOT / ".ci" / "gpu")], capture_output=True, text=True, timeout=120,
                          env={"PATH": "/usr/bin:/bin", "PYTHON": sys.executable})
@@ -98,6 +99,7 @@ def test_gpu_ci_refuses_a_torch_without_cuda(tmp_path):
     assert not (ROOT / ".venv-gpu").exists(), "nothing is installed before the check"
 
 
+@pytest.mark.slow  # makes two venvs and runs three fresh interpreters (~1.1 s): CI's slow step
 def test_gpu_overlay_venv_sees_the_packages_of_an_interpreter_that_is_itself_a_venv(tmp_path):
     """Found on the GPU machine (python3 there is /opt/torch/.venv/bin/python3): a venv made from a
     venv with --system-site-packages sees the base interpreter's packages, not torch or pytest, so

@@ -15,13 +15,16 @@ from verify.report import GOLDENS_NOT_CHECKED, format_report, golden_status
 from verify.scenario import Scenario
 
 
-# The report's default scenario is the golden scenario tiny-fsdp-dp8: in its xdist group, the
-# pipeline run is the one the golden tests built (shared_pipeline_runs).
-@pytest.mark.xdist_group("tiny-fsdp-dp8")
-def test_report_json_schema_golden_status_parity_and_page(capsys, shared_pipeline_runs, tmp_path):
-    assert main(["report", "--json", "--html", str(tmp_path / "page")]) == 0
+def _report_and_sections(capsys, tmp_path, *flags: str) -> tuple[dict, str, dict[str, str]]:
+    assert main(["report", *flags, "--json", "--html", str(tmp_path / "page")]) == 0
     out = capsys.readouterr()
     report = json.loads(out.out)
+    assert "[verify]" in out.err, "progress goes to stderr"
+    assert report["html"] == str(tmp_path / "page" / "index.html") and f"wrote {report['html']}" in out.err
+    return report, out.err, sections(Path(report["html"]).read_text(encoding="utf-8"))
+
+
+def _check_schema_goldens_and_page(report: dict, secs: dict[str, str]) -> None:
     assert set(report) >= {"preset", "plan", "mesh", "params", "stages", "parity", "goldens"}
     assert report["preset"] == "tiny" and report["mesh"] == "dp=8"
     assert report["params"] == {"count": 21, "fsdp_sharded": 21}
@@ -36,6 +39,29 @@ def test_report_json_schema_golden_status_parity_and_page(capsys, shared_pipelin
     assert set(joint["collectives"]["all_gather"]["dp"]) == {"count", "bytes"}
     assert set(report["goldens"].values()) == {"matches"}
     assert set(report["goldens"]) == {*STAGE_NAMES, "collective pass order", "collective counts"}
+    # the page of the same run: a section per stage and alternative
+    assert list(secs) == [*STAGE_NAMES, *(f"{n} (alone)" for n in COLLECTIVE_PASS_NAMES)]
+    goldens = {name: re.search(r"data-golden='(\w+)'", chunk).group(1) for name, chunk in secs.items()}
+    assert goldens == {name: "none" if name in COLLECTIVE_PASS_NAMES else "matches" for name in secs}
+
+
+# The report's default scenario is the golden scenario tiny-fsdp-dp8: in its xdist group, the
+# pipeline run is the one the golden tests built (shared_pipeline_runs).
+@pytest.mark.xdist_group("tiny-fsdp-dp8")
+def test_report_json_schema_golden_status_and_page(capsys, shared_pipeline_runs, tmp_path):
+    report, _, secs = _report_and_sections(capsys, tmp_path, "--no-parity")
+    _check_schema_goldens_and_page(report, secs)
+    assert report["parity"] is None
+    assert all("parity: not run for this stage" in sec and "data-parity" not in sec for sec in secs.values())
+
+
+# With its parity run: a dp=2 pipeline and a gloo world training every stage (~7 CPU-s), so in CI's
+# slow step; CI's first step runs the same command (the README's main job) and checks its report.
+@pytest.mark.slow
+@pytest.mark.xdist_group("tiny-fsdp-dp8")
+def test_report_json_schema_golden_status_parity_and_page(capsys, shared_pipeline_runs, tmp_path):
+    report, _, secs = _report_and_sections(capsys, tmp_path)
+    _check_schema_goldens_and_page(report, secs)
     parity = report["parity"]
     assert parity["mesh"] == "dp=2"
     assert list(parity["vs_eager"]) == [s for s in STAGE_EXECUTORS if s != "eager"]
@@ -44,19 +70,13 @@ def test_report_json_schema_golden_status_parity_and_page(capsys, shared_pipelin
     # FSDP over dp=2 averages two slice gradients, (g0 + g1) / 2, exactly as the oracle does with
     # the unsharded model on each slice: nothing is reordered, so the two agree to the bit
     assert parity["single_device_max_abs_diff"] == 0.0 and parity["oracle"]["tensors"] > 0
-    assert "[verify]" in out.err, "progress goes to stderr"
-    # the page of the same run: a section per stage and alternative, verdicts from this parity run
-    assert report["html"] == str(tmp_path / "page" / "index.html") and f"wrote {report['html']}" in out.err
-    secs = sections(Path(report["html"]).read_text(encoding="utf-8"))
-    assert list(secs) == [*STAGE_NAMES, *(f"{n} (alone)" for n in COLLECTIVE_PASS_NAMES)]
+    # the page: verdicts from this parity run
     for stage in parity["vs_eager"]:  # the composed collective passes: on the last pass's section
         sec = secs[COLLECTIVE_PASS_NAMES[-1] if stage == "collective_passes" else stage]
         assert "data-parity='ok'" in sec and f"{parity['vs_eager'][stage]['tensors']} tensors" in sec
     oracle = f"single-device eager (oracle) PASS: max |diff| {parity['single_device_max_abs_diff']:.2e}"
     assert oracle in secs["joint"]
     assert "parity: not run for this stage" in secs["pre_overlap_bucketing"]
-    goldens = {name: re.search(r"data-golden='(\w+)'", chunk).group(1) for name, chunk in secs.items()}
-    assert goldens == {name: "none" if name in COLLECTIVE_PASS_NAMES else "matches" for name in secs}
 
 
 def test_report_text_format():

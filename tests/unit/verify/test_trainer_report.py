@@ -22,6 +22,9 @@ def figures(chunk: str) -> list[ET.Element]:
     return [ET.fromstring(s) for s in re.findall(r"<svg .*?</svg>", chunk, re.S)]
 
 
+# The whole command: traces, profiled steps and parity runs of the debug preset (~2.5 s), in CI's
+# slow step; the tier keeps the pieces it is made of (trainer goldens, parity, memory, format_report).
+@pytest.mark.slow
 def test_trainer_report_json_page_measured_memory_goldens_and_parity(capsys, tmp_path):
     assert main(["report", "--trainer", "--json", "--html", str(tmp_path)]) == 0
     out = capsys.readouterr()

@@ -160,6 +160,7 @@ def test_signal_death_reports_signal() -> None:
     assert info.value.exitcode == -signal.SIGKILL
 
 
+@pytest.mark.slow  # waits out its 3 s limit with a core idle: CI's slow step
 def test_timeout_kills_world() -> None:
     t0 = time.monotonic()
     with pytest.raises(WorldTimeoutError) as info:
@@ -265,6 +266,7 @@ def test_no_state_left_in_parent() -> None:
     assert dict(os.environ) == env
 
 
+@pytest.mark.slow  # a fresh interpreter per rank imports torch (~1.5 s): CI's slow step
 def test_spawn_start_method() -> None:
     # Slow (the rank imports torch afresh), so a single rank: it still covers pickling fn/args,
     # the child entry point, init_process_group and the result file. Spawned ranks may use

@@ -1,17 +1,41 @@
-"""Guards run even where the quick tier marks them slow (verify/mutation/patches.py
-``_run_slow_flag``): found by CI, where three patches' guards were skipped and reported as errors."""
+"""Both mutation levels run the tests they name even where the quick tier marks them slow
+(``verify.mutation.run_slow_args``): found by CI, where three patches' guards were skipped and
+reported as errors; a line group's narrowest tests may hold a slow one too (canon's hash-seed test)."""
 
-from verify.mutation.patches import _run_slow_flag
+import tomllib
+
+from verify.mutation import lines as L
+from verify.mutation import run_slow_args
 
 
 def test_guards_run_slow_tests_in_a_project_that_opts_in(tmp_path):
     (tmp_path / "pyproject.toml").write_text("[tool.pytest.ini_options]\nautoparallel_verify = true\n")
-    assert _run_slow_flag(tmp_path) == ["--ap-run-slow"]
+    assert run_slow_args(tmp_path) == ["--ap-run-slow"]
 
 
 def test_a_project_that_has_not_opted_in_gets_no_option_it_would_refuse(tmp_path):
-    assert _run_slow_flag(tmp_path) == []
+    assert run_slow_args(tmp_path) == []
     (tmp_path / "pyproject.toml").write_text("[tool.pytest.ini_options]\nautoparallel_verify = false\n")
-    assert _run_slow_flag(tmp_path) == []
+    assert run_slow_args(tmp_path) == []
     (tmp_path / "pyproject.toml").write_text("not toml [")
-    assert _run_slow_flag(tmp_path) == []
+    assert run_slow_args(tmp_path) == []
+
+
+def test_line_mutation_runs_pass_the_option_to_mutmuts_pytest():
+    cfg = tomllib.loads(L.mutmut_config(["pkg/a.py"], ["tests/t.py"], run_slow=["--ap-run-slow"]))["tool"]["mutmut"]
+    assert "--ap-run-slow" in cfg["pytest_add_cli_args"]
+    assert "--ap-run-slow" not in L.mutmut_config(["pkg/a.py"], ["tests/t.py"])
+
+
+def test_line_mutation_baseline_runs_the_slow_tests_mutmut_will_run(monkeypatch, tmp_path):
+    seen = []
+
+    def fake_run(cmd, **kw):
+        seen.append(cmd)
+        (tmp_path / "baseline-outcomes.json").write_text('{"tests/t.py::test_a": "passed"}')
+        return type("Done", (), {"returncode": 0, "stdout": ""})()
+
+    monkeypatch.setattr(L.subprocess, "run", fake_run)
+    assert L.baseline(tmp_path, ["tests/t.py"], 1, run_slow=["--ap-run-slow"]) == {"tests/t.py::test_a": "passed"}
+    assert L.baseline(tmp_path, ["tests/t.py"], 1) == {"tests/t.py::test_a": "passed"}
+    assert "--ap-run-slow" in seen[0] and "--ap-run-slow" not in seen[1]
