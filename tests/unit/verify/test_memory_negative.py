@@ -203,6 +203,27 @@ def test_ratio_accepts_a_one_byte_reference_and_the_table_is_exact():
     ]
 
 
+def test_cuda_table_has_a_column_pair_per_metric_and_a_metric_subset_on_request():
+    """The caching allocator's three metrics side by side (built by hand: no GPU needed), and
+    ``metrics=`` choosing some of them."""
+    def cuda(peak, reserved, active):
+        return PeakMemory(device="cuda:0", source="cuda-allocator", peak=peak * MiB, baseline=0,
+                          reserved=reserved * MiB, active=active * MiB)
+
+    runs = {"eager_sac": cuda(4, 8, 2), "traced": cuda(2, 8, 1)}
+    assert compare_peaks(runs, reference="eager_sac").splitlines() == [
+        "peak memory on cuda:0 (cuda-allocator)",
+        "run            peak MiB  x eager_sac  reserved MiB  x eager_sac    active MiB  x eager_sac",
+        "eager_sac          4.00        1.000          8.00        1.000          2.00        1.000",
+        "traced             2.00        0.500          8.00        1.000          1.00        0.500",
+    ]
+    assert compare_peaks(runs, reference="traced", metrics=("active",)).splitlines()[1:] == [
+        "run          active MiB  x traced",
+        "eager_sac          2.00     2.000",
+        "traced             1.00     1.000",
+    ]
+
+
 def test_static_peak_refuses_real_placeholder_values_by_name():
     g = torch.fx.Graph()
     x = g.placeholder("x")

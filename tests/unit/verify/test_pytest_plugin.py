@@ -14,7 +14,7 @@ import torch
 from verify.goldens import render_golden
 from verify.goldens.cli import USAGE_LOG_ENV
 from verify.html import diff as html_diff
-from verify.pytest_plugin import OPT_IN_INI, VerifyPlugin
+from verify.pytest_plugin import OPT_IN_INI, VerifyPlugin, _GoldenUsage
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU behaviour")
 
@@ -451,6 +451,19 @@ def test_golden_usage_record_for_the_goldens_command(pytester, run, tmp_path_fac
     run("tests/test_g.py", "-k", "named", env_extra={USAGE_LOG_ENV: str(log)})
     (record_file,) = log.iterdir()
     assert json.loads(record_file.read_text())["whole_tree"] is False  # given paths: not the whole tree
+
+
+def test_golden_usage_passes_over_items_that_have_no_fixtures(tmp_path):
+    """A doctest or another plugin's item has no ``fixturenames``: it is no golden test, and the
+    usage record must not fail on it."""
+    usage = _GoldenUsage(SimpleNamespace(), str(tmp_path))
+    items = [SimpleNamespace(nodeid="m.txt::m.txt"), SimpleNamespace(nodeid="t.py::test_g", fixturenames=["golden"]),
+             SimpleNamespace(nodeid="t.py::test_p", fixturenames=["tmp_path"])]
+    usage.collected(items)
+    assert usage.tests == {"t.py::test_g"}
+    off = _GoldenUsage(SimpleNamespace(), None)  # no record asked for: nothing kept
+    off.collected(items)
+    assert off.tests == set()
 
 
 def test_an_xdist_worker_leaves_the_verdict_to_the_controller(monkeypatch, tmp_path):
