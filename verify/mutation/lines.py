@@ -678,7 +678,14 @@ def run(root: Path, *, files: Sequence[str], tests: Sequence[str], workdir: Path
     if blocked:
         progress(f"pytest plugins under mutation, left out of the runs that judge them: {' '.join(blocked)}")
     deselected: dict[str, str] = {}
+
+    def configure(deselect: Sequence[str]) -> None:
+        write_config(root, workdir, mutmut_config(files, tests, deselect, blocked_plugins=blocked, run_slow=slow,
+                                                  timeout_multiplier=timeout_multiplier, timeout_constant=timeout_constant))
+
     if not skip_baseline:
+        # the project's pytest settings (its plugin opt-in, markers) for the baseline too, as mutmut will run
+        configure(())
         progress("baseline: running the selected tests on the unmutated code ...")
         outcomes = baseline(workdir, tests, max_examples, blocked_plugins=blocked, run_slow=slow)
         deselected = {nid: o for nid, o in outcomes.items() if o in ("failed", "error")}
@@ -690,9 +697,7 @@ def run(root: Path, *, files: Sequence[str], tests: Sequence[str], workdir: Path
             progress(f"  deselected: {nid} ({o})")
         if not tests:
             raise RuntimeError("no selected test file collects on the unmutated code")
-    deselect = [nid for nid in deselected if "::" in nid]
-    write_config(root, workdir, mutmut_config(files, tests, deselect, blocked_plugins=blocked, run_slow=slow,
-                                              timeout_multiplier=timeout_multiplier, timeout_constant=timeout_constant))
+    configure([nid for nid in deselected if "::" in nid])
     progress(f"mutmut run --max-children {max_children} ...")
     proc = subprocess.Popen([*_mutmut_cmd(), "run", "--max-children", str(max_children)], cwd=workdir,
                             env=_env(max_examples, workdir), stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
