@@ -100,6 +100,7 @@ def test_missing_changed_corrupt_and_unused_goldens(pytester, inner_pytest):
     assert f"golden file {golden} is corrupt" in corrupt.stdout
     assert "pytest.fail(" not in corrupt.stdout
     assert "During handling of the above exception" not in corrupt.stdout, "said once, not again as a chained exception"
+    assert "CorruptGoldenError" not in corrupt.stdout, "a failure with the message, not syrupy's read raising it"
     golden.write_text("some other text\n")
     assert "is corrupt: first line is 'some other text'" in pytest_run().stdout
     assert golden.read_text() == "some other text\n", "a failing run must never rewrite a golden"
