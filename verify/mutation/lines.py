@@ -98,7 +98,7 @@ from verify.mutation.outcome_log import ENV as OUTCOME_ENV
 from verify.repo import repo_root
 
 PASSES_DIR = "autoparallel/passes"
-VERIFY_PLUGIN = "verify.pytest_plugin"
+VERIFY_PLUGIN = "verify.pytest_plugin"  # its pytest11 entry point name (pyproject.toml)
 EXCLUDED_FILES = ("__init__.py", "registry.py")
 DEFAULT_TESTS = (
     "tests/unit/autoparallel/passes/test_fsdp_recompute.py",
@@ -675,9 +675,9 @@ def run(root: Path, *, files: Sequence[str], tests: Sequence[str], workdir: Path
     progress(f"tests: {' '.join(tests)}")
     prepare_workdir(root, workdir)
     blocked = mutated_pytest_plugins(root, files)
-    # --ap-run-slow is the verify plugin's option: where that plugin is the file under mutation,
-    # its outer runs leave it out (above), and with it every skip of a slow test
-    slow = [] if module_file(VERIFY_PLUGIN) in files else run_slow_args(root)
+    # --ap-run-slow is the verify plugin's option: where the outer runs leave that plugin out (it is
+    # under mutation), pytest would refuse it, and nothing skips a slow test there anyway
+    slow = [] if VERIFY_PLUGIN in blocked else run_slow_args(root)
     if blocked:
         progress(f"pytest plugins under mutation, left out of the runs that judge them: {' '.join(blocked)}")
     deselected: dict[str, str] = {}

@@ -23,26 +23,6 @@ def test_a_project_that_has_not_opted_in_gets_no_option_it_would_refuse(tmp_path
     assert run_slow_args(tmp_path) == []
 
 
-def test_line_mutation_runs_pass_the_option_to_mutmuts_pytest():
-    cfg = tomllib.loads(L.mutmut_config(["pkg/a.py"], ["tests/t.py"], run_slow=["--ap-run-slow"]))["tool"]["mutmut"]
-    assert "--ap-run-slow" in cfg["pytest_add_cli_args"]
-    assert "--ap-run-slow" not in L.mutmut_config(["pkg/a.py"], ["tests/t.py"])
-
-
-def test_line_mutation_baseline_runs_the_slow_tests_mutmut_will_run(monkeypatch, tmp_path):
-    seen = []
-
-    def fake_run(cmd, **kw):
-        seen.append(cmd)
-        (tmp_path / "baseline-outcomes.json").write_text('{"tests/t.py::test_a": "passed"}')
-        return type("Done", (), {"returncode": 0, "stdout": ""})()
-
-    monkeypatch.setattr(L.subprocess, "run", fake_run)
-    assert L.baseline(tmp_path, ["tests/t.py"], 1, run_slow=["--ap-run-slow"]) == {"tests/t.py::test_a": "passed"}
-    assert L.baseline(tmp_path, ["tests/t.py"], 1) == {"tests/t.py::test_a": "passed"}
-    assert "--ap-run-slow" in seen[0] and "--ap-run-slow" not in seen[1]
-
-
 def _fake_line_run(monkeypatch, tmp_path, files: list[str]) -> dict:
     """``lines.run`` on a throwaway project that opts in (``files`` exist there), pytest and mutmut
     faked: the baseline's command line and the scratch pyproject.toml it ran under."""
