@@ -2,6 +2,7 @@
 its pytest11 entry point and switched on by ``autoparallel_verify = true`` in pyproject.toml; this
 file only holds helpers specific to this repository's tests."""
 
+import contextlib
 import json
 import os
 import shutil
@@ -18,13 +19,26 @@ pytest_plugins = ("pytester",)
 
 @pytest.fixture(autouse=True)
 def _no_world_leaks():
-    """A test must not leave a default process group behind (it would break forked gloo worlds)."""
+    """A test must not leave a default process group behind (it would break forked gloo worlds),
+    nor collectives nobody waited on: ProcessGroup's work registry keeps their outputs alive and
+    warns at exit ("there are still N unwaited collective calls") with no word of which test."""
+    before = _unwaited_collectives()
     yield
     import torch.distributed as dist
 
     if dist.is_initialized():
         dist.destroy_process_group()
         pytest.fail("test left a default process group initialized")
+    left = _unwaited_collectives() - before
+    if left > 0:
+        pytest.fail(f"test left {left} collective call(s) unwaited (c10d_functional.wait_tensor never ran "
+                    f"on their outputs)")
+
+
+def _unwaited_collectives() -> int:
+    """Works in this process's c10d work registry (0 before anything imported torch.distributed)."""
+    c10d = sys.modules.get("torch._C._distributed_c10d")
+    return c10d._get_work_registry_size() if c10d is not None else 0
 
 
 # Fixtures import torch and first-party modules when a test asks for them: this file is loaded by
@@ -141,10 +155,31 @@ def inner_pytest(pytester, monkeypatch):
                     mp.delenv(key)
             for key, value in (env or {}).items():
                 mp.setenv(key, value)
-            res = pytester.runpytest_inprocess(*args)
+            with _syrupy_globals_kept():
+                res = pytester.runpytest_inprocess(*args)
         return InnerRun(int(res.ret), "\n".join(res.outlines), "\n".join(res.errlines))
 
     return run
+
+
+@contextlib.contextmanager
+def _syrupy_globals_kept():
+    """syrupy keeps the running session in a module global (``syrupy._syrupy``, which records
+    each test's outcome) and the snapshot directory in a class attribute, and an in-process pytest
+    replaces both: every test of this run after an inner run was recorded in the inner session,
+    so the outer one thought its skipped golden tests never ran and called their goldens unused
+    (the "74 snapshots unused" of a plain ``pytest -n 0``). Restored after each inner run."""
+    try:
+        import syrupy
+        from syrupy.extensions.base import SnapshotCollectionStorage as storage
+    except ImportError:
+        yield
+        return
+    kept = syrupy._syrupy, storage.snapshot_dirname
+    try:
+        yield
+    finally:
+        syrupy._syrupy, storage.snapshot_dirname = kept
 
 
 @pytest.fixture(scope="session")

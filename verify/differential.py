@@ -237,7 +237,13 @@ def _collective(node: fx.Node, per_rank_args: list[tuple], ranks: int) -> PerRan
     args, kwargs = pytree.tree_unflatten(leaves, spec)
     with LocalTensorMode(ranks):
         out = node.target(*args, **kwargs)
-    out_leaves, out_spec = pytree.tree_flatten(out)
+        out_leaves, out_spec = pytree.tree_flatten(out)
+        # Waited here, on the LocalTensors the work was registered with: the graph's own
+        # wait_tensor node gets per-rank tensors re-wrapped, which the work registry does not know,
+        # and every collective stayed registered (unwaited) until the process ended.
+        for x in out_leaves:
+            if isinstance(x, LocalTensor):
+                torch.ops._c10d_functional.wait_tensor(x)
     per_rank = []
     for r in range(ranks):
         mine = [x._local_tensors[r] if isinstance(x, LocalTensor) else x for x in out_leaves]

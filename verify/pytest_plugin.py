@@ -24,9 +24,11 @@ Opted in:
   overrides the visible count the gates and the selection use);
 * fixture ``model_check`` (``verify.check.check_model``: any model through every stage, parity
   and the oracle; fails the test with the summary; ``golden=golden`` adds a golden per stage);
-* fixture ``golden`` (``verify.goldens``), which also reports the goldens it used when
-  ``python -m verify goldens`` asks (``$AUTOPARALLEL_GOLDENS_LOG``), so that command can find
-  goldens no test uses;
+* fixture ``golden`` (``verify.goldens``); the goldens no test read are judged by one rule
+  (``_GoldenUsage``): only a ``--ap-run-slow`` run of the whole tree with every golden test
+  passing calls a golden unused (and ``--snapshot-update`` then deletes it), so the quick tier
+  never fails on, nor deletes, the goldens of the slow tests it skips; ``python -m verify
+  goldens`` applies the same rule to the records each process writes (``$AUTOPARALLEL_GOLDENS_LOG``);
 * ``$AUTOPARALLEL_DISABLE`` is checked before any test runs (an unknown patch name is a usage
   error) and shown in the header;
 * PyTorch's structured-trace records (logger ``torch.__trace``: empty messages whose payload is
@@ -177,6 +179,9 @@ class VerifyPlugin:
         kind, _, seed = order.partition(":")
         if order not in ("file", "reverse") and not (kind == "shuffle" and seed.isdigit()):
             raise pytest.UsageError(f"{ORDER} takes 'file', 'reverse' or 'shuffle:SEED', got {order!r}")
+        # Unused goldens are judged by _GoldenUsage, never by syrupy (see there).
+        if hasattr(config.option, "disable_unused_snapshots"):
+            config.option.disable_unused_snapshots = True
         if config.getoption("ap_gpu_ci") and self.have() == 0:
             raise pytest.UsageError(
                 f"{GPU_CI}: no CUDA device is visible ({_torch_description()}); GPU CI needs at least one GPU"
@@ -262,15 +267,27 @@ class VerifyPlugin:
         if report.when == "call" and report.passed:
             self._goldens.passed(report.nodeid)
 
+    @pytest.hookimpl(optionalhook=True)
+    def pytest_testnodedown(self, node, error) -> None:
+        # xdist's controller: a worker's golden usage record (see _GoldenUsage.finish)
+        record = getattr(node, "workeroutput", {}).get(_GoldenUsage.WORKER_KEY)
+        if record is not None:
+            self._goldens.worker_records.append(record)
+
     def pytest_sessionfinish(self, session: pytest.Session) -> None:
-        self._goldens.write(is_worker=hasattr(self.config, "workerinput"))
+        self._goldens.finish(session, is_worker=hasattr(self.config, "workerinput"))
         if self.config.getoption("ap_gpu_ci") and self._skipped and not hasattr(self.config, "workerinput"):
             session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
+    @pytest.hookimpl(trylast=True)  # after syrupy's snapshot report, whose unused line it explains
     def pytest_terminal_summary(self, terminalreporter) -> None:
+        tr = terminalreporter
+        if self._goldens.summary:
+            tr.section("autoparallel goldens")
+            for line in self._goldens.summary:
+                tr.write_line(line)
         if not self.config.getoption("ap_gpu_ci"):
             return
-        tr = terminalreporter
         have = self.have()
         tr.section("autoparallel GPU CI")
         tr.write_line(f"{self._gpu_ci_run} GPU test(s) selected for {have} visible GPU(s)")
@@ -331,9 +348,20 @@ def _torch_description() -> str:
 
 
 class _GoldenUsage:
-    """What ``python -m verify goldens`` needs to find unused goldens: the golden tests collected
-    (before any deselection), those that passed, the golden files they read, and whether the
-    whole test tree was collected. One JSON file per process under ``$AUTOPARALLEL_GOLDENS_LOG``."""
+    """Which goldens a run used, and the one rule for unused ones (``verify.goldens.cli``
+    ``unused_goldens``): the golden tests collected (before any deselection), those that passed,
+    the golden files they read, and whether the whole test tree was collected. Each process keeps
+    a record; xdist workers hand theirs to the controller (``workeroutput``).
+
+    Under ``python -m verify goldens`` (``$AUTOPARALLEL_GOLDENS_LOG`` set) each process writes its
+    record there and the command judges. Any other run judges here: only with ``--ap-run-slow``
+    (the quick tier skips slow tests, which own goldens too), on the whole tree, with every golden
+    test passing, is a golden that no test read unused: the run fails naming it, and
+    ``--snapshot-update`` deletes it. Otherwise nothing is deleted, and ``--snapshot-update`` says
+    why in one line. syrupy's own unused detection is off (it would call a skipped test's goldens
+    unused, and ``--snapshot-update`` deleted them)."""
+
+    WORKER_KEY = "ap_golden_usage"
 
     def __init__(self, config: pytest.Config, directory: str | None):
         self.config = config
@@ -341,6 +369,8 @@ class _GoldenUsage:
         self.tests: set[str] = set()
         self.passed_tests: set[str] = set()
         self.used: set[str] = set()
+        self.worker_records: list[dict] = []
+        self.summary: list[str] = []  # lines for the terminal summary
 
     @classmethod
     def from_env(cls, config: pytest.Config) -> _GoldenUsage:
@@ -349,21 +379,16 @@ class _GoldenUsage:
         return cls(config, os.environ.get(USAGE_LOG_ENV) or None)
 
     def collected(self, items) -> None:
-        if self.directory:
-            self.tests.update(i.nodeid for i in items if "golden" in getattr(i, "fixturenames", ()))
+        self.tests.update(i.nodeid for i in items if "golden" in getattr(i, "fixturenames", ()))
 
     def passed(self, nodeid: str) -> None:
-        if self.directory:
-            self.passed_tests.add(nodeid)
+        self.passed_tests.add(nodeid)
 
     def use(self, path) -> None:
-        if self.directory:
-            self.used.add(str(path))
+        self.used.add(str(path))
 
-    def write(self, *, is_worker: bool) -> None:
-        if not self.directory:
-            return
-        record = {
+    def record(self, *, is_worker: bool) -> dict:
+        return {
             "worker": is_worker,
             "whole_tree": self.config.args_source in (pytest.Config.ArgsSource.TESTPATHS,
                                                       pytest.Config.ArgsSource.INVOCATION_DIR),
@@ -371,9 +396,51 @@ class _GoldenUsage:
             "passed": sorted(self.passed_tests),
             "used": sorted(self.used),
         }
-        path = os.path.join(self.directory, f"usage-{os.getpid()}.json")
-        with open(path, "w", encoding="utf-8") as f:
-            json.dump(record, f)
+
+    def finish(self, session, *, is_worker: bool) -> None:
+        record = self.record(is_worker=is_worker)
+        if is_worker:
+            self.config.workeroutput[self.WORKER_KEY] = record
+        if self.directory:
+            path = os.path.join(self.directory, f"usage-{os.getpid()}.json")
+            with open(path, "w", encoding="utf-8") as f:
+                json.dump(record, f)
+            return  # python -m verify goldens judges
+        if not is_worker:
+            self._judge(session, [record, *self.worker_records])
+
+    def _judge(self, session, records: list[dict]) -> None:
+        """One line (or the list of unused goldens) for the terminal summary: it also explains
+        syrupy's "Unused snapshot detection is disabled" line, printed just above it."""
+        from pathlib import Path
+
+        from verify.goldens.cli import unused_goldens
+        from verify.goldens.text import CHECK_COMMAND, UPDATE_COMMAND
+
+        if not any(r["tests"] for r in records):
+            return  # no golden test collected
+        updating = bool(getattr(self.config.option, "update_snapshots", False))
+        none_deleted = ", none deleted" if updating else ""
+        if not self.config.getoption("ap_run_slow"):
+            self.summary.append(
+                f"unused goldens: not looked for without {RUN_SLOW}{none_deleted} (the slow tests skipped here own "
+                f"goldens too; `{CHECK_COMMAND}` checks every golden)")
+            return
+        root = Path(self.config.rootpath)
+        check = unused_goldens(root, records)
+        if check.not_checked:
+            self.summary.append(f"unused goldens: not looked for{none_deleted} ({check.not_checked})")
+        elif check.unused and updating:
+            for p in check.unused:
+                p.unlink()
+                self.summary.append(f"deleted unused golden {p.relative_to(root)} (no test reads it)")
+        elif check.unused:
+            self.summary.append(f"{len(check.unused)} unused golden(s): no test reads them; "
+                                f"`pytest {RUN_SLOW} --snapshot-update` or `{UPDATE_COMMAND}` deletes them:")
+            self.summary += [f"  {p.relative_to(root)}" for p in check.unused]
+            session.exitstatus = session.exitstatus or pytest.ExitCode.TESTS_FAILED
+        else:
+            self.summary.append(f"unused goldens: none (every one of the {check.files} golden files was read)")
 
 
 # verify.* is imported inside the functions below, on use: this plugin is loaded by every pytest

@@ -105,13 +105,95 @@ def test_missing_changed_corrupt_and_unused_goldens(pytester, inner_pytest):
     assert "is corrupt: first line is 'some other text'" in pytest_run().stdout
     assert golden.read_text() == "some other text\n", "a failing run must never rewrite a golden"
 
-    write_test(project, "mm_0 = aten.mm(a, b)", name="test_two")
+    write_test(project, "mm_0 = aten.mm(a, b)", name="test_two")  # test_one renamed: its golden is unused
     assert pytest_run("--snapshot-update").returncode == 0
-    golden.parent.joinpath("test_stale.txt").write_text(render_golden("t", []))
-    unused = pytest_run()
+    stale = golden.parent.joinpath("test_stale.txt")
+    stale.write_text(render_golden("t", []))
+    assert pytest_run().returncode == 0, "without --ap-run-slow no golden is judged unused"
+    assert golden.exists(), "nor deleted by --snapshot-update"
+    unused = pytest_run("--ap-run-slow")
     assert unused.returncode == 1
-    assert "unused" in unused.stdout
-    assert golden.parent.joinpath("test_stale.txt").exists(), "only an explicit update deletes goldens"
+    assert "2 unused golden(s): no test reads them" in unused.stdout
+    assert "  goldens/test_a/test_one.txt\n  goldens/test_a/test_stale.txt" in unused.stdout
+    assert stale.exists(), "only an explicit update deletes goldens"
+    deleted = pytest_run("--ap-run-slow", "--snapshot-update")
+    assert deleted.returncode == 0 and "deleted unused golden goldens/test_a/test_stale.txt" in deleted.stdout
+    assert not stale.exists() and not golden.exists() and golden.parent.joinpath("test_two.txt").exists()
+    assert "unused goldens: none (every one of the 1 golden files was read)" in pytest_run("--ap-run-slow").stdout
+
+
+# A project shaped like this repository: quick and slow golden tests (a slow one shares its test
+# function with a quick one, as the golden scenarios do), a test with no golden, the plugin on.
+WORKFLOW_PROJECT = {
+    "tests/golden/test_g.py": """
+        import pytest
+        from verify.goldens import render_golden
+
+        def test_quick(golden):
+            golden.check_text(render_golden("t", [("graph", "quick")]))
+
+        @pytest.mark.slow
+        def test_slow(golden):
+            golden.check_text(render_golden("t", [("graph", "slow")]))
+
+        @pytest.mark.parametrize("sid", ["a", pytest.param("b", marks=pytest.mark.slow)])
+        def test_scenario(sid, golden):
+            golden.check_text(render_golden("t", [("graph", sid)]))
+        """,
+    "tests/unit/test_plain.py": """
+        def test_plain():
+            pass
+        """,
+}
+# pytest's own workflows (issue 25): each must exit 0 and leave every golden as it was.
+PLAIN_WORKFLOWS = [(), ("-n", "0"), ("tests/golden",), ("-k", "quick or plain"), ("--snapshot-update",),
+                   ("-n", "2"), ("-n", "2", "--snapshot-update")]
+
+
+def _goldens_bytes(root: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted((root / "goldens").rglob("*")) if p.is_file()}
+
+
+def test_pytests_own_workflows_never_fail_on_nor_delete_a_skipped_tests_goldens(pytester, inner_pytest):
+    """Plain ``pytest`` (the quick tier: slow tests skipped), with and without xdist, a path, ``-k``
+    and ``--snapshot-update``: all exit 0 and leave goldens/ byte for byte as it was. syrupy called
+    the skipped tests' goldens unused (exit 1), and its advice, ``--snapshot-update``, deleted them."""
+    root = pytester.path
+    (root / "pytest.ini").write_text(
+        "[pytest]\ntestpaths = tests\naddopts = -p no:cacheprovider -p no:hypothesispytest --dist loadgroup\n"
+        "autoparallel_verify = true\n")
+    for rel, text in WORKFLOW_PROJECT.items():
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / rel).write_text(textwrap.dedent(text))
+    made = inner_pytest("-q", "--ap-run-slow", "--snapshot-update")
+    assert made.returncode == 0, made.stdout
+    before = _goldens_bytes(root)
+    assert sorted(before) == [f"goldens/golden/test_g/{n}.txt" for n in
+                              ("test_quick", "test_scenario[a]", "test_scenario[b]", "test_slow")]
+    for args in PLAIN_WORKFLOWS:
+        res = inner_pytest("-q", *args)
+        assert res.returncode == 0, (args, res.stdout)
+        assert _goldens_bytes(root) == before, f"pytest {' '.join(args)} touched goldens/"
+        if "--snapshot-update" in args:
+            assert "unused goldens: not looked for without --ap-run-slow, none deleted" in res.stdout, (args, res.stdout)
+    # A golden no test reads is not deleted by the quick tier's --snapshot-update either (syrupy did).
+    stray = root / "goldens" / "golden" / "test_g" / "test_gone.txt"
+    stray.write_text(render_golden("t", []))
+    kept = inner_pytest("-q", "--snapshot-update")
+    assert kept.returncode == 0 and stray.exists(), kept.stdout
+    stray.unlink()
+    # With --ap-run-slow a narrowed or skipping run deletes nothing either, and says why.
+    narrowed = inner_pytest("-q", "--ap-run-slow", "--snapshot-update", "-k", "quick")
+    assert narrowed.returncode == 0 and _goldens_bytes(root) == before
+    assert "unused goldens: not looked for, none deleted (3 golden test(s) did not pass" in narrowed.stdout
+    assert inner_pytest("-q", "--ap-run-slow", "-n", "2").returncode == 0
+    # Every tier, whole tree, every golden test passing: a golden no test reads is unused, also
+    # when the workers' records reach the controller through xdist.
+    stray.write_text(render_golden("t", []))
+    found = inner_pytest("-q", "--ap-run-slow", "-n", "2")
+    assert found.returncode == 1 and "goldens/golden/test_g/test_gone.txt" in found.stdout, found.stdout
+    assert inner_pytest("-q", "--ap-run-slow", "-n", "2", "--snapshot-update").returncode == 0
+    assert not stray.exists() and _goldens_bytes(root) == before
 
 
 def test_goldens_command_finds_and_deletes_unused_goldens(cli_project, capsys):
@@ -153,3 +235,16 @@ def test_goldens_live_under_a_tests_directory(tmp_path):
     assert golden_dir_for(tmp_path / "tests" / "golden" / "test_x.py") == tmp_path / "goldens" / "golden" / "test_x"
     with pytest.raises(ValueError, match="must live under a 'tests/' directory"):
         golden_dir_for(tmp_path / "elsewhere" / "test_x.py")
+
+
+def test_an_inner_pytest_leaves_syrupys_session_to_the_outer_run(pytester, inner_pytest):
+    """syrupy records each test's outcome in a module global; an in-process pytest replaced it, and
+    the outer run then called the goldens of its skipped tests unused (``inner_pytest`` restores it)."""
+    import syrupy
+    from syrupy.extensions.base import SnapshotCollectionStorage
+
+    outer = syrupy._syrupy, SnapshotCollectionStorage.snapshot_dirname
+    make_project(pytester.path)
+    write_test(pytester.path, "x")
+    inner_pytest("-q", "-n", "0", "--snapshot-update")
+    assert (syrupy._syrupy, SnapshotCollectionStorage.snapshot_dirname) == outer

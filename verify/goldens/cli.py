@@ -35,10 +35,15 @@ class UnusedCheck:
 
 
 def find_unused(root: Path, log_dir: Path) -> UnusedCheck:
-    """Goldens under ``root/goldens`` that the logged run did not read, if the run can tell: it
-    collected the whole test tree and every golden test passed (a test that failed or was
-    skipped may not have read its golden)."""
-    records = [json.loads(p.read_text()) for p in sorted(log_dir.glob("usage-*.json"))]
+    """``unused_goldens`` of the usage records a run wrote to ``log_dir`` (one per process)."""
+    return unused_goldens(root, [json.loads(p.read_text()) for p in sorted(log_dir.glob("usage-*.json"))])
+
+
+def unused_goldens(root: Path, records: list[dict]) -> UnusedCheck:
+    """Goldens under ``root/goldens`` that a run's processes (their usage records) did not read,
+    if the run can tell: it collected the whole test tree and every golden test passed (a test
+    that failed, was skipped or deselected may not have read its golden). The one rule for unused
+    goldens: this command and a plain pytest run (``verify.pytest_plugin``) both apply it."""
     main = [r for r in records if not r["worker"]]
     if not main:
         return UnusedCheck([], "pytest did not finish its session")

@@ -16,6 +16,7 @@ from pathlib import Path
 
 FORMAT_LINE = "# autoparallel golden v1"
 UPDATE_COMMAND = "python -m verify goldens --update"
+CHECK_COMMAND = "python -m verify goldens --check"
 GOLDENS_DIR = "goldens"
 TESTS_DIR = "tests"
 
