@@ -248,6 +248,7 @@ def _first_partition(p: Placement) -> PartitionRecord:
         stage=STEP_FIRST_PARTITION,
     )
     record = PartitionRecord(fw, bw, [n.name for n in captured["saved"]], captured["num_fwd_outputs"])
+    uninitialised = []
     for ph in gm.graph.find_nodes(op="placeholder"):
         kind = roles.kind(ph.meta.get(M.ROLE))
         store = p.params if kind == roles.PARAM else p.buffers if kind == roles.BUFFER else None
@@ -257,6 +258,7 @@ def _first_partition(p: Placement) -> PartitionRecord:
         v = ph.meta[M.VAL]
         if name not in store:
             store[name] = torch.empty(v.shape, dtype=v.dtype)
+            uninitialised.append(name)
         else:
             _check_local_tensor(kind, name, store[name], v)
     p.module = ParallelModule(
@@ -267,6 +269,7 @@ def _first_partition(p: Placement) -> PartitionRecord:
         first_partition=record,
         steps=[*p.done, STEP_FIRST_PARTITION],
         group_dims=jg.group_dims,
+        uninitialised=uninitialised,
     )
     log.info("first partition saves %d values (%.2fs)", len(record.saved), time.perf_counter() - t0)
     return record
@@ -312,7 +315,9 @@ def placement(
     """The state :data:`PLACEMENT_STEPS` run on (see :func:`apply_placement` for the arguments)."""
     if reshard_after_forward is None:
         reshard_after_forward = jg.plan.reshard_after_forward
-    return Placement(jg, dict(params or {}), dict(buffers or {}), reshard_after_forward, partition_fn or _default_first_partition())
+    params = dict(getattr(jg, "local_params", {}), **(params or {}))
+    buffers = dict(getattr(jg, "local_buffers", {}), **(buffers or {}))
+    return Placement(jg, params, buffers, reshard_after_forward, partition_fn or _default_first_partition())
 
 
 def apply_placement(
@@ -326,8 +331,10 @@ def apply_placement(
     """Clean up, tag and partition ``jg`` (a ``JointGraph``) into a ``ParallelModule``.
 
     ``params`` / ``buffers``: this rank's local shards by FQN (e.g. a ``ParallelProgram``'s
-    ``local_parameters()``); missing ones are allocated uninitialised with the traced local
-    shapes. ``reshard_after_forward`` defaults to the plan's. ``partition_fn`` is the first
+    ``local_parameters()``); by default the values of the model ``jg`` was traced from (its
+    ``local_params`` / ``local_buffers``). Missing ones (a model on meta) are allocated
+    uninitialised with the traced local shapes and the module says so (``uninitialised``): the
+    second compile refuses to run it. ``reshard_after_forward`` defaults to the plan's. ``partition_fn`` is the first
     partitioner (default: AOT's ``default_partition``, which saves every forward value the
     backward reads unless it is tagged for recompute).
 

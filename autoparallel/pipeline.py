@@ -294,6 +294,12 @@ def second_compile(
 
     if module.group_dims != mesh.group_dims:
         raise ValueError(f"module was traced with groups {module.group_dims}, this world has {mesh.group_dims}")
+    if keep_compiled and getattr(module, "uninitialised", ()):
+        names = module.uninitialised
+        raise ValueError(
+            f"second compile with keep_compiled: {len(names)} local parameter(s)/buffer(s) of the module have no "
+            f"values (e.g. {names[0]!r}; the model was built on meta), and running it would compute on memory "
+            "nobody wrote. Build the model on a real device, or give apply_placement the local values")
     captured: dict[str, Any] = {}
 
     def stop_if_graphs_only():

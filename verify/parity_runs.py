@@ -101,7 +101,8 @@ def _last_stage(executors) -> str | None:
 
 def _pipeline(scenario: Scenario, mesh, enable_ac: bool, collective: CollectivePassesConfig, until: str | None) -> PipelineRun:
     options = _options(enable_ac, collective)
-    return run_pipeline(*scenario.pipeline_inputs()[:4], mesh, options, until=until or JOINT)
+    # The module runs (keep_compiled): a model with values, never meta (verify.pipeline.run_pipeline).
+    return run_pipeline(*scenario.pipeline_inputs("cpu")[:4], mesh, options, until=until or JOINT)
 
 
 def parity_pipeline(

@@ -135,7 +135,10 @@ def run_pipeline(
     )
     # A kept module is for gloo ranks with one intra-op thread each (Dynamo guards on it).
     with intra_op_threads(1) if keep_compiled else contextlib.nullcontext():
-        run = P.run_pipeline(*scenario.pipeline_inputs(), options, until=until, trace=stage_tracer)
+        # A kept module runs: its model is built with values (on meta it would run on memory
+        # nobody wrote, e.g. the buffers a model computes in __init__).
+        run = P.run_pipeline(*scenario.pipeline_inputs("cpu" if keep_compiled else "meta"), options, until=until,
+                             trace=stage_tracer)
     if _shared_runs is not None:
         _shared_runs.setdefault(key, []).append((until, keep_compiled, run))
     return run

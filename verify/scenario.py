@@ -123,11 +123,12 @@ class Scenario:
     def example_inputs(self) -> tuple[torch.Tensor, ...]:
         return self.batches(1)[0]
 
-    def pipeline_inputs(self) -> tuple:
+    def pipeline_inputs(self, device: str = "meta") -> tuple:
         """``(model, loss_fn, example_inputs, plan, mesh spec)``: the leading arguments of
-        ``autoparallel.pipeline.run_pipeline`` (model on ``meta``; None: the default token loss)."""
+        ``autoparallel.pipeline.run_pipeline`` (model on ``device``: ``meta`` for graphs only, a
+        real device where the run executes the module; None: the default token loss)."""
         loss_fn = None if self.model_case is None else self.loss_fn
-        return self.model(device="meta"), loss_fn, self.example_inputs(), self.plan_obj(), self.mesh_spec
+        return self.model(device=device), loss_fn, self.example_inputs(), self.plan_obj(), self.mesh_spec
 
     def trace(self, mesh=None) -> JointGraph:
         """The joint graph on a fake world (``mesh``: an already-entered fake world, if any)."""

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import fx, nn
 from torch._guards import detect_fake_mode
-from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
+from torch._subclasses.fake_tensor import FakeTensorMode, is_fake, unset_fake_temporarily
 
 from autoparallel import meta as M
 from autoparallel import roles
@@ -49,6 +49,10 @@ class JointGraph:
     num_fwd_outputs: int
     trace_seconds: float
     fake_mode: FakeTensorMode
+    # This rank's local parameter shards and buffers as real tensors, by FQN (the values the
+    # traced model held, sharded by the plan); empty for a model on meta or fake tensors.
+    local_params: dict[str, torch.Tensor] = field(default_factory=dict)
+    local_buffers: dict[str, torch.Tensor] = field(default_factory=dict)
     _stack: contextlib.ExitStack = field(repr=False, default_factory=contextlib.ExitStack)
     # Holds the export's fake mode off the dispatch stack between the trace and the compile.
     _suspended: contextlib.ExitStack = field(repr=False, default_factory=contextlib.ExitStack)
@@ -99,6 +103,7 @@ def build_joint_graph(
     fake_mode = detect_fake_mode(list(model.parameters()) + list(example_inputs)) or FakeTensorMode()
     local = split_batch(tuple(example_inputs), plan, mesh.spec, {d: 0 for d in mesh.spec.names})
     program = ParallelProgram(model, plan, mesh, loss_fn, shardings=shardings)
+    local_params, local_buffers = _real_local_values(program)
     _to_fake(program, fake_mode)
     fake_inputs = tuple(_fake_like(t, fake_mode) for t in local)
 
@@ -138,6 +143,8 @@ def build_joint_graph(
         num_fwd_outputs=num_fwd,
         trace_seconds=seconds,
         fake_mode=fake_mode,
+        local_params=local_params,
+        local_buffers=local_buffers,
         _stack=stack,
         _suspended=suspended,
     )
@@ -148,6 +155,22 @@ def _fake_like(t: torch.Tensor, fake_mode: FakeTensorMode) -> torch.Tensor:
         return t
     with fake_mode:
         return torch.empty(t.shape, dtype=t.dtype, device="cpu")
+
+
+def _real_local_values(program: ParallelProgram) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """(params, buffers) of this rank's program by FQN, copied, where every one is a real tensor:
+    what the placement must run with. A model built in ``__init__`` computes buffers there (BERT's
+    ``position_ids``): allocating them anew would compute on memory nobody wrote. Nothing for a
+    model on meta or fake tensors (graph work only)."""
+    params = {clean_fqn(n): p.detach() for n, p in program.named_parameters()}
+    buffers = {clean_fqn(n): b.detach() for n, b in program.named_buffers()}
+    if not all(_is_real(t) for t in (*params.values(), *buffers.values())):
+        return {}, {}
+    return ({k: v.clone() for k, v in params.items()}, {k: v.clone() for k, v in buffers.items()})
+
+
+def _is_real(t: torch.Tensor) -> bool:
+    return not t.is_meta and not is_fake(t)
 
 
 def _to_fake(root: nn.Module, fake_mode: FakeTensorMode) -> None:

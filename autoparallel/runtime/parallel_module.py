@@ -75,6 +75,7 @@ class ParallelModule(nn.Module):
         first_partition: PartitionRecord | None = None,
         steps: Sequence[str] = (),
         group_dims: Mapping[str, str] | None = None,
+        uninitialised: Sequence[str] = (),
     ):
         super().__init__()
         primal_roles = [r for r in input_roles if not roles.is_tangent(r)]
@@ -91,6 +92,9 @@ class ParallelModule(nn.Module):
         self.first_partition = first_partition
         self.steps = tuple(steps)
         self.group_dims = dict(group_dims or {})
+        # Local tensors allocated without values (the model was on meta): running the module
+        # would compute on memory nobody wrote; copy values in, then clear this.
+        self.uninitialised = tuple(uninitialised)
 
     def local_parameters(self) -> dict[str, nn.Parameter]:
         """Local shards by the user's parameter FQN."""

@@ -20,13 +20,14 @@ from autoparallel import meta as M
 from autoparallel.compile import SECOND_COMPILE
 from autoparallel.fx_utils import ALL_GATHER
 from autoparallel.mesh import fake_world
-from autoparallel.parallelize import split_batch
+from autoparallel.parallelize import ParallelPlan, ParallelProgram, split_batch
 from autoparallel.partition import (
     PLACEMENT_STEP_NAMES,
     STEP_FIRST_PARTITION,
     ReplaySavesPartitioner,
 )
-from autoparallel.pipeline import second_compile
+from autoparallel.pipeline import PipelineOptions, second_compile
+from autoparallel.pipeline import run_pipeline as run_stages
 from verify.goldens.catalog import run_group
 from verify.pipeline import run_pipeline
 from verify.scenario import Scenario
@@ -312,3 +313,65 @@ def test_replay_multi_output_tag_without_getitem_users_is_an_error():
 
 def test_replay_partitioner_disables_inductor_caching():
     assert ReplaySavesPartitioner().uuid() is None
+
+
+# --- no stage computes on memory nobody wrote -------------------------------------------------------
+
+
+class BufferedEmbedding(torch.nn.Module):
+    """Like BERT: ``__init__`` computes buffers (position ids, a scale) the forward indexes and
+    multiplies with; uninitialised memory there changes the loss or fails the lookup."""
+
+    def __init__(self):
+        super().__init__()
+        self.tok = torch.nn.Embedding(16, 8)
+        self.pos = torch.nn.Embedding(6, 8)
+        self.head = torch.nn.Linear(8, 4)
+        self.register_buffer("position_ids", torch.arange(6).expand(1, -1), persistent=False)
+        self.register_buffer("scale", torch.linspace(0.5, 2.0, 8))
+
+    def forward(self, tokens):
+        h = (self.tok(tokens) + self.pos(self.position_ids[:, : tokens.shape[1]])) * self.scale
+        return self.head(h).mean(dim=1)
+
+
+def _buffered_inputs():
+    g = torch.Generator().manual_seed(3)
+    return torch.randint(0, 16, (4, 6), generator=g), torch.randint(0, 4, (4,), generator=g)
+
+
+def test_the_compiled_module_runs_on_the_models_own_buffers_and_parameters():
+    """Failed before the joint graph kept the rank's real values: the first partition allocated
+    every parameter and buffer with torch.empty, and the second compile ran the compiled module on
+    that memory (BertForMaskedLM: 'index ... is out of bounds')."""
+    torch.manual_seed(0)
+    model = BufferedEmbedding()
+    loss_fn = torch.nn.functional.cross_entropy
+    inputs = _buffered_inputs()
+    run = run_stages(model, loss_fn, inputs, ParallelPlan.fsdp(), "dp=2",
+                     PipelineOptions(keep_compiled=True, alternatives=False), until=SECOND_COMPILE)
+    try:
+        assert run.module.uninitialised == ()
+        assert torch.equal(run.module.model.get_buffer("position_ids"), model.position_ids)
+        assert torch.equal(run.module.model.get_buffer("scale"), model.scale)
+        with fake_world("dp=2") as mesh:
+            local = split_batch(inputs, ParallelPlan.fsdp(), mesh.spec, mesh.coordinate())
+            expected = ParallelProgram(model, ParallelPlan.fsdp(), mesh, loss_fn)(*local)
+            assert torch.equal(run.compiled(*local[:-1], local[-1]), expected)
+    finally:
+        torch._dynamo.reset()
+
+
+def test_a_module_without_values_is_refused_where_it_would_run():
+    """A model built on meta has no values: the graphs can still be made, but a second compile
+    that runs the module says why it will not."""
+
+    with torch.device("meta"):
+        model = BufferedEmbedding()
+    inputs = _buffered_inputs()
+    graphs = run_stages(model, torch.nn.functional.cross_entropy, inputs, ParallelPlan.fsdp(), "dp=2",
+                        PipelineOptions(alternatives=False), until=SECOND_COMPILE)
+    assert graphs.module.uninitialised  # graphs only: fine
+    with pytest.raises(ValueError, match=r"have no values \(e.g. '[a-z_.]+'; the model was built on meta\)"):
+        run_stages(model, torch.nn.functional.cross_entropy, inputs, ParallelPlan.fsdp(), "dp=2",
+                   PipelineOptions(keep_compiled=True, alternatives=False), until=SECOND_COMPILE)
