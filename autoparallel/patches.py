@@ -121,6 +121,19 @@ _register(
     ),
 )
 _register(
+    "contiguous_gathered_shards",
+    "after an all-gather bucket merge (pre-overlap and topo-span bucketing), a parameter whose "
+    "shard is one row is cloned contiguous: upstream's merge hands it out as a strided view of the "
+    "bucket, on which CPU kernels compute something else (native_group_norm: wrong values; "
+    "BatchNorm: another rounding; a view: a run-time error)",
+    "upstream's strided views reach the parameters' consumers (the zoo convnet under fsdp on dp=8: "
+    "loss 1.43 vs 1.53 at step 0)",
+    (
+        "tests/unit/autoparallel/passes/test_contiguous_gathered_shards.py::test_one_row_shards_come_out_contiguous_and_compute_what_unbucketed_ones_do",
+        "tests/unit/autoparallel/passes/test_contiguous_gathered_shards.py::test_a_view_of_a_bucketed_one_row_parameter_runs",
+    ),
+)
+_register(
     "shared_provenance",
     "the collective passes run with the nodes' provenance histories (meta from_node) taken off and "
     "given back after: upstream bucketing's NodeSources then copy empty lists, and get the "

@@ -148,14 +148,14 @@ COLLECTIVE_PASSES: tuple[CollectivePass, ...] = (
         lambda c: c.pre_overlap_bucketing,
         _pre_overlap,
         "merge the collectives tagged on the joint graph into byte-capped buckets",
-        ("pre_overlap_bucketing", "shared_provenance"),
+        ("pre_overlap_bucketing", "contiguous_gathered_shards", "shared_provenance"),
     ),
     CollectivePass(
         "topo_span_bucketing",
         lambda c: c.schedule_overlap,
         _schedule_overlap,
         "Inductor's overlap scheduler (CPU roofline) with topo-span-bounded FSDP bucketing",
-        ("primary_fsdp_group", "topo_span_bucketing", "shared_provenance"),
+        ("primary_fsdp_group", "topo_span_bucketing", "contiguous_gathered_shards", "shared_provenance"),
     ),
 )
 COLLECTIVE_PASS_NAMES: tuple[str, ...] = tuple(p.name for p in COLLECTIVE_PASSES)

@@ -35,6 +35,7 @@ from torch import fx
 from autoparallel import patches
 from autoparallel.fx_utils import max_consec_compute_between_rs
 from autoparallel.passes.bucket_plan import BucketingMetrics
+from autoparallel.passes.contiguous_gathered_shards import make_gathered_shards_contiguous
 from autoparallel.passes.overlap_estimator import RooflineConfig, RooflineEstimator
 from autoparallel.passes.topo_span_bucketing import (
     PRIMARY_FSDP_GROUP,
@@ -153,6 +154,7 @@ def schedule_overlap_on_cpu(
     kwargs.update(scheduler_kwargs)
     with cpu_runtime_estimation_installed(estimator), topo_span_bucketing_installed(config) as inst:
         new_gm = schedule_overlap_bucketing(gm, **kwargs)
+    make_gathered_shards_contiguous(new_gm)
     new_gm.graph.lint()
     new_gm.recompile()
     metric = max_consec_compute_between_rs(new_gm.graph)

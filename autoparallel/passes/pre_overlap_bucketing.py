@@ -43,6 +43,7 @@ from autoparallel.fx_utils import (
     wait_of,
 )
 from autoparallel.passes.bucket_plan import BucketingMetrics, check_cap_mb, plan_buckets
+from autoparallel.passes.contiguous_gathered_shards import make_gathered_shards_contiguous
 
 log = logging.getLogger(__name__)
 
@@ -272,6 +273,7 @@ def bucket_tagged_collectives(
                     f"{[[n.name for n in b] for b in buckets]} left a cycle in the graph"
                 ) from None
         log.info("pre_overlap_bucketing %s: %s", kind, buckets.metrics.summary())
+    make_gathered_shards_contiguous(gm)
     graph.lint()
     gm.recompile()
     result.after = collective_counts(graph)

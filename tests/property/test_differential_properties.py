@@ -16,10 +16,8 @@ checked in tests/unit/verify/test_differential.py.
 from __future__ import annotations
 
 import pytest
-import torch
-from hypothesis import assume, example, given, settings
+from hypothesis import example, given, settings
 
-from autoparallel import meta as M
 from autoparallel.fx_utils import copy_graph_module
 from autoparallel.passes.collective import (
     COLLECTIVE_PASSES,
@@ -29,7 +27,6 @@ from autoparallel.passes.collective import (
 )
 from autoparallel.passes.pre_overlap_bucketing import (
     PreOverlapConfig,
-    bucket_tagged_collectives,
     collective_counts,
     tag_collectives_for_bucketing,
 )
@@ -52,13 +49,6 @@ ACTS = GraphSpec(16, 2, (
 EXAMPLES = {"fuse_chained_allgathers": 6, "pre_overlap_bucketing": 6, "topo_span_bucketing": 4}
 
 
-PARAMETER_GATHERS = ("param_ag", "param_ag_bf16", "param_ag_padded", "param_ag_chain", "crossed_gathers")
-
-
-def _single_row_parameter_gather(spec: GraphSpec) -> bool:
-    return any(op.kind in PARAMETER_GATHERS and op.rows == 1 for op in spec.ops)
-
-
 @pytest.mark.parametrize("p", COLLECTIVE_PASSES, ids=lambda p: p.name)
 def test_collective_pass_keeps_every_bit_on_16_simulated_ranks(p):
     acted = []
@@ -68,11 +58,10 @@ def test_collective_pass_keeps_every_bit_on_16_simulated_ranks(p):
         @given(synthetic_graphs(world, min_ops=4, max_ops=12))
         @example(build_synthetic(ACTS, mesh_groups(world)))
         def prop(sg):
-            # Bucketing a parameter whose shard is one row can hit the upstream bug the xfail below
-            # records (a strided slice where a view needs a contiguous tensor): random examples
-            # found it again (tier runs of 2026-11-26; each failure shrank for minutes on 16
-            # simulated ranks). ACTS (a one-row chain consumed without a view) is known to pass.
-            assume(p.name == "fuse_chained_allgathers" or sg.spec == ACTS or not _single_row_parameter_gather(sg.spec))
+            # One-row parameter shards included: upstream's merge hands them out strided, and the
+            # bucketing passes clone them contiguous (patch contiguous_gathered_shards; its hand-built
+            # cases, the strict xfail this file kept until then among them, are in
+            # tests/unit/autoparallel/passes/test_contiguous_gathered_shards.py).
             before = sg.gm
             tag_collectives_for_bucketing(before)  # what the joint graph's tagger writes
             metrics = GraphPassMetrics(before=collective_counts(before))
@@ -83,28 +72,3 @@ def test_collective_pass_keeps_every_bit_on_16_simulated_ranks(p):
 
         prop()
     assert acted[0] > 0, f"{p.name} rewrote nothing in the explicit example: the property would test nothing"
-
-
-@pytest.mark.xfail(strict=True, raises=RuntimeError, reason=(
-    "known bug, found by this differential run: PyTorch's all-gather bucket merge "
-    "(torch/_inductor/fx_passes/bucketing.py all_gather_merge_fn_to_trace) hands a parameter whose "
-    "shard is one row a strided slice of the bucket (reshape of a [n, 1*H] column block to [n, H] "
-    "copies nothing), where the unbucketed all-gather gave a contiguous tensor: a consumer that "
-    "views it (aten.view) fails at run time, and the bucketed graph's fake values did not say so"))
-def test_known_bug_bucketed_single_row_gather_is_not_contiguous():
-    spec = GraphSpec(16, 2, (OpSpec("param_ag", rows=1), OpSpec("param_ag", rows=4), OpSpec("grad_rs", a=0, b=1)))
-    with D.simulated_world(MESH) as world:
-        before = build_synthetic(spec, mesh_groups(world)).gm
-        gathered = next(n for n in before.graph.nodes if n.name == "wait_tensor_default")  # p0's all-gather, [8, 16]
-        with before.graph.inserting_after(gathered):
-            flat = before.graph.call_function(torch.ops.aten.view.default, (gathered, [-1]))
-            flat.meta[M.VAL] = gathered.meta[M.VAL].view(-1)
-        with before.graph.inserting_after(flat):
-            back = before.graph.call_function(torch.ops.aten.view.default, (flat, [8, 16]))
-            back.meta[M.VAL] = gathered.meta[M.VAL]
-        gathered.replace_all_uses_with(back, delete_user_cb=lambda u: u is not flat)
-        before.recompile()
-        tag_collectives_for_bucketing(before)
-        after = copy_graph_module(before)
-        bucket_tagged_collectives(after, CONFIG.pre_overlap)
-        D.compare_programs("pre_overlap_bucketing", before, after, D.Feeds(16))

@@ -111,6 +111,8 @@ DEFAULT_TESTS = (
     "tests/unit/autoparallel/passes/test_collective.py",
     "tests/unit/autoparallel/passes/test_overlap_estimator.py",
     "tests/unit/autoparallel/passes/test_ac_joint.py",
+    "tests/unit/autoparallel/passes/test_contiguous_gathered_shards.py",
+    "tests/unit/autoparallel/passes/test_shared_provenance.py",
     "tests/unit/autoparallel/test_fx_utils.py",
     "tests/property",
 )
