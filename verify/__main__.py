@@ -133,6 +133,9 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("--mesh", default=None, type=mesh, help="mesh, e.g. dp=8 or dp=4,tp=2 (default: dp=8)")
     r.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
     r.add_argument("--no-parity", action="store_true", help="skip the parity run")
+    r.add_argument("--native-collectives", action="store_true",
+                   help="parity with gloo's own reductions, whose sums depend on buffer layout above 2 ranks "
+                        "(default: rank-ordered, verify/ordered_collectives.py)")
     r.add_argument("--parity-anyway", action="store_true",
                    help="run parity even for a model above the size limit (it runs the model for real)")
     r.add_argument("--html", default=None, metavar="DIR", type=_flag_type(_html_dir, "directory"),

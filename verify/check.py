@@ -33,6 +33,7 @@ from torch import nn
 
 from autoparallel.parallelize import ParallelPlan
 from autoparallel.pipeline import STAGE_NAMES, PipelineRun
+from verify import ordered_collectives
 from verify.goldens.catalog import golden_result, header
 from verify.goldens.text import graph_golden_text
 from verify.model_case import Batch, ModelCase
@@ -138,13 +139,16 @@ def check_model(
     seed: int = 0,
     name: str | None = None,
     parity: bool = True,
+    native_collectives: bool = False,
 ) -> ModelCheck:
     """Run the pipeline, parity and the oracle for a model; see the module docstring.
 
     ``tp_rules`` / ``tp_regions`` (parameter and module FQN patterns) are for ``fsdp_tp``;
     ``plan`` may be a ``ParallelPlan`` instead (its rules win over the case's). ``mesh``: the
     world the graphs are traced for and the gloo world parity runs on (keep it small: each rank
-    is a process). ``parity=False``: graphs and stats only. Bad input (a plan that does not fit
+    is a process). ``parity=False``: graphs and stats only. The gloo world's reductions add the
+    ranks' contributions in rank order (``verify.ordered_collectives``: a verdict that does not
+    depend on how buckets fall); ``native_collectives=True`` runs gloo's own. Bad input (a plan that does not fit
     the model, a loss that is not a scalar, a parameter the loss does not use ...) raises
     ValueError naming it."""
     fields = _plan_fields(plan)
@@ -164,7 +168,8 @@ def check_model(
     run = run_pipeline(scenario, keep_compiled=parity)
     result = ModelCheck(scenario, run)
     if parity:
-        ranks = run_stage_parity(scenario, steps, run=run)
+        with ordered_collectives.native_collectives(native_collectives):
+            ranks = run_stage_parity(scenario, steps, run=run)
         result.parity = {stage: compare_with_eager(ranks, stage) for stage in STAGE_EXECUTORS if stage != EAGER}
         result.oracle = oracle_check(scenario, ranks)
     return result

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from autoparallel.runtime.launcher import run_on_world
+from verify.ordered_collectives import run_parity_world
 
 __all__ = ["gated_backend", "run_gated"]
 
@@ -41,13 +41,14 @@ def run_gated(
 ) -> list[Any]:
     """Run ``fn(rank, world_size, device, *args)`` on ``n`` ranks; return the results by rank.
 
-    ``device`` is ``"cuda:<rank>"`` under NCCL and ``"cpu"`` under gloo. NCCL ranks are spawned
+    ``device`` is ``"cuda:<rank>"`` under NCCL and ``"cpu"`` under gloo; reductions are
+    rank-ordered unless launched inside ``verify.ordered_collectives.native_collectives``. NCCL ranks are spawned
     (``fn`` and ``args`` must be picklable: a module-level function), because forking a process
     that already initialized CUDA is not possible; gloo ranks are forked (fast).
     """
     backend = gated_backend(n, require_gpu=require_gpu)
     start_method = "spawn" if backend == "nccl" else "fork"
-    return run_on_world(
+    return run_parity_world(
         _with_device,
         n,
         args=(fn, backend, tuple(args)),

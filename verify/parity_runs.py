@@ -41,7 +41,6 @@ from autoparallel.parallelize import ParallelProgram, split_batch
 from autoparallel.partition import STEP_CLEANUP, STEP_FIRST_PARTITION, STEP_FSDP_TAGS
 from autoparallel.passes.collective import CollectivePassesConfig, bucket_fw_bw
 from autoparallel.pipeline import JOINT, STAGE_NAMES, PipelineOptions, PipelineRun, run_pipeline
-from autoparallel.runtime import run_on_world
 from autoparallel.runtime.rebind import rebind_groups
 from autoparallel.runtime.steps import (
     Executor,
@@ -53,6 +52,7 @@ from autoparallel.runtime.steps import (
     split_graph_executor,
     train_steps,
 )
+from verify.ordered_collectives import run_parity_world
 from verify.parity import (
     OracleReport,
     ParityReport,
@@ -207,7 +207,7 @@ def run_stage_parity(
     elif run.compiled is None and {STEP_FIRST_PARTITION, SECOND_COMPILE} & set(executors):
         raise ValueError("run_stage_parity: the given pipeline run kept no compiled module; make it with keep_compiled=True")
     try:
-        return run_on_world(
+        return run_parity_world(
             _rank_stages,
             scenario.mesh_spec.world_size,
             args=(scenario, scenario.batches(steps), run, tuple(executors), enable_ac, collective),

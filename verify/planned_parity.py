@@ -41,7 +41,6 @@ from autoparallel.pipeline import JOINT, PipelineOptions, run_pipeline
 from autoparallel.planner.auto import local_inputs, local_params, plan_for_pipeline
 from autoparallel.planner.lower import PlacedInterpreter, decode, node_placements, shard_tensor
 from autoparallel.planner.plan import Plan
-from autoparallel.runtime import run_on_world
 from autoparallel.runtime.steps import (
     Executor,
     StepTrace,
@@ -51,6 +50,7 @@ from autoparallel.runtime.steps import (
     primals_by_role,
     train_steps,
 )
+from verify.ordered_collectives import run_parity_world
 
 EAGER = "eager"
 TRAIN_LR = 1e-2  # train_steps' AdamW learning rate (the replay uses the same)
@@ -196,7 +196,7 @@ def run_planned_parity(
         raise ValueError(f"the cases of one parity world share its mesh; got {sorted(str(m) for m in meshes)}")
     solved = [solve(c) for c in cases]
     batches = [c.batches(steps) for c in cases]
-    per_rank = run_on_world(_rank, cases[0].spec.world_size, args=(cases, solved, batches, tuple(executors)), timeout_s=timeout_s)
+    per_rank = run_parity_world(_rank, cases[0].spec.world_size, args=(cases, solved, batches, tuple(executors)), timeout_s=timeout_s)
     return [(solved[i], [ranks[i] for ranks in per_rank]) for i in range(len(cases))]
 
 

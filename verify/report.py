@@ -24,6 +24,7 @@ from autoparallel.pipeline import PLAN, PipelineRun, StageResult
 from verify.goldens import catalog as golden_catalog
 from verify.html import write_report
 from verify.html.records import records_from_pipeline_run
+from verify.ordered_collectives import current_mode, native_collectives
 from verify.parity import compare_tensors, compare_traces, merge_reports
 from verify.parity_runs import (
     EAGER,
@@ -150,6 +151,7 @@ def _parity_summary(small: Scenario, steps: int, comparisons: dict, t0: float) -
     return {
         "mesh": str(small.mesh_spec),
         "steps": steps,
+        "collectives": current_mode(),  # verify.ordered_collectives: rank-ordered or native reductions
         "vs_eager": {stage: rep.to_dict() for stage, rep in comparisons.items()},
         "seconds": round(time.perf_counter() - t0, 2),
     }
@@ -283,7 +285,8 @@ def format_report(report: dict) -> str:
     else:
         lines.append("goldens: " + ", ".join(f"{k} {v}" for k, v in goldens.items()))
     p = report.get("parity")
-    heading = "" if p is None else (f"parity on gloo {p['mesh']} ({p['steps']} steps with AdamW, {p['seconds']}s), "
+    heading = "" if p is None else (f"parity on gloo {p['mesh']} ({p['steps']} steps with AdamW, {p['collectives']} "
+                                    f"reductions, {p['seconds']}s), "
                                     "each stage vs the eager parallel program:")
     width = max((len(stage) for stage in (p or {}).get("vs_eager", {})), default=0)
     lines += parity_lines(p, heading, width=width + 1)
@@ -370,7 +373,8 @@ def main(args) -> int:
     check_flags(scenario)
     if not args.no_parity:
         check_parity_size(scenario, anyway=args.parity_anyway)
-    report, run = report_and_run(scenario, parity=not args.no_parity)
+    with native_collectives(getattr(args, "native_collectives", False)):
+        report, run = report_and_run(scenario, parity=not args.no_parity)
     if args.html is not None:
         report["html"] = str(write_html(scenario, run, report, args.html))
     if args.json:

@@ -18,9 +18,9 @@ from autoparallel.parallelize.program import clean_fqn
 from autoparallel.partition import apply_placement
 from autoparallel.passes.collective import bucket_fw_bw, tag_joint
 from autoparallel.passes.fuse_chained_allgathers import fuse_chained_allgathers
-from autoparallel.runtime import run_on_world
 from autoparallel.runtime.rebind import rebind_groups
 from autoparallel.runtime.steps import primals_by_role, train_steps
+from verify.ordered_collectives import run_parity_world
 from verify.parity import compare_traces, merge_reports
 from verify.scenario import Scenario
 from verify.strategies import GraphBuilder, mesh_groups
@@ -87,7 +87,7 @@ def test_bucketed_fw_bw_bitwise_equal_unbucketed_for_three_steps(name):
         roles = (jg.input_roles, jg.output_roles)
         first = apply_placement(jg).first_partition  # consumes jg
         args = (sc, first.fw, first.bw, *roles, first.num_fwd_outputs)
-    ranks = run_on_world(
+    ranks = run_parity_world(
         _rank_bucketed_vs_plain, sc.mesh_spec.world_size, args=(*args, sc.batches(STEPS))
     )
     for _, counts in ranks:  # the pass really bucketed (the backward recomputes the all-gathers)
@@ -138,7 +138,7 @@ def _rank_fused_vs_chained(rank, world_size):
 
 
 def test_fused_chained_allgathers_equal_unfused_on_2x2_gloo():
-    ranks = run_on_world(_rank_fused_vs_chained, 4)
+    ranks = run_parity_world(_rank_fused_vs_chained, 4)
     all_shards = [r["chained"][2] for r in ranks]
     for rank, r in enumerate(ranks):
         assert r["fused"][0] == 3 and r["chained"][0] == 0

@@ -12,7 +12,7 @@ All in CI's slow step (tests/conftest.py SLOW_GROUPS); the quick tier keeps the 
 properties (tests/property/test_fsdp_padding_properties.py) and the uneven FSDP unit tests.
 
 Until issue 14's "check my model" API lands, the stages run through the runtime executors and
-``run_on_world`` here (the pattern of ``verify/parity_runs.py``); :func:`_stage_parity_run` is
+``run_parity_world`` here (the pattern of ``verify/parity_runs.py``: reductions rank-ordered); :func:`_stage_parity_run` is
 the part to replace by that API (model factory, loss, batches, plan, mesh in; per-rank traces per
 stage out), and :func:`_single_device` by its independent oracle.
 """
@@ -33,7 +33,6 @@ from autoparallel.mesh import MeshSpec, build_mesh, fake_world
 from autoparallel.parallelize import ParallelPlan, ParallelProgram, build_joint_graph, split_batch
 from autoparallel.passes.collective import COLLECTIVE_PASSES, bucket_fw_bw
 from autoparallel.pipeline import JOINT, STAGE_NAMES, PipelineOptions, run_pipeline
-from autoparallel.runtime import run_on_world
 from autoparallel.runtime.rebind import rebind_groups
 from autoparallel.runtime.steps import (
     compiled_module_executor,
@@ -42,6 +41,7 @@ from autoparallel.runtime.steps import (
     split_graph_executor,
     train_steps,
 )
+from verify.ordered_collectives import run_parity_world
 from verify.parity import compare_tensors, compare_traces, diff_tensors, merge_reports
 from verify.stats import graph_stats, saved_gathered_values
 
@@ -51,7 +51,7 @@ BATCH = 8  # global batch: 4 per rank on dp=2, 2 per rank on dp=4
 MESHES = ("dp=2", "dp=4")
 # Single-device eager reduces in another order: the bound is ~10x the noise measured (fp32).
 SINGLE_DEVICE_ATOL = 1e-6
-_RANK_THREADS = 1  # run_on_world's: Dynamo guards on the thread count the module compiled with
+_RANK_THREADS = 1  # the ranks': Dynamo guards on the thread count the module compiled with
 
 
 class TinyViT(nn.Module):
@@ -190,7 +190,7 @@ def _stage_parity_run(spec: str):
         with fake_world(TP_MESH) as mesh, build_joint_graph(make_tp_toy(), TP_PLAN, mesh, make_tp_batches(1)[0], mse) as jg:
             tp_joint = (jg.gm, (jg.input_roles, jg.output_roles))
     try:
-        ranks = run_on_world(
+        ranks = run_parity_world(
             _rank_every_stage,
             MeshSpec.parse(spec).world_size,
             args=(MeshSpec.parse(spec), stage_graphs, roles, run.module, run.compiled, make_batches(), tp_joint),
@@ -249,27 +249,17 @@ def test_the_model_is_uneven_and_some_ranks_hold_only_padding(uneven):
     assert {"cls_token", "pos_embed"} <= only_padding and ("branch_scale" in only_padding) == (n == 4)
 
 
-# Passes that lay several reduce-scatters out in one bucket. gloo's reduce-scatter sums each
-# element in an order that depends on where it sits in the buffer once more than 2 ranks take part
-# (2 ranks: one addition, a + b == b + a). Measured with 4 ranks: a parameter's segment reduced in
-# a bucket differed in the last bit from the same segment reduced alone in 5 of 20 random layouts,
-# in 0 of 20 with 2 ranks. So on dp=4 these stages are compared with eager within the
-# single-device tolerance; on dp=2 (here, and every other parity world) they are bitwise.
-RS_BUCKETING = ("pre_overlap_bucketing", "topo_span_bucketing")
-
-
 def test_every_stage_trains_bitwise_like_the_eager_program(uneven):
-    spec, _, ranks, shardings = uneven
+    """dp=4 too, the reduce-scatter bucketing stages included: the world's reductions are
+    rank-ordered (verify.ordered_collectives), so a gradient's sum no longer depends on where a
+    bucket puts it (gloo's own reduce-scatter differed in the last bit in 5 of 20 layouts at 4 ranks)."""
+    _, _, ranks, shardings = uneven
     assert set(ranks[0][1]) == {EAGER, *STAGE_NAMES}  # every stage of the pipeline ran
     for stage in STAGE_NAMES:
         reports = [compare_traces(t[EAGER], t[stage], a_name=EAGER, b_name=stage) for _, t in ranks]
         report = merge_reports(reports, [f"rank{i}" for i in range(len(ranks))])
         assert len(report.diffs) == len(ranks) * STEPS * (1 + len(shardings)), stage
-        exact = spec.size("dp") <= 2 or stage not in RS_BUCKETING
-        if exact:
-            report.assert_bitwise()
-        else:
-            assert all(d.max_abs < SINGLE_DEVICE_ATOL for d in report.diffs), report.summary()
+        report.assert_bitwise()
         for coord, t in ranks:  # and the parameters and AdamW moments they end with
             for fqn in shardings:
                 for what, a, b in (
@@ -277,7 +267,7 @@ def test_every_stage_trains_bitwise_like_the_eager_program(uneven):
                     *((k, t[EAGER].optimizer_state[fqn][k], t[stage].optimizer_state[fqn][k]) for k in ("exp_avg", "exp_avg_sq")),
                 ):
                     d = diff_tensors(f"{stage} rank {coord} {fqn} {what}", a, b)
-                    assert d.equal if exact else d.max_abs < SINGLE_DEVICE_ATOL, d
+                    assert d.equal, d
 
 
 def test_padding_rows_stay_exactly_zero(uneven):

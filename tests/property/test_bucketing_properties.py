@@ -43,7 +43,7 @@ from autoparallel.passes.pre_overlap_bucketing import (
     tag_collectives_for_bucketing,
 )
 from autoparallel.passes.topo_span_bucketing import greedy_bucket_collective_by_mb
-from autoparallel.runtime import run_on_world
+from verify.ordered_collectives import run_parity_world
 from verify.strategies import (
     GraphSpec,
     OpSpec,
@@ -460,7 +460,7 @@ def test_bucketed_graphs_compute_the_same_values_on_gloo():
         )
     )
     def prop(specs):
-        ranks = run_on_world(_rank_run_specs, 2, args=(specs,))
+        ranks = run_parity_world(_rank_run_specs, 2, args=(specs,))
         for rank, per_spec in enumerate(ranks):
             for i, results in enumerate(per_spec):
                 plain, plain_counts = results["plain"]

@@ -84,7 +84,7 @@ def test_report_text_format():
         "preset": "tiny", "mesh": "dp=2", "plan": "fsdp", "params": {"count": 1, "fsdp_sharded": 1},
         "stages": [{"name": "joint", "nodes": 5, "collectives": {"all_gather": {"dp": {"count": 1, "bytes": 2048}}}}],
         "goldens": None,
-        "parity": {"mesh": "dp=2", "steps": 2, "seconds": 1.0, "single_device_max_abs_diff": 1e-8,
+        "parity": {"mesh": "dp=2", "steps": 2, "collectives": "rank-ordered", "seconds": 1.0, "single_device_max_abs_diff": 1e-8,
                    "vs_eager": {"joint": {"bitwise": False, "mismatches": 1, "tensors": 4, "max_abs_diff": 0.5}}},
     }
     report["stages"].append({**report["stages"][0], "name": "p (alone)", "alternative": True})
@@ -95,6 +95,7 @@ def test_report_text_format():
     i = lines.index(row)
     assert lines[i + 1].startswith("alternatives: each collective pass alone") and lines[i + 2].startswith("p (alone)")
     assert "goldens: none for this scenario" in text
+    assert "parity on gloo dp=2 (2 steps with AdamW, rank-ordered reductions, 1.0s)" in text
     assert "NOT bitwise: 1 of 4 tensors differ (max |diff| 5.00e-01)" in text
     assert "single-device eager vs the eager parallel program: max |diff| 1.00e-08 (reduction order differs)" in text
     report["parity"]["single_device_tolerance"] = 1e-9

@@ -1,0 +1,68 @@
+"""Bitwise at any world size: every stage, bucketing included, on 4 and 8 ranks and on 2-D meshes.
+
+Above 2 ranks gloo's reductions add an element's contributions in an order that depends on its
+offset in the buffer, so a stage that only moves gradients between buckets used to differ in the
+last bit (gpt2 under DDP on dp=4: second_compile and the collective passes "NOT bitwise", 338 of
+348 tensors). The parity worlds reduce in rank order (``verify.ordered_collectives``, on by
+default), and then every stage is bitwise there too; the oracle's tolerance is unchanged.
+
+One world per (model, plan, mesh), each a test: CI's slow step runs them all (``slow``: 8-rank
+worlds are processes on a 2-core machine). plan="auto" runs the LLaMA preset's planned parity
+(``verify.planned_parity``: the stages it covers) on the same meshes. The quick tier keeps the
+mode's own tests (tests/unit/verify/test_ordered_collectives.py, the bucket-layout property) and
+the dp=2 worlds.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from verify import zoo
+from verify.parity_runs import (
+    EAGER,
+    STAGE_EXECUTORS,
+    compare_with_eager,
+    oracle_check,
+    run_stage_parity,
+)
+from verify.report import parity_passed, run_planned_parity_summary
+from verify.scenario import Scenario
+
+MODELS = {"tiny": {"preset": "tiny"}, "gpt2": {"case": zoo.gpt2}, "convnet": {"case": zoo.convnet}}
+ONE_D = ("dp=4", "dp=8")
+TWO_D = ("dp=2,tp=2", "dp=4,tp=2")
+STEPS = 2
+
+
+def _worlds():
+    for model in MODELS:
+        for mesh in ONE_D:
+            for plan in ("fsdp", "ddp"):
+                yield model, plan, mesh
+        if model != "convnet":  # the convnet has no TP rules
+            for mesh in TWO_D:
+                yield model, "fsdp_tp", mesh
+
+
+@pytest.mark.slow  # up to 8 ranks per world, every stage on each
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize(("model", "plan", "mesh"), list(_worlds()), ids=lambda v: str(v))
+def test_every_stage_is_bitwise_at_this_world_size(model, plan, mesh):
+    scenario = Scenario(plan=plan, mesh=mesh, **MODELS[model])
+    ranks = run_stage_parity(scenario, STEPS)
+    for executor in STAGE_EXECUTORS:
+        if executor != EAGER:
+            compare_with_eager(ranks, executor).assert_bitwise()
+    report = oracle_check(scenario, ranks)
+    assert report.passed, report.summary()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("mesh", ["dp=4", "dp=8", *TWO_D])
+def test_the_planned_stages_are_bitwise_at_this_world_size(mesh):
+    """What ``python -m verify report --plan auto`` runs, on this mesh: each planned stage
+    bitwise against the plan's placements run eagerly, the replay within its tolerance."""
+    parity = run_planned_parity_summary(Scenario(plan="auto", mesh=mesh), STEPS)
+    assert parity["collectives"] == "rank-ordered"
+    assert parity_passed(parity), parity
