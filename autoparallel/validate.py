@@ -7,12 +7,14 @@ failure deep in a trace or an executor.
 
 from __future__ import annotations
 
+import os
+import traceback
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 
-__all__ = ["check_input_dtypes", "check_loss"]
+__all__ = ["check_input_dtypes", "check_loss", "data_dependent_error"]
 
 
 def check_loss(loss: Any, *, needs_grad: bool = True) -> None:
@@ -51,3 +53,54 @@ def check_input_dtypes(model: torch.nn.Module, model_inputs: Sequence[torch.Tens
                 f"rejects mixing them (e.g. a Linear). Cast the input to {want}, or the model to "
                 f"{t.dtype} (float64 models are supported)"
             )
+
+
+# Ops whose result a trace on fake tensors cannot know: the value of a tensor (``.item()``, a
+# Python ``if`` on a tensor, ``int(t)``), or an output shape that depends on values (nonzero,
+# boolean masking, unique).
+_VALUE_OPS = {"_local_scalar_dense": "reads a tensor's value into Python (.item(), int(t), float(t), or `if t:`)"}
+_SHAPE_HINT = "has an output shape that depends on tensor values (nonzero, boolean-mask indexing, unique, ...)"
+
+
+def data_dependent_error(exc: BaseException) -> ValueError | None:
+    """A ValueError naming the op, the model's source line and what to change, when ``exc`` (or
+    what caused it) is PyTorch's refusal to trace a data-dependent op on fake tensors; else None.
+    The graphs are traced once for every input, so a value or shape decided by the data has no
+    place in them."""
+    from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException
+    from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
+
+    seen: set[int] = set()
+    cause: BaseException | None = exc
+    while cause is not None and id(cause) not in seen:
+        seen.add(id(cause))
+        if isinstance(cause, (DataDependentOutputException, DynamicOutputShapeException, GuardOnDataDependentSymNode)):
+            break
+        cause = cause.__cause__ or cause.__context__
+    else:
+        return None
+    if cause is None:
+        return None
+    func = getattr(cause, "func", None)
+    name = getattr(getattr(func, "_overloadpacket", None), "__name__", "")
+    if isinstance(cause, GuardOnDataDependentSymNode):  # unbacked value traced, then branched on
+        op, what = "a value read from a tensor", "decides Python control flow (an if, a loop, a size check)"
+    else:
+        op = str(func) if func is not None else type(cause).__name__
+        what = _VALUE_OPS.get(name, _SHAPE_HINT if isinstance(cause, DynamicOutputShapeException) else
+                              "depends on tensor values")
+    where = _model_frame(exc) or _model_frame(cause)
+    at = f" at {where.filename}:{where.lineno} ({(where.line or '').strip()})" if where is not None else ""
+    return ValueError(
+        f"the model is not traceable: {op}{at} {what}, which one graph for every input cannot know. "
+        "Compute it in __init__ (a buffer or a Python constant), keep it a tensor (torch.where, masks "
+        "instead of indexing by nonzero, torch.cond instead of a Python branch), or move it out of "
+        "forward/loss_fn")
+
+
+def _model_frame(exc: BaseException) -> traceback.FrameSummary | None:
+    """The innermost frame of ``exc``'s traceback outside torch and autoparallel: the user's code."""
+    skip = (os.path.dirname(torch.__file__) + os.sep, os.path.dirname(__file__) + os.sep)  # torch/, autoparallel/
+    frames = [f for f in traceback.extract_tb(exc.__traceback__) if not f.filename.startswith(skip)
+              and not f.filename.startswith("<")]
+    return frames[-1] if frames else None

@@ -25,7 +25,7 @@ from autoparallel.mesh import ParallelMesh, attach_group_dims
 from autoparallel.parallelize.module_paths import annotate_module_paths
 from autoparallel.parallelize.plan import ParallelPlan, ParamSharding
 from autoparallel.parallelize.program import LossFn, ParallelProgram, clean_fqn, split_batch
-from autoparallel.validate import check_input_dtypes
+from autoparallel.validate import check_input_dtypes, data_dependent_error
 
 log = logging.getLogger(__name__)
 
@@ -114,8 +114,11 @@ def build_joint_graph(
 
         with annotate_module_paths(program.model):
             jd = aot_export_joint_with_descriptors(stack, program, fake_inputs)
-    except BaseException:
+    except BaseException as e:
         stack.close()
+        named = data_dependent_error(e)
+        if named is not None:
+            raise named from e
         raise
     seconds = time.perf_counter() - t0
     gm = jd.graph_module

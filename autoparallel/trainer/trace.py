@@ -44,7 +44,7 @@ from torch.nn.utils.stateless import _reparametrize_module
 from autoparallel import meta as M
 from autoparallel import roles
 from autoparallel.patches import enabled
-from autoparallel.validate import check_loss
+from autoparallel.validate import check_loss, data_dependent_error
 
 __all__ = [
     "LOSS_ROLE",
@@ -277,9 +277,15 @@ def trace_train_step(
     ):
         if record_module_stack:
             step._orig_mod = model  # type: ignore[attr-defined]  # the module stack's root
-        gm = make_fx(step, tracing_mode="fake", record_module_stack=record_module_stack)(
-            *flat_example
-        )
+        try:
+            gm = make_fx(step, tracing_mode="fake", record_module_stack=record_module_stack)(
+                *flat_example
+            )
+        except Exception as e:
+            named = data_dependent_error(e)
+            if named is not None:
+                raise named from e
+            raise
 
     traced = TracedStep(
         gm=gm,
