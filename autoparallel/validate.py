@@ -67,7 +67,10 @@ def data_dependent_error(exc: BaseException) -> ValueError | None:
     what caused it) is PyTorch's refusal to trace a data-dependent op on fake tensors; else None.
     The graphs are traced once for every input, so a value or shape decided by the data has no
     place in them."""
-    from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException
+    from torch._subclasses.fake_tensor import (
+        DataDependentOutputException,
+        DynamicOutputShapeException,
+    )
     from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 
     seen: set[int] = set()
