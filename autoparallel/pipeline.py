@@ -51,7 +51,7 @@ import torch
 from torch import fx, nn
 
 from autoparallel import meta as M
-from autoparallel import roles
+from autoparallel import patches, roles
 from autoparallel.compile import OVERLAP_PATCH, SECOND_COMPILE, autoparallel_backend
 from autoparallel.fx_utils import copy_graph_module
 from autoparallel.mesh import MeshSpec, ParallelMesh, attach_group_dims, fake_world
@@ -544,6 +544,7 @@ def run_pipeline(
     observers = (*observers, _log_stage, *(() if trace is None else (trace(),)))
     if plan == "auto":
         plan = ParallelPlan.auto()
+    patches.disabled_from_env()  # a misspelt $AUTOPARALLEL_DISABLE name stops the run before any stage
     stages = stages if stages is not None else stages_for(plan)
     names = [s.name for s in stages]
     if until is not None and until not in names:

@@ -133,6 +133,8 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("--mesh", default=None, type=mesh, help="mesh, e.g. dp=8 or dp=4,tp=2 (default: dp=8)")
     r.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
     r.add_argument("--no-parity", action="store_true", help="skip the parity run")
+    r.add_argument("-v", "--verbose", action="store_true",
+                   help="also show upstream Inductor's INFO lines from the collective passes (one per bucket and rank)")
     r.add_argument("--native-collectives", action="store_true",
                    help="parity with gloo's own reductions, whose sums depend on buffer layout above 2 ranks "
                         "(default: rank-ordered, verify/ordered_collectives.py)")

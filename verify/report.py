@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 
 from autoparallel.mesh import MeshSpec
+from autoparallel.passes.collective import upstream_info_logs
 from autoparallel.pipeline import PLAN, PipelineRun, StageResult
 from verify.goldens import catalog as golden_catalog
 from verify.html import write_report
@@ -373,7 +374,7 @@ def main(args) -> int:
     check_flags(scenario)
     if not args.no_parity:
         check_parity_size(scenario, anyway=args.parity_anyway)
-    with native_collectives(getattr(args, "native_collectives", False)):
+    with native_collectives(getattr(args, "native_collectives", False)), upstream_info_logs(getattr(args, "verbose", False)):
         report, run = report_and_run(scenario, parity=not args.no_parity)
     if args.html is not None:
         report["html"] = str(write_html(scenario, run, report, args.html))

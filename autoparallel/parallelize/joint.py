@@ -25,6 +25,7 @@ from autoparallel.mesh import ParallelMesh, attach_group_dims
 from autoparallel.parallelize.module_paths import annotate_module_paths
 from autoparallel.parallelize.plan import ParallelPlan, ParamSharding
 from autoparallel.parallelize.program import LossFn, ParallelProgram, clean_fqn, split_batch
+from autoparallel.patches import disabled_from_env
 from autoparallel.validate import check_input_dtypes, data_dependent_error
 
 log = logging.getLogger(__name__)
@@ -98,6 +99,7 @@ def build_joint_graph(
     """
     if not example_inputs:
         raise ValueError("example_inputs must hold the model inputs followed by the loss target")
+    disabled_from_env()  # a misspelt $AUTOPARALLEL_DISABLE name is an error here, not a patch left on
     shardings = plan.resolve(model, mesh.spec)
     check_input_dtypes(model, example_inputs[:-1], plan.param_dtype)
     fake_mode = detect_fake_mode(list(model.parameters()) + list(example_inputs)) or FakeTensorMode()

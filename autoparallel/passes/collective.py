@@ -19,8 +19,11 @@ all-gathers are rank-specific: run this on each rank's graphs, in that rank's (f
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+import importlib
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 from torch import fx
@@ -170,12 +173,48 @@ def _selected(config: CollectivePassesConfig, only: Sequence[str] | None) -> lis
     return [p for p in COLLECTIVE_PASSES if p.name in only]
 
 
+# Upstream modules that set their own logger to INFO when imported, so every bucket they merge
+# prints a line ("pre_bucket_fsdp_collectives: ...") on stderr, once per rank in a parity world.
+UPSTREAM_INFO_LOGGERS = ("torch._inductor.fx_passes.bucketing", "torch._inductor.fx_passes.fsdp")
+_upstream_info = contextvars.ContextVar("autoparallel_upstream_info_logs", default=False)
+
+
+@contextlib.contextmanager
+def upstream_info_logs(shown: bool = True) -> Iterator[None]:
+    """Within the scope, the collective passes leave upstream's INFO lines on (``-v``); they are
+    quiet by default."""
+    token = _upstream_info.set(shown)
+    try:
+        yield
+    finally:
+        _upstream_info.reset(token)
+
+
+@contextlib.contextmanager
+def _upstream_quiet() -> Iterator[None]:
+    """Upstream's INFO loggers at WARNING while a pass runs (unless :func:`upstream_info_logs`),
+    their levels restored after. Imported first: their import sets INFO."""
+    if _upstream_info.get():
+        yield
+        return
+    loggers = [logging.getLogger(importlib.import_module(name).__name__) for name in UPSTREAM_INFO_LOGGERS]
+    levels = [lg.level for lg in loggers]
+    for lg in loggers:
+        lg.setLevel(max(lg.level, logging.WARNING))
+    try:
+        yield
+    finally:
+        for lg, level in zip(loggers, levels, strict=True):
+            lg.setLevel(level)
+
+
 def _run(
     name: str, gm: fx.GraphModule, config: CollectivePassesConfig, only: Sequence[str] | None = None
 ) -> tuple[fx.GraphModule, GraphPassMetrics]:
     m = GraphPassMetrics(before=collective_counts(gm))
     for p in _selected(config, only):
-        gm = run_with_shared_provenance(gm, lambda g, p=p: p.run(g, config, m))
+        with _upstream_quiet():
+            gm = run_with_shared_provenance(gm, lambda g, p=p: p.run(g, config, m))
     m.after = collective_counts(gm)
     log.info("collective passes on %s: %s", name, {k: (m.before[k], m.after[k]) for k in m.before})
     return gm, m

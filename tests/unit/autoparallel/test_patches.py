@@ -5,9 +5,13 @@ import os
 from pathlib import Path
 
 import pytest
+import torch
 
 from autoparallel import patches
+from autoparallel.mesh import fake_world
+from autoparallel.parallelize import ParallelPlan, build_joint_graph
 from autoparallel.patches import PATCHES, disabled, enabled
+from autoparallel.pipeline import run_pipeline
 
 ROOT = Path(__file__).resolve().parents[3]
 
@@ -79,3 +83,15 @@ def test_env_and_scope_disable_and_restore(monkeypatch):
     monkeypatch.setenv(patches.ENV_VAR, f" {name} ,")
     assert not enabled(name)
     assert os.environ[patches.ENV_VAR] == f" {name} ,"
+
+
+def test_a_misspelt_disable_name_stops_the_joint_trace_and_the_pipeline(monkeypatch, layernorm_mlp):
+    """Both read no patch before the passes, so a typo in $AUTOPARALLEL_DISABLE went unnoticed
+    there (the CLI and pytest caught it; a Python caller did not)."""
+    cls, loss = layernorm_mlp
+    batch = (torch.randn(4, 32), torch.randn(4, 16))
+    monkeypatch.setenv(patches.ENV_VAR, "pre_overlap_buckting")
+    with pytest.raises(ValueError, match=r"unknown patch name\(s\) \['pre_overlap_buckting'\] in \$AUTOPARALLEL_DISABLE"):
+        run_pipeline(cls(), loss, batch, ParallelPlan.fsdp(), "dp=2")
+    with fake_world("dp=2") as mesh, pytest.raises(ValueError, match="pre_overlap_buckting"):
+        build_joint_graph(cls(), ParallelPlan.fsdp(), mesh, batch, loss)

@@ -8,6 +8,7 @@ the backward graph has two gradient reduce-scatters on ``dp`` and one gradient a
 
 from __future__ import annotations
 
+import importlib
 import logging
 
 import pytest
@@ -310,3 +311,39 @@ def test_bucket_joint_uses_the_given_config(mesh, caplog):
     assert metrics.counts["joint"]["all_gather"] == (2, 2)
     assert metrics.graphs["joint"].pre_overlap is None
     assert "collective passes on joint: " in caplog.text
+
+
+# --- upstream's INFO lines --------------------------------------------------------------------------
+
+
+class _Records(logging.Handler):
+    def __init__(self):
+        super().__init__(logging.DEBUG)
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record):
+        self.records.append(record)
+
+
+def test_upstream_info_lines_stay_quiet_unless_asked(mesh):
+    """Upstream's bucketing and fsdp modules set their loggers to INFO on import and printed a line
+    per bucket and rank ("pre_bucket_fsdp_collectives: ...") on every report; the passes run with
+    them at WARNING unless upstream_info_logs() (the report's -v) asks, and put the levels back."""
+    loggers = [logging.getLogger(importlib.import_module(name).__name__) for name in collective.UPSTREAM_INFO_LOGGERS]
+    assert [lg.level for lg in loggers] == [logging.INFO] * 2, "upstream no longer sets INFO on import"
+    handler = _Records()
+    for lg in loggers:
+        lg.addHandler(handler)
+    levels = [lg.level for lg in loggers]
+    config = CollectivePassesConfig(schedule_overlap=True)
+    try:
+        bucket_fw_bw(*_tagged(mesh), config)
+        assert [r for r in handler.records if r.levelno < logging.WARNING] == []
+        assert [lg.level for lg in loggers] == levels
+        with collective.upstream_info_logs():
+            bucket_fw_bw(*_tagged(mesh), config)
+        shown = [r.getMessage() for r in handler.records if r.levelno == logging.INFO]
+        assert any("pre_bucket_fsdp_collectives" in m for m in shown), shown
+    finally:
+        for lg in loggers:
+            lg.removeHandler(handler)
