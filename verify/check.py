@@ -32,12 +32,13 @@ from dataclasses import dataclass, field
 from torch import nn
 
 from autoparallel.parallelize import ParallelPlan
+from autoparallel.parallelize.plan import AUTO
 from autoparallel.pipeline import STAGE_NAMES, PipelineRun
 from verify import ordered_collectives
 from verify.goldens.catalog import golden_result, header
 from verify.goldens.text import graph_golden_text
 from verify.model_case import Batch, ModelCase
-from verify.parity import OracleReport, ParityReport
+from verify.parity import OracleReport, ParityReport, compare_traces, merge_reports
 from verify.parity_runs import (
     EAGER,
     STAGE_EXECUTORS,
@@ -46,6 +47,9 @@ from verify.parity_runs import (
     run_stage_parity,
 )
 from verify.pipeline import run_pipeline
+from verify.planned_parity import EAGER as PLANNED_EAGER
+from verify.planned_parity import EXECUTORS as PLANNED_EXECUTORS
+from verify.planned_parity import planned_case, planned_oracle, run_planned_parity
 from verify.scenario import Scenario, check_flags, dtype_name
 from verify.stats import graph_stats
 
@@ -105,6 +109,27 @@ class ModelCheck:
         return "\n".join(lines)
 
 
+def _check_planned(scenario: Scenario, steps: int, *, parity: bool, native_collectives: bool) -> ModelCheck:
+    """plan="auto": every stage of ``PLANNED_STAGES`` on a fake world (graphs, stats, goldens),
+    then the planned parity world (``verify.planned_parity``: each rank lowers the solver's plan;
+    the lowered joint graph, the first partition and the second compile against the plan's
+    placements run eagerly, bitwise) and the oracle, all with the case's own loss."""
+    run = run_pipeline(scenario)
+    result = ModelCheck(scenario, run)
+    if parity:
+        case = planned_case(scenario)
+        with ordered_collectives.native_collectives(native_collectives):
+            ((_, ranks),) = run_planned_parity(case, steps)
+        names = [f"rank{i}" for i in range(len(ranks))]
+        result.parity = {
+            ex: merge_reports([compare_traces(r.traces[PLANNED_EAGER], r.traces[ex], a_name=PLANNED_EAGER, b_name=ex)
+                               for r in ranks], names)
+            for ex in PLANNED_EXECUTORS if ex != PLANNED_EAGER
+        }
+        result.oracle = planned_oracle(case, ranks)
+    return result
+
+
 def _plan_fields(plan: str | ParallelPlan) -> dict:
     """Scenario fields of a plan name or a ParallelPlan over the preset mesh dims."""
     if isinstance(plan, str):
@@ -113,7 +138,7 @@ def _plan_fields(plan: str | ParallelPlan) -> dict:
     if _PRESET_DIMS.get(plan.name) != dims:
         raise ValueError(
             f"plan {plan.describe()!r}: check_model takes the fsdp / fsdp_tp / ddp plans over mesh dims 'dp' "
-            f"and 'tp' (ParallelPlan.fsdp(), .fsdp_tp(), .ddp() with any rules and options)"
+            f"and 'tp' (ParallelPlan.fsdp(), .fsdp_tp(), .ddp() with any rules and options), or plan='auto'"
         )
     return {
         "plan": plan.name,
@@ -152,6 +177,11 @@ def check_model(
     the model, a loss that is not a scalar, a parameter the loss does not use ...) raises
     ValueError naming it."""
     fields = _plan_fields(plan)
+    if fields["plan"] == AUTO and (tp_rules or tp_regions):
+        raise ValueError(
+            "plan='auto' chooses every placement itself; tp_rules / tp_regions are for the fsdp_tp plan. "
+            "To fix a parameter's placement under auto, pin it (ParallelPlan.auto(pins={'blocks.0.attn.qkv.weight': "
+            "'dp:S(0),tp:S(0)'}), autoparallel.planner.PlannerConfig.pins); a ModelCase's own TP rules are not used by auto")
     if isinstance(model, ModelCase):
         case = model
     else:
@@ -165,6 +195,8 @@ def check_model(
         case = ModelCase(case.name, case.factory, case.loss_fn, case.batch, rules, regions, case.batch_per_rank)
     scenario = Scenario(case=case, mesh=mesh, seed=seed, **fields)
     check_flags(scenario)
+    if scenario.plan == AUTO:
+        return _check_planned(scenario, steps, parity=parity, native_collectives=native_collectives)
     run = run_pipeline(scenario, keep_compiled=parity)
     result = ModelCheck(scenario, run)
     if parity:

@@ -46,11 +46,13 @@ from autoparallel.runtime.steps import (
     StepTrace,
     compiled_module_executor,
     joint_graph_executor,
+    loss_and_updates,
     parallel_module_executor,
     primals_by_role,
     train_steps,
 )
 from verify.ordered_collectives import run_parity_world
+from verify.parity import OracleReport, check_within, module_scales, oracle_tolerance
 
 EAGER = "eager"
 TRAIN_LR = 1e-2  # train_steps' AdamW learning rate (the replay uses the same)
@@ -90,13 +92,15 @@ class PlannedRank:
 
 
 def planned_case(scenario) -> PlannedCase:
-    """The LLaMA ``verify.scenario.Scenario`` (plan="auto") as a PlannedCase: its model, seed and
-    batches (``batch_per_rank`` rows per rank of the whole world)."""
+    """A ``verify.scenario.Scenario`` (plan="auto": a LLaMA preset or any ``ModelCase``) as a
+    PlannedCase: its model, seed, batches (``batch_per_rank`` rows per rank of the whole world)
+    and its own loss, never a substitute."""
     return PlannedCase(
-        name=f"{scenario.preset}-{scenario.mesh_spec}",
+        name=f"{scenario.model_name}-{scenario.mesh_spec}",
         model=lambda device: scenario.model(device=device),
         batches=scenario.batches,
         mesh=str(scenario.mesh_spec),
+        loss_fn=scenario.loss_fn,
     )
 
 
@@ -115,9 +119,9 @@ def _primals(pg, params, buffers, inputs) -> list[torch.Tensor]:
 
 
 def eager_executor(planned, mesh, buffers) -> Executor:
-    """The reference: the plan's interpreter, eagerly, on this rank's real local tensors. Its
-    ``buffers`` are recorded like every executor's (it applies no buffer mutations: a model that
-    updates buffers in place shows up as a buffer mismatch, not as silence)."""
+    """The reference: the plan's interpreter, eagerly, on this rank's real local tensors; the
+    buffers a model updates in place (its ``mutated:<fqn>`` outputs) are written back, and recorded
+    like every executor's."""
     pg, plan = planned.pg, planned.plan
     placed = node_placements(pg, plan)
     grad_fqns = [(i, roles.name(r)) for i, r in enumerate(pg.output_roles) if roles.is_grad(r)]
@@ -125,7 +129,10 @@ def eager_executor(planned, mesh, buffers) -> Executor:
     def run(params, inputs):
         with torch.no_grad():
             outs = PlacedInterpreter(pg.gm, placed, mesh, pg.keys).run(*_primals(pg, params, buffers, inputs), enable_io_processing=False)
-        return outs[0].detach(), {fqn: outs[i] for i, fqn in grad_fqns}
+        # By role: a model that updates buffers (BatchNorm) returns their new values ahead of the
+        # loss; they are copied into ``buffers``, as every stage's executor does.
+        loss = loss_and_updates(outs, pg.output_roles, buffers, "the plan's eager placements")
+        return loss.detach(), {fqn: outs[i] for i, fqn in grad_fqns}
 
     return Executor(run, buffers)
 
@@ -154,16 +161,22 @@ def _rank_case(case: PlannedCase, solved: Plan, batches, executors, mesh) -> Pla
             buffers[fqn] = shard_tensor(b, decode(placement, plan.mesh_names), mesh)
     local_batches = [local_inputs(plan, b, mesh) for b in batches]
     fresh = lambda: {k: v.clone() for k, v in init.items()}  # noqa: E731
+    fresh_buffers = lambda: {k: v.clone() for k, v in buffers.items()}  # noqa: E731
     mod = run.module
-    for fqn, b in buffers.items():
-        mod.model.get_buffer(fqn).copy_(b)
     runs: dict[str, Callable[[], Executor]] = {
-        EAGER: lambda: eager_executor(run.planned, mesh, buffers),
-        JOINT: lambda: joint_graph_executor(lowered[JOINT], run.joint.input_roles, run.joint.output_roles, buffers),
+        EAGER: lambda: eager_executor(run.planned, mesh, fresh_buffers()),
+        JOINT: lambda: joint_graph_executor(lowered[JOINT], run.joint.input_roles, run.joint.output_roles, fresh_buffers()),
         STEP_FIRST_PARTITION: lambda: parallel_module_executor(mod),
         SECOND_COMPILE: lambda: compiled_module_executor(mod, torch.compile(mod, backend=autoparallel_backend())),
     }
-    traces = {name: train_steps(runs[name](), fresh(), local_batches) for name in executors}
+    traces = {}
+    for name in executors:
+        executor = runs[name]()
+        with torch.no_grad():  # every executor starts from the initial buffers (the module's are shared)
+            for fqn, b in executor.buffers.items():
+                if fqn in buffers:
+                    b.copy_(buffers[fqn])
+        traces[name] = train_steps(executor, fresh(), local_batches)
     torch._dynamo.reset()
     coord = mesh.coordinate()
     offsets = {}
@@ -247,6 +260,24 @@ def single_device_replay(case: PlannedCase, ranks: Sequence[PlannedRank], execut
     return out
 
 
+def planned_oracle(case: PlannedCase, ranks: Sequence[PlannedRank], reference: StepTrace | None = None) -> OracleReport:
+    """The independent oracle for a planned program, as ``verify.parity_runs.oracle_check`` for a
+    hand plan: the eager placements' first step (the replicated loss, every gradient reassembled
+    from its pieces) against the unsharded model (``single_device_replay``) within the tolerance
+    the dtype and reduction depth give (every rank counted as a slice: the widest sum the plan
+    may reorder)."""
+    single = reference if reference is not None else single_device_replay(case, ranks)
+    inputs = case.batches(1)[0]
+    tolerance = oracle_tolerance(case.model("meta"), inputs[:-1], case.spec.world_size)
+    report = OracleReport(tolerance, parallel=EAGER)
+    report.checks.append(check_within("loss", single.losses[0], ranks[0].traces[EAGER].losses[0], tolerance.rtol))
+    grads = full_grads(case, ranks, EAGER, 0)
+    scales = module_scales(single.grads[0])
+    for fqn in sorted(set(single.grads[0]) | set(grads)):
+        report.checks.append(check_within(roles.grad(fqn), single.grads[0].get(fqn), grads.get(fqn), tolerance.rtol, scales.get(fqn)))
+    return report
+
+
 __all__ = [
     "EAGER",
     "EXECUTORS",
@@ -256,6 +287,7 @@ __all__ = [
     "PlannedRank",
     "full_grads",
     "planned_case",
+    "planned_oracle",
     "run_planned_parity",
     "single_device_replay",
     "solve",

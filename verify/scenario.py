@@ -70,7 +70,7 @@ class Scenario:
         if self.reduce_dtype:
             kw["reduce_dtype"] = _dtype(self.reduce_dtype)
         case = self.model_case
-        if case is not None:
+        if case is not None and self.plan != AUTO:  # the case's TP rules are for fsdp_tp; auto decides
             kw.update(tp_rules=dict(case.tp_rules), tp_regions=case.tp_regions)
         return ParallelPlan.preset(self.plan, **kw)
 

@@ -9,7 +9,8 @@ outputs and the placements it needs its tensor inputs in), in a deterministic or
   placement per input, the runtime case; a planner wants them all); full strategy functions,
   called with every distinct placement of each producer; DTensor's decomposition strategies.
   Ops DTensor has no strategy for get a rule from :data:`PLANNER_RULES` (the CPU SDPA ops);
-  an op with neither is an error that names the op and the node.
+  an op with no tensor input that DTensor does not cover (a factory: ``arange`` for a model's
+  positions) is replicated; any other op with neither is an error that names the op and the node.
 * Placeholders: every tuple of ``Replicate``/``Shard(d)`` over the mesh. Parameters also get
   *padded* ``Shard(0)`` where dim 0 does not divide (FSDP2 pads dim 0 to a multiple of the mesh
   dim), priced by its real, padded bytes.
@@ -240,6 +241,8 @@ class StrategyEnumerator:
             cands = self._decomposed(node, metas_out, metas_in)
             if cands:
                 return cands
+        if num_ins == 0:  # a factory (arange, zeros, full, ...): every rank makes the whole tensor
+            return self._expand([[Replicate()] * len(metas_out)], len(metas_out), metas_out, metas_in)
         raise NoStrategyError(
             f"op {op} at node {node.name!r} ({node.format_node()}) has no sharding strategy: DTensor's "
             "registry has none and the planner has no rule for it. Add a rule to "

@@ -118,7 +118,7 @@ def primals_by_role(
     return primals
 
 
-def _loss_and_updates(
+def loss_and_updates(
     values: Sequence[object], output_roles: Sequence[str | None], buffers: Mapping[str, torch.Tensor], where: str
 ) -> torch.Tensor:
     """The loss among a forward's outputs (by role); each ``mutated:<fqn>`` output is copied into
@@ -182,7 +182,7 @@ def joint_graph_executor(
                 outs = [*fw_out, *grads]
             else:
                 outs = list(gm(*primals, *tangents))
-        loss = _loss_and_updates(outs, output_roles, buffers, "joint graph")
+        loss = loss_and_updates(outs, output_roles, buffers, "joint graph")
         return loss.detach(), _named_grads(outs, output_roles, "joint graph")
 
     return Executor(run, buffers)
@@ -209,7 +209,7 @@ def split_graph_executor(fw: fx.GraphModule, bw: fx.GraphModule, buffers: Mappin
         primals = primals_by_role(fw_roles, params, buffers, inputs)
         with torch.no_grad():
             outs = fw(*primals)
-            loss = _loss_and_updates(outs, fw_out_roles, buffers, "forward graph")
+            loss = loss_and_updates(outs, fw_out_roles, buffers, "forward graph")
             saved = {r: v for v, r in zip(outs, fw_out_roles, strict=True) if roles.is_saved(r)}
             bw_in = []
             for r in bw_roles:

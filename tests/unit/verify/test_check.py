@@ -21,6 +21,7 @@ from verify.__main__ import main
 from verify.check import ModelCheck, check_model
 from verify.model_case import ModelCase, load_case
 from verify.parity import OracleReport, OracleTolerance, check_within, compare_tensors
+from verify.planned_parity import planned_case
 from verify.scenario import Scenario
 
 README = Path(__file__).resolve().parents[3] / "README.md"
@@ -113,3 +114,41 @@ def test_model_check_lists_every_failure():
         result.assert_ok()
     assert ModelCheck(scenario, run=None, parity={"joint": good}, oracle=None).ok
 
+
+
+# --- plan="auto" for any model ------------------------------------------------------------------------
+
+
+def test_plan_auto_runs_a_users_model_with_its_own_loss(readme_module, model_check):
+    """The README's convnet (BatchNorm buffers updated in place, its own loss) under plan="auto":
+    the plan stage, then the lowered joint graph, the first partition and the second compile
+    bitwise against the plan's placements run eagerly, and the oracle. Failed before: 'unknown
+    planner option(s) ['tp_regions', 'tp_rules']', then the reference's loss was output 0 (a
+    BatchNorm buffer) and it applied no buffer update."""
+    result = model_check(readme_module.case, plan="auto", mesh="dp=2")
+    assert result.run.names[0] == "plan" and set(result.run.names[1:]) == set(STAGE_NAMES)
+    assert set(result.parity) == {"joint", "first_partition", "second_compile"}
+    assert all(rep.bitwise for rep in result.parity.values()) and result.oracle.passed
+    names = {c.name for c in result.oracle.checks}
+    assert "loss" in names and "grad:bn.weight" in names
+
+
+def test_plan_auto_takes_the_cases_loss_never_a_default():
+    case = planned_case(Scenario(case=zoo.convnet, plan="auto", mesh="dp=2"))
+    assert case.loss_fn is zoo.label_smoothing_loss
+    assert Scenario(case=zoo.gpt2, plan="auto").plan_obj().tp_rules == {}  # the case's fsdp_tp rules stay out
+
+
+def test_tp_rules_with_plan_auto_point_to_pins():
+    with pytest.raises(ValueError, match=r"plan='auto' chooses every placement itself.*pin it \(ParallelPlan.auto\(pins="):
+        check_model(zoo.ln_mlp, plan="auto", tp_rules={"blocks.*.up.weight": "colwise"})
+
+
+@pytest.mark.slow  # two planned pipelines and parity worlds (~25 s)
+def test_plan_auto_through_check_model_and_the_report_on_gpt2(capsys):
+    result = check_model(zoo.gpt2, plan="auto", mesh="dp=2")
+    assert result.ok, "\n".join(result.failures())
+    assert main(["report", "--model", "gpt2", "--plan", "auto", "--mesh", "dp=2", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["model"] == "gpt2" and report["planning"] is not None
+    assert report["parity"]["oracle"]["passed"] and all(r["bitwise"] for r in report["parity"]["vs_eager"].values())
