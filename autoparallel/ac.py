@@ -48,6 +48,7 @@ __all__ = [
     "SAC_SAVE_OPS",
     "OpSACState",
     "checkpoint_block",
+    "is_random",
     "is_sdpa_forward",
     "op_sac_context_fn",
     "op_sac_policy",
@@ -128,7 +129,7 @@ def op_sac_policy(
             1-based position among the block's residual adds. Only the first is saved.
             Pass ``None`` for a non-residual add (e.g. ``x + eps``).
 
-    Returns ``MUST_SAVE`` for SDPA (:func:`is_sdpa_forward`),
+    Returns ``MUST_SAVE`` for SDPA (:func:`is_sdpa_forward`), random ops (:func:`is_random`),
     ``_c10d_functional.reduce_scatter_tensor``, ``aten.max.default``, odd mms and the first
     residual add. Every other op gets ``PREFER_RECOMPUTE``.
 
@@ -142,9 +143,16 @@ def op_sac_policy(
         if residual_add_index == 1:
             return CheckpointPolicy.MUST_SAVE
         return CheckpointPolicy.PREFER_RECOMPUTE
-    if func in SAC_SAVE_OPS or is_sdpa_forward(func):
+    if func in SAC_SAVE_OPS or is_sdpa_forward(func) or is_random(func):
         return CheckpointPolicy.MUST_SAVE
     return CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def is_random(func: Any) -> bool:
+    """An op that draws from the generator (dropout, rand, bernoulli: ``nondeterministic_seeded``):
+    never recomputed, since a replay on CPU draws new numbers (CUDA's functionalized RNG, which
+    replays the offset, is not there), so the backward would see another mask than the forward."""
+    return isinstance(func, torch._ops.OpOverload) and torch.Tag.nondeterministic_seeded in func.tags
 
 
 @dataclass

@@ -49,7 +49,9 @@ from autoparallel.runtime.steps import (
     eager_program_executor,
     joint_graph_executor,
     parallel_module_executor,
+    seeded,
     split_graph_executor,
+    step_seed,
     train_steps,
 )
 from verify.ordered_collectives import run_parity_world
@@ -71,6 +73,7 @@ JOINT_EXECUTORS = (JOINT, STEP_CLEANUP, STEP_FSDP_TAGS)  # joint-graph forms
 COMPILE_EXECUTORS = (EAGER, STEP_FIRST_PARTITION, SECOND_COMPILE)
 STAGE_EXECUTORS = (EAGER, *JOINT_EXECUTORS, STEP_FIRST_PARTITION, SECOND_COMPILE, COLLECTIVE)
 _RANK_THREADS = 1
+RNG_SEED = 20_261_126  # base of the ranks' generator seeds (rank_seed)
 
 
 @dataclass
@@ -165,7 +168,8 @@ def _rank_stages(rank, world_size, scenario: Scenario, batches, run: PipelineRun
             for k, b in executor.buffers.items():
                 b.copy_(init_buffers[k])
         graphs_before = counters["stats"]["unique_graphs"]
-        traces[name] = train_steps(executor, {k: v.clone() for k, v in init.items()}, local_batches)
+        traces[name] = train_steps(executor, {k: v.clone() for k, v in init.items()}, local_batches,
+                                   seed=rank_seed(scenario, coord))
         if name == SECOND_COMPILE and inherited and counters["stats"]["unique_graphs"] != graphs_before:
             raise RuntimeError(
                 "torch.compile recompiled the module in the rank: the parity run would not test the "
@@ -173,6 +177,17 @@ def _rank_stages(rank, world_size, scenario: Scenario, batches, run: PipelineRun
             )
         seconds[name] = time.perf_counter() - t0
     return RankParity(tuple(coord[d] for d in spec.names), traces, seconds)
+
+
+def rank_seed(scenario: Scenario, coord: dict[str, int]) -> int:
+    """The generator seed of the rank at ``coord`` (``train_steps``' ``seed``): one per
+    data-parallel slice, so its dropout masks are the ones the single-device reference draws for
+    that slice (the oracle), and the ranks of a TP group draw alike (replicated activations)."""
+    plan, spec = scenario.plan_obj(), scenario.mesh_spec
+    index = 0
+    for d in plan.data_dims:
+        index = index * spec.size(d) + coord.get(d, 0)
+    return RNG_SEED + 1000 * scenario.seed + index
 
 
 def _on_every_rank(flag: bool) -> bool:
@@ -278,7 +293,8 @@ def single_device_reference(scenario: Scenario) -> SingleDeviceReference:
                 b.copy_(initial[k])
         model.zero_grad(set_to_none=True)
         *inputs, target = split_batch(batch, plan, spec, {d: coord.get(d, 0) for d in spec.names})
-        loss = scenario.loss_fn(model(*inputs), target)
+        with seeded(step_seed(rank_seed(scenario, coord), 0)):  # the slice's rank draws these masks
+            loss = scenario.loss_fn(model(*inputs), target)
         loss.backward()
         losses.append(loss.detach())
         for fqn, p in model.named_parameters():

@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 
 import torch
 import torch._dynamo
+import torch.distributed as dist
 from torch import fx, nn
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
@@ -54,6 +55,7 @@ from autoparallel.runtime.steps import (
 from verify.ordered_collectives import run_parity_world
 from verify.parity import OracleReport, check_within, module_scales, oracle_tolerance
 
+PLANNED_RNG_SEED = 20_261_127  # base of the ranks' generator seeds (each executor draws alike)
 EAGER = "eager"
 TRAIN_LR = 1e-2  # train_steps' AdamW learning rate (the replay uses the same)
 EXECUTORS = (EAGER, JOINT, STEP_FIRST_PARTITION, SECOND_COMPILE)
@@ -176,7 +178,7 @@ def _rank_case(case: PlannedCase, solved: Plan, batches, executors, mesh) -> Pla
             for fqn, b in executor.buffers.items():
                 if fqn in buffers:
                     b.copy_(buffers[fqn])
-        traces[name] = train_steps(executor, fresh(), local_batches)
+        traces[name] = train_steps(executor, fresh(), local_batches, seed=PLANNED_RNG_SEED + dist.get_rank())
     torch._dynamo.reset()
     coord = mesh.coordinate()
     offsets = {}

@@ -30,6 +30,7 @@ from autoparallel.planner.costs import CostModel, local_shape, nbytes
 from autoparallel.planner.graph import NO_BLOCK, PlanningGraph, op_name, phase_of, tensor_args
 from autoparallel.planner.strategies import (
     Candidate,
+    NoStrategyError,
     Placements,
     StrategyEnumerator,
     alias_candidates,
@@ -102,6 +103,16 @@ def _distinct(items):
     return list(dict.fromkeys(items))
 
 
+def _origin(node: fx.Node) -> str:
+    """``, used at <the model's line>`` from a user's stack trace, if the graph kept one."""
+    users = [u for u in node.users if u.meta.get("stack_trace")]
+    if not users:
+        return ""
+    last = users[0].meta["stack_trace"].strip().splitlines()
+    frames = [line.strip() for line in last if line.strip().startswith("File ")]
+    return f", used at {frames[-1]}" if frames else ""
+
+
 def build_nodes(pg: PlanningGraph, costs: CostModel, enumerator: StrategyEnumerator) -> Graph:
     """Candidates and compute costs of every node, in graph order."""
     import time
@@ -116,6 +127,11 @@ def build_nodes(pg: PlanningGraph, costs: CostModel, enumerator: StrategyEnumera
     for node in pg.graph.nodes:
         if node.op == "output":
             continue
+        if node.op == "get_attr":
+            raise NoStrategyError(
+                f"the planner cannot place the tensor constant {node.target!r} (a tensor the model creates from "
+                f"Python data in forward, lifted into the graph as get_attr{_origin(node)}); plan='auto' does not "
+                "support lifted constants yet: make it a buffer (register_buffer in __init__), or use a hand plan")
         inputs = tuple(index[a] for a in tensor_args(node))
         metas = out_metas(node)
         common = dict(

@@ -19,7 +19,8 @@ updates, by FQN):
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+import contextlib
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -236,21 +237,38 @@ def _role_of(node: fx.Node) -> str:
     return role
 
 
+def step_seed(seed: int, step: int) -> int:
+    """The generator seed of training step ``step`` for a run seeded ``seed``."""
+    return seed * 1_000_003 + step
+
+
+@contextlib.contextmanager
+def seeded(seed: int) -> Iterator[None]:
+    """The CPU generator seeded ``seed`` inside; its state before is restored after."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        yield
+
+
 def train_steps(
     executor: Executor | Step,
     params: Mapping[str, torch.Tensor],
     batches: Sequence[Sequence[torch.Tensor]],
     *,
     lr: float = 1e-2,
+    seed: int | None = None,
 ) -> StepTrace:
     """Run one step per batch with AdamW between steps; ``params`` are updated in place. The
-    executor's ``buffers`` (if any) are recorded after each step."""
+    executor's ``buffers`` (if any) are recorded after each step. ``seed``: each step runs with the
+    CPU generator seeded ``step_seed(seed, step)`` (restored after), so every executor of a rank
+    draws the same random numbers (dropout masks) whatever ran before it."""
     leaves = {k: v if isinstance(v, torch.nn.Parameter) else torch.nn.Parameter(v) for k, v in params.items()}
     opt = torch.optim.AdamW(list(leaves.values()), lr=lr)
     buffers = getattr(executor, "buffers", None) or {}
     trace = StepTrace()
-    for inputs in batches:
-        loss, grads = executor(leaves, inputs)
+    for step, inputs in enumerate(batches):
+        with seeded(step_seed(seed, step)) if seed is not None else contextlib.nullcontext():
+            loss, grads = executor(leaves, inputs)
         missing = set(leaves) - set(grads)
         if missing:
             raise RuntimeError(f"executor returned no gradient for {sorted(missing)}")

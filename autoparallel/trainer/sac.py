@@ -35,7 +35,7 @@ import torch.fx as fx
 from torch.utils.checkpoint import CheckpointPolicy
 
 from autoparallel import meta as M
-from autoparallel.ac import FULL, OP, SAC_POLICIES, OpSACState
+from autoparallel.ac import FULL, OP, SAC_POLICIES, OpSACState, is_random
 from autoparallel.fx_utils import WAIT, copy_graph_module
 from autoparallel.patches import enabled
 from autoparallel.trainer.regions import region_of
@@ -73,11 +73,7 @@ _POLICY_FACTORIES = {OP: _op_policy, FULL: _full_policy}
 
 
 def _is_rng(node: fx.Node) -> bool:
-    target = node.target
-    return (
-        isinstance(target, torch._ops.OpOverload)
-        and torch.Tag.nondeterministic_seeded in target.tags
-    )
+    return is_random(node.target)
 
 
 def apply_sac_pass(gm: fx.GraphModule, policy: str = OP) -> fx.GraphModule:
