@@ -121,6 +121,18 @@ _register(
     ),
 )
 _register(
+    "trace_as_compiling",
+    "the joint trace and the graph trainer's trace run with torch.compiler.is_compiling() true, as a "
+    "torch.compile session does: models skip their data-dependent eager fast paths (transformers' "
+    "attention-mask checks)",
+    "aot_export / make_fx trace with is_compiling() false: every transformers decoder and encoder stops "
+    "at a data-dependent aten._local_scalar_dense in masking_utils",
+    (
+        "tests/unit/autoparallel/test_validate.py::test_a_model_that_asks_is_compiling_traces_its_graph_path",
+        "tests/unit/autoparallel/test_validate.py::test_the_graph_trainer_traces_the_graph_path_too",
+    ),
+)
+_register(
     "contiguous_gathered_shards",
     "after an all-gather bucket merge (pre-overlap and topo-span bucketing), a parameter whose "
     "shard is one row is cloned contiguous: upstream's merge hands it out as a strided view of the "

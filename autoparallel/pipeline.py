@@ -53,6 +53,7 @@ from torch import fx, nn
 from autoparallel import meta as M
 from autoparallel import patches, roles
 from autoparallel.compile import OVERLAP_PATCH, SECOND_COMPILE, autoparallel_backend
+from autoparallel.compiling_flag import PATCH as TRACE_AS_COMPILING
 from autoparallel.fx_utils import copy_graph_module
 from autoparallel.mesh import MeshSpec, ParallelMesh, attach_group_dims, fake_world
 from autoparallel.parallelize import JointGraph, ParallelPlan, build_joint_graph, split_batch
@@ -427,7 +428,7 @@ def _collective_stage(p: CollectivePass) -> Stage:
 
 #: The stage list, in order (see the module docstring).
 STAGES: tuple[Stage, ...] = (
-    Stage(JOINT, _joint, "trace the per-rank joint graph (model, loss, plan, mesh)"),
+    Stage(JOINT, _joint, "trace the per-rank joint graph (model, loss, plan, mesh)", patches=(TRACE_AS_COMPILING,)),
     *(_placement_stage(s) for s in PLACEMENT_STEPS),
     Stage(
         SECOND_COMPILE,
@@ -459,7 +460,7 @@ PLAN_STAGE = Stage(
     _plan,
     "plan placements (unsharded trace, ILP), remove alias round trips",
     skip=lambda state: not _is_auto(state.plan),
-    patches=(ALIAS_ROUND_TRIPS_PATCH,),
+    patches=(ALIAS_ROUND_TRIPS_PATCH, TRACE_AS_COMPILING),
 )
 #: The stage list for plan="auto": the planner ahead of the trace, then every stage of STAGES.
 PLANNED_STAGES: tuple[Stage, ...] = insert_stage(STAGES, PLAN_STAGE, before=JOINT)

@@ -21,6 +21,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode, is_fake, unset_fake_te
 
 from autoparallel import meta as M
 from autoparallel import roles
+from autoparallel.compiling_flag import tracing_as_compiling
 from autoparallel.mesh import ParallelMesh, attach_group_dims
 from autoparallel.parallelize.module_paths import annotate_module_paths
 from autoparallel.parallelize.plan import ParallelPlan, ParamSharding
@@ -114,7 +115,7 @@ def build_joint_graph(
     try:
         from torch._functorch.aot_autograd import aot_export_joint_with_descriptors
 
-        with annotate_module_paths(program.model):
+        with annotate_module_paths(program.model), tracing_as_compiling():
             jd = aot_export_joint_with_descriptors(stack, program, fake_inputs)
     except BaseException as e:
         stack.close()

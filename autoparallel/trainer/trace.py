@@ -43,6 +43,7 @@ from torch.nn.utils.stateless import _reparametrize_module
 
 from autoparallel import meta as M
 from autoparallel import roles
+from autoparallel.compiling_flag import tracing_as_compiling
 from autoparallel.patches import enabled
 from autoparallel.validate import check_loss, data_dependent_error
 
@@ -278,9 +279,10 @@ def trace_train_step(
         if record_module_stack:
             step._orig_mod = model  # type: ignore[attr-defined]  # the module stack's root
         try:
-            gm = make_fx(step, tracing_mode="fake", record_module_stack=record_module_stack)(
-                *flat_example
-            )
+            with tracing_as_compiling():
+                gm = make_fx(step, tracing_mode="fake", record_module_stack=record_module_stack)(
+                    *flat_example
+                )
         except Exception as e:
             named = data_dependent_error(e)
             if named is not None:

@@ -85,3 +85,25 @@ def test_other_errors_are_left_alone():
             raise RuntimeError("wrapped") from inner
     except RuntimeError as e:
         assert data_dependent_error(e) is None
+
+
+class MaskedFastPath(ItemNet):
+    """What transformers' masking_utils does: an eager-only fast path decided by the data."""
+
+    def forward(self, x):
+        if not torch.compiler.is_compiling() and bool((x != 0).all()):  # eager fast path
+            return self.lin(x)
+        return self.lin(x * (x != 0))
+
+
+def test_a_model_that_asks_is_compiling_traces_its_graph_path():
+    run = run_pipeline(MaskedFastPath(), _mse, (torch.randn(4, 4), torch.randn(4, 4)), ParallelPlan.fsdp(), "dp=2",
+                       PipelineOptions(alternatives=False), until=JOINT)
+    assert any(n.target is torch.ops.aten.ne.Scalar for n in run.stage(JOINT).graphs.graph.nodes)
+    assert not torch.compiler.is_compiling(), "the flag is restored"
+
+
+def test_the_graph_trainer_traces_the_graph_path_too():
+    traced = trace_train_step(MaskedFastPath(), _mse, (torch.randn(4, 4), torch.randn(4, 4)))
+    assert any(n.target is torch.ops.aten.ne.Scalar for n in traced.gm.graph.nodes)
+    assert not torch.compiler.is_compiling()
