@@ -8,6 +8,7 @@ upstream's where upstream has one:
   reshapes of one normed activation feeding q/k/v. The second compile's partitioner runs CSE on
   its re-trace, so the first partition must save CSE'd values too or the two saved sets cannot
   be compared one to one. Merging identical all-gather chains (tied weights) is also intended.
+* :func:`merge_duplicate_waits`: a collective CSE merged keeps one ``wait_tensor``.
 * ``remove_noop_ops`` (torch._inductor.fx_passes.post_grad): clones/aliases/identity slices,
   views and casts whose output equals their input; needs ``meta["val"]`` (checked up front).
 * ``eliminate_dead_code``: unused nodes, e.g. the ``detach`` nodes autograd leaves in a trace.
@@ -24,7 +25,7 @@ from dataclasses import dataclass
 import torch
 from torch import fx
 
-from autoparallel.fx_utils import node_val
+from autoparallel.fx_utils import WAIT, node_val
 
 
 @dataclass
@@ -52,6 +53,23 @@ def _op_name(node: fx.Node) -> str:
     return str(t) if not isinstance(t, torch._ops.OpOverload) else f"{t.namespace}.{t._schema.name.split('::')[-1]}"
 
 
+def merge_duplicate_waits(graph: fx.Graph) -> int:
+    """One ``wait_tensor`` per collective: CSE merges two identical collectives (two gradients
+    computed alike, as in GPT-NeoX) but never their waits (side-effectful to FX), which left one
+    collective with two waits, a shape the bucketing passes refuse. The later waits' users read
+    the first; the number of waits removed."""
+    removed = 0
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    for node in list(graph.nodes):
+        waits = sorted((u for u in node.users if u.op == "call_function" and u.target is WAIT and u.args == (node,)),
+                       key=order.__getitem__)
+        for extra in waits[1:]:
+            extra.replace_all_uses_with(waits[0])
+            graph.erase_node(extra)
+            removed += 1
+    return removed
+
+
 def cleanup_graph(gm: fx.GraphModule) -> CleanupReport:
     """Clean ``gm`` in place (``gm.graph`` is replaced by the CSE'd graph; placeholders and outputs
     are kept) and recompile it."""
@@ -65,6 +83,7 @@ def cleanup_graph(gm: fx.GraphModule) -> CleanupReport:
     before = {n.name: _op_name(n) for n in graph.nodes}
     graph = fx_graph_cse(graph)
     gm.graph = graph
+    merge_duplicate_waits(graph)
     remove_noop_ops(graph)
     graph.eliminate_dead_code()
     after = {n.name for n in graph.nodes}

@@ -12,6 +12,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 from autoparallel import meta as M
 from autoparallel.passes.cleanup import CleanupReport, cleanup_graph
+from verify.strategies import GraphBuilder, mesh_groups
 
 aten = torch.ops.aten
 
@@ -65,3 +66,20 @@ def test_cleanup_rejects_a_node_without_val_by_name():
     )
     with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
         cleanup_graph(gm)
+
+
+def test_a_collective_merged_by_cse_keeps_one_wait(mesh):
+    """Two gradients computed alike (GPT-NeoX) give two identical reduce-scatters; CSE merges them
+    but not their waits, and the bucketing passes refuse a collective with two waits."""
+    b = GraphBuilder(mesh_groups(mesh))
+    a = b.placeholder("a", (4, 8), role="input:0")
+    g = b.call(torch.ops.aten.mm.default, b.call(torch.ops.aten.t.default, a), a)  # [8, 8]
+    first, second = b.reduce_scatter(g, "dp"), b.reduce_scatter(g, "dp")
+    gm = b.output([first, second], ["grad:p0", "grad:p1"])
+    report = cleanup_graph(gm)
+    collectives = gm.graph.find_nodes(op="call_function", target=torch.ops._c10d_functional.reduce_scatter_tensor.default)
+    waits = gm.graph.find_nodes(op="call_function", target=torch.ops._c10d_functional.wait_tensor.default)
+    assert len(collectives) == 1 and len(waits) == 1
+    assert list(gm.graph.output_node().args[0]) == [waits[0], waits[0]]
+    assert report.removed["_c10d_functional.wait_tensor"] == 1
+    gm.graph.lint()
