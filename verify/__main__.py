@@ -71,6 +71,12 @@ def _model_case(text: str) -> str:
     return text
 
 
+def _hf_case(text: str):
+    from verify.hf import hf_case
+
+    return hf_case(text)  # ValueError naming the known architectures, or the missing hf extra
+
+
 def _mesh(text: str) -> str:
     from autoparallel.mesh import MeshSpec
 
@@ -128,6 +134,9 @@ def _parser() -> argparse.ArgumentParser:
     which.add_argument("--model", default=None, type=_flag_type(_model_case, "model"),
                        help="your model instead of a preset: package.module:name naming a verify.ModelCase "
                             "(or a function returning one), or a verify.zoo name (gpt2, convnet, ln_mlp)")
+    which.add_argument("--hf", dest="model", default=None, type=_flag_type(_hf_case, "architecture"),
+                       help="a Hugging Face transformers architecture from a tiny config with the library's "
+                            "defaults (verify.hf: gpt2, bert, llama, t5, vit, ...; needs the hf extra)")
     r.add_argument("--plan", default=None, choices=["fsdp", "fsdp_tp", "ddp", "auto"],
                    help="parallel plan; auto: the ILP planner places everything (default: fsdp)")
     r.add_argument("--mesh", default=None, type=mesh, help="mesh, e.g. dp=8 or dp=4,tp=2 (default: dp=8)")

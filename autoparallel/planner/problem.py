@@ -103,16 +103,6 @@ def _distinct(items):
     return list(dict.fromkeys(items))
 
 
-def _origin(node: fx.Node) -> str:
-    """``, used at <the model's line>`` from a user's stack trace, if the graph kept one."""
-    users = [u for u in node.users if u.meta.get("stack_trace")]
-    if not users:
-        return ""
-    last = users[0].meta["stack_trace"].strip().splitlines()
-    frames = [line.strip() for line in last if line.strip().startswith("File ")]
-    return f", used at {frames[-1]}" if frames else ""
-
-
 def build_nodes(pg: PlanningGraph, costs: CostModel, enumerator: StrategyEnumerator) -> Graph:
     """Candidates and compute costs of every node, in graph order."""
     import time
@@ -130,7 +120,7 @@ def build_nodes(pg: PlanningGraph, costs: CostModel, enumerator: StrategyEnumera
         if node.op == "get_attr":
             raise NoStrategyError(
                 f"the planner cannot place the tensor constant {node.target!r} (a tensor the model creates from "
-                f"Python data in forward, lifted into the graph as get_attr{_origin(node)}); plan='auto' does not "
+                f"Python data in forward, lifted into the graph as get_attr); plan='auto' does not "
                 "support lifted constants yet: make it a buffer (register_buffer in __init__), or use a hand plan")
         inputs = tuple(index[a] for a in tensor_args(node))
         metas = out_metas(node)
