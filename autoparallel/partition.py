@@ -315,8 +315,8 @@ def placement(
     """The state :data:`PLACEMENT_STEPS` run on (see :func:`apply_placement` for the arguments)."""
     if reshard_after_forward is None:
         reshard_after_forward = jg.plan.reshard_after_forward
-    params = dict(getattr(jg, "local_params", {}), **(params or {}))
-    buffers = dict(getattr(jg, "local_buffers", {}), **(buffers or {}))
+    params = {**jg.local_params, **(params or {})}
+    buffers = {**jg.local_buffers, **(buffers or {})}
     return Placement(jg, params, buffers, reshard_after_forward, partition_fn or _default_first_partition())
 
 

@@ -295,7 +295,7 @@ def second_compile(
 
     if module.group_dims != mesh.group_dims:
         raise ValueError(f"module was traced with groups {module.group_dims}, this world has {mesh.group_dims}")
-    if keep_compiled and getattr(module, "uninitialised", ()):
+    if keep_compiled and module.uninitialised:
         names = module.uninitialised
         raise ValueError(
             f"second compile with keep_compiled: {len(names)} local parameter(s)/buffer(s) of the module have no "

@@ -7,14 +7,15 @@ failure deep in a trace or an executor.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import traceback
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
 
-__all__ = ["check_input_dtypes", "check_loss", "data_dependent_error"]
+__all__ = ["check_input_dtypes", "check_loss", "data_dependent_error", "data_dependent_ops_named"]
 
 
 def check_loss(loss: Any, *, needs_grad: bool = True) -> None:
@@ -73,15 +74,8 @@ def data_dependent_error(exc: BaseException) -> ValueError | None:
     )
     from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 
-    seen: set[int] = set()
-    cause: BaseException | None = exc
-    while cause is not None and id(cause) not in seen:
-        seen.add(id(cause))
-        if isinstance(cause, (DataDependentOutputException, DynamicOutputShapeException, GuardOnDataDependentSymNode)):
-            break
-        cause = cause.__cause__ or cause.__context__
-    else:
-        return None
+    refusals = (DataDependentOutputException, DynamicOutputShapeException, GuardOnDataDependentSymNode)
+    cause = next((c for c in _cause_chain(exc) if isinstance(c, refusals)), None)
     if cause is None:
         return None
     func = getattr(cause, "func", None)
@@ -99,6 +93,29 @@ def data_dependent_error(exc: BaseException) -> ValueError | None:
         "Compute it in __init__ (a buffer or a Python constant), keep it a tensor (torch.where, masks "
         "instead of indexing by nonzero, torch.cond instead of a Python branch), or move it out of "
         "forward/loss_fn")
+
+
+def _cause_chain(exc: BaseException) -> Iterator[BaseException]:
+    """``exc``, then what caused it, and so on (each once)."""
+    seen: set[int] = set()
+    cause: BaseException | None = exc
+    while cause is not None and id(cause) not in seen:
+        seen.add(id(cause))
+        yield cause
+        cause = cause.__cause__ or cause.__context__
+
+
+@contextlib.contextmanager
+def data_dependent_ops_named() -> Iterator[None]:
+    """A trace inside that PyTorch refuses for a data-dependent op raises
+    :func:`data_dependent_error`'s ValueError instead (PyTorch's exception as its cause)."""
+    try:
+        yield
+    except Exception as e:
+        named = data_dependent_error(e)
+        if named is not None:
+            raise named from e
+        raise
 
 
 def _model_frame(exc: BaseException) -> traceback.FrameSummary | None:

@@ -38,7 +38,7 @@ from verify import ordered_collectives
 from verify.goldens.catalog import golden_result, header
 from verify.goldens.text import graph_golden_text
 from verify.model_case import Batch, ModelCase
-from verify.parity import OracleReport, ParityReport, compare_traces, merge_reports
+from verify.parity import OracleReport, ParityReport
 from verify.parity_runs import (
     EAGER,
     STAGE_EXECUTORS,
@@ -120,12 +120,7 @@ def _check_planned(scenario: Scenario, steps: int, *, parity: bool, native_colle
         case = planned_case(scenario)
         with ordered_collectives.native_collectives(native_collectives):
             ((_, ranks),) = run_planned_parity(case, steps)
-        names = [f"rank{i}" for i in range(len(ranks))]
-        result.parity = {
-            ex: merge_reports([compare_traces(r.traces[PLANNED_EAGER], r.traces[ex], a_name=PLANNED_EAGER, b_name=ex)
-                               for r in ranks], names)
-            for ex in PLANNED_EXECUTORS if ex != PLANNED_EAGER
-        }
+        result.parity = {ex: compare_with_eager(ranks, ex) for ex in PLANNED_EXECUTORS if ex != PLANNED_EAGER}
         result.oracle = planned_oracle(case, ranks)
     return result
 

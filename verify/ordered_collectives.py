@@ -30,6 +30,8 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
+import torch.distributed as dist
+from torch.distributed.distributed_c10d import _resolve_process_group
 
 from autoparallel.runtime import run_on_world
 
@@ -96,13 +98,10 @@ def rank_ordered_reductions() -> Iterator[None]:
 # --- the kernels -----------------------------------------------------------------------------------
 
 
-def _group(group_name) -> tuple[int, int]:
-    """(size, this rank's index) of the group a functional collective names."""
-    import torch.distributed as dist
-    from torch.distributed.distributed_c10d import _resolve_process_group
-
+def _group_size(group_name) -> int:
+    """The size of the group a functional collective names."""
     pg = group_name if isinstance(group_name, dist.ProcessGroup) else _resolve_process_group(group_name)
-    return pg.size(), pg.rank()
+    return pg.size()
 
 
 def _fold(parts: torch.Tensor, op: str) -> torch.Tensor:
@@ -127,14 +126,14 @@ def _fold(parts: torch.Tensor, op: str) -> torch.Tensor:
 
 
 def _all_reduce(input: torch.Tensor, reduce_op: str, group_name) -> torch.Tensor:
-    size, _ = _group(group_name)
+    size = _group_size(group_name)
     flat = input.contiguous().reshape(1, -1)
     gathered = _c10d.wait_tensor(_c10d.all_gather_into_tensor(flat, size, group_name))
     return _fold(gathered, reduce_op).reshape(input.shape)
 
 
 def _reduce_scatter(input: torch.Tensor, reduce_op: str, group_size: int, group_name) -> torch.Tensor:
-    size, _ = _group(group_name)
+    size = _group_size(group_name)
     if size != group_size or input.shape[0] % size:
         raise ValueError(f"reduce_scatter_tensor: dim 0 ({input.shape[0]}) over a group of {size} "
                          f"(group_size {group_size})")

@@ -27,6 +27,7 @@ process (see ``verify.parity.oracle_report``).
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -234,8 +235,9 @@ def run_stage_parity(
         run.compiled = None  # consumed: the reset invalidates it (a later parity run recompiles)
 
 
-def compare_with_eager(ranks: list[RankParity], executor: str) -> ParityReport:
-    """``executor`` against the eager parallel program, bitwise, every rank (names ``rank<i>/``)."""
+def compare_with_eager(ranks: Sequence[RankParity], executor: str) -> ParityReport:
+    """``executor`` against the eager parallel program, bitwise, every rank (names ``rank<i>/``).
+    Planned ranks (``verify.planned_parity.PlannedRank``, whose reference is also ``eager``) too."""
     return merge_reports(
         [compare_traces(r.traces[EAGER], r.traces[executor], a_name=EAGER, b_name=executor) for r in ranks],
         [f"rank{i}" for i in range(len(ranks))],

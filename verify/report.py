@@ -26,7 +26,6 @@ from verify.goldens import catalog as golden_catalog
 from verify.html import write_report
 from verify.html.records import records_from_pipeline_run
 from verify.ordered_collectives import current_mode, native_collectives
-from verify.parity import compare_traces, merge_reports
 from verify.parity_runs import (
     EAGER,
     STAGE_EXECUTORS,
@@ -94,13 +93,6 @@ def parity_mesh(spec: MeshSpec) -> MeshSpec:
     return MeshSpec(tuple((n, min(s, 2)) for n, s in spec.dims))
 
 
-def _merged(ranks, a: str, b: str):
-    return merge_reports(
-        [compare_traces(r.traces[a], r.traces[b], a_name=a, b_name=b) for r in ranks],
-        [f"rank{i}" for i in range(len(ranks))],
-    )
-
-
 def planning_summary(run: PipelineRun) -> dict | None:
     """The plan stage of a plan="auto" run (None for a hand plan): the plan's objective, where
     the planner's seconds went, the alias round trips it removed, and what chained all-gather
@@ -164,7 +156,7 @@ def run_planned_parity_summary(small: Scenario, steps: int) -> dict:
     case = planned_case(small)
     ((_, ranks),) = run_planned_parity(case, steps)
     comparisons = {
-        ex: _merged(ranks, PLANNED_EAGER, ex) for ex in PLANNED_EXECUTORS if ex != PLANNED_EAGER
+        ex: compare_with_eager(ranks, ex) for ex in PLANNED_EXECUTORS if ex != PLANNED_EAGER
     }
     oracle = planned_oracle(case, ranks)  # the same bound as a hand plan's, the case's own loss
     return {
@@ -176,15 +168,10 @@ def run_planned_parity_summary(small: Scenario, steps: int) -> dict:
 
 
 def parity_passed(parity: dict | None) -> bool:
-    """Every stage bitwise and the single-device check passed (True when parity was skipped): the
-    oracle's verdict for a hand plan, the replay within its tolerance for plan="auto"."""
+    """Every stage bitwise and the oracle passed (True when parity was skipped)."""
     if parity is None:
         return True
-    if not all(r["bitwise"] for r in parity["vs_eager"].values()):
-        return False
-    if "oracle" in parity:
-        return bool(parity["oracle"]["passed"])
-    return parity["single_device_max_abs_diff"] <= parity["single_device_tolerance"]
+    return all(r["bitwise"] for r in parity["vs_eager"].values()) and bool(parity["oracle"]["passed"])
 
 
 def build_report(scenario: Scenario, *, parity: bool = True, steps: int = 2) -> dict:
@@ -302,8 +289,6 @@ def format_report(report: dict) -> str:
         )
         if not oracle["passed"] and p.get("oracle_summary"):
             lines.extend("    " + line for line in p["oracle_summary"].splitlines()[1:])
-    elif p is not None:
-        lines.append("  " + single_device_line(p))
     if report.get("html"):
         lines.append(f"html report: {report['html']}")
     return "\n".join(lines)
@@ -333,15 +318,6 @@ def parity_lines(p: dict | None, heading: str, *, width: int = 16, versus: bool 
         vs = f" vs {r['a']}:" if versus else ""
         out.append(f"  {stage:<{width}}{vs} {parity_verdict(r)} ({r['tensors']} tensors)")
     return out
-
-
-def single_device_line(p: dict) -> str:
-    """Single-device eager vs the eager parallel program (plan="auto"'s replay), within its tolerance?"""
-    diff, tol = p["single_device_max_abs_diff"], p.get("single_device_tolerance")
-    if tol is None:
-        return f"single-device eager vs the eager parallel program: max |diff| {diff:.2e} (reduction order differs)"
-    verdict = "within" if diff <= tol else "EXCEEDS"
-    return f"single-device eager vs the eager parallel program: max |diff| {diff:.2e}, {verdict} tolerance {tol:.0e} (reduction order differs)"
 
 
 # Parity runs the model for real: each gloo rank builds the whole fp32 model, and the

@@ -27,7 +27,7 @@ from autoparallel.parallelize.module_paths import annotate_module_paths
 from autoparallel.parallelize.plan import ParallelPlan, ParamSharding
 from autoparallel.parallelize.program import LossFn, ParallelProgram, clean_fqn, split_batch
 from autoparallel.patches import disabled_from_env
-from autoparallel.validate import check_input_dtypes, data_dependent_error
+from autoparallel.validate import check_input_dtypes, data_dependent_ops_named
 
 log = logging.getLogger(__name__)
 
@@ -115,13 +115,10 @@ def build_joint_graph(
     try:
         from torch._functorch.aot_autograd import aot_export_joint_with_descriptors
 
-        with annotate_module_paths(program.model), tracing_as_compiling():
+        with annotate_module_paths(program.model), tracing_as_compiling(), data_dependent_ops_named():
             jd = aot_export_joint_with_descriptors(stack, program, fake_inputs)
-    except BaseException as e:
+    except BaseException:
         stack.close()
-        named = data_dependent_error(e)
-        if named is not None:
-            raise named from e
         raise
     seconds = time.perf_counter() - t0
     gm = jd.graph_module
@@ -164,7 +161,7 @@ def _fake_like(t: torch.Tensor, fake_mode: FakeTensorMode) -> torch.Tensor:
 
 
 def _real_local_values(program: ParallelProgram) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-    """(params, buffers) of this rank's program by FQN, copied, where every one is a real tensor:
+    """(params, buffers) of this rank's program by FQN, where every one is a real tensor:
     what the placement must run with. A model built in ``__init__`` computes buffers there (BERT's
     ``position_ids``): allocating them anew would compute on memory nobody wrote. Nothing for a
     model on meta or fake tensors (graph work only)."""
@@ -172,7 +169,7 @@ def _real_local_values(program: ParallelProgram) -> tuple[dict[str, torch.Tensor
     buffers = {clean_fqn(n): b.detach() for n, b in program.named_buffers()}
     if not all(_is_real(t) for t in (*params.values(), *buffers.values())):
         return {}, {}
-    return ({k: v.clone() for k, v in params.items()}, {k: v.clone() for k, v in buffers.items()})
+    return params, buffers  # the trace swaps fakes into the program: these stay the rank's own
 
 
 def _is_real(t: torch.Tensor) -> bool:

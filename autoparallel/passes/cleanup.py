@@ -53,12 +53,11 @@ def _op_name(node: fx.Node) -> str:
     return str(t) if not isinstance(t, torch._ops.OpOverload) else f"{t.namespace}.{t._schema.name.split('::')[-1]}"
 
 
-def merge_duplicate_waits(graph: fx.Graph) -> int:
+def merge_duplicate_waits(graph: fx.Graph) -> None:
     """One ``wait_tensor`` per collective: CSE merges two identical collectives (two gradients
     computed alike, as in GPT-NeoX) but never their waits (side-effectful to FX), which left one
     collective with two waits, a shape the bucketing passes refuse. The later waits' users read
-    the first; the number of waits removed."""
-    removed = 0
+    the first (the report counts the waits removed)."""
     order = {n: i for i, n in enumerate(graph.nodes)}
     for node in list(graph.nodes):
         waits = sorted((u for u in node.users if u.op == "call_function" and u.target is WAIT and u.args == (node,)),
@@ -66,8 +65,6 @@ def merge_duplicate_waits(graph: fx.Graph) -> int:
         for extra in waits[1:]:
             extra.replace_all_uses_with(waits[0])
             graph.erase_node(extra)
-            removed += 1
-    return removed
 
 
 def cleanup_graph(gm: fx.GraphModule) -> CleanupReport:

@@ -93,7 +93,7 @@ class ParallelModule(nn.Module):
         self.steps = tuple(steps)
         self.group_dims = dict(group_dims or {})
         # Local tensors allocated without values (the model was on meta): running the module
-        # would compute on memory nobody wrote; copy values in, then clear this.
+        # would compute on memory nobody wrote (pipeline.second_compile refuses to run it).
         self.uninitialised = tuple(uninitialised)
 
     def local_parameters(self) -> dict[str, nn.Parameter]:

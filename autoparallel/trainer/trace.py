@@ -45,7 +45,7 @@ from autoparallel import meta as M
 from autoparallel import roles
 from autoparallel.compiling_flag import tracing_as_compiling
 from autoparallel.patches import enabled
-from autoparallel.validate import check_loss, data_dependent_error
+from autoparallel.validate import check_loss, data_dependent_ops_named
 
 __all__ = [
     "LOSS_ROLE",
@@ -278,16 +278,10 @@ def trace_train_step(
     ):
         if record_module_stack:
             step._orig_mod = model  # type: ignore[attr-defined]  # the module stack's root
-        try:
-            with tracing_as_compiling():
-                gm = make_fx(step, tracing_mode="fake", record_module_stack=record_module_stack)(
-                    *flat_example
-                )
-        except Exception as e:
-            named = data_dependent_error(e)
-            if named is not None:
-                raise named from e
-            raise
+        with tracing_as_compiling(), data_dependent_ops_named():
+            gm = make_fx(step, tracing_mode="fake", record_module_stack=record_module_stack)(
+                *flat_example
+            )
 
     traced = TracedStep(
         gm=gm,

@@ -29,6 +29,7 @@ from verify.planned_parity import (
     PlannedCase,
     full_grads,
     planned_case,
+    planned_oracle,
     run_planned_parity,
     single_device_replay,
 )
@@ -99,6 +100,20 @@ pytestmark = pytest.mark.xdist_group("planned-parity")
 def test_planned_program_bitwise_equals_its_eager_placements_on_two_ranks(dp2, name):
     results, cases = dp2
     check(next(c for c in cases if c.name == name), results[name])
+
+
+def test_planned_oracle_passes_the_program_and_fails_a_reference_off_by_a_thousandth(dp2):
+    """planned_oracle (check_model's and the report's verdict for plan="auto"): the planned program
+    passes; a reference whose gradients are 0.1 % off (a subtle lowering bug's size) fails, named."""
+    results, cases = dp2
+    case = next(c for c in cases if c.name == "tiny-dp=2")
+    ranks = results[case.name]
+    reference = single_device_replay(case, ranks)
+    assert planned_oracle(case, ranks, reference).passed
+    reference.grads[0] = {fqn: g * 1.001 for fqn, g in reference.grads[0].items()}
+    wrong = planned_oracle(case, ranks, reference)
+    assert not wrong.passed and len(wrong.failures()) > len(reference.grads[0]) // 2, wrong.summary()
+    assert "grad:" in wrong.summary()
 
 
 @pytest.mark.slow

@@ -45,9 +45,8 @@ Graphs = fx.GraphModule | tuple[fx.GraphModule, fx.GraphModule]
 @dataclass
 class Parity:
     """Parity of one stage. ``bitwise``: losses and grads equal to the eager parallel program
-    (None: not compared); ``oracle_max_abs_diff``: against single-device eager, with
-    ``oracle_tolerance`` when the check has one tolerance, or the independent oracle's verdict
-    ``oracle_passed`` (each tensor within its own bound: ``verify.parity.oracle_check``)."""
+    (None: not compared); ``oracle_max_abs_diff``: against single-device eager, with the
+    independent oracle's verdict ``oracle_passed`` (each tensor within its own bound: ``verify.parity.oracle_check``)."""
 
     bitwise: bool | None
     tensors: int = 0
@@ -56,16 +55,12 @@ class Parity:
     where: str = ""  # what ran it: "gloo dp=2", "one process"
     steps: int = 0
     oracle_max_abs_diff: float | None = None
-    oracle_tolerance: float | None = None
     oracle_passed: bool | None = None
 
     @property
     def ok(self) -> bool | None:
         if self.bitwise is False or self.oracle_passed is False:
             return False
-        if self.oracle_tolerance is not None and self.oracle_max_abs_diff is not None:
-            if not self.oracle_max_abs_diff <= self.oracle_tolerance:
-                return False
         return self.bitwise
 
     def describe(self) -> str:
@@ -81,8 +76,7 @@ class Parity:
             verdict = "PASS" if self.oracle_passed else "FAIL"
             parts.append(f"single-device eager (oracle) {verdict}: max |diff| {self.oracle_max_abs_diff:.2e}")
         elif self.oracle_max_abs_diff is not None:
-            tol = f" (tolerance {self.oracle_tolerance:.0e})" if self.oracle_tolerance is not None else ""
-            parts.append(f"single-device eager max |diff| {self.oracle_max_abs_diff:.2e}{tol}")
+            parts.append(f"single-device eager max |diff| {self.oracle_max_abs_diff:.2e}")
         return "; ".join(parts) or "not compared"
 
 
@@ -142,8 +136,6 @@ def parity_from_report(parity: Mapping[str, Any] | None) -> dict[str, Parity]:
     single = parity.get("single_device_max_abs_diff")
     if single is not None and "joint" in out:
         out["joint"].oracle_max_abs_diff = float(single)
-        tol = parity.get("single_device_tolerance")
-        out["joint"].oracle_tolerance = None if tol is None else float(tol)
         if "oracle" in parity:
             out["joint"].oracle_passed = bool(parity["oracle"]["passed"])
     return out

@@ -49,6 +49,10 @@ def _rank_every_reduction(rank, world):
         _c10d.all_reduce(x, "bxor", name)
     except NotImplementedError as e:
         out["bxor"] = str(e)
+    try:
+        _c10d.reduce_scatter_tensor(x[:1], "sum", world, name)  # 1 row over 3 ranks
+    except ValueError as e:
+        out["undivided"] = str(e)
     return out
 
 
@@ -71,6 +75,7 @@ def test_every_reduction_is_the_rank_ordered_fold(world):
         assert torch.equal(out["reduce_scatter_out"], full[mine])
         assert out["all_reduce 0-d"].shape == () and out["all_reduce 0-d"].item() == sum(range(1, world + 1))
         assert "reduce op 'bxor' is not supported" in out["bxor"] and "--native-collectives" in out["bxor"]
+        assert out["undivided"] == f"reduce_scatter_tensor: dim 0 (1) over a group of {world} (group_size {world})"
 
 
 def _rank_kernels(rank, world):

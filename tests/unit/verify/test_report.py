@@ -11,7 +11,7 @@ from autoparallel.pipeline import STAGE_NAMES
 from verify.__main__ import main
 from verify.html.page import page_sections as sections
 from verify.parity_runs import STAGE_EXECUTORS
-from verify.report import GOLDENS_NOT_CHECKED, format_report, golden_status
+from verify.report import GOLDENS_NOT_CHECKED, format_report, golden_status, parity_passed
 from verify.scenario import Scenario
 
 
@@ -97,11 +97,19 @@ def test_report_text_format():
     assert "goldens: none for this scenario" in text
     assert "parity on gloo dp=2 (2 steps with AdamW, rank-ordered reductions, 1.0s)" in text
     assert "NOT bitwise: 1 of 4 tensors differ (max |diff| 5.00e-01)" in text
-    assert "single-device eager vs the eager parallel program: max |diff| 1.00e-08 (reduction order differs)" in text
-    report["parity"]["single_device_tolerance"] = 1e-9
+    oracle = {"passed": False, "failures": 2, "tensors": 4, "max_abs_diff": 1e-3, "worst_ratio": 12.5,
+              "tolerance": {"rtol": 1e-5, "dtype": "float32", "layers": 3, "width": 40}}
+    report["parity"].update(oracle=oracle, oracle_summary="oracle: 2 of 4\n  grad:w: |diff| 1e-3 > bound 8e-5")
     report["html"] = "out/index.html"
     text = format_report(report)
-    assert "single-device eager vs the eager parallel program: max |diff| 1.00e-08, EXCEEDS tolerance 1e-09" in text
+    assert ("single-device eager (independent oracle, step 0): FAIL (2 of 4 tensors beyond tolerance); max |diff| "
+            "1.00e-03, worst |diff|/bound 1.25e+01, rtol 1.00e-05 (float32, 3 layers x width 40)") in text
+    assert "    grad:w: |diff| 1e-3 > bound 8e-5" in text
+    assert not parity_passed(report["parity"])
+    report["parity"]["vs_eager"]["joint"]["bitwise"] = True
+    assert not parity_passed(report["parity"]), "every stage bitwise, the oracle failing: not passed"
+    oracle["passed"] = True
+    assert parity_passed(report["parity"]) and parity_passed(None)
     assert text.endswith("html report: out/index.html")
 
 
