@@ -179,7 +179,7 @@ def max_consec_compute_between_rs(graph: fx.Graph, is_compute=is_flop_compute) -
     The regression metric of topo-span bucketing: bucketing that rewires dependencies lets the
     following topological sort batch many matmuls before the first reduce-scatter. Compute nodes
     are ``is_flop_compute`` by default (the scheduler's notion, and the seeds' telemetry);
-    verify.stats reports this same function.
+    verify.graphs.stats reports this same function.
     """
     best = 0
     run: int | None = None  # None until the first reduce-scatter

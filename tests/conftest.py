@@ -86,7 +86,7 @@ def one_thread():
     """One intra-op thread for the module (``pytestmark = pytest.mark.usefixtures("one_thread")``):
     on a 2-core box shared by 2 xdist workers, intra-op threads spin against each other (one
     debug-preset step took 0.7-2.3 s with 2 threads, 0.13 s with 1); results are bitwise the same."""
-    from verify.trainer_stages import intra_op_threads
+    from verify.stages.trainer import intra_op_threads
 
     with intra_op_threads(1):
         yield
@@ -227,7 +227,7 @@ def mlp_pipeline_run(two_norm_mlp):
     group, MODULE_GROUPS below). Read-only."""
     from autoparallel.parallelize import ParallelPlan
     from autoparallel.pipeline import run_pipeline
-    from verify.pipeline import pipeline_options
+    from verify.stages.run import pipeline_options
 
     model, loss, batch = two_norm_mlp
     return run_pipeline(model, loss, batch, ParallelPlan.fsdp(), MLP_MESH, pipeline_options(MLP_BUCKET_CAP_MB, alternatives=False))
@@ -236,8 +236,8 @@ def mlp_pipeline_run(two_norm_mlp):
 @pytest.fixture(scope="session")
 def shared_pipeline_runs():
     """run_pipeline builds each scenario once in this process (read-only runs; see
-    verify.pipeline.reuse_pipeline_runs): the golden tests and the report test share them."""
-    from verify.pipeline import reuse_pipeline_runs
+    verify.stages.run.reuse_pipeline_runs): the golden tests and the report test share them."""
+    from verify.stages.run import reuse_pipeline_runs
 
     with reuse_pipeline_runs():
         yield
@@ -283,7 +283,7 @@ def pytest_configure_node(node):
 # Modules whose tests share per-process state across modules, or whose owners keep the module's
 # marks elsewhere: each list runs on one worker (an explicit xdist_group mark on a test wins).
 MODULE_GROUPS = {
-    # verify.trainer_stages caches the traced steps (functools.lru_cache) these modules share.
+    # verify.stages.trainer caches the traced steps (functools.lru_cache) these modules share.
     "trainer": (
         "tests/golden/test_trainer_goldens.py",
         "tests/parity/test_trainer_parity.py",
@@ -295,7 +295,7 @@ MODULE_GROUPS = {
     "pre-overlap-bucketing": ("tests/unit/autoparallel/passes/test_pre_overlap_bucketing.py",),
     # the session fixture ``mlp_pipeline_run`` (tests whose own xdist_group mark names a golden
     # scenario run with that scenario instead).
-    "layernorm-mlp": ("tests/golden/test_pass_invariants.py", "tests/unit/verify/test_bisect.py"),
+    "layernorm-mlp": ("tests/golden/test_pass_invariants.py", "tests/unit/verify/commands/test_bisect.py"),
 }
 _GROUP_OF_MODULE = {m: g for g, mods in MODULE_GROUPS.items() for m in mods}
 

@@ -9,12 +9,12 @@ imports only the standard library, torch, numpy and ``autoparallel`` at module l
 * ``verify.goldens.syrupy_ext`` (syrupy): the storage of goldens as text files, for the
   ``golden`` fixture. Reading and comparing goldens (``verify.goldens.text``) needs no syrupy,
   so the report shows golden status on the base install.
-* ``verify.strategies`` (hypothesis): graph generators for the property tests.
-* ``verify.mutation.subprocess_hits`` (pytest): a pytest plugin for mutmut's own runs
+* ``verify.graphs.generators`` (hypothesis): graph generators for the property tests.
+* ``verify.commands.mutation.subprocess_hits`` (pytest): a pytest plugin for mutmut's own runs
   (``python -m verify mutate --lines``), loaded with ``-p`` only there.
 
 Elsewhere a test-only package is imported inside the function that needs it, where that code only
-runs under pytest or mutmut (``verify.mutation.lines``' pytest hook). ``goldens`` and ``mutate``
+runs under pytest or mutmut (``verify.commands.mutation.lines``' pytest hook). ``goldens`` and ``mutate``
 run the test suite in a subprocess and say what to install when pytest is missing.
 ``tests/unit/verify/test_base_install.py`` imports every other module with those packages blocked.
 """
@@ -23,7 +23,7 @@ run the test suite in a subprocess and say what to install when pytest is missin
 TEST_ONLY_MODULES = (
     "verify.pytest_plugin",
     "verify.goldens.syrupy_ext",
-    "verify.strategies",
-    "verify.mutation.subprocess_hits",
+    "verify.graphs.generators",
+    "verify.commands.mutation.subprocess_hits",
 )
 TEST_ONLY_PACKAGES = ("pytest", "_pytest", "syrupy", "hypothesis", "xdist", "pytest_timeout", "mutmut")

@@ -84,7 +84,7 @@ def _mesh(text: str) -> str:
 
 
 def _dtype(text: str) -> str:
-    from verify.scenario import _dtype as lookup
+    from verify.stages.scenario import _dtype as lookup
 
     lookup(text)
     return text
@@ -146,7 +146,7 @@ def _parser() -> argparse.ArgumentParser:
                    help="also show upstream Inductor's INFO lines from the collective passes (one per bucket and rank)")
     r.add_argument("--native-collectives", action="store_true",
                    help="parity with gloo's own reductions, whose sums depend on buffer layout above 2 ranks "
-                        "(default: rank-ordered, verify/ordered_collectives.py)")
+                        "(default: rank-ordered, verify/parity/ordered_collectives.py)")
     r.add_argument("--parity-anyway", action="store_true",
                    help="run parity even for a model above the size limit (it runs the model for real)")
     r.add_argument("--html", default=None, metavar="DIR", type=_flag_type(_html_dir, "directory"),
@@ -156,7 +156,7 @@ def _parser() -> argparse.ArgumentParser:
                         "with measured CPU memory, instead of the parallel pipeline")
 
     pl = sub.add_parser("plan", help="automatic placement: plan a preset on a fake world with the ILP planner")
-    from verify.plan_cli import add_arguments as add_plan_arguments
+    from verify.commands.plan import add_arguments as add_plan_arguments
 
     add_plan_arguments(pl, preset=preset, mesh=mesh, dtype=dtype, count=_positive(int), seconds=_positive(float),
                        blocks=_flag_type(_non_negative_int, "int >= 0"))
@@ -177,7 +177,9 @@ def _parser() -> argparse.ArgumentParser:
     m.add_argument("--lines", action="store_true", help="line-level mutation with mutmut (slow)")
     m.add_argument("--target", choices=["passes", "verify"], default="passes",
                    help="with --lines: autoparallel/passes, or the checkers of verify/ group by group (default: passes)")
-    from verify.mutation.lines import VERIFY_GROUP_NAMES  # stdlib only, like the rest of the parser
+    from verify.commands.mutation.lines import (
+        VERIFY_GROUP_NAMES,  # stdlib only, like the rest of the parser
+    )
 
     m.add_argument("--group", action="append", choices=VERIFY_GROUP_NAMES,
                    help="with --lines --target verify: only this group of checkers (repeatable; default: all)")
@@ -242,27 +244,27 @@ def main(argv: list[str] | None = None) -> int:
 
         disabled_from_env()  # an unknown name in $AUTOPARALLEL_DISABLE stops every command here
         if args.command == "report" and args.trainer:
-            from verify.trainer_report import main as trainer_report_main
+            from verify.commands.trainer_report import main as trainer_report_main
 
             return trainer_report_main(args)
         if args.command == "report":
-            from verify.report import main as report_main
+            from verify.commands.report import main as report_main
 
             return report_main(args)
         if args.command == "plan":
-            from verify.plan_cli import main as plan_main
+            from verify.commands.plan import main as plan_main
 
             return plan_main(args)
         if args.command == "mutate":
-            from verify.mutation.cli import main as mutate_main
+            from verify.commands.mutation.cli import main as mutate_main
 
             return mutate_main(args)
         if args.command == "scale":
-            from verify.scale import main as scale_main
+            from verify.commands.scale import main as scale_main
 
             return scale_main(args)
         if args.command == "bisect":
-            from verify.bisect import main as bisect_main
+            from verify.commands.bisect import main as bisect_main
 
             return bisect_main(args)
         if args.command == "goldens":

@@ -14,9 +14,9 @@ inputs then the target, ``n`` examples), or a :class:`~verify.model_case.ModelCa
 three, and a plan: ``"fsdp"``, ``"ddp"``, ``"fsdp_tp"`` (with ``tp_rules`` / ``tp_regions`` by
 FQN pattern) or a ``ParallelPlan`` over the mesh dims ``dp`` / ``tp``. It runs
 ``autoparallel.pipeline`` on a fake world of ``mesh`` (graphs of rank 0), then trains ``steps``
-steps on a gloo world of the same mesh with every stage (``verify.parity_runs``), compares each
+steps on a gloo world of the same mesh with every stage (``verify.parity.runs``), compares each
 with the eager parallel program bitwise and the eager program with single-device eager within
-the oracle's tolerance (``verify.parity``). Dynamo's caches are reset when it returns.
+the oracle's tolerance (``verify.parity.compare``). Dynamo's caches are reset when it returns.
 
 From pytest, the plugin's ``model_check`` fixture runs it and fails the test with the summary
 when something is off; ``goldens=True`` also compares each stage's canonical graph text with
@@ -34,24 +34,24 @@ from torch import nn
 from autoparallel.parallelize import ParallelPlan
 from autoparallel.parallelize.plan import AUTO
 from autoparallel.pipeline import STAGE_NAMES, PipelineRun
-from verify import ordered_collectives
 from verify.goldens.catalog import golden_result, header
 from verify.goldens.text import graph_golden_text
+from verify.graphs.stats import graph_stats
 from verify.model_case import Batch, ModelCase
-from verify.parity import OracleReport, ParityReport
-from verify.parity_runs import (
+from verify.parity import ordered_collectives
+from verify.parity.compare import OracleReport, ParityReport
+from verify.parity.planned import EAGER as PLANNED_EAGER
+from verify.parity.planned import EXECUTORS as PLANNED_EXECUTORS
+from verify.parity.planned import planned_case, planned_oracle, run_planned_parity
+from verify.parity.runs import (
     EAGER,
     STAGE_EXECUTORS,
     compare_with_eager,
     oracle_check,
     run_stage_parity,
 )
-from verify.pipeline import run_pipeline
-from verify.planned_parity import EAGER as PLANNED_EAGER
-from verify.planned_parity import EXECUTORS as PLANNED_EXECUTORS
-from verify.planned_parity import planned_case, planned_oracle, run_planned_parity
-from verify.scenario import Scenario, check_flags, dtype_name
-from verify.stats import graph_stats
+from verify.stages.run import run_pipeline
+from verify.stages.scenario import Scenario, check_flags, dtype_name
 
 __all__ = ["ModelCase", "ModelCheck", "check_model"]
 
@@ -85,7 +85,7 @@ class ModelCheck:
 
     def stats(self) -> dict[str, dict]:
         """Per graph row (``joint``, ``first_partition fwd`` ...): node count, collectives per
-        kind and mesh dim, saved tensors, static peak (``verify.stats``)."""
+        kind and mesh dim, saved tensors, static peak (``verify.graphs.stats``)."""
         return {label: graph_stats(gm).to_dict() for r in self.run.results for label, gm in r.graph_rows()}
 
     def golden_texts(self) -> dict[str, str]:
@@ -111,7 +111,7 @@ class ModelCheck:
 
 def _check_planned(scenario: Scenario, steps: int, *, parity: bool, native_collectives: bool) -> ModelCheck:
     """plan="auto": every stage of ``PLANNED_STAGES`` on a fake world (graphs, stats, goldens),
-    then the planned parity world (``verify.planned_parity``: each rank lowers the solver's plan;
+    then the planned parity world (``verify.parity.planned``: each rank lowers the solver's plan;
     the lowered joint graph, the first partition and the second compile against the plan's
     placements run eagerly, bitwise) and the oracle, all with the case's own loss."""
     run = run_pipeline(scenario)
@@ -167,7 +167,7 @@ def check_model(
     ``plan`` may be a ``ParallelPlan`` instead (its rules win over the case's). ``mesh``: the
     world the graphs are traced for and the gloo world parity runs on (keep it small: each rank
     is a process). ``parity=False``: graphs and stats only. The gloo world's reductions add the
-    ranks' contributions in rank order (``verify.ordered_collectives``: a verdict that does not
+    ranks' contributions in rank order (``verify.parity.ordered_collectives``: a verdict that does not
     depend on how buckets fall); ``native_collectives=True`` runs gloo's own. Bad input (a plan that does not fit
     the model, a loss that is not a scalar, a parameter the loss does not use ...) raises
     ValueError naming it."""

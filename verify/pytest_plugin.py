@@ -245,7 +245,7 @@ class VerifyPlugin:
         if item.get_closest_marker("slow") is not None and not (gpu_ci or self.config.getoption("ap_run_slow")):
             pytest.skip(f"slow test: run with {RUN_SLOW}; .ci/run runs these in their own step")
         if item.get_closest_marker("browser") is not None:
-            from verify.html.browser import unavailable_reason
+            from verify.commands.html.browser import unavailable_reason
 
             why = unavailable_reason()
             if why is not None:
@@ -500,8 +500,8 @@ class GoldenChecker:
     def _html_diff(self, path, text: str) -> str:
         """Write the side-by-side diff of the golden file and ``text`` as a page in the test's
         tmp dir; the line that says where it is (or why it could not be written)."""
+        from verify.commands.html.diff import build_diff_page
         from verify.goldens import read_golden
-        from verify.html.diff import build_diff_page
 
         try:
             out = self._request.getfixturevalue("tmp_path") / f"golden-diff-{path.stem}.html"

@@ -1,6 +1,6 @@
 """A zoo of tiny models that are not LLaMA: what the verification layer itself is tested on.
 
-Each entry is a :class:`verify.scenario.ModelCase` (a module factory, a loss, a batch factory and
+Each entry is a :class:`verify.stages.scenario.ModelCase` (a module factory, a loss, a batch factory and
 the TP rules that fit the model), so any of them runs through ``Scenario(model="verify.zoo:NAME")``,
 ``verify.check.check_model`` and ``python -m verify report --model verify.zoo:NAME``. They live in
 the package, not under ``tests/``, because the golden catalog (``verify/goldens/catalog.py``)

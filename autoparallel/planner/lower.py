@@ -24,7 +24,7 @@ module makes it:
   compiles it like any traced joint graph.
 
 The same interpreter runs eagerly on real tensors of a real world (no tracing): that is the
-reference the lowered graphs are compared with bitwise (``verify.parity_runs``).
+reference the lowered graphs are compared with bitwise (``verify.parity.runs``).
 
 Rank-specific: a local split (``Replicate -> Shard``, ``Replicate -> Partial``) keeps this rank's
 piece, so the lowered graph bakes in the rank's mesh coordinate. Like bucketed graphs, lowered

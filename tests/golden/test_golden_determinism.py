@@ -16,7 +16,7 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from autoparallel.mesh import fake_world
 from verify.goldens import graph_golden_text
-from verify.scenario import Scenario
+from verify.stages.scenario import Scenario
 
 HASH_PROBE = "autoparallel golden determinism"
 # The fresh interpreter runs golden_text() of this very file.

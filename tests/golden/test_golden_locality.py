@@ -2,7 +2,7 @@
 
 The model is traced twice, once with the op added by a model subclass, and the two golden texts
 (header, stats table, canonical graph) are compared line by line. Before names were scoped by
-module (verify.canon, "Names"), every node after the insertion that shared the new node's op was
+module (verify.graphs.canon, "Names"), every node after the insertion that shared the new node's op was
 renumbered, and so was every line reading one of them (71 changed lines in a 331-line graph).
 The baseline is the golden scenario's own pipeline run, shared with the golden tests' worker.
 """

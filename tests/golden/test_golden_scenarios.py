@@ -11,7 +11,7 @@ import torch
 from autoparallel import meta as M
 from autoparallel.fx_utils import ALL_GATHER, REDUCE_SCATTER
 from verify.goldens.catalog import GOLDEN_SCENARIOS, golden_run
-from verify.stats import graph_stats
+from verify.graphs.stats import graph_stats
 
 
 def _grouped(sid):

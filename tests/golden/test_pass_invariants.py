@@ -4,12 +4,12 @@ On the golden scenarios' pipeline runs (built once per xdist worker and shared w
 tests: ``shared_pipeline_runs`` and one xdist group per scenario) and on a model that is not
 LLaMA (``TwoNormMLP``, tests/conftest.py, fsdp over dp=8, buckets small enough that both bucketing passes act):
 
-* collectives: each stage's conservation law holds (``verify.invariants.CONSERVATION``: no
+* collectives: each stage's conservation law holds (``verify.graphs.invariants.CONSERVATION``: no
   collective lost or duplicated; fusion re-groups chains, bucketing merges);
 * saved values: the second compile saves exactly what the first partition saved, per op,
   multi-output getitem index, shape and dtype (LayerNorm's mean and rstd among them);
 * values: every stage computes bitwise what its input computes, on every rank of the mesh
-  simulated in this process (``verify.bisect`` over ``verify.differential``);
+  simulated in this process (``verify.commands.bisect`` over ``verify.parity.differential``);
 * the pass fired: every pass stage reports how much it changed (``StageResult.acted``), and
   it is non-zero where the pass must act.
 """
@@ -23,15 +23,15 @@ from autoparallel.fx_utils import copy_graph_module
 from autoparallel.mesh import fake_world
 from autoparallel.passes.collective import CollectivePassesConfig, bucket_fw_bw
 from autoparallel.pipeline import JOINT, STAGE_NAMES, STAGES
-from verify.bisect import bisect_run
+from verify.commands.bisect import bisect_run
 from verify.goldens.catalog import GOLDEN_SCENARIOS, golden_run
-from verify.invariants import (
+from verify.graphs.generators import GraphSpec, OpSpec, build_synthetic, mesh_groups
+from verify.graphs.invariants import (
     CONSERVATION,
     check_conservation,
     check_saved_equal,
     multi_output_saves,
 )
-from verify.strategies import GraphSpec, OpSpec, build_synthetic, mesh_groups
 
 MLP_MESH = "dp=8"  # tests/conftest.py's mlp_pipeline_run
 

@@ -1,4 +1,4 @@
-"""Goldens of automatic placement: the canonical plan text of each case in verify.plan_cases.
+"""Goldens of automatic placement: the canonical plan text of each case in verify.stages.plan_cases.
 
 A change to candidates, costs, the formulation or the solver shows up as a text diff (placements
 per parameter, input and node; predicted collectives; the objective). Regenerate with
@@ -7,11 +7,11 @@ per parameter, input and node; predicted collectives; the objective). Regenerate
 
 import pytest
 
-from verify.plan_cases import GOLDEN_CASES, golden_text
+from verify.stages.plan_cases import GOLDEN_CASES, golden_text
 
 
 def _grouped(names):
-    # One xdist worker per model: its trace is made once per process (verify.plan_cases) and
+    # One xdist worker per model: its trace is made once per process (verify.stages.plan_cases) and
     # shared with the planner tests of the same group.
     return [pytest.param(n, marks=pytest.mark.xdist_group(f"planner-{GOLDEN_CASES[n].preset}")) for n in sorted(names)]
 

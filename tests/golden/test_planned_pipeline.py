@@ -28,14 +28,14 @@ from autoparallel.planner.costs import CostModel
 from autoparallel.planner.profile import get_profile
 from verify.__main__ import main
 from verify.goldens.catalog import golden_run
-from verify.plan_lowering import (
+from verify.graphs.plan_lowering import (
     expected_on,
     mismatches,
     predicted_by_node,
     traced_by_node,
     traced_comm,
 )
-from verify.stats import graph_stats
+from verify.graphs.stats import graph_stats
 
 AUTO_SIDS = ("tiny-auto-dp4tp2", "tiny-auto-dp8")
 

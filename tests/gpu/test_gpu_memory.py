@@ -15,9 +15,9 @@ import torch
 
 from autoparallel.patches import disabled
 from autoparallel.trainer import run_traced
-from verify.launch import run_gated
-from verify.memory import compare_peaks, peak_memory, ratio
-from verify.trainer_stages import (
+from verify.graphs.memory import compare_peaks, peak_memory, ratio
+from verify.parity.launch import run_gated
+from verify.stages.trainer import (
     cross_entropy_loss,
     make_batches,
     make_model,

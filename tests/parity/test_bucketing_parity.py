@@ -20,10 +20,10 @@ from autoparallel.passes.collective import bucket_fw_bw, tag_joint
 from autoparallel.passes.fuse_chained_allgathers import fuse_chained_allgathers
 from autoparallel.runtime.rebind import rebind_groups
 from autoparallel.runtime.steps import primals_by_role, train_steps
-from verify.ordered_collectives import run_parity_world
-from verify.parity import compare_traces, merge_reports
-from verify.scenario import Scenario
-from verify.strategies import GraphBuilder, mesh_groups
+from verify.graphs.generators import GraphBuilder, mesh_groups
+from verify.parity.compare import compare_traces, merge_reports
+from verify.parity.ordered_collectives import run_parity_world
+from verify.stages.scenario import Scenario
 
 SCENARIOS = {
     "fsdp-dp2": Scenario(mesh="dp=2"),

@@ -8,9 +8,9 @@ compilers) give bitwise equal losses and gradients at every step.
 import pytest
 import torch
 
-from verify.parity import compare_traces, merge_reports
-from verify.parity_runs import COMPILE_EXECUTORS, run_compile_parity
-from verify.scenario import Scenario
+from verify.parity.compare import compare_traces, merge_reports
+from verify.parity.runs import COMPILE_EXECUTORS, run_compile_parity
+from verify.stages.scenario import Scenario
 
 STEPS = 3
 pytestmark = pytest.mark.xdist_group("compile-parity")  # one worker runs the module fixture

@@ -3,14 +3,14 @@
 import pytest
 import torch
 
-from verify.parity import compare_tensors, compare_traces, merge_reports
-from verify.parity_runs import (
+from verify.parity.compare import compare_tensors, compare_traces, merge_reports
+from verify.parity.runs import (
     gather_full_grads,
     run_joint_parity,
     single_device_step,
     single_device_tolerance,
 )
-from verify.scenario import Scenario
+from verify.stages.scenario import Scenario
 
 SCENARIOS = {
     "fsdp-dp2": Scenario(mesh="dp=2"),

@@ -18,8 +18,8 @@ from autoparallel.parallelize import program
 from autoparallel.parallelize.program import ParallelProgram
 from autoparallel.pipeline import JOINT
 from verify import zoo
-from verify.parity_runs import EAGER, compare_with_eager, oracle_check, run_stage_parity
-from verify.scenario import Scenario
+from verify.parity.runs import EAGER, compare_with_eager, oracle_check, run_stage_parity
+from verify.stages.scenario import Scenario
 
 _c10d = torch.ops._c10d_functional
 

@@ -3,7 +3,7 @@
 For 3 AdamW steps, every executor of the planned pipeline (the lowered joint graph, the first
 partition's ParallelModule, its torch.compile'd version) gives bitwise the losses and gradients
 of the plan's interpreter run eagerly on real tensors with real collectives (``eager``; see
-verify.planned_parity for why that is an honest reference), and the eager run is within a stated
+verify.parity.planned for why that is an honest reference), and the eager run is within a stated
 tolerance of single-device eager (the independent oracle: the unsharded model, plain autograd, at
 the ranks' parameters of each step).
 
@@ -20,8 +20,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from verify.parity import compare_tensors, compare_traces, merge_reports
-from verify.planned_parity import (
+from verify.parity.compare import compare_tensors, compare_traces, merge_reports
+from verify.parity.planned import (
     EAGER,
     EXECUTORS,
     SINGLE_DEVICE_ATOL,
@@ -33,7 +33,7 @@ from verify.planned_parity import (
     run_planned_parity,
     single_device_replay,
 )
-from verify.scenario import Scenario
+from verify.stages.scenario import Scenario
 
 STEPS = 3
 

@@ -1,7 +1,7 @@
 """Randomness in training is bitwise: dropout through every stage on gloo.
 
 Every executor of a rank trains with the CPU generator seeded per step (``train_steps(seed=)``,
-``verify.parity_runs.rank_seed``: one seed per data-parallel slice), so the eager parallel
+``verify.parity.runs.rank_seed``: one seed per data-parallel slice), so the eager parallel
 program and each stage's graphs draw the same masks in the same order; the single-device oracle
 draws each slice's masks with that slice's seed. Random ops are saved, never recomputed
 (``autoparallel.ac.is_random``): a replay on CPU would draw another mask for the backward.
@@ -15,10 +15,10 @@ import torch.distributed as dist
 from torch import nn
 
 from autoparallel import ac
-from verify import parity_runs
 from verify.model_case import ModelCase
-from verify.parity_runs import COMPILE_EXECUTORS, EAGER, run_compile_parity
-from verify.scenario import Scenario
+from verify.parity import runs as parity_runs
+from verify.parity.runs import COMPILE_EXECUTORS, EAGER, run_compile_parity
+from verify.stages.scenario import Scenario
 
 aten = torch.ops.aten
 

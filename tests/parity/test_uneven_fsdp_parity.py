@@ -12,7 +12,7 @@ All in CI's slow step (tests/conftest.py SLOW_GROUPS); the quick tier keeps the 
 properties (tests/property/test_fsdp_padding_properties.py) and the uneven FSDP unit tests.
 
 Until issue 14's "check my model" API lands, the stages run through the runtime executors and
-``run_parity_world`` here (the pattern of ``verify/parity_runs.py``: reductions rank-ordered); :func:`_stage_parity_run` is
+``run_parity_world`` here (the pattern of ``verify/parity/runs.py``: reductions rank-ordered); :func:`_stage_parity_run` is
 the part to replace by that API (model factory, loss, batches, plan, mesh in; per-rank traces per
 stage out), and :func:`_single_device` by its independent oracle.
 """
@@ -41,9 +41,9 @@ from autoparallel.runtime.steps import (
     split_graph_executor,
     train_steps,
 )
-from verify.ordered_collectives import run_parity_world
-from verify.parity import compare_tensors, compare_traces, diff_tensors, merge_reports
-from verify.stats import graph_stats, saved_gathered_values
+from verify.graphs.stats import graph_stats, saved_gathered_values
+from verify.parity.compare import compare_tensors, compare_traces, diff_tensors, merge_reports
+from verify.parity.ordered_collectives import run_parity_world
 
 STEPS = 3
 EAGER = "eager"
@@ -251,7 +251,7 @@ def test_the_model_is_uneven_and_some_ranks_hold_only_padding(uneven):
 
 def test_every_stage_trains_bitwise_like_the_eager_program(uneven):
     """dp=4 too, the reduce-scatter bucketing stages included: the world's reductions are
-    rank-ordered (verify.ordered_collectives), so a gradient's sum no longer depends on where a
+    rank-ordered (verify.parity.ordered_collectives), so a gradient's sum no longer depends on where a
     bucket puts it (gloo's own reduce-scatter differed in the last bit in 5 of 20 layouts at 4 ranks)."""
     _, _, ranks, shardings = uneven
     assert set(ranks[0][1]) == {EAGER, *STAGE_NAMES}  # every stage of the pipeline ran

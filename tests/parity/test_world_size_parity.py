@@ -3,13 +3,13 @@
 Above 2 ranks gloo's reductions add an element's contributions in an order that depends on its
 offset in the buffer, so a stage that only moves gradients between buckets used to differ in the
 last bit (gpt2 under DDP on dp=4: second_compile and the collective passes "NOT bitwise", 338 of
-348 tensors). The parity worlds reduce in rank order (``verify.ordered_collectives``, on by
+348 tensors). The parity worlds reduce in rank order (``verify.parity.ordered_collectives``, on by
 default), and then every stage is bitwise there too; the oracle's tolerance is unchanged.
 
 One world per (model, plan, mesh), each a test: CI's slow step runs them all (``slow``: 8-rank
 worlds are processes on a 2-core machine). plan="auto" runs the LLaMA preset's planned parity
-(``verify.planned_parity``: the stages it covers) on the same meshes. The quick tier keeps the
-mode's own tests (tests/unit/verify/test_ordered_collectives.py, the bucket-layout property) and
+(``verify.parity.planned``: the stages it covers) on the same meshes. The quick tier keeps the
+mode's own tests (tests/unit/verify/parity/test_ordered_collectives.py, the bucket-layout property) and
 the dp=2 worlds.
 """
 
@@ -18,15 +18,15 @@ from __future__ import annotations
 import pytest
 
 from verify import zoo
-from verify.parity_runs import (
+from verify.commands.report import parity_passed, run_planned_parity_summary
+from verify.parity.runs import (
     EAGER,
     STAGE_EXECUTORS,
     compare_with_eager,
     oracle_check,
     run_stage_parity,
 )
-from verify.report import parity_passed, run_planned_parity_summary
-from verify.scenario import Scenario
+from verify.stages.scenario import Scenario
 
 MODELS = {"tiny": {"preset": "tiny"}, "gpt2": {"case": zoo.gpt2}, "convnet": {"case": zoo.convnet}}
 ONE_D = ("dp=4", "dp=8")

@@ -4,7 +4,7 @@ GPT-2 style (tied embedding/head, LayerNorm, biases, GELU, learned positions, a 
 TP as 3 chunks), a conv net with BatchNorm (running stats updated in place) and GroupNorm and a
 hand-written loss, and pre-norm MLP blocks with user TP rules over the region pattern ``blocks.*``,
 under the plans that apply. Per (model, plan), one pipeline run and one gloo world of two ranks
-(``verify.parity_runs.run_stage_parity``) serve every test:
+(``verify.parity.runs.run_stage_parity``) serve every test:
 
 * every stage (joint, cleanup, fsdp_tagging, first partition, second compile and, where listed,
   the composed collective passes) trains 3 AdamW steps bitwise like the eager parallel program,
@@ -30,7 +30,8 @@ from autoparallel.compile import SECOND_COMPILE
 from autoparallel.partition import STEP_FIRST_PARTITION
 from autoparallel.pipeline import JOINT, PipelineRun
 from verify import zoo
-from verify.parity_runs import (
+from verify.graphs.stats import saved_gathered_values
+from verify.parity.runs import (
     COLLECTIVE,
     EAGER,
     STAGE_EXECUTORS,
@@ -40,8 +41,7 @@ from verify.parity_runs import (
     parity_pipeline,
     run_stage_parity,
 )
-from verify.scenario import Scenario
-from verify.stats import saved_gathered_values
+from verify.stages.scenario import Scenario
 
 aten = torch.ops.aten
 STEPS = 3
@@ -104,7 +104,7 @@ def test_the_eager_program_is_within_the_oracle_tolerance_of_single_device(zoo_r
     report = oracle_check(zoo_run.scenario, zoo_run.ranks)
     print(report.summary())
     report.assert_passed()
-    assert report.worst_ratio < 0.5, "a correct lowering sits far inside the bound (see verify/parity.py)"
+    assert report.worst_ratio < 0.5, "a correct lowering sits far inside the bound (see verify/parity/compare.py)"
 
 
 def test_the_runs_train_and_update_buffers(zoo_run):

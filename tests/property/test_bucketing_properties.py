@@ -1,4 +1,4 @@
-"""Properties of the bucketing passes on generated FSDP/TP-style FX graphs (verify.strategies).
+"""Properties of the bucketing passes on generated FSDP/TP-style FX graphs (verify.graphs.generators).
 
 * planned buckets respect the byte cap and the span cap, hold no ancestor/descendant pair, and
   contract to an acyclic graph all together (checked by independent brute-force code);
@@ -43,8 +43,7 @@ from autoparallel.passes.pre_overlap_bucketing import (
     tag_collectives_for_bucketing,
 )
 from autoparallel.passes.topo_span_bucketing import greedy_bucket_collective_by_mb
-from verify.ordered_collectives import run_parity_world
-from verify.strategies import (
+from verify.graphs.generators import (
     GraphSpec,
     OpSpec,
     build_synthetic,
@@ -53,6 +52,7 @@ from verify.strategies import (
     mesh_groups,
     synthetic_graphs,
 )
+from verify.parity.ordered_collectives import run_parity_world
 
 aten = torch.ops.aten
 MESH = "dp=4,tp=2"

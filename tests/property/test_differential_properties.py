@@ -1,16 +1,16 @@
 """Translation validation of each collective pass on generated graphs, at 16 simulated ranks.
 
 Every pass of ``autoparallel.passes.collective.COLLECTIVE_PASSES`` runs on generated FSDP/TP
-graphs (``verify.strategies``, over dp=8, tp=2 and the flat dp*tp group; parameter chains over
+graphs (``verify.graphs.generators``, over dp=8, tp=2 and the flat dp*tp group; parameter chains over
 both dims so fusion acts) and the graph before and after runs on the same random inputs on all
-16 ranks in this process (``verify.differential``: per-rank compute, LocalTensorMode
+16 ranks in this process (``verify.parity.differential``: per-rank compute, LocalTensorMode
 collectives). Every output must keep every bit, on every rank. No gloo world: the gloo
 property (2 real ranks) is in test_bucketing_properties.py.
 
 Pre-overlap bucketing builds rank-specific graphs (a merged all-gather copies its inputs in at
 ``rank * numel``); here rank 0's graph runs on every rank, which LocalTensor's collectives make
-value-correct (see verify.differential). The per-rank graphs and their copy-in offsets are
-checked in tests/unit/verify/test_differential.py.
+value-correct (see verify.parity.differential). The per-rank graphs and their copy-in offsets are
+checked in tests/unit/verify/parity/test_differential.py.
 """
 
 from __future__ import annotations
@@ -31,8 +31,14 @@ from autoparallel.passes.pre_overlap_bucketing import (
     tag_collectives_for_bucketing,
 )
 from autoparallel.passes.topo_span_bucketing import TopoSpanConfig
-from verify import differential as D
-from verify.strategies import GraphSpec, OpSpec, build_synthetic, mesh_groups, synthetic_graphs
+from verify.graphs.generators import (
+    GraphSpec,
+    OpSpec,
+    build_synthetic,
+    mesh_groups,
+    synthetic_graphs,
+)
+from verify.parity import differential as D
 
 MESH = "dp=8,tp=2"
 # Small caps and spans, so buckets split and the passes have decisions to get wrong.

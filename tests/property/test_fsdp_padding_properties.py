@@ -1,11 +1,11 @@
 """Properties of FSDP recompute tagging and of the padding statistics on generated graphs
-(verify.strategies, whose ops include uneven FSDP shards: an all-gather narrowed by one padding
+(verify.graphs.generators, whose ops include uneven FSDP shards: an all-gather narrowed by one padding
 row, a gradient zero-padded by one row before its reduce-scatter).
 
 * the MUST_RECOMPUTE set of ``mark_fsdp_all_gather_recomputation`` can be recomputed from the
   shards alone (closed) and leaves no forward node that reads only a gathered weight untagged
   (maximal); activation all-gathers are never tagged;
-* ``verify.stats`` counts exactly the padding the generator put in, per kind and mesh dim, and
+* ``verify.graphs.stats`` counts exactly the padding the generator put in, per kind and mesh dim, and
   the same after pre-overlap bucketing merged the collectives.
 """
 
@@ -26,8 +26,8 @@ from autoparallel.passes.pre_overlap_bucketing import (
     bucket_tagged_collectives,
     tag_collectives_for_bucketing,
 )
-from verify.stats import collective_kind, graph_stats
-from verify.strategies import synthetic_graphs
+from verify.graphs.generators import synthetic_graphs
+from verify.graphs.stats import collective_kind, graph_stats
 
 MESH = "dp=4,tp=2"
 

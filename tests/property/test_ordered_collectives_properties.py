@@ -1,5 +1,5 @@
 """Rank-ordered reductions make a bucketed reduction bitwise equal to reducing each tensor alone,
-whatever the bucket layout, at 3, 4 and 8 ranks (verify.ordered_collectives); with gloo's own
+whatever the bucket layout, at 3, 4 and 8 ranks (verify.parity.ordered_collectives); with gloo's own
 reductions the same property fails, which is why the mode exists.
 
 Each example is one gloo world that reduces a batch of random bucket layouts (shard sizes per
@@ -14,7 +14,7 @@ import torch.distributed as dist
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
-from verify.ordered_collectives import NATIVE, RANK_ORDERED, run_parity_world
+from verify.parity.ordered_collectives import NATIVE, RANK_ORDERED, run_parity_world
 
 _c10d = torch.ops._c10d_functional
 

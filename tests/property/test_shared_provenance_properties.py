@@ -1,4 +1,4 @@
-"""shared_provenance on generated graphs (verify.strategies): the pre-overlap pass leaves the same
+"""shared_provenance on generated graphs (verify.graphs.generators): the pre-overlap pass leaves the same
 provenance, node by node, with the histories shared as upstream leaves with them deep-copied; and
 the same graph and collective counts."""
 
@@ -21,7 +21,7 @@ from autoparallel.passes.pre_overlap_bucketing import (
     tag_collectives_for_bucketing,
 )
 from autoparallel.passes.shared_provenance import PATCH, run_with_shared_provenance
-from verify.strategies import synthetic_graphs
+from verify.graphs.generators import synthetic_graphs
 
 MESH = "dp=4,tp=2"
 caps_mb = st.sampled_from((2**20, 8192, 512)).map(lambda b: b / 2**20)

@@ -28,8 +28,8 @@ from verify.goldens.text import (
     header_text,
     render_golden,
 )
-from verify.pipeline import run_pipeline
-from verify.scenario import Scenario
+from verify.stages.run import run_pipeline
+from verify.stages.scenario import Scenario
 
 GOLDEN_SCENARIOS: dict[str, Scenario] = {
     "tiny-fsdp-dp8": Scenario(preset="tiny", plan="fsdp", mesh="dp=8"),
@@ -89,7 +89,7 @@ def scenario_id(scenario: Scenario) -> str | None:
 
 def run_group(scenario: Scenario) -> str:
     """The xdist group of the tests that read ``scenario``'s pipeline run (shared per process:
-    ``verify.pipeline.reuse_pipeline_runs``): the golden scenario's id, else a name made of the
+    ``verify.stages.run.reuse_pipeline_runs``): the golden scenario's id, else a name made of the
     scenario's fields. Tests that read one scenario's run name its group, so it is built once
     per test run, by the first of them (the golden tests, where there are any: they collect
     first)."""

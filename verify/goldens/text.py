@@ -3,7 +3,7 @@
 Goldens are one reviewed text file per golden under ``goldens/<tests subdir>/<module>/<test>.txt``,
 written through syrupy (``verify.goldens.syrupy_ext``, the only module that imports it;
 ``pytest --snapshot-update`` regenerates, goldens no test uses fail the run). Three additions a
-reviewer needs: the text is canonical (``verify.canon``) so a diff means the graph changed; every
+reviewer needs: the text is canonical (``verify.graphs.canon``) so a diff means the graph changed; every
 file starts with a format line so a truncated or foreign file is reported as corrupt, not diffed;
 and every failure names the file and the command that regenerates it.
 """
@@ -78,8 +78,8 @@ def graph_golden_text(title: str, header: Mapping[str, object], graphs) -> str:
     """
     # canon and stats import torch; importing them here keeps this module (the golden file
     # format, which the goldens CLI and the pytest plugin read) free of torch.
-    from verify.canon import canonicalize
-    from verify.stats import format_stats_table, graph_stats, partition_stats
+    from verify.graphs.canon import canonicalize
+    from verify.graphs.stats import format_stats_table, graph_stats, partition_stats
 
     sections = [("header", header_text(header))]
     if isinstance(graphs, tuple):
@@ -99,7 +99,7 @@ def collective_counts_text(rows: Sequence[tuple[str, object]]) -> str:
     ``rows`` are ``(stage name, GraphModule)``; a reviewer sees e.g. ``AG fwd 290 -> 98`` as a
     one-line change.
     """
-    from verify.stats import graph_stats
+    from verify.graphs.stats import graph_stats
 
     kinds = ("all_gather", "reduce_scatter", "all_reduce")
     table = [("stage", *kinds)]

@@ -33,7 +33,7 @@ from autoparallel.fx_utils import (
     wait_of,
 )
 from autoparallel.mesh import fake_world
-from verify.strategies import GraphBuilder, mesh_groups
+from verify.graphs.generators import GraphBuilder, mesh_groups
 
 aten = torch.ops.aten
 prims = torch.ops.prims

@@ -27,7 +27,7 @@ from autoparallel.partition import (
 )
 from autoparallel.passes.collective import COLLECTIVE_PASS_NAMES, CollectivePassesConfig
 from autoparallel.patches import PATCHES
-from verify.canon import canonicalize
+from verify.graphs.canon import canonicalize
 
 MESH = "dp=2"
 

@@ -20,9 +20,9 @@ from verify import zoo
 from verify.__main__ import main
 from verify.check import ModelCheck, check_model
 from verify.model_case import ModelCase, load_case
-from verify.parity import OracleReport, OracleTolerance, check_within, compare_tensors
-from verify.planned_parity import planned_case
-from verify.scenario import Scenario
+from verify.parity.compare import OracleReport, OracleTolerance, check_within, compare_tensors
+from verify.parity.planned import planned_case
+from verify.stages.scenario import Scenario
 
 README = Path(__file__).resolve().parents[3] / "README.md"
 MODULE = "ap_readme_models"  # the README calls it my_models.py

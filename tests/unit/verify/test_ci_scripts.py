@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 from autoparallel.pipeline import STAGE_NAMES
-from verify.html.browser import unavailable_reason
-from verify.report import format_report
+from verify.commands.html.browser import unavailable_reason
+from verify.commands.report import format_report
 
 ROOT = Path(__file__).resolve().parents[3]
 

@@ -3,8 +3,8 @@
 import pytest
 
 from verify.__main__ import main
-from verify.report import PARITY_MAX_PARAMS, check_parity_size, parity_memory_lower_bound
-from verify.scenario import Scenario, parameter_count
+from verify.commands.report import PARITY_MAX_PARAMS, check_parity_size, parity_memory_lower_bound
+from verify.stages.scenario import Scenario, parameter_count
 
 
 def run(argv) -> int:

@@ -11,9 +11,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from verify.commands.html import diff as html_diff
 from verify.goldens import render_golden
 from verify.goldens.cli import USAGE_LOG_ENV
-from verify.html import diff as html_diff
 from verify.pytest_plugin import OPT_IN_INI, VerifyPlugin, _GoldenUsage
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU behaviour")

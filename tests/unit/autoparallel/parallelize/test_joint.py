@@ -1,6 +1,6 @@
 """The joint graph has the collectives the plan promises, on the mesh dims it names.
 
-Traces of named scenarios come from verify.pipeline's shared runs (``traced``): the joint stage
+Traces of named scenarios come from verify.stages.run's shared runs (``traced``): the joint stage
 of the run the golden and partition tests of the same xdist group build anyway.
 """
 
@@ -18,8 +18,8 @@ from autoparallel.models.llama3 import build_model
 from autoparallel.parallelize import ParallelPlan, build_joint_graph
 from autoparallel.pipeline import JOINT
 from verify.goldens.catalog import run_group
-from verify.pipeline import run_pipeline
-from verify.scenario import Scenario
+from verify.stages.run import run_pipeline
+from verify.stages.scenario import Scenario
 
 _c10d = torch.ops._c10d_functional
 AG, RS, AR = _c10d.all_gather_into_tensor.default, _c10d.reduce_scatter_tensor.default, _c10d.all_reduce.default

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from autoparallel import roles
-from verify.strategies import GraphBuilder, mesh_groups
+from verify.graphs.generators import GraphBuilder, mesh_groups
 
 aten = torch.ops.aten
 H = 64  # hidden size of the hand-built graphs: an f32 [r, 64] shard gathers to r * gs * 256 B

@@ -17,7 +17,7 @@ from autoparallel.passes.bucket_plan import (
     plan_buckets,
     topological_order,
 )
-from verify.strategies import GraphBuilder, mesh_groups
+from verify.graphs.generators import GraphBuilder, mesh_groups
 
 aten = torch.ops.aten
 MB = 1024 * 1024

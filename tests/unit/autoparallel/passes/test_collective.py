@@ -37,7 +37,7 @@ from autoparallel.passes.pre_overlap_bucketing import (
     PreOverlapResult,
 )
 from autoparallel.passes.topo_span_bucketing import TopoSpanConfig
-from verify.strategies import GraphBuilder, mesh_groups
+from verify.graphs.generators import GraphBuilder, mesh_groups
 
 aten = torch.ops.aten
 H = 8

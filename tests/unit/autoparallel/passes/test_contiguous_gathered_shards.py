@@ -1,4 +1,4 @@
-"""contiguous_gathered_shards on hand-built graphs, run on simulated ranks (verify.differential):
+"""contiguous_gathered_shards on hand-built graphs, run on simulated ranks (verify.parity.differential):
 a bucketed one-row parameter comes out contiguous and computes what the unbucketed one did;
 without the patch, native_group_norm reads upstream's strided view as contiguous (wrong values)
 and a view of it fails."""
@@ -15,8 +15,8 @@ from autoparallel.passes.pre_overlap_bucketing import (
     bucket_tagged_collectives,
     tag_collectives_for_bucketing,
 )
-from verify import differential as D
-from verify.strategies import GraphBuilder, GraphSpec, OpSpec, build_synthetic, mesh_groups
+from verify.graphs.generators import GraphBuilder, GraphSpec, OpSpec, build_synthetic, mesh_groups
+from verify.parity import differential as D
 
 aten = torch.ops.aten
 MESH = "dp=8"

@@ -21,7 +21,7 @@ from autoparallel.passes.fuse_chained_allgathers import (
     ChainReport,
     fuse_chained_allgathers,
 )
-from verify.strategies import GraphBuilder, mesh_groups
+from verify.graphs.generators import GraphBuilder, mesh_groups
 
 aten = torch.ops.aten
 H = 8

@@ -20,7 +20,7 @@ from autoparallel.passes.overlap_estimator import (
     RooflineConfig,
     RooflineEstimator,
 )
-from verify.strategies import GraphBuilder, mesh_groups
+from verify.graphs.generators import GraphBuilder, mesh_groups
 
 aten = torch.ops.aten
 CFG = RooflineConfig(

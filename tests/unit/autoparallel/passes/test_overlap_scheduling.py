@@ -25,7 +25,7 @@ from autoparallel.passes.overlap_scheduling import (
     topo_span_bucketing_installed,
 )
 from autoparallel.passes.topo_span_bucketing import TopoSpanConfig
-from verify.strategies import GraphBuilder, mesh_groups
+from verify.graphs.generators import GraphBuilder, mesh_groups
 
 aten = torch.ops.aten
 H = 64

@@ -28,8 +28,8 @@ from autoparallel.passes.pre_overlap_bucketing import (
     tag_collectives_for_bucketing,
 )
 from autoparallel.runtime.rebind import rebind_groups
-from verify.scenario import Scenario
-from verify.strategies import GraphBuilder, mesh_groups
+from verify.graphs.generators import GraphBuilder, mesh_groups
+from verify.stages.scenario import Scenario
 
 aten = torch.ops.aten
 H = 64

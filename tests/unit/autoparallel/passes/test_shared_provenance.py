@@ -11,7 +11,7 @@ from autoparallel import patches
 from autoparallel.mesh import fake_world
 from autoparallel.passes.collective import CollectivePassesConfig, bucket_joint
 from autoparallel.passes.shared_provenance import PATCH, run_with_shared_provenance
-from verify.strategies import GraphBuilder, mesh_groups
+from verify.graphs.generators import GraphBuilder, mesh_groups
 
 aten = torch.ops.aten
 H = 16

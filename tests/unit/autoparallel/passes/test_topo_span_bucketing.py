@@ -24,7 +24,7 @@ from autoparallel.passes.topo_span_bucketing import (
     greedy_bucket_collective_by_mb,
     identify_fsdp_groups,
 )
-from verify.strategies import GraphBuilder, mesh_groups
+from verify.graphs.generators import GraphBuilder, mesh_groups
 
 aten = torch.ops.aten
 MB = 1024 * 1024

@@ -29,7 +29,7 @@ from autoparallel.planner.lower import (
     sink_placeholder_aliases,
 )
 from autoparallel.planner.profile import get_profile
-from verify.plan_lowering import (
+from verify.graphs.plan_lowering import (
     expected_on,
     mismatches,
     predicted_by_node,

@@ -1,8 +1,8 @@
 """The planner on traced models: rediscovery, hand plans, identical blocks, budgets, pins, tools.
 
-Every plan made here is re-checked by ``verify.plan_check`` (constraints and objective recomputed
+Every plan made here is re-checked by ``verify.graphs.plan_check`` (constraints and objective recomputed
 from the plan's placements, not from the ILP). Traces are shared per process through
-``verify.plan_cases`` (this module shares a worker with the plan goldens).
+``verify.stages.plan_cases`` (this module shares a worker with the plan goldens).
 """
 
 from __future__ import annotations
@@ -30,8 +30,8 @@ from autoparallel.planner import (
     plan_model,
 )
 from autoparallel.planner.problem import OP, min_param_bytes
-from verify.plan_cases import GOLDEN_CASES, PlanCase, model_and_inputs, plan_case, planner
-from verify.plan_check import assert_plan_valid, check_plan
+from verify.graphs.plan_check import assert_plan_valid, check_plan
+from verify.stages.plan_cases import GOLDEN_CASES, PlanCase, model_and_inputs, plan_case, planner
 
 TINY_DP8 = GOLDEN_CASES["tiny-dp8"]
 TINY_2D = GOLDEN_CASES["tiny-dp4tp2"]

@@ -19,9 +19,9 @@ import torch
 from autoparallel import meta as M
 from autoparallel.patches import disabled
 from autoparallel.trainer import run_traced
-from verify.launch import gated_backend, run_gated
-from verify.memory import PeakMemory, compare_peaks, peak_memory, ratio, static_peak
-from verify.trainer_stages import (
+from verify.graphs.memory import PeakMemory, compare_peaks, peak_memory, ratio, static_peak
+from verify.parity.launch import gated_backend, run_gated
+from verify.stages.trainer import (
     cross_entropy_loss,
     make_batches,
     make_model,

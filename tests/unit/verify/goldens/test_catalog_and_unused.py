@@ -12,7 +12,7 @@ from autoparallel.passes.topo_span_bucketing import TopoSpanConfig
 from autoparallel.pipeline import PLANNED_STAGE_NAMES, STAGE_NAMES
 from verify.goldens import catalog
 from verify.goldens.cli import UnusedCheck, find_unused
-from verify.scenario import Scenario
+from verify.stages.scenario import Scenario
 
 PLAN = "fsdp fsdp=dp reshard_after_forward=True"
 

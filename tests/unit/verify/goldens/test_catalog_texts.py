@@ -17,9 +17,9 @@ from autoparallel.passes.pre_overlap_bucketing import PreOverlapResult
 from autoparallel.pipeline import PLAN, PipelineRun, StageResult
 from autoparallel.planner.alias_round_trips import AliasRoundTripReport
 from autoparallel.planner.auto import PlanningReport
-from verify.canon import canonicalize
 from verify.goldens import catalog, golden_sections
-from verify.stats import format_stats_table, partition_stats
+from verify.graphs.canon import canonicalize
+from verify.graphs.stats import format_stats_table, partition_stats
 
 c10d = torch.ops._c10d_functional
 FSDP_HEADER = "preset: tiny\nmesh: dp=8\nplan: fsdp fsdp=dp reshard_after_forward=True"

@@ -16,9 +16,9 @@ from types import SimpleNamespace
 import pytest
 
 from verify.__main__ import main as verify_main
+from verify.commands.repo import repo_root
 from verify.goldens import cli
 from verify.goldens.cli import USAGE_LOG_ENV, run_goldens
-from verify.repo import repo_root
 
 GOLDEN_A = "goldens/golden/test_x/test_a.txt"
 GOLDEN_B = "goldens/golden/test_x/test_b.txt"

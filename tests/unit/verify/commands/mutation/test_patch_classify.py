@@ -1,0 +1,87 @@
+"""The mutation harness's verdicts, without subprocesses: only a guard that ran and failed with the
+patch disabled kills it; a guard that always passes makes it survive; errors, skips, guards that
+did not run and timeouts are never kills."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from verify.commands.mutation import outcome_log
+from verify.commands.mutation.patches import GuardRun, classify
+
+A = "tests/test_x.py::test_a"
+B = "tests/test_x.py::test_b"
+BASE = GuardRun(outcomes={A: "passed", B: "passed", A + "b": "passed"}, returncode=0)
+
+
+def run(**outcomes) -> GuardRun:
+    names = {"a": A, "b": B, "ab": A + "b", "module": "tests/test_x.py"}
+    return GuardRun(outcomes={names[k]: v for k, v in outcomes.items()}, returncode=1, tail="...")
+
+
+@pytest.mark.parametrize(
+    "guards, disabled, state",
+    [
+        ((A,), run(a="passed"), "survived"),  # a guard that always passes
+        ((A, B), run(a="passed", b="passed"), "survived"),
+        ((A,), run(a="failed"), "killed"),
+        ((A, B), run(a="passed", b="failed"), "killed"),  # one failing guard is enough
+        ((A, B), run(a="error", b="failed"), "killed"),
+        ((A,), run(a="error"), "error"),  # an erroring guard is not a kill
+        ((A, B), run(a="error", b="passed"), "error"),  # ... and not a survival either
+        ((A,), run(a="skipped"), "error"),
+        ((A, B), run(a="passed"), "error"),  # B did not run with the patch off: proves nothing
+        ((A, B), run(a="passed", module="error"), "error"),  # B's module failed to import
+        ((A,), run(ab="failed"), "error"),  # test_ab is not test_a
+        ((A,), GuardRun(), "error"),  # nothing ran at all
+    ],
+)
+def test_verdicts(guards, disabled, state):
+    assert classify(guards, BASE, disabled)[0] == state
+
+
+def test_a_guard_that_did_not_run_is_named_with_the_collection_errors():
+    state, detail = classify((A, B), BASE, run(a="passed", module="error"))
+    assert state == "error"
+    assert f"not run with the patch disabled: ['{B}']" in detail and "collection errors: ['tests/test_x.py']" in detail
+
+
+def test_timeout_wins_over_partial_results():
+    timed_out = GuardRun(outcomes={A: "failed"}, timed_out=True, seconds=301)
+    assert classify((A,), BASE, timed_out) == ("timeout", "disabled run exceeded the time limit after 301s")
+
+
+def test_enabled_run_must_pass_every_guard_first():
+    bad_base = GuardRun(outcomes={A: "passed", B: "failed"}, returncode=1)
+    assert classify((A, B), bad_base, run(a="failed"))[0] == "error"
+    assert classify((), BASE, None) == ("no coverage", "the patch names no guard tests")
+
+
+def test_parametrized_guard_id_selects_its_cases_only():
+    r = GuardRun(outcomes={A + "[1]": "passed", A + "[2]": "failed", A + "b[1]": "failed", A + "::inner": "passed"})
+    assert r.for_guard(A) == ["passed", "failed", "passed"]
+    assert classify((A,), GuardRun(outcomes={A + "[1]": "passed"}), r)[0] == "killed"
+
+
+def _report(nodeid, when, outcome):
+    return SimpleNamespace(nodeid=nodeid, when=when, passed=outcome == "passed", failed=outcome == "failed", skipped=outcome == "skipped")
+
+
+@pytest.mark.parametrize(
+    "phases, recorded",
+    [
+        ([("setup", "passed"), ("call", "passed"), ("teardown", "passed")], "passed"),
+        ([("setup", "passed"), ("call", "failed"), ("teardown", "passed")], "failed"),
+        ([("setup", "failed"), ("teardown", "passed")], "error"),  # setup error: not a failure
+        ([("setup", "passed"), ("call", "passed"), ("teardown", "failed")], "error"),
+        ([("setup", "passed"), ("call", "failed"), ("teardown", "failed")], "failed"),  # the body failed
+        ([("setup", "skipped"), ("teardown", "passed")], "skipped"),
+    ],
+)
+def test_outcome_log_records_what_the_harness_needs(monkeypatch, phases, recorded):
+    monkeypatch.setattr(outcome_log, "_outcomes", {})
+    for when, outcome in phases:
+        outcome_log.pytest_runtest_logreport(_report(A, when, outcome))
+    assert outcome_log._outcomes == {A: recorded}

@@ -1,0 +1,213 @@
+"""``python -m verify bisect``: name the first pass whose graphs compute other values.
+
+Two questions, one answer:
+
+* **One configuration** (a parity run failed): every graph-in/graph-out stage of the pipeline
+  is run against its own input on the same random inputs (:mod:`verify.parity.differential`, on every
+  rank of the mesh, simulated in this process). The first stage whose output computes values
+  that differ from its input's is the pass that broke parity; the trace itself is checked by
+  the joint parity run (``tests/parity/test_joint_parity.py``), not here.
+* **Two configurations** A and B, e.g. a patch disabled vs enabled (``--disable NAME``; this is
+  also how two commits' code paths differ, through ``AUTOPARALLEL_DISABLE``): the pipeline runs
+  for both; stage by stage, A's output and B's output run on the same inputs; the first stage
+  where they differ is named.
+
+Either way the answer names the stage, its first differing output (by role, e.g.
+``grad:layers.0.attention.wq.weight@rank3``) and the first differing node (by name and op,
+forward before backward), each with both values. Stages whose graphs have the same code as
+the graphs they are compared with are equal by construction and are not run.
+
+``bisect_steps`` takes any list of ``(name, before, after)``: hand-built or generated graphs
+through a list of passes, as the tests do.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from torch import fx
+
+from autoparallel import patches
+from autoparallel import pipeline as P
+from autoparallel.mesh import MeshSpec
+from verify.parity import differential as D
+from verify.parity.compare import ParityReport
+from verify.stages.run import pipeline_options
+from verify.stages.scenario import Scenario, check_flags
+
+Graphs = fx.GraphModule | tuple[fx.GraphModule, fx.GraphModule]
+Step = tuple[str, Graphs, Graphs]  # (stage name, what it compares first, what second)
+
+ONE_RUN = "pass input vs output"
+TWO_RUNS = "configuration A vs B"
+
+
+@dataclass
+class BisectResult:
+    """Every stage compared, in order; ``first``: the first that differs (None: none does)."""
+
+    mode: str
+    a: str
+    b: str
+    checks: list[D.PassCheck] = field(default_factory=list)
+    ranks: int = 0
+
+    @property
+    def first(self) -> D.PassCheck | None:
+        return next((c for c in self.checks if not c.equal), None)
+
+    def summary(self) -> str:
+        lines = [f"bisect ({self.mode}: {self.a} vs {self.b}), {self.ranks} simulated ranks:"]
+        lines += ["  " + c.summary().replace("\n", "\n  ") for c in self.checks]
+        first = self.first
+        if first is None:
+            lines.append("no stage changes values" if self.mode == ONE_RUN else "A and B compute the same values at every stage")
+        else:
+            lines.append(f"first stage that differs: {first.name}")
+        return "\n".join(lines)
+
+    def to_dict(self) -> dict[str, Any]:
+        def check(c: D.PassCheck) -> dict[str, Any]:
+            out = c.first_output()
+            return {
+                "stage": c.name,
+                "equal": c.equal,
+                "tensors": len(c.report.diffs),
+                "differing": len(c.report.mismatches()),
+                "note": c.note,
+                "same_code": c.same_code,
+                "first_output": None if out is None else {"name": out.name, "note": out.note},
+                "first_node": None if c.first_node is None else vars(c.first_node),
+            }
+
+        first = self.first
+        return {"mode": self.mode, "a": self.a, "b": self.b, "ranks": self.ranks,
+                "first": None if first is None else first.name, "stages": [check(c) for c in self.checks]}
+
+
+def _graphs(g: Graphs) -> list[fx.GraphModule]:
+    return list(g) if isinstance(g, tuple) else [g]
+
+
+def same_code(a: Graphs, b: Graphs) -> bool:
+    """Whether two programs are the same code (so equal by construction): same shape, the same
+    generated Python for every graph, and no attribute (constant) they could differ in."""
+    ga, gb = _graphs(a), _graphs(b)
+    if len(ga) != len(gb):
+        return False
+    for x, y in zip(ga, gb, strict=True):
+        if x.graph.find_nodes(op="get_attr") or y.graph.find_nodes(op="get_attr"):
+            return False
+        if x.code != y.code or D.output_keys(x) != D.output_keys(y):
+            return False
+        if [D.input_key(p) for p in x.graph.find_nodes(op="placeholder")] != [
+            D.input_key(p) for p in y.graph.find_nodes(op="placeholder")
+        ]:
+            return False
+    return True
+
+
+def bisect_steps(steps: Iterable[Step], mesh: MeshSpec | str, *, mode: str = ONE_RUN, a: str = "before",
+                 b: str = "after", seed: int = 0, progress: Callable[[str], None] = lambda msg: None) -> BisectResult:
+    """Compare each step's two programs on N = mesh size simulated ranks, in order."""
+    spec = MeshSpec.parse(mesh)
+    result = BisectResult(mode, a, b, ranks=spec.world_size)
+    with D.simulated_world(spec) as world:
+        feeds = D.Feeds(spec.world_size, seed)
+        cache: dict = {}
+        for name, before, after in steps:
+            t0 = time.perf_counter()
+            if same_code(before, after):
+                check = D.PassCheck(name, a, b, ParityReport(a, b), same_code=True)
+            else:
+                check = D.compare_programs(name, D.bind(before, world), D.bind(after, world), feeds, a_name=a,
+                                           b_name=b, cache=cache)
+            result.checks.append(check)
+            verdict = "equal" if check.equal else "DIFFER"
+            progress(f"{name}: {verdict} ({time.perf_counter() - t0:.1f}s)")
+    return result
+
+
+def run_steps(run: P.PipelineRun) -> list[Step]:
+    """Each stage that has an input stage: (name, its input's graphs, its graphs)."""
+    return [(r.name, run.stage(r.input).graphs, r.graphs) for r in run.results if r.input is not None and r.graphs is not None]
+
+
+def bisect_run(run: P.PipelineRun, mesh: MeshSpec | str, *, seed: int = 0,
+               progress: Callable[[str], None] = lambda msg: None) -> BisectResult:
+    """One configuration: each pass's output against its input."""
+    return bisect_steps(run_steps(run), mesh, seed=seed, progress=progress)
+
+
+def bisect_runs(run_a: P.PipelineRun, run_b: P.PipelineRun, mesh: MeshSpec | str, *, a: str = "A", b: str = "B",
+                seed: int = 0, progress: Callable[[str], None] = lambda msg: None) -> BisectResult:
+    """Two configurations: stage by stage, A's graphs against B's (stages both ran, in B's order)."""
+    in_a = {r.name: r for r in run_a.results if r.graphs is not None}
+    missing = [r.name for r in run_b.results if r.graphs is not None and r.name not in in_a]
+    if missing:
+        progress(f"stages only B ran (not compared): {missing}")
+    steps = [(r.name, in_a[r.name].graphs, r.graphs) for r in run_b.results if r.graphs is not None and r.name in in_a]
+    return bisect_steps(steps, mesh, mode=TWO_RUNS, a=a, b=b, seed=seed, progress=progress)
+
+
+# --- the command ----------------------------------------------------------------------------------
+
+
+def _progress(msg: str) -> None:
+    print(f"[bisect] {msg}", file=sys.stderr, flush=True)
+
+
+def _scenario(args) -> Scenario:
+    sc = Scenario(preset=args.preset, plan=args.plan, mesh=args.mesh, param_dtype=args.param_dtype,
+                  reduce_dtype=args.reduce_dtype)
+    check_flags(sc)
+    return sc
+
+
+def _pipeline(scenario: Scenario, bucket_cap_mb: float) -> P.PipelineRun:
+    options = pipeline_options(bucket_cap_mb, alternatives=False)
+    return P.run_pipeline(*scenario.pipeline_inputs(), options)
+
+
+def main(args) -> int:
+    scenario = _scenario(args)
+    spec = scenario.mesh_spec
+    disabled = list(args.disable or ())
+    _progress(f"running the pipeline for {scenario.header()} ...")
+    t0 = time.perf_counter()
+    run_b = _pipeline(scenario, args.bucket_cap_mb)
+    _progress(f"{len(run_b.results)} stages in {time.perf_counter() - t0:.1f}s")
+    if disabled:
+        label = f"disabled {','.join(disabled)}"
+        _progress(f"running it again with {label} ...")
+        with patches.disabled(*disabled):
+            run_a = _pipeline(scenario, args.bucket_cap_mb)
+        _progress(f"comparing stage by stage on {spec.world_size} simulated ranks ...")
+        result = bisect_runs(run_a, run_b, spec, a=label, b="as configured", seed=args.seed, progress=_progress)
+    else:
+        _progress(f"checking every pass against its input on {spec.world_size} simulated ranks ...")
+        result = bisect_run(run_b, spec, seed=args.seed, progress=_progress)
+    if args.json:
+        print(json.dumps(result.to_dict(), indent=2, default=str))
+    else:
+        print(result.summary())
+    return 0 if result.first is None else 1
+
+
+__all__ = [
+    "BisectResult",
+    "ONE_RUN",
+    "TWO_RUNS",
+    "bisect_run",
+    "bisect_runs",
+    "bisect_steps",
+    "main",
+    "run_steps",
+    "same_code",
+]
+

@@ -1,0 +1,871 @@
+"""Line-level mutation with mutmut 3 (``python -m verify mutate --lines``): of ``autoparallel/passes``
+(``--target passes``, the default) or of the verification layer itself (``--target verify``).
+
+The patch-level harness (verify/commands/mutation/patches.py) asks "does some test notice when a whole fix is
+turned off?"; this one asks it for every small edit mutmut can make inside a function of the
+passes (``<`` to ``<=``, ``+ 1``, ``and`` to ``or``, a string or constant changed, a call argument
+dropped, ...). Results use the same vocabulary and table layout: per file (or per function, with
+``--by function``) the number of mutants that were ``killed``, ``survived``, had ``no coverage``
+(no selected test reaches the function), hit the ``timeout`` or ended in an ``error`` (anything
+else mutmut reports: suspicious, segfault, skipped, not checked), then a kill-rate line and every
+mutant that was not killed with ``file:line`` and its diff.
+
+What runs
+    * ``--target verify``: the checkers (parity, canon, stats, memory, goldens, pytest_plugin), one
+      mutmut run per group of :data:`VERIFY_GROUPS`, each with the narrowest tests that cover it
+      (the group's own unit and negative tests), merged into one table; ``--group NAME`` runs only
+      some. Tests that run pytest or python in a subprocess (the pytest plugin's, the goldens
+      command's) see the mutants too: a ``sitecustomize`` bridge on their ``PYTHONPATH`` puts the
+      scratch directory's ``mutants/`` first on their path and reports the functions they ran as
+      coverage, and mutmut's ``MUTANT_UNDER_TEST`` reaches them through the environment
+      (verify/commands/mutation/subprocess_hits.py). A test that starts a process with a scrubbed
+      environment still runs the original code there.
+    * A mutated module that is one of the project's own pytest plugins (a ``pytest11`` entry point
+      in ``pyproject.toml``: ``verify.pytest_plugin``) is blocked (``-p no:NAME``) in the pytest
+      runs that judge it (mutmut's and the baseline's), and loaded only by the pytest runs its tests
+      start (pytester, in the same process: they see the mutants). Otherwise a mutant that skips
+      or deselects tests would skip the very tests meant to catch it (mutmut counts the run as
+      passed: "survived"), and one that makes pytest stop with a usage error or a crash in a hook
+      would stop mutmut's run of them (mutmut files such a run under "timeout").
+    * Mutated (``--target passes``): every ``.py`` file of ``autoparallel/passes`` except ``__init__.py`` and
+      ``registry.py`` (the patch registry: every pass calls ``enabled()``, so mutating it only
+      re-tests the whole suite, and the patch-level harness already covers it). mutmut only mutates
+      code inside functions and skips decorated functions (except ``@staticmethod`` and
+      ``@classmethod``); module-level code is never mutated.
+    * Tests: ``tests/unit/autoparallel/passes/test_fsdp_recompute.py``, ``test_topo_span_bucketing.py``,
+      ``test_pre_overlap_bucketing.py``, ``test_fuse_chained_allgathers.py``,
+      ``test_passes_pipeline.py``, ``test_overlap_estimator.py``, ``test_graph_utils.py`` and
+      ``tests/property/`` (those that exist). mutmut records once which tests reach which function
+      and runs only those per mutant. Hypothesis tests run with ``max_examples`` capped
+      (``--max-examples``, default 10) and derandomized, without the example database, so a
+      verdict does not depend on luck or on examples an earlier mutant left behind.
+    * A baseline pytest run of the selected tests comes first: tests that do not pass on the
+      unmutated code are deselected (and listed), because mutmut refuses to start otherwise and a
+      test that already fails kills nothing.
+
+Configuration, and what it leaves behind
+    Nothing in the repository: the run happens in a scratch directory (``--workdir``, default a
+    fresh temporary one that is deleted afterwards) holding a copy of ``autoparallel/``, ``tests/``
+    and ``pyproject.toml`` with a generated ``[tool.mutmut]`` table appended (mutmut reads its
+    config only from the working directory's ``pyproject.toml`` or ``setup.cfg``). mutmut's own
+    ``mutants/`` tree lives inside that directory. With ``--workdir DIR`` it is kept, and
+    ``cd DIR && mutmut browse`` / ``mutmut show <name>`` work there. The generated table uses
+    ``process_isolation = "forkserver"`` (mutmut's advice for torch: forking a process that has
+    started torch's thread pools is unsafe), and each mutant's wall-clock limit is mutmut's
+    ``(duration of its tests + timeout_constant) * timeout_multiplier`` (defaults 5 s and 5x here).
+
+Cost
+    Not part of CI or of any pytest tier: it runs every selected test once per mutant that a test
+    reaches. Measured on the shared 2-core development box (other jobs running): the default set
+    (8 files, 1764 mutants) took 1 h 40 min with ``-n 2``; fsdp_recompute.py plus cleanup.py
+    (214 mutants, tests/unit/autoparallel/passes/test_fsdp_recompute.py only) took 8 min with ``-n 2`` and 21 min with
+    ``-n 1``. Functions that the property tests reach are the slow part (about 20 s of tests per
+    surviving mutant at 10 examples). Install mutmut with ``pip install -e .[mutation]``.
+
+Usage
+    python -m verify mutate --lines                    # everything above, table on stdout
+    python -m verify mutate --lines --target verify    # the checkers, group by group
+    python -m verify mutate --lines --target verify --group parity --group canon
+    python -m verify mutate --lines --json -n 2        # one JSON object; -n: mutmut workers
+                                                       # (0/auto: all cores); --patch and
+                                                       # --timeout apply to patch-level only
+    python -m verify.commands.mutation.lines --files autoparallel/passes/fsdp_recompute.py \\
+        --tests tests/unit/autoparallel/passes/test_fsdp_recompute.py --by function --workdir /tmp/mm
+    python -m verify.commands.mutation.lines --report-only --workdir /tmp/mm --by function   # re-report
+
+Exit status: 0 when every mutant was killed (or timed out), 1 when any survived, had no coverage
+or ended in an error, or when mutmut could not run. Progress goes to stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from verify.commands.mutation import STATES, run_slow_args
+from verify.commands.mutation.outcome_log import ENV as OUTCOME_ENV
+from verify.commands.repo import repo_root
+
+PASSES_DIR = "autoparallel/passes"
+VERIFY_PLUGIN = "verify.pytest_plugin"  # its pytest11 entry point name (pyproject.toml)
+EXCLUDED_FILES = ("__init__.py", "registry.py")
+DEFAULT_TESTS = (
+    "tests/unit/autoparallel/passes/test_fsdp_recompute.py",
+    "tests/unit/autoparallel/passes/test_cleanup.py",
+    "tests/unit/autoparallel/passes/test_topo_span_bucketing.py",
+    "tests/unit/autoparallel/passes/test_bucket_plan.py",
+    "tests/unit/autoparallel/passes/test_overlap_scheduling.py",
+    "tests/unit/autoparallel/passes/test_pre_overlap_bucketing.py",
+    "tests/unit/autoparallel/passes/test_fuse_chained_allgathers.py",
+    "tests/unit/autoparallel/passes/test_collective.py",
+    "tests/unit/autoparallel/passes/test_overlap_estimator.py",
+    "tests/unit/autoparallel/passes/test_ac_joint.py",
+    "tests/unit/autoparallel/passes/test_contiguous_gathered_shards.py",
+    "tests/unit/autoparallel/passes/test_shared_provenance.py",
+    "tests/unit/autoparallel/test_fx_utils.py",
+    "tests/property",
+)
+# --target verify: name -> (files mutated together, the narrowest tests that cover them), one
+# mutmut run each. The name is what --group takes: the module, or the package of several.
+VERIFY_GROUPS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
+    "parity": (("verify/parity/compare.py",), ("tests/unit/verify/parity/test_compare.py",)),
+    "canon": (("verify/graphs/canon.py",), ("tests/unit/verify/graphs/test_canon.py", "tests/unit/verify/graphs/test_canon_negative.py")),
+    "stats": (("verify/graphs/stats.py",), ("tests/unit/verify/graphs/test_stats.py", "tests/unit/verify/graphs/test_stats_negative.py")),
+    "memory": (("verify/graphs/memory.py",), ("tests/unit/verify/graphs/test_memory.py", "tests/unit/verify/graphs/test_memory_negative.py")),
+    "goldens": (
+        ("verify/goldens/text.py", "verify/goldens/catalog.py", "verify/goldens/cli.py", "verify/goldens/syrupy_ext.py"),
+        ("tests/unit/verify/goldens", "tests/golden/test_golden_workflow.py"),
+    ),
+    # The golden workflow's throwaway projects are where GoldenChecker (the golden fixture) runs.
+    "pytest_plugin": (("verify/pytest_plugin.py",), ("tests/unit/verify/test_pytest_plugin.py", "tests/golden/test_golden_workflow.py")),
+}
+TARGETS = ("passes", "verify")
+VERIFY_GROUP_NAMES = tuple(VERIFY_GROUPS)
+# Written as sitecustomize.py into the scratch directory, on the path of every process a test starts
+# (see verify/commands/mutation/subprocess_hits.py): while mutmut collects coverage, remember the mutated
+# functions this process runs and leave them in $AP_MUTATION_HITS when it exits.
+SUBPROCESS_BRIDGE = '''"""Written by verify.commands.mutation.lines (python -m verify mutate --lines)."""
+import atexit
+import os
+import sys
+
+# The mutants go first on the path here, not through $PYTHONPATH: mutmut's own process starts
+# before mutants/ exists, and Python would cache that path as "nothing to import from" for good.
+_mutants = os.environ.get("AP_MUTATION_MUTANTS", "")
+if _mutants and os.path.isdir(_mutants) and _mutants not in sys.path:
+    sys.path.insert(0, _mutants)
+
+if os.environ.get("MUTANT_UNDER_TEST") == "stats" and os.environ.get("AP_MUTATION_HITS"):
+    import mutmut.mutation.trampoline as _trampoline
+
+    _hits = set()
+    _original = [_trampoline.record_trampoline_hit]
+
+    def _record(name, caller=None):
+        _hits.add(name)
+        if _original:  # mutmut's own process: its bookkeeping too (it fails outside mutmut's cwd)
+            try:
+                _original[0](name, caller)
+            except Exception:
+                _original.clear()
+
+    def _dump():
+        if _hits:
+            path = os.path.join(os.environ["AP_MUTATION_HITS"], f"{os.getpid()}.txt")
+            with open(path, "w") as f:
+                f.write("\\n".join(sorted(_hits)))
+
+    _trampoline.record_trampoline_hit = _record
+    atexit.register(_dump)
+'''
+BRIDGE_DIR = "ap-subprocess-bridge"
+HITS_DIR = "ap-subprocess-hits"
+MAX_EXAMPLES_ENV = "AP_MUTATION_MAX_EXAMPLES"
+DEFAULT_MAX_EXAMPLES = 10
+DEFAULT_TIMEOUT_MULTIPLIER = 5.0
+DEFAULT_TIMEOUT_CONSTANT = 5.0
+
+# mutmut's status strings (mutmut/stats.py) -> the patch-level harness's states.
+_STATE_OF_STATUS = {
+    "killed": "killed",
+    "survived": "survived",
+    "no tests": "no coverage",
+    "timeout": "timeout",
+}
+
+
+# --- parsing mutmut's output -----------------------------------------------------------------
+
+
+@dataclass
+class Mutant:
+    """One mutmut mutant: its key (``pkg.mod.x_func__mutmut_3`` or ``pkg.mod.xǁClassǁmeth__mutmut_3``),
+    mutmut's status and, for mutants that were not killed, the diff and the source line."""
+
+    name: str
+    status: str
+    diff: str = ""
+    line: int | None = None
+
+    @property
+    def state(self) -> str:
+        return _STATE_OF_STATUS.get(self.status, "error")
+
+    @property
+    def module(self) -> str:
+        return self.name.rpartition(".")[0]
+
+    @property
+    def function(self) -> str:
+        """The mutated function's qualified name within its module, e.g. ``CleanupReport.summary``."""
+        return parse_key(self.name)[1]
+
+    @property
+    def file(self) -> str:
+        return module_file(self.module)
+
+    @property
+    def location(self) -> str:
+        return f"{self.file}:{self.line}" if self.line else self.file
+
+    def changed_lines(self) -> list[str]:
+        """The ``-``/``+`` lines of the diff (without the file headers)."""
+        return [ln for ln in self.diff.splitlines() if ln[:1] in "-+" and not ln.startswith(("---", "+++"))]
+
+    def to_dict(self) -> dict:
+        return {"name": self.name, "file": self.file, "function": self.function, "line": self.line,
+                "state": self.state, "mutmut_status": self.status, "diff": self.diff}
+
+
+def parse_key(name: str) -> tuple[str, str, int]:
+    """``(module, qualified function name, mutant number)`` of a mutmut key."""
+    module, _, mangled = name.rpartition(".")
+    base, sep, num = mangled.rpartition("__mutmut_")
+    if not sep or not num.isdigit():
+        raise ValueError(f"not a mutmut mutant name: {name!r}")
+    if base.startswith("xǁ"):  # method: xǁClassǁmethod
+        _, cls, meth = base.split("ǁ", 2)
+        qualname = f"{cls}.{meth}"
+    elif base.startswith("x_"):
+        qualname = base[2:]
+    else:
+        raise ValueError(f"not a mutmut mutant name: {name!r}")
+    return module, qualname, int(num)
+
+
+def module_file(module: str) -> str:
+    """Source path of a dotted module name, relative to the repository root."""
+    return module.replace(".", "/") + ".py"
+
+
+_RESULT_LINE = re.compile(r"^\s*(?P<name>\S+__mutmut_\d+): (?P<status>[a-z ]+?)\s*$")
+
+
+def parse_results(text: str) -> list[Mutant]:
+    """Mutants from ``mutmut results --all true`` (lines ``    <name>: <status>``); other lines
+    (warnings, blank lines) are ignored."""
+    out = []
+    for line in text.splitlines():
+        m = _RESULT_LINE.match(line)
+        if m:
+            out.append(Mutant(m["name"], m["status"]))
+    return out
+
+
+def parse_show(text: str) -> dict[str, tuple[str, str]]:
+    """``{name: (status, diff)}`` from the output of ``mutmut show <name>`` (one or several,
+    each starting with ``# <name>: <status>``)."""
+    shows: dict[str, tuple[str, str]] = {}
+    name = status = None
+    body: list[str] = []
+
+    def flush():
+        if name is not None:
+            shows[name] = (status, "\n".join(body).strip("\n\x00"))
+
+    for line in text.splitlines():
+        m = re.match(r"^# (\S+__mutmut_\d+): (.+?)\s*$", line)
+        if m:
+            flush()
+            name, status, body = m[1], m[2], []
+        elif name is not None and line != "\x00":
+            body.append(line)
+    flush()
+    return shows
+
+
+def _function_node(tree: ast.Module, qualname: str):
+    scope: Iterable[ast.stmt] = tree.body
+    node = None
+    for part in qualname.split("."):
+        node = next((n for n in scope if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))
+                     and n.name == part), None)
+        if node is None:
+            return None
+        scope = node.body
+    return node
+
+
+def mutated_line(diff: str, source: str, qualname: str) -> int | None:
+    """1-based line in ``source`` of the first line a mutant changes.
+
+    mutmut diffs the function alone (its text starting at the first decorator or ``def``), so the
+    hunk offsets are relative to that line. The result is checked against the source text; if it
+    does not match (the source changed since), the removed line is searched for in the function.
+    """
+    removed, offset = None, None
+    for line in diff.splitlines():
+        m = re.match(r"^@@ -(\d+)(?:,\d+)? \+\d+(?:,\d+)? @@", line)
+        if m:
+            offset = int(m[1])
+            continue
+        if offset is None or line.startswith(("---", "+++")):
+            continue
+        if line.startswith("-"):
+            removed = line[1:]
+            break
+        if line.startswith("+"):  # pure insertion: report the line it is inserted before
+            break
+        offset += 1
+    try:
+        tree = ast.parse(source)
+    except SyntaxError:
+        return None
+    fn = _function_node(tree, qualname)
+    if fn is None or offset is None:
+        return None
+    start = min([fn.lineno, *(d.lineno for d in fn.decorator_list)])
+    lines = source.splitlines()
+    guess = start + offset - 1
+    if removed is None or (0 < guess <= len(lines) and lines[guess - 1].strip() == removed.strip()):
+        return guess
+    for i in range(start, (fn.end_lineno or len(lines)) + 1):
+        if lines[i - 1].strip() == removed.strip():
+            return i
+    return None
+
+
+# --- the report ------------------------------------------------------------------------------
+
+
+@dataclass
+class Row:
+    name: str
+    counts: dict[str, int] = field(default_factory=lambda: dict.fromkeys(STATES, 0))
+
+    @property
+    def mutants(self) -> int:
+        return sum(self.counts.values())
+
+
+def summarize(mutants: Sequence[Mutant], by: str = "file") -> list[Row]:
+    """One row per file (``by="file"``) or per function (``by="function"``, ``file::function``)."""
+    rows: dict[str, Row] = {}
+    for m in mutants:
+        key = m.file if by == "file" else f"{m.file}::{m.function}"
+        rows.setdefault(key, Row(key)).counts[m.state] += 1
+    return [rows[k] for k in sorted(rows)]
+
+
+def kill_rate(mutants: Sequence[Mutant]) -> str:
+    killed = sum(m.state == "killed" for m in mutants)
+    detected = killed + sum(m.state == "timeout" for m in mutants)
+    valid = len(mutants) - sum(m.state == "error" for m in mutants)
+    rate = 100.0 * killed / len(mutants) if mutants else 0.0
+    score = 100.0 * detected / valid if valid else 0.0
+    return (f"kill rate: {killed}/{len(mutants)} mutants killed ({rate:.0f}%); "
+            f"score (killed + timeout) / (mutants - error): {detected}/{valid} ({score:.0f}%)")
+
+
+def format_table(mutants: Sequence[Mutant], by: str = "file", diffs: bool = True) -> str:
+    """The table, the kill-rate line and every mutant that was not killed (survivors first)."""
+    head = ("file" if by == "file" else "function", "mutants", *STATES)
+    rows = [head]
+    per_row = summarize(mutants, by)
+    total = Row("total")
+    for r in per_row:
+        rows.append((r.name, str(r.mutants), *(str(r.counts[s]) for s in STATES)))
+        for s in STATES:
+            total.counts[s] += r.counts[s]
+    if len(per_row) > 1:
+        rows.append((total.name, str(total.mutants), *(str(total.counts[s]) for s in STATES)))
+    widths = [max(len(row[i]) for row in rows) for i in range(len(head))]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip() for row in rows]
+    lines.append(kill_rate(mutants))
+    order = {s: i for i, s in enumerate(("survived", "no coverage", "timeout", "error"))}
+    rest = sorted((m for m in mutants if m.state != "killed"),
+                  key=lambda m: (order[m.state], m.file, m.line or 0, m.name))
+    current = None
+    for m in rest:
+        if m.state != current:
+            current = m.state
+            lines.append(f"{current} ({sum(x.state == current for x in rest)}):")
+        status = f" [mutmut: {m.status}]" if m.state == "error" else ""
+        lines.append(f"  {m.location} {m.function}  ({m.name.rpartition('.')[2]}){status}")
+        if diffs:
+            lines.extend(f"      {ln}" for ln in m.changed_lines())
+    return "\n".join(lines)
+
+
+# --- running mutmut --------------------------------------------------------------------------
+
+
+def default_files(root: Path) -> list[str]:
+    return sorted(str(p.relative_to(root)) for p in (root / PASSES_DIR).glob("*.py") if p.name not in EXCLUDED_FILES)
+
+
+def default_tests(root: Path) -> list[str]:
+    return [t for t in DEFAULT_TESTS if (root / t).exists()]
+
+
+def _toml_list(items: Iterable[str]) -> str:
+    return "[" + ", ".join(json.dumps(str(i)) for i in items) + "]"
+
+
+def source_packages(files: Sequence[str]) -> list[str]:
+    """The top-level packages the mutated files live in (mutmut's ``source_paths``)."""
+    return sorted({Path(f).parts[0] for f in files})
+
+
+def mutated_pytest_plugins(root: Path, files: Sequence[str]) -> list[str]:
+    """The names of the ``pytest11`` entry points (``[project.entry-points.pytest11]`` of
+    ``root/pyproject.toml``) whose module is one of ``files``: pytest plugins that the pytest runs
+    judging the mutants must not load (see the module docstring)."""
+    import tomllib
+
+    path = root / "pyproject.toml"
+    if not path.exists():
+        return []
+    entry_points = tomllib.loads(path.read_text()).get("project", {}).get("entry-points", {}).get("pytest11", {})
+    mutated = set(files)
+    return sorted(name for name, target in entry_points.items() if module_file(target.partition(":")[0]) in mutated)
+
+
+def outer_pytest_args(blocked_plugins: Sequence[str]) -> list[str]:
+    """``-p no:NAME`` for each blocked plugin."""
+    return [arg for name in blocked_plugins for arg in ("-p", f"no:{name}")]
+
+
+def mutmut_config(files: Sequence[str], tests: Sequence[str], deselect: Sequence[str] = (), *,
+                  blocked_plugins: Sequence[str] = (), run_slow: Sequence[str] = (),
+                  timeout_multiplier: float = DEFAULT_TIMEOUT_MULTIPLIER,
+                  timeout_constant: float = DEFAULT_TIMEOUT_CONSTANT) -> str:
+    """The ``[tool.mutmut]`` table written into the scratch directory's pyproject.toml. ``goldens``
+    is copied next to the mutants: code under ``verify`` finds the repository root from its own
+    path (``verify.commands.repo``), which is mutmut's ``mutants/`` there. ``blocked_plugins``: pytest
+    plugins mutmut's own pytest runs leave out (:func:`mutated_pytest_plugins`); ``run_slow``:
+    :func:`verify.commands.mutation.run_slow_args` of the project (its ``slow`` tests run too)."""
+    selection = [*tests]
+    for nodeid in deselect:
+        selection += ["--deselect", nodeid]
+    pytest_args = ["-p", "no:cacheprovider", "-p", "verify.commands.mutation.lines", "-p", "verify.commands.mutation.subprocess_hits",
+                   *run_slow, *outer_pytest_args(blocked_plugins)]
+    return "\n".join([
+        "[tool.mutmut]",
+        f"source_paths = {_toml_list(source_packages(files))}",
+        'also_copy = ["goldens"]',
+        f"only_mutate = {_toml_list(files)}",
+        f"pytest_add_cli_args_test_selection = {_toml_list(selection)}",
+        f"pytest_add_cli_args = {_toml_list(pytest_args)}",
+        'process_isolation = "forkserver"',
+        'forkserver_warmup = "collect"',
+        f"timeout_multiplier = {float(timeout_multiplier)}",
+        f"timeout_constant = {float(timeout_constant)}",
+        "use_git_change_detection = false",
+        "",
+    ])
+
+
+def read_config(workdir: Path) -> tuple[list[str], list[str], list[str]]:
+    """``(files, tests, deselected ids)`` from the ``[tool.mutmut]`` table a run wrote into ``workdir``."""
+    import tomllib
+
+    cfg = tomllib.loads((workdir / "pyproject.toml").read_text())["tool"]["mutmut"]
+    tests, deselect = [], []
+    args = iter(cfg.get("pytest_add_cli_args_test_selection", []))
+    for a in args:
+        if a == "--deselect":
+            deselect.append(next(args))
+        else:
+            tests.append(a)
+    return list(cfg.get("only_mutate", [])), tests, deselect
+
+
+def _strip_table(toml: str, header: str) -> str:
+    """``toml`` without the table ``[header]`` (so a generated one can be appended)."""
+    out, skip = [], False
+    for line in toml.splitlines():
+        s = line.strip()
+        if s.startswith("[") and not s.startswith("[["):
+            skip = s == f"[{header}]" or s.startswith(f"[{header}.")
+        if not skip:
+            out.append(line)
+    return "\n".join(out).rstrip() + "\n"
+
+
+def prepare_workdir(root: Path, workdir: Path) -> None:
+    """Copy what mutmut and the tests need from ``root`` into ``workdir`` (no old ``mutants/``)."""
+    ignore = shutil.ignore_patterns("__pycache__", "*.pyc", ".hypothesis", ".pytest_cache")
+    workdir.mkdir(parents=True, exist_ok=True)
+    for name in ("autoparallel", "verify", "tests", "goldens"):
+        if not (root / name).exists():
+            continue
+        if (workdir / name).exists():
+            shutil.rmtree(workdir / name)
+        shutil.copytree(root / name, workdir / name, ignore=ignore)
+    if (workdir / "mutants").exists():  # a kept workdir: start over, results must be fresh
+        shutil.rmtree(workdir / "mutants")
+    for name in (BRIDGE_DIR, HITS_DIR):
+        shutil.rmtree(workdir / name, ignore_errors=True)
+        (workdir / name).mkdir()
+    (workdir / BRIDGE_DIR / "sitecustomize.py").write_text(SUBPROCESS_BRIDGE)
+
+
+def write_config(root: Path, workdir: Path, config: str) -> None:
+    pyproject = _strip_table((root / "pyproject.toml").read_text(), "tool.mutmut")
+    (workdir / "pyproject.toml").write_text(pyproject + "\n" + config)
+
+
+def _env(max_examples: int, workdir: Path | None = None) -> dict[str, str]:
+    """mutmut's environment; with ``workdir``, also what lets the processes a test starts run the
+    mutants and report coverage (the bridge on ``PYTHONPATH``; it puts the mutants first on the path)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTEST_", "XDIST_", "MUTANT_UNDER_TEST"))}
+    env[MAX_EXAMPLES_ENV] = str(max_examples)
+    if workdir is not None:
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(workdir / BRIDGE_DIR), env.get("PYTHONPATH", "")) if p)
+        env["AP_MUTATION_MUTANTS"] = str(workdir / "mutants")
+        env["AP_MUTATION_HITS"] = str(workdir / HITS_DIR)
+    return env
+
+
+def _mutmut_cmd() -> list[str]:
+    exe = Path(sys.executable).with_name("mutmut")
+    if exe.exists():
+        return [str(exe)]
+    found = shutil.which("mutmut")
+    if not found:
+        raise RuntimeError("mutmut is not installed: pip install -e .[mutation]")
+    return [found]
+
+
+def baseline(workdir: Path, tests: Sequence[str], max_examples: int, timeout_s: float | None = None,
+             blocked_plugins: Sequence[str] = (), run_slow: Sequence[str] = ()) -> dict[str, str]:
+    """Outcomes (``verify.commands.mutation.outcome_log``) of the selected tests on the unmutated copy, run
+    as mutmut will run them (without ``blocked_plugins``)."""
+    log = workdir / "baseline-outcomes.json"
+    env = _env(max_examples)
+    env[OUTCOME_ENV] = str(log)
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "verify.commands.mutation.outcome_log",
+           "-p", "verify.commands.mutation.lines", *run_slow, *outer_pytest_args(blocked_plugins), "--rootdir", str(workdir), *tests]
+    proc = subprocess.run(cmd, cwd=workdir, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                          timeout=timeout_s)
+    if not log.exists():
+        raise RuntimeError(f"baseline pytest run wrote no outcomes (exit {proc.returncode}):\n{proc.stdout[-3000:]}")
+    return json.loads(log.read_text())
+
+
+_SPINNER = re.compile(r"^[⠀-⣿] ")
+
+
+def _relay(stream, progress: Callable[[str], None], every_s: float = 20.0,
+           clock: Callable[[], float] = time.monotonic) -> list[str]:
+    """Forward mutmut's output as progress lines: spinner frames are dropped and its running
+    count (``n/total  🎉 ...``) is shown at most every ``every_s`` seconds (the first one at
+    once, the last one always). Returns all lines.
+
+    ``clock`` has no defined origin (``time.monotonic`` counts from boot on Linux): only
+    differences between two of its readings mean anything, so the first count is not compared
+    with a made-up start time."""
+    import codecs
+
+    seen: list[str] = []
+    last_status, shown, last_t = "", "", None
+    buf = ""
+    read = getattr(stream, "read1", stream.read)  # read1: what is there now, not a full 4 KiB
+    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+    while True:
+        chunk = read(4096)
+        if not chunk:
+            break
+        buf += decoder.decode(chunk) if isinstance(chunk, bytes) else chunk
+        parts = re.split(r"[\r\n]", buf)
+        buf = parts.pop()
+        for part in parts:
+            part = part.strip()
+            if not part:
+                continue
+            seen.append(part)
+            if re.match(r"^[⠀-⣿]?\s*\d+/\d+\s", part):
+                last_status = _SPINNER.sub("", part)
+                now = clock()
+                if last_t is None or now - last_t >= every_s:
+                    progress(last_status)
+                    shown, last_t = last_status, now
+            elif not _SPINNER.match(part):
+                progress(part)
+    if buf.strip():
+        seen.append(buf.strip())
+    if last_status and last_status != shown:
+        progress(last_status)
+    return seen
+
+
+_SHOW_SCRIPT = """
+import sys
+from mutmut.mutation.diff_apply import find_mutant, get_diff_for_mutant
+from mutmut.stats import status_by_exit_code
+for name in sys.argv[1:]:
+    m = find_mutant(name)
+    print(f"# {name}: {status_by_exit_code[m.exit_code_by_key[name]]}")
+    print(get_diff_for_mutant(name, path=m.path))
+    print("\\x00")
+"""
+
+
+def show_mutants(workdir: Path, names: Sequence[str]) -> dict[str, tuple[str, str]]:
+    """``mutmut show`` for many mutants in one process (the same calls its ``show`` command makes);
+    falls back to one ``mutmut show`` per mutant if mutmut's internals moved."""
+    if not names:
+        return {}
+    proc = subprocess.run([sys.executable, "-c", _SHOW_SCRIPT, *names], cwd=workdir, capture_output=True,
+                          text=True)
+    if proc.returncode == 0:
+        return parse_show(proc.stdout)
+    out = {}
+    for name in names:
+        p = subprocess.run([*_mutmut_cmd(), "show", name], cwd=workdir, stdout=subprocess.PIPE,
+                           stderr=subprocess.STDOUT, text=True)
+        out.update(parse_show(p.stdout))
+    return out
+
+
+@dataclass
+class LineMutationRun:
+    mutants: list[Mutant]
+    files: list[str]
+    tests: list[str]
+    deselected: dict[str, str]
+    seconds: float
+    workdir: Path
+    mutmut_exit: int
+    mutmut_tail: str = ""
+
+
+def collect(workdir: Path, progress: Callable[[str], None] = lambda msg: None) -> list[Mutant]:
+    """Every mutant of a finished ``mutmut run`` in ``workdir``, with diff and line for those not killed."""
+    res = subprocess.run([*_mutmut_cmd(), "results", "--all", "true"], cwd=workdir, env=_env(DEFAULT_MAX_EXAMPLES),
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    mutants = parse_results(res.stdout)
+    not_killed = [m for m in mutants if m.state != "killed"]
+    if not_killed:
+        progress(f"reading the diffs of {len(not_killed)} mutant(s) that were not killed ...")
+    shows = show_mutants(workdir, [m.name for m in not_killed])
+    sources: dict[str, str] = {}
+    for m in not_killed:
+        m.diff = shows.get(m.name, ("", ""))[1]
+        if m.file not in sources:
+            path = workdir / m.file
+            sources[m.file] = path.read_text() if path.exists() else ""
+        m.line = mutated_line(m.diff, sources[m.file], m.function)
+    return mutants
+
+
+def run(root: Path, *, files: Sequence[str], tests: Sequence[str], workdir: Path, max_children: int,
+        max_examples: int = DEFAULT_MAX_EXAMPLES, timeout_multiplier: float = DEFAULT_TIMEOUT_MULTIPLIER,
+        timeout_constant: float = DEFAULT_TIMEOUT_CONSTANT, skip_baseline: bool = False,
+        progress: Callable[[str], None] = lambda msg: None) -> LineMutationRun:
+    t0 = time.perf_counter()
+    progress(f"scratch directory {workdir}; mutating {len(files)} file(s): {' '.join(files)}")
+    progress(f"tests: {' '.join(tests)}")
+    prepare_workdir(root, workdir)
+    blocked = mutated_pytest_plugins(root, files)
+    # --ap-run-slow is the verify plugin's option: where the outer runs leave that plugin out (it is
+    # under mutation), pytest would refuse it, and nothing skips a slow test there anyway
+    slow = [] if VERIFY_PLUGIN in blocked else run_slow_args(root)
+    if blocked:
+        progress(f"pytest plugins under mutation, left out of the runs that judge them: {' '.join(blocked)}")
+    deselected: dict[str, str] = {}
+
+    def configure(deselect: Sequence[str]) -> None:
+        write_config(root, workdir, mutmut_config(files, tests, deselect, blocked_plugins=blocked, run_slow=slow,
+                                                  timeout_multiplier=timeout_multiplier, timeout_constant=timeout_constant))
+
+    if not skip_baseline:
+        # the project's pytest settings (its plugin opt-in, markers) for the baseline too, as mutmut will run
+        configure(())
+        progress("baseline: running the selected tests on the unmutated code ...")
+        outcomes = baseline(workdir, tests, max_examples, blocked_plugins=blocked, run_slow=slow)
+        deselected = {nid: o for nid, o in outcomes.items() if o in ("failed", "error")}
+        bad_files = sorted({nid for nid in deselected if "::" not in nid})
+        tests = [t for t in tests if not any(t == f or f.startswith(t.rstrip("/") + "/") for f in bad_files)]
+        passed = sum(o == "passed" for o in outcomes.values())
+        progress(f"baseline: {passed} passed, {len(deselected)} deselected (not passing unmutated)")
+        for nid, o in sorted(deselected.items()):
+            progress(f"  deselected: {nid} ({o})")
+        if not tests:
+            raise RuntimeError("no selected test file collects on the unmutated code")
+    configure([nid for nid in deselected if "::" in nid])
+    progress(f"mutmut run --max-children {max_children} ...")
+    proc = subprocess.Popen([*_mutmut_cmd(), "run", "--max-children", str(max_children)], cwd=workdir,
+                            env=_env(max_examples, workdir), stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    seen = _relay(proc.stdout, progress)
+    rc = proc.wait()
+    mutants = collect(workdir, progress)
+    return LineMutationRun(mutants, list(files), list(tests), deselected, time.perf_counter() - t0, workdir, rc,
+                           "\n".join(seen[-30:]))
+
+
+def _max_children(workers) -> int:
+    w = str(workers)
+    if w in ("0", "auto", ""):
+        return os.cpu_count() or 1
+    return max(1, int(w))
+
+
+def groups(args, root: Path) -> list[tuple[list[str], list[str]]]:
+    """``[(files, tests)]``, one mutmut run each: ``--files``/``--tests`` as given, else the
+    target's defaults (``passes``: one run; ``verify``: :data:`VERIFY_GROUPS`)."""
+    target = getattr(args, "target", None) or "passes"
+    if target not in TARGETS:
+        raise ValueError(f"--target {target!r}: choose from {list(TARGETS)}")
+    files, tests = getattr(args, "files", None), getattr(args, "tests", None)
+    chosen = getattr(args, "group", None)
+    if chosen and (target != "verify" or files):
+        raise ValueError("--group selects among the groups of --target verify (and not with --files)")
+    unknown = sorted(set(chosen or ()) - set(VERIFY_GROUP_NAMES))
+    if unknown:
+        raise ValueError(f"--group {unknown}: choose from {list(VERIFY_GROUP_NAMES)}")
+    if target == "verify" and not files:
+        if tests:
+            raise ValueError("--tests with --target verify needs --files too (each group has its own tests)")
+        return [(list(f), list(t)) for name, (f, t) in VERIFY_GROUPS.items() if not chosen or name in chosen]
+    return [(list(files or default_files(root)), list(tests or default_tests(root)))]
+
+
+def merge_runs(runs: Sequence[LineMutationRun]) -> LineMutationRun:
+    """One run's worth of results out of several (one table)."""
+    out = LineMutationRun([], [], [], {}, 0.0, runs[0].workdir, 0)
+    for r in runs:
+        out.mutants += r.mutants
+        out.files += r.files
+        out.tests += [t for t in r.tests if t not in out.tests]
+        out.deselected.update(r.deselected)
+        out.seconds += r.seconds
+        out.mutmut_exit = out.mutmut_exit or r.mutmut_exit
+        out.mutmut_tail = "\n".join(x for x in (out.mutmut_tail, r.mutmut_tail) if x)
+    return out
+
+
+def main(args) -> int:
+    root = repo_root()
+
+    def progress(msg: str) -> None:
+        print(f"[mutate --lines] {msg}", file=sys.stderr, flush=True)
+
+    if getattr(args, "patch", None):
+        progress("--patch selects patch-level mutants; it is ignored with --lines")
+    plan = groups(args, root)
+    for f in [x for files, tests in plan for x in (*files, *tests)]:
+        if not (root / f).exists():
+            raise ValueError(f"{f} does not exist under {root}")
+    keep = getattr(args, "workdir", None)
+
+    def workdir_of(i: int) -> Path | None:
+        if not keep:
+            return None
+        return Path(keep).resolve() / f"group{i}" if len(plan) > 1 else Path(keep).resolve()
+
+    if getattr(args, "report_only", False):
+        if not keep:
+            raise ValueError("--report-only needs --workdir (a directory a previous run kept)")
+        t0 = time.perf_counter()
+        runs = []
+        for i in range(len(plan)):
+            wd = workdir_of(i)
+            if not (wd / "pyproject.toml").exists():
+                continue
+            files, tests, deselect = read_config(wd)
+            runs.append(LineMutationRun(collect(wd, progress), files, tests, dict.fromkeys(deselect, "deselected"), 0.0, wd, 0))
+        if not runs:
+            raise ValueError(f"--workdir {keep} holds no kept run")
+        r = merge_runs(runs)
+        r.seconds = time.perf_counter() - t0
+        return _report(args, r)
+    runs = []
+    for i, (files, tests) in enumerate(plan):
+        if len(plan) > 1:
+            progress(f"group {i + 1} of {len(plan)}")
+        wd = workdir_of(i) or Path(tempfile.mkdtemp(prefix="ap-mutmut-"))
+        try:
+            runs.append(run(root, files=files, tests=tests, workdir=wd, max_children=_max_children(getattr(args, "workers", 0)),
+                            max_examples=getattr(args, "max_examples", DEFAULT_MAX_EXAMPLES),
+                            timeout_multiplier=getattr(args, "timeout_multiplier", DEFAULT_TIMEOUT_MULTIPLIER),
+                            timeout_constant=getattr(args, "timeout_constant", DEFAULT_TIMEOUT_CONSTANT),
+                            skip_baseline=getattr(args, "no_baseline", False), progress=progress))
+        except (RuntimeError, subprocess.SubprocessError) as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 1
+        finally:
+            if not keep:
+                shutil.rmtree(wd, ignore_errors=True)
+        if keep:
+            progress(f"kept {wd}: `cd {wd} && mutmut browse` or `mutmut show <name>`")
+    return _report(args, merge_runs(runs))
+
+
+def _report(args, r: LineMutationRun) -> int:
+    if not r.mutants:
+        print(f"mutmut produced no results (exit {r.mutmut_exit}):\n{r.mutmut_tail}", file=sys.stderr)
+        return 1
+    by = getattr(args, "by", "file")
+    if getattr(args, "json", False):
+        counts = {s: sum(m.state == s for m in r.mutants) for s in STATES}
+        print(json.dumps({"files": r.files, "tests": r.tests, "deselected": r.deselected,
+                          "mutants": [m.to_dict() for m in r.mutants], "total": len(r.mutants), **counts,
+                          "seconds": round(r.seconds, 1), "mutmut_exit": r.mutmut_exit}, indent=2))
+    else:
+        print(format_table(r.mutants, by=by))
+        if r.deselected:
+            print(f"deselected (not passing on the unmutated code): {' '.join(sorted(r.deselected))}")
+        print(f"total: {r.seconds:.1f}s")
+    undetected = any(m.state not in ("killed", "timeout") for m in r.mutants)
+    return 1 if undetected or r.mutmut_exit != 0 else 0
+
+
+# --- pytest plugin (``-p verify.commands.mutation.lines``, loaded in mutmut's pytest runs) -----------------
+
+
+def pytest_collection_modifyitems(items) -> None:
+    """Cap Hypothesis examples (``$AP_MUTATION_MAX_EXAMPLES``), derandomized and without the example
+    database. A profile cannot do this: ``@given`` binds its settings when the module is imported."""
+    cap = os.environ.get(MAX_EXAMPLES_ENV)
+    if not cap:
+        return
+    from hypothesis import settings
+
+    for item in items:
+        fn = getattr(item, "obj", None)
+        current = getattr(fn, "_hypothesis_internal_use_settings", None)
+        if getattr(fn, "is_hypothesis_test", False) and current is not None:
+            fn._hypothesis_internal_use_settings = settings(
+                current, max_examples=min(current.max_examples, int(cap)), derandomize=True, database=None
+            )
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m verify.commands.mutation.lines", description=__doc__.split("\n\n")[0])
+    p.add_argument("--target", choices=TARGETS, default="passes",
+                   help="passes: autoparallel/passes; verify: the checkers, group by group (default: passes)")
+    p.add_argument("--group", action="append", choices=VERIFY_GROUP_NAMES,
+                   help="with --target verify: only this group (repeatable; default: all)")
+    p.add_argument("--files", nargs="+", help=f"files to mutate (default: {PASSES_DIR}/*.py except {', '.join(EXCLUDED_FILES)})")
+    p.add_argument("--tests", nargs="+", help=f"test files or directories (default: {' '.join(DEFAULT_TESTS)})")
+    p.add_argument("--by", choices=["file", "function"], default="file", help="one table row per file or per function")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("-n", dest="workers", default="auto", help="mutmut --max-children (default: all cores)")
+    p.add_argument("--max-examples", type=int, default=DEFAULT_MAX_EXAMPLES, help="cap on Hypothesis examples per test")
+    p.add_argument("--timeout-multiplier", type=float, default=DEFAULT_TIMEOUT_MULTIPLIER)
+    p.add_argument("--timeout-constant", type=float, default=DEFAULT_TIMEOUT_CONSTANT)
+    p.add_argument("--workdir", help="scratch directory to use and keep (default: a temporary one, deleted)")
+    p.add_argument("--report-only", action="store_true", help="only report the results kept in --workdir")
+    p.add_argument("--no-baseline", action="store_true", help="skip the baseline run (every selected test must pass)")
+    return p
+
+
+if __name__ == "__main__":
+    try:
+        sys.exit(main(_parser().parse_args()))
+    except ValueError as e:  # a file that does not exist, --report-only without --workdir
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)

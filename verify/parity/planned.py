@@ -1,0 +1,296 @@
+"""Parity of ``plan="auto"`` on a real gloo world: the lowered planned program against eager
+execution of the same placements, and against single-device eager.
+
+**The reference** (``eager``): :class:`autoparallel.planner.lower.PlacedInterpreter` run eagerly
+on real tensors of the real world. It executes the unsharded joint graph op by op exactly as the
+plan says: every input redistributed by DTensor (real gloo collectives) to the placement the plan
+gives it, every op run through DTensor's dispatch on the rank's local tensors. No tracing, no
+clean-up, no partition, no compiler, no collective pass. Whatever the pipeline does after that
+(make_fx of the interpreter, the placement steps, the first partition, Dynamo's re-trace in the
+second compile and the replay partitioner) must not change a bit of the losses and gradients, so
+the comparison is bitwise. What it cannot catch is a placement that computes something else than
+the unsharded graph (the lowering's *semantics*): both sides run the same redistributions. That
+is what the single-device comparison checks, independently (the unsharded model, one process,
+plain autograd), within a tolerance.
+
+Executors compared with ``eager`` on every rank, for ``steps`` AdamW steps (``train_steps``):
+``joint`` (the lowered joint graph, after the placement steps), ``first_partition`` (the
+``ParallelModule``), ``second_compile`` (``torch.compile`` with ``autoparallel_backend``). The plan
+is made once, in this process, on a fake world of the same mesh; each rank lowers it for itself
+(lowered graphs are rank-specific: a local split keeps the rank's piece) by running the pipeline
+on the real world with ``ParallelPlan.auto(plan=<the solver's plan>)``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+import torch._dynamo
+import torch.distributed as dist
+from torch import fx, nn
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+from autoparallel import roles
+from autoparallel.compile import SECOND_COMPILE, autoparallel_backend
+from autoparallel.fx_utils import copy_graph_module
+from autoparallel.mesh import MeshSpec, build_mesh, fake_world
+from autoparallel.parallelize import ParallelPlan, cross_entropy_loss
+from autoparallel.partition import STEP_FIRST_PARTITION
+from autoparallel.pipeline import JOINT, PipelineOptions, run_pipeline
+from autoparallel.planner.auto import local_inputs, local_params, plan_for_pipeline
+from autoparallel.planner.lower import PlacedInterpreter, decode, node_placements, shard_tensor
+from autoparallel.planner.plan import Plan
+from autoparallel.runtime.steps import (
+    Executor,
+    StepTrace,
+    compiled_module_executor,
+    joint_graph_executor,
+    loss_and_updates,
+    parallel_module_executor,
+    primals_by_role,
+    train_steps,
+)
+from verify.parity.compare import OracleReport, check_within, module_scales, oracle_tolerance
+from verify.parity.ordered_collectives import run_parity_world
+
+PLANNED_RNG_SEED = 20_261_127  # base of the ranks' generator seeds (each executor draws alike)
+EAGER = "eager"
+TRAIN_LR = 1e-2  # train_steps' AdamW learning rate (the replay uses the same)
+EXECUTORS = (EAGER, JOINT, STEP_FIRST_PARTITION, SECOND_COMPILE)
+
+# Single-device comparison until the "any model" issue's oracle (a per-dtype tolerance derived
+# from the reduction depth) lands: then switch single_device_report to it. fp32 only here.
+SINGLE_DEVICE_RTOL = 1e-4
+SINGLE_DEVICE_ATOL = 1e-5
+
+
+@dataclass(frozen=True)
+class PlannedCase:
+    """A model to plan and run: ``model(device)`` builds it with deterministic parameters
+    (``"meta"`` for shapes), ``loss_fn`` (None: token cross-entropy), ``batches(steps)`` the
+    global batches (model inputs, then the target), ``mesh`` the mesh spec."""
+
+    name: str
+    model: Callable[[str], nn.Module]
+    batches: Callable[[int], list[tuple[torch.Tensor, ...]]]
+    mesh: str
+    loss_fn: Callable | None = None
+
+    @property
+    def spec(self) -> MeshSpec:
+        return MeshSpec.parse(self.mesh)
+
+
+@dataclass
+class PlannedRank:
+    """One rank's traces per executor, and where its gradient pieces sit in the full tensors
+    (``offsets[fqn]``: the piece's offset per dim, for reassembling; Replicate pieces are whole)."""
+
+    coord: tuple[int, ...]
+    traces: dict[str, StepTrace]
+    offsets: dict[str, tuple[int, ...]] = field(default_factory=dict)
+
+
+def planned_case(scenario) -> PlannedCase:
+    """A ``verify.stages.scenario.Scenario`` (plan="auto": a LLaMA preset or any ``ModelCase``) as a
+    PlannedCase: its model, seed, batches (``batch_per_rank`` rows per rank of the whole world)
+    and its own loss, never a substitute."""
+    return PlannedCase(
+        name=f"{scenario.model_name}-{scenario.mesh_spec}",
+        model=lambda device: scenario.model(device=device),
+        batches=scenario.batches,
+        mesh=str(scenario.mesh_spec),
+        loss_fn=scenario.loss_fn,
+    )
+
+
+def solve(case: PlannedCase) -> Plan:
+    """The solver's plan for ``case``, made on a fake world of its mesh (what every rank lowers)."""
+    with fake_world(case.spec) as mesh:
+        planned = plan_for_pipeline(case.model("meta"), case.loss_fn, case.batches(1)[0], mesh, ParallelPlan.auto())
+        planned.pg.joint.close()
+    return planned.solved
+
+
+def _primals(pg, params, buffers, inputs) -> list[torch.Tensor]:
+    """The planning graph's placeholders in order, picked by role; the loss's tangent is a 1."""
+    tangents = [torch.ones((), dtype=torch.float32) for r in pg.input_roles if roles.is_tangent(r)]
+    return primals_by_role(pg.input_roles, params, buffers, inputs) + tangents
+
+
+def eager_executor(planned, mesh, buffers) -> Executor:
+    """The reference: the plan's interpreter, eagerly, on this rank's real local tensors; the
+    buffers a model updates in place (its ``mutated:<fqn>`` outputs) are written back, and recorded
+    like every executor's."""
+    pg, plan = planned.pg, planned.plan
+    placed = node_placements(pg, plan)
+    grad_fqns = [(i, roles.name(r)) for i, r in enumerate(pg.output_roles) if roles.is_grad(r)]
+
+    def run(params, inputs):
+        with torch.no_grad():
+            outs = PlacedInterpreter(pg.gm, placed, mesh, pg.keys).run(*_primals(pg, params, buffers, inputs), enable_io_processing=False)
+        # By role: a model that updates buffers (BatchNorm) returns their new values ahead of the
+        # loss; they are copied into ``buffers``, as every stage's executor does.
+        loss = loss_and_updates(outs, pg.output_roles, buffers, "the plan's eager placements")
+        return loss.detach(), {fqn: outs[i] for i, fqn in grad_fqns}
+
+    return Executor(run, buffers)
+
+
+def _rank_case(case: PlannedCase, solved: Plan, batches, executors, mesh) -> PlannedRank:
+    torch._dynamo.reset()
+    options = PipelineOptions(snapshots=False)
+    lowered: dict[str, fx.GraphModule] = {}
+
+    def keep_lowered(result):  # the joint stage's graph, before the placement steps rewrite it
+        if result.name == JOINT:
+            lowered[JOINT] = copy_graph_module(result.graphs)
+
+    run = run_pipeline(
+        case.model("meta"), case.loss_fn, batches[0], ParallelPlan.auto(plan=solved), mesh, options,
+        until=STEP_FIRST_PARTITION, observers=[keep_lowered],
+    )
+    plan = run.planned.plan
+    model = case.model("cpu")
+    full = {fqn: p.detach() for fqn, p in model.named_parameters()}
+    init = local_params(plan, full, mesh)
+    buffers = {}
+    for fqn, b in model.named_buffers():
+        placement = plan.inputs.get(roles.buffer(fqn))
+        if placement is not None:
+            buffers[fqn] = shard_tensor(b, decode(placement, plan.mesh_names), mesh)
+    local_batches = [local_inputs(plan, b, mesh) for b in batches]
+    fresh = lambda: {k: v.clone() for k, v in init.items()}  # noqa: E731
+    fresh_buffers = lambda: {k: v.clone() for k, v in buffers.items()}  # noqa: E731
+    mod = run.module
+    runs: dict[str, Callable[[], Executor]] = {
+        EAGER: lambda: eager_executor(run.planned, mesh, fresh_buffers()),
+        JOINT: lambda: joint_graph_executor(lowered[JOINT], run.joint.input_roles, run.joint.output_roles, fresh_buffers()),
+        STEP_FIRST_PARTITION: lambda: parallel_module_executor(mod),
+        SECOND_COMPILE: lambda: compiled_module_executor(mod, torch.compile(mod, backend=autoparallel_backend())),
+    }
+    traces = {}
+    for name in executors:
+        executor = runs[name]()
+        with torch.no_grad():  # every executor starts from the initial buffers (the module's are shared)
+            for fqn, b in executor.buffers.items():
+                if fqn in buffers:
+                    b.copy_(buffers[fqn])
+        traces[name] = train_steps(executor, fresh(), local_batches, seed=PLANNED_RNG_SEED + dist.get_rank())
+    torch._dynamo.reset()
+    coord = mesh.coordinate()
+    offsets = {}
+    for fqn, placement in plan.params.items():
+        _, off = compute_local_shape_and_global_offset(full[fqn].shape, mesh.device_mesh, decode(placement, plan.mesh_names))
+        offsets[fqn] = tuple(off)
+    return PlannedRank(tuple(coord[d] for d in case.spec.names), traces, offsets)
+
+
+def _rank(rank, world_size, cases, solved, batches, executors) -> list[PlannedRank]:
+    mesh = build_mesh(cases[0].spec)
+    return [_rank_case(c, s, b, executors, mesh) for c, s, b in zip(cases, solved, batches, strict=True)]
+
+
+def run_planned_parity(
+    cases: PlannedCase | Sequence[PlannedCase],
+    steps: int = 3,
+    *,
+    executors: Sequence[str] = EXECUTORS,
+    timeout_s: float = 300.0,
+) -> list[tuple[Plan, list[PlannedRank]]]:
+    """Plan each case, then train ``steps`` steps with each of ``executors`` on every rank of one
+    gloo world of their (common) mesh; per case: (the solver's plan, per-rank traces)."""
+    cases = [cases] if isinstance(cases, PlannedCase) else list(cases)
+    unknown = sorted(set(executors) - set(EXECUTORS))
+    if unknown or EAGER not in executors:
+        raise ValueError(f"executors must include {EAGER!r} and come from {EXECUTORS}; got {list(executors)}")
+    meshes = {c.spec for c in cases}
+    if len(meshes) != 1:
+        raise ValueError(f"the cases of one parity world share its mesh; got {sorted(str(m) for m in meshes)}")
+    solved = [solve(c) for c in cases]
+    batches = [c.batches(steps) for c in cases]
+    per_rank = run_parity_world(_rank, cases[0].spec.world_size, args=(cases, solved, batches, tuple(executors)), timeout_s=timeout_s)
+    return [(solved[i], [ranks[i] for ranks in per_rank]) for i in range(len(cases))]
+
+
+def full_grads(case: PlannedCase, ranks: Sequence[PlannedRank], executor: str, step: int) -> dict[str, torch.Tensor]:
+    """Each parameter's full gradient at ``step``, reassembled from the ranks' pieces."""
+    model = case.model("meta")
+    out = {}
+    for fqn, p in model.named_parameters():
+        full = torch.zeros(p.shape, dtype=p.dtype)
+        for r in ranks:
+            piece = r.traces[executor].grads[step][fqn]
+            index = tuple(slice(o, o + s) for o, s in zip(r.offsets[fqn], piece.shape, strict=True))
+            full[index] = piece
+        out[fqn] = full
+    return out
+
+
+def single_device_replay(case: PlannedCase, ranks: Sequence[PlannedRank], executor: str = EAGER) -> StepTrace:
+    """The independent oracle, step by step: the unsharded model in one process (plain autograd)
+    at the parameters the ranks had at each step, on that step's global batch.
+
+    The parameters are the ranks' own trajectory: AdamW (as ``train_steps`` runs it) replayed on
+    the ranks' reassembled gradients. Comparing from the same parameters keeps the comparison at
+    one step's rounding: a free-running single-device run drifts apart through AdamW, which
+    turns a last-bit difference of a near-zero gradient into a step of ``lr``.
+    """
+    model = case.model("cpu")
+    loss_fn = case.loss_fn or cross_entropy_loss
+    named = dict(model.named_parameters())
+    leaves = {k: nn.Parameter(v.detach().clone()) for k, v in named.items()}
+    opt = torch.optim.AdamW(list(leaves.values()), lr=TRAIN_LR)
+    steps = len(ranks[0].traces[executor].losses)
+    out = StepTrace()
+    for step, inputs in enumerate(case.batches(steps)):
+        for fqn, p in named.items():
+            p.grad = None
+            with torch.no_grad():
+                p.copy_(leaves[fqn])
+        *xs, target = inputs
+        loss = loss_fn(model(*xs), target)
+        loss.backward()
+        out.losses.append(loss.detach().clone())
+        out.grads.append({fqn: p.grad.detach().clone() for fqn, p in named.items()})
+        for fqn, g in full_grads(case, ranks, executor, step).items():
+            leaves[fqn].grad = g
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return out
+
+
+def planned_oracle(case: PlannedCase, ranks: Sequence[PlannedRank], reference: StepTrace | None = None) -> OracleReport:
+    """The independent oracle for a planned program, as ``verify.parity.runs.oracle_check`` for a
+    hand plan: the eager placements' first step (the replicated loss, every gradient reassembled
+    from its pieces) against the unsharded model (``single_device_replay``) within the tolerance
+    the dtype and reduction depth give (every rank counted as a slice: the widest sum the plan
+    may reorder)."""
+    single = reference if reference is not None else single_device_replay(case, ranks)
+    inputs = case.batches(1)[0]
+    tolerance = oracle_tolerance(case.model("meta"), inputs[:-1], case.spec.world_size)
+    report = OracleReport(tolerance, parallel=EAGER)
+    report.checks.append(check_within("loss", single.losses[0], ranks[0].traces[EAGER].losses[0], tolerance.rtol))
+    grads = full_grads(case, ranks, EAGER, 0)
+    scales = module_scales(single.grads[0])
+    for fqn in sorted(set(single.grads[0]) | set(grads)):
+        report.checks.append(check_within(roles.grad(fqn), single.grads[0].get(fqn), grads.get(fqn), tolerance.rtol, scales.get(fqn)))
+    return report
+
+
+__all__ = [
+    "EAGER",
+    "EXECUTORS",
+    "SINGLE_DEVICE_ATOL",
+    "SINGLE_DEVICE_RTOL",
+    "PlannedCase",
+    "PlannedRank",
+    "full_grads",
+    "planned_case",
+    "planned_oracle",
+    "run_planned_parity",
+    "single_device_replay",
+    "solve",
+]

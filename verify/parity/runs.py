@@ -1,0 +1,372 @@
+"""Parity runs built from a scenario: the same plan on a real gloo world, executor by executor.
+
+:func:`run_stage_parity` is one gloo world per (model, plan) that trains the same steps with
+every form of the program the pipeline makes, each from the same initial parameters and buffers:
+
+=====================  =========================================================================
+``eager``              the eager parallel program (the reference every executor is compared with)
+``joint``              the traced joint graph (``joint_graph_executor``)
+``cleanup``            the joint graph after the clean-up step
+``fsdp_tagging``       ... after the FSDP recompute tags (tags change no value; checked anyway)
+``first_partition``    the first partition's ``ParallelModule`` (autograd drives the backward)
+``second_compile``     its ``torch.compile``'d version (``autoparallel_backend``)
+``collective_passes``  the second compile's forward/backward after every collective pass,
+                       composed as the backend runs them (bucketed on each rank: merged
+                       all-gathers are rank-specific), run by ``split_graph_executor``
+=====================  =========================================================================
+
+The graphs are traced, partitioned and compiled once, in this process on a fake world of the same
+mesh (graphs are rank-agnostic; compiling on fake tensors does not communicate); the forked ranks
+inherit them. A rank whose process groups are named otherwise (the sub-meshes of an N-D mesh)
+runs the pipeline for itself. :func:`run_joint_parity` / :func:`run_compile_parity` are subsets.
+
+:func:`single_device_reference` is the independent oracle's side: the unsharded model on one
+process (see ``verify.parity.compare.oracle_report``).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
+
+import torch
+import torch._dynamo
+import torch.distributed as dist
+from torch._dynamo.utils import counters
+
+from autoparallel import roles
+from autoparallel.compile import SECOND_COMPILE
+from autoparallel.mesh import build_mesh, fake_world
+from autoparallel.parallelize import ParallelProgram, split_batch
+from autoparallel.partition import STEP_CLEANUP, STEP_FIRST_PARTITION, STEP_FSDP_TAGS
+from autoparallel.passes.collective import CollectivePassesConfig, bucket_fw_bw
+from autoparallel.pipeline import JOINT, STAGE_NAMES, PipelineOptions, PipelineRun, run_pipeline
+from autoparallel.runtime.rebind import rebind_groups
+from autoparallel.runtime.steps import (
+    Executor,
+    StepTrace,
+    compiled_module_executor,
+    eager_program_executor,
+    joint_graph_executor,
+    parallel_module_executor,
+    seeded,
+    split_graph_executor,
+    step_seed,
+    train_steps,
+)
+from verify.parity.compare import (
+    OracleReport,
+    ParityReport,
+    check_within,
+    compare_traces,
+    merge_reports,
+    module_scales,
+    oracle_tolerance,
+)
+from verify.parity.ordered_collectives import run_parity_world
+from verify.stages.run import intra_op_threads, pipeline_options
+from verify.stages.scenario import Scenario
+
+EAGER = "eager"  # the eager parallel program: the reference every executor is compared with
+COLLECTIVE = "collective_passes"
+JOINT_EXECUTORS = (JOINT, STEP_CLEANUP, STEP_FSDP_TAGS)  # joint-graph forms
+COMPILE_EXECUTORS = (EAGER, STEP_FIRST_PARTITION, SECOND_COMPILE)
+STAGE_EXECUTORS = (EAGER, *JOINT_EXECUTORS, STEP_FIRST_PARTITION, SECOND_COMPILE, COLLECTIVE)
+_RANK_THREADS = 1
+RNG_SEED = 20_261_126  # base of the ranks' generator seeds (rank_seed)
+
+
+@dataclass
+class RankParity:
+    """What one rank computed with each executor, plus its mesh coordinate."""
+
+    coord: tuple[int, ...]
+    traces: dict[str, StepTrace]
+    seconds: dict[str, float] = field(default_factory=dict)
+
+
+def _options(enable_ac: bool = False, collective: CollectivePassesConfig | None = None) -> PipelineOptions:
+    # The second compile keeps its compiled module (parity runs it) and every stage's graphs are
+    # snapshots (each stage is run as it was, not as later stages left it).
+    options = pipeline_options(enable_ac=enable_ac, keep_compiled=True, snapshots=True, alternatives=False)
+    return options if collective is None else replace(options, collective=collective)
+
+
+# The last pipeline stage each executor needs.
+_NEEDS = {EAGER: None, **{s: s for s in JOINT_EXECUTORS}, STEP_FIRST_PARTITION: STEP_FIRST_PARTITION,
+          SECOND_COMPILE: SECOND_COMPILE, COLLECTIVE: SECOND_COMPILE}
+
+
+def _last_stage(executors) -> str | None:
+    needed = [_NEEDS[e] for e in executors if _NEEDS[e] is not None]
+    return max(needed, key=STAGE_NAMES.index) if needed else None
+
+
+def _pipeline(scenario: Scenario, mesh, enable_ac: bool, collective: CollectivePassesConfig, until: str | None) -> PipelineRun:
+    options = _options(enable_ac, collective)
+    # The module runs (keep_compiled): a model with values, never meta (verify.stages.run.run_pipeline).
+    return run_pipeline(*scenario.pipeline_inputs("cpu")[:4], mesh, options, until=until or JOINT)
+
+
+def parity_pipeline(
+    scenario: Scenario,
+    executors: tuple[str, ...] = STAGE_EXECUTORS,
+    *,
+    enable_ac: bool = False,
+    collective: CollectivePassesConfig | None = None,
+) -> PipelineRun:
+    """The pipeline run :func:`run_stage_parity` makes for ``executors``: on a fake world of the
+    scenario's mesh, with one intra-op thread (the ranks' count, which Dynamo guards on), up to
+    the last stage they need, every stage's graphs a snapshot, the compiled module kept."""
+    collective = collective if collective is not None else pipeline_options().collective
+    with intra_op_threads(_RANK_THREADS), fake_world(scenario.mesh_spec) as mesh:
+        return _pipeline(scenario, mesh, enable_ac, collective, _last_stage(executors))
+
+
+def _rank_stages(rank, world_size, scenario: Scenario, batches, run: PipelineRun, executors, enable_ac, collective):
+    spec = scenario.mesh_spec
+    mesh = build_mesh(spec)
+    plan = scenario.plan_obj()
+    program = ParallelProgram(scenario.model(), plan, mesh, scenario.loss_fn)
+    coord = mesh.coordinate()
+    local_batches = [split_batch(b, plan, spec, coord) for b in batches]
+    init = {k: v.detach().clone() for k, v in program.local_parameters().items()}
+    init_buffers = {k: b.detach().clone() for k, b in eager_program_executor(program).buffers.items()}
+    # Sub-mesh groups get rank-dependent names on a real world (every rank numbers only the
+    # groups it belongs to), so the inherited module may name other groups: then every rank
+    # builds its own (together: the compile's first call runs on this world).
+    inherited = _on_every_rank(mesh.group_dims == run.group_dims)
+    if {STEP_FIRST_PARTITION, SECOND_COMPILE} & set(executors) and not inherited:
+        torch._dynamo.reset()
+        run = _pipeline(scenario, mesh, enable_ac, collective, _last_stage(executors))
+    joint = run.joint
+
+    def fresh_buffers() -> dict[str, torch.Tensor]:
+        return {k: b.clone() for k, b in init_buffers.items()}
+
+    def build(name: str) -> Executor:
+        if name == EAGER:
+            return eager_program_executor(program)
+        if name in JOINT_EXECUTORS:
+            gm = rebind_groups(run.stage(name).graphs, mesh.group_dims)
+            return joint_graph_executor(gm, joint.input_roles, joint.output_roles, fresh_buffers())
+        if name == STEP_FIRST_PARTITION:
+            return parallel_module_executor(run.module)
+        if name == SECOND_COMPILE:
+            return compiled_module_executor(run.module, run.compiled)
+        if name == COLLECTIVE:
+            fw, bw = (rebind_groups(g, mesh.group_dims) for g in run.stage(SECOND_COMPILE).graphs)
+            fw, bw, _ = bucket_fw_bw(fw, bw, collective)
+            return split_graph_executor(fw, bw, fresh_buffers())
+        raise ValueError(f"unknown executor {name!r}; executors: {list(STAGE_EXECUTORS)}")
+
+    traces, seconds = {}, {}
+    for name in executors:
+        t0 = time.perf_counter()
+        executor = build(name)
+        with torch.no_grad():
+            for k, b in executor.buffers.items():
+                b.copy_(init_buffers[k])
+        graphs_before = counters["stats"]["unique_graphs"]
+        traces[name] = train_steps(executor, {k: v.clone() for k, v in init.items()}, local_batches,
+                                   seed=rank_seed(scenario, coord))
+        if name == SECOND_COMPILE and inherited and counters["stats"]["unique_graphs"] != graphs_before:
+            raise RuntimeError(
+                "torch.compile recompiled the module in the rank: the parity run would not test the "
+                "graphs compiled (and captured) on the fake world; check Dynamo's recompile reasons"
+            )
+        seconds[name] = time.perf_counter() - t0
+    return RankParity(tuple(coord[d] for d in spec.names), traces, seconds)
+
+
+def rank_seed(scenario: Scenario, coord: dict[str, int]) -> int:
+    """The generator seed of the rank at ``coord`` (``train_steps``' ``seed``): one per
+    data-parallel slice, so its dropout masks are the ones the single-device reference draws for
+    that slice (the oracle), and the ranks of a TP group draw alike (replicated activations)."""
+    plan, spec = scenario.plan_obj(), scenario.mesh_spec
+    index = 0
+    for d in plan.data_dims:
+        index = index * spec.size(d) + coord.get(d, 0)
+    return RNG_SEED + 1000 * scenario.seed + index
+
+
+def _on_every_rank(flag: bool) -> bool:
+    t = torch.tensor([0 if flag else 1])
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return not bool(t.item())
+
+
+def run_stage_parity(
+    scenario: Scenario,
+    steps: int = 3,
+    *,
+    executors: tuple[str, ...] = STAGE_EXECUTORS,
+    run: PipelineRun | None = None,
+    collective: CollectivePassesConfig | None = None,
+    enable_ac: bool = False,
+    timeout_s: float = 180.0,
+) -> list[RankParity]:
+    """Train ``steps`` steps (AdamW between) on a gloo world of the scenario's mesh with each of
+    ``executors`` (default: every stage, see the module docstring); per-rank traces by name.
+
+    ``run``: a pipeline run of this scenario to take the graphs and the compiled module from (made
+    with ``keep_compiled`` and one intra-op thread, as ``verify.stages.run.run_pipeline`` makes
+    it); default: :func:`parity_pipeline`, up to the last stage the executors need. ``collective``: the collective
+    passes' configuration (default: the pipeline's, as the report and goldens use it)."""
+    unknown = sorted(set(executors) - set(STAGE_EXECUTORS))
+    if unknown:
+        raise ValueError(f"unknown executors {unknown}; executors: {list(STAGE_EXECUTORS)}")
+    collective = collective if collective is not None else pipeline_options().collective
+    if run is None:
+        run = parity_pipeline(scenario, executors, enable_ac=enable_ac, collective=collective)
+    elif run.compiled is None and {STEP_FIRST_PARTITION, SECOND_COMPILE} & set(executors):
+        raise ValueError("run_stage_parity: the given pipeline run kept no compiled module; make it with keep_compiled=True")
+    try:
+        return run_parity_world(
+            _rank_stages,
+            scenario.mesh_spec.world_size,
+            args=(scenario, scenario.batches(steps), run, tuple(executors), enable_ac, collective),
+            timeout_s=timeout_s,
+            num_threads=_RANK_THREADS,
+        )
+    finally:
+        torch._dynamo.reset()
+        run.compiled = None  # consumed: the reset invalidates it (a later parity run recompiles)
+
+
+def compare_with_eager(ranks: Sequence[RankParity], executor: str) -> ParityReport:
+    """``executor`` against the eager parallel program, bitwise, every rank (names ``rank<i>/``).
+    Planned ranks (``verify.parity.planned.PlannedRank``, whose reference is also ``eager``) too."""
+    return merge_reports(
+        [compare_traces(r.traces[EAGER], r.traces[executor], a_name=EAGER, b_name=executor) for r in ranks],
+        [f"rank{i}" for i in range(len(ranks))],
+    )
+
+
+def run_joint_parity(scenario: Scenario, steps: int = 1, timeout_s: float = 120.0) -> list[RankParity]:
+    """The eager program and the traced joint graph on a gloo world of the scenario's mesh."""
+    return run_stage_parity(scenario, steps, executors=(EAGER, JOINT), timeout_s=timeout_s)
+
+
+def run_compile_parity(
+    scenario: Scenario, steps: int = 1, *, enable_ac: bool = False, timeout_s: float = 180.0
+) -> list[RankParity]:
+    """The eager program, the first partition's ParallelModule and its torch.compile'd version
+    (aot_eager-style autoparallel_backend); per-rank traces keyed by ``COMPILE_EXECUTORS``."""
+    return run_stage_parity(scenario, steps, executors=COMPILE_EXECUTORS, enable_ac=enable_ac, timeout_s=timeout_s)
+
+
+# --- the single-device side of the oracle --------------------------------------------------------
+
+
+@dataclass
+class SingleDeviceReference:
+    """The unsharded model on one process, one training step from the same initial weights, on
+    each data-parallel slice of the first batch: the mean of the slices' losses and gradients
+    (what data parallelism computes), and the buffers each slice leaves (keyed by the slice's
+    data-parallel coordinate, in ``plan.data_dims`` order)."""
+
+    loss: torch.Tensor
+    grads: dict[str, torch.Tensor]
+    buffers: dict[tuple[int, ...], dict[str, torch.Tensor]]
+
+
+def data_coordinates(scenario: Scenario) -> list[dict[str, int]]:
+    """Every data-parallel coordinate of the scenario's mesh (the batch's slices), in order."""
+    spec, dims = scenario.mesh_spec, scenario.plan_obj().data_dims
+    coords = [{}]
+    for d in dims:
+        coords = [{**c, d: i} for c in coords for i in range(spec.size(d))]
+    return coords
+
+
+def single_device_reference(scenario: Scenario) -> SingleDeviceReference:
+    model = scenario.model()
+    plan, spec = scenario.plan_obj(), scenario.mesh_spec
+    batch = scenario.batches(1)[0]
+    initial = {k: v.clone() for k, v in model.named_buffers()}
+    coords = data_coordinates(scenario)
+    losses, buffers = [], {}
+    grads: dict[str, torch.Tensor] = {}
+    for coord in coords:
+        with torch.no_grad():
+            for k, b in model.named_buffers():
+                b.copy_(initial[k])
+        model.zero_grad(set_to_none=True)
+        *inputs, target = split_batch(batch, plan, spec, {d: coord.get(d, 0) for d in spec.names})
+        with seeded(step_seed(rank_seed(scenario, coord), 0)):  # the slice's rank draws these masks
+            loss = scenario.loss_fn(model(*inputs), target)
+        loss.backward()
+        losses.append(loss.detach())
+        for fqn, p in model.named_parameters():
+            grads[fqn] = grads[fqn] + p.grad if fqn in grads else p.grad.clone()
+        buffers[tuple(coord[d] for d in plan.data_dims)] = {k: b.detach().clone() for k, b in model.named_buffers()}
+    n = len(coords)
+    return SingleDeviceReference(torch.stack(losses).sum() / n, {k: g / n for k, g in grads.items()}, buffers)
+
+
+def single_device_step(scenario: Scenario) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Loss and gradients of the unsharded model on the first batch (mean over its slices)."""
+    ref = single_device_reference(scenario)
+    return ref.loss, ref.grads
+
+
+# Single-device eager sums in another order than the ranks: the bound on the max |diff| of the
+# gathered gradients, per parameter dtype. What the reduction-order noise measured on the tiny
+# preset (fp32: ~1e-7, bf16 params: ~3e-3), with a margin of ~10x.
+SINGLE_DEVICE_ATOL = {torch.float32: 2e-6, torch.bfloat16: 3e-2}
+
+
+def single_device_tolerance(scenario: Scenario) -> float:
+    """The oracle's tolerance for ``scenario``: by the dtype its plan computes in."""
+    dtype = scenario.plan_obj().param_dtype or torch.float32
+    if dtype not in SINGLE_DEVICE_ATOL:
+        raise ValueError(f"no single-device tolerance for param dtype {dtype}; known: {sorted(map(str, SINGLE_DEVICE_ATOL))}")
+    return SINGLE_DEVICE_ATOL[dtype]
+
+
+def gather_full_grads(scenario: Scenario, ranks: list[RankParity], executor: str, step: int = 0) -> dict[str, torch.Tensor]:
+    """Reassemble each parameter's full gradient from the ranks' shards."""
+    shardings = scenario.plan_obj().resolve(scenario.model(device="meta"), scenario.mesh_spec)
+    out = {}
+    for fqn, sharding in shardings.items():
+        pieces = {r.coord: r.traces[executor].grads[step][fqn] for r in ranks}
+        out[fqn] = sharding.unshard(pieces, scenario.mesh_spec)
+    return out
+
+
+def oracle_check(
+    scenario: Scenario, ranks: list[RankParity], executor: str = EAGER, reference: SingleDeviceReference | None = None
+) -> OracleReport:
+    """The independent oracle (``verify.parity.compare``): ``executor``'s first step on the ranks (loss
+    averaged over the data-parallel slices, gradients reassembled from shards, each rank's
+    buffers) against single-device eager, within the tolerance the dtype and the reduction depth
+    give. ``eager`` by default: every other executor is compared with it bitwise."""
+    ref = reference if reference is not None else single_device_reference(scenario)
+    plan, spec = scenario.plan_obj(), scenario.mesh_spec
+    coords = data_coordinates(scenario)
+    slice0 = split_batch(scenario.batches(1)[0], plan, spec, {d: coords[0].get(d, 0) for d in spec.names})
+    tolerance = oracle_tolerance(scenario.model(device="meta"), slice0[:-1], len(coords), compute_dtype=plan.param_dtype)
+    report = OracleReport(tolerance, parallel=executor)
+    data_index = [spec.names.index(d) for d in plan.data_dims]
+
+    def slice_of(r: RankParity) -> tuple[int, ...]:
+        return tuple(r.coord[i] for i in data_index)
+
+    per_slice: dict[tuple[int, ...], torch.Tensor] = {}
+    for r in ranks:
+        per_slice.setdefault(slice_of(r), r.traces[executor].losses[0])
+    loss = torch.stack([per_slice[k] for k in sorted(per_slice)]).sum() / len(per_slice)
+    report.checks.append(check_within("loss", ref.loss, loss, tolerance.rtol))
+    grads = gather_full_grads(scenario, ranks, executor)
+    scales = module_scales(ref.grads)
+    for fqn in sorted(set(ref.grads) | set(grads)):
+        report.checks.append(check_within(roles.grad(fqn), ref.grads.get(fqn), grads.get(fqn), tolerance.rtol, scales.get(fqn)))
+    for i, r in enumerate(ranks):
+        trace = r.traces[executor]
+        got = trace.buffers[0] if trace.buffers else {}
+        want = ref.buffers[slice_of(r)]
+        for name in sorted(set(got) | set(want)):
+            report.checks.append(check_within(f"rank{i}/{roles.buffer(name)}", want.get(name), got.get(name), tolerance.rtol))
+    return report

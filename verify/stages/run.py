@@ -1,0 +1,144 @@
+"""A scenario through ``autoparallel.pipeline``: what goldens, stats and the report show.
+
+One function runs it so that the golden tests and ``python -m verify report`` can never describe
+different pipelines; the stage list, the order and the second compile belong to
+``autoparallel.pipeline``. Runs here keep a copy of every stage's graphs and also run each
+collective pass alone on the second compile's graphs (``alternatives``: what one pass does by
+itself, which the composed sequence hides once an earlier pass has changed the graph).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+
+from autoparallel import pipeline as P
+from autoparallel.passes.collective import CollectivePassesConfig
+from autoparallel.passes.pre_overlap_bucketing import PreOverlapConfig
+from autoparallel.passes.topo_span_bucketing import TopoSpanConfig
+from autoparallel.trace import StageTracer
+from verify.graphs.canon import canonicalize
+from verify.graphs.stats import graph_stats, partition_stats
+from verify.stages.scenario import Scenario
+
+DEFAULT_BUCKET_CAP_MB = 25.0
+
+
+def pipeline_options(bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB, topo_span=None, **kw) -> P.PipelineOptions:
+    """Every collective pass on (overlap scheduling included), pre-overlap buckets of
+    ``bucket_cap_mb``, topo-span bucketing with ``topo_span`` (a TopoSpanConfig; default its
+    defaults), alternatives on; ``kw`` overrides other ``PipelineOptions`` fields."""
+    collective = CollectivePassesConfig(
+        pre_overlap=PreOverlapConfig(bucket_cap_mb=bucket_cap_mb),
+        topo_span=topo_span if topo_span is not None else TopoSpanConfig(),
+        schedule_overlap=True,
+    )
+    return P.PipelineOptions(**{"collective": collective, "alternatives": True, **kw})
+
+
+def params_summary(run: P.PipelineRun) -> dict[str, int]:
+    """How many parameters the plan resolved, and how many of them FSDP shards (plan="auto": how
+    many the plan shards over some mesh dim)."""
+    if run.planned is not None:
+        params = run.planned.plan.params
+        return {"count": len(params), "fsdp_sharded": sum(1 for p in params.values() if any(v != "R" for v in p.values()))}
+    shardings = run.joint.shardings
+    return {"count": len(shardings), "fsdp_sharded": sum(1 for s in shardings.values() if s.fsdp_dim is not None)}
+
+
+def _canonical_text(gm) -> str:
+    return canonicalize(gm, require_val=False)
+
+
+def _stats_data(graphs) -> dict:
+    return partition_stats(*graphs).to_dict() if isinstance(graphs, tuple) else graph_stats(graphs).to_dict()
+
+
+def stage_tracer() -> StageTracer:
+    """The structured-trace observer of verify's runs: each stage's canonical graph text (the
+    goldens' form) and its stats table's data (``autoparallel.trace`` names the artifacts)."""
+    return StageTracer(graph_text=_canonical_text, graph_stats=_stats_data)
+
+
+@contextlib.contextmanager
+def intra_op_threads(n: int = 1) -> Iterator[None]:
+    """Run with ``torch.set_num_threads(n)``, restored on exit.
+
+    On a small shared CI box (2 cores, 2 xdist workers) two intra-op threads per process spin
+    against each other: one debug-preset step took 0.7-2.3 s with 2 threads and 0.13 s with 1.
+    Results are bitwise the same either way. Dynamo guards on the thread count, so a module
+    compiled here for a gloo world's ranks (one thread each) is compiled with one thread too.
+    """
+    old = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(old)
+
+
+_shared_runs: dict | None = None  # while reuse_pipeline_runs() is entered: arguments -> [(until, run)]
+
+
+@contextlib.contextmanager
+def reuse_pipeline_runs() -> Iterator[None]:
+    """Within: ``run_pipeline`` builds each (scenario, bucket cap, topo span) once and then
+    returns the same ``PipelineRun`` (e.g. the golden tests and the report test of one pytest
+    process); a whole run also serves a request that stops earlier (``until``). Callers must
+    treat the run as read-only. Nests; the outermost exit drops the runs."""
+    global _shared_runs
+    outer = _shared_runs
+    if outer is None:
+        _shared_runs = {}
+    try:
+        yield
+    finally:
+        _shared_runs = outer
+
+
+def _covers(names: list[str], ran_until: str | None, until: str | None) -> bool:
+    """Whether a run that stopped after ``ran_until`` (None: every stage) has ``until``'s stages."""
+    if ran_until is None:
+        return True
+    return until is not None and names.index(until) <= names.index(ran_until)
+
+
+def run_pipeline(
+    scenario: Scenario,
+    *,
+    bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB,
+    topo_span=None,
+    until: str | None = None,
+    keep_compiled: bool = False,
+) -> P.PipelineRun:
+    """Every stage of ``autoparallel.pipeline.STAGES`` for ``scenario`` on one fake world (graphs
+    of rank 0: bucketing is rank-specific), plus the alternatives, each stage's graphs copied.
+    ``bucket_cap_mb`` / ``topo_span``: see :func:`pipeline_options`. ``until``: stop after that
+    stage, without the alternatives (a shared whole run is returned instead when there is one).
+    ``keep_compiled``: the run also keeps the second compile's compiled module (a parity run can
+    use it; it runs one forward on the fake world, so keep it off for models too large to run); a
+    shared run that kept it also serves requests without, until a parity run consumed its
+    compiled module."""
+    names = [stage.name for stage in P.stages_for(scenario.plan_obj())]
+    if until is not None and until not in names:
+        raise ValueError(f"until={until!r} is no stage; stages: {names}")
+    key = (scenario, bucket_cap_mb, topo_span)
+    if _shared_runs is not None:
+        for ran_until, kept, run in _shared_runs.get(key, ()):
+            # A parity run consumes the compiled module (Dynamo's reset invalidates it).
+            if _covers(names, ran_until, until) and not (keep_compiled and (not kept or run.compiled is None)):
+                return run
+    options = pipeline_options(
+        bucket_cap_mb, topo_span, keep_compiled=keep_compiled, **({} if until is None else {"alternatives": False})
+    )
+    # A kept module is for gloo ranks with one intra-op thread each (Dynamo guards on it).
+    with intra_op_threads(1) if keep_compiled else contextlib.nullcontext():
+        # A kept module runs: its model is built with values (on meta it would run on memory
+        # nobody wrote, e.g. the buffers a model computes in __init__).
+        run = P.run_pipeline(*scenario.pipeline_inputs("cpu" if keep_compiled else "meta"), options, until=until,
+                             trace=stage_tracer)
+    if _shared_runs is not None:
+        _shared_runs.setdefault(key, []).append((until, keep_compiled, run))
+    return run
