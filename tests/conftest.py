@@ -227,7 +227,7 @@ def mlp_pipeline_run(two_norm_mlp):
     group, MODULE_GROUPS below). Read-only."""
     from autoparallel.parallelize import ParallelPlan
     from autoparallel.pipeline import run_pipeline
-    from verify.stages.run import pipeline_options
+    from verify.stages.pipeline_run import pipeline_options
 
     model, loss, batch = two_norm_mlp
     return run_pipeline(model, loss, batch, ParallelPlan.fsdp(), MLP_MESH, pipeline_options(MLP_BUCKET_CAP_MB, alternatives=False))
@@ -236,8 +236,8 @@ def mlp_pipeline_run(two_norm_mlp):
 @pytest.fixture(scope="session")
 def shared_pipeline_runs():
     """run_pipeline builds each scenario once in this process (read-only runs; see
-    verify.stages.run.reuse_pipeline_runs): the golden tests and the report test share them."""
-    from verify.stages.run import reuse_pipeline_runs
+    verify.stages.pipeline_run.reuse_pipeline_runs): the golden tests and the report test share them."""
+    from verify.stages.pipeline_run import reuse_pipeline_runs
 
     with reuse_pipeline_runs():
         yield

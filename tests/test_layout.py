@@ -145,7 +145,7 @@ LOCAL_IMPORTS_ALLOWED = {
     "verify/__main__.py": "each command imports only its own module (goldens/mutate start without torch)",
     "verify/goldens/text.py": "the golden file format stays free of torch (canon/stats on use)",
     "verify/pytest_plugin.py": "loaded by every pytest run (pytest11): no torch or syrupy on load",
-    "verify/commands/plan.py": "its add_arguments builds every python -m verify parser: the planner loads only for plan",
+    "verify/commands/planning.py": "its add_arguments builds every python -m verify parser: the planner loads only for plan",
     "verify/commands/html/__init__.py": "the plugin's browser gate imports verify.commands.html.browser: the package loads no torch",
     "tests/conftest.py": "loaded by every pytest process before any test needs the fixtures",
 }

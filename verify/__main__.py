@@ -156,7 +156,7 @@ def _parser() -> argparse.ArgumentParser:
                         "with measured CPU memory, instead of the parallel pipeline")
 
     pl = sub.add_parser("plan", help="automatic placement: plan a preset on a fake world with the ILP planner")
-    from verify.commands.plan import add_arguments as add_plan_arguments
+    from verify.commands.planning import add_arguments as add_plan_arguments
 
     add_plan_arguments(pl, preset=preset, mesh=mesh, dtype=dtype, count=_positive(int), seconds=_positive(float),
                        blocks=_flag_type(_non_negative_int, "int >= 0"))
@@ -252,7 +252,7 @@ def main(argv: list[str] | None = None) -> int:
 
             return report_main(args)
         if args.command == "plan":
-            from verify.commands.plan import main as plan_main
+            from verify.commands.planning import main as plan_main
 
             return plan_main(args)
         if args.command == "mutate":

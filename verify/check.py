@@ -50,7 +50,7 @@ from verify.parity.runs import (
     oracle_check,
     run_stage_parity,
 )
-from verify.stages.run import run_pipeline
+from verify.stages.pipeline_run import run_scenario
 from verify.stages.scenario import Scenario, check_flags, dtype_name
 
 __all__ = ["ModelCase", "ModelCheck", "check_model"]
@@ -114,7 +114,7 @@ def _check_planned(scenario: Scenario, steps: int, *, parity: bool, native_colle
     then the planned parity world (``verify.parity.planned``: each rank lowers the solver's plan;
     the lowered joint graph, the first partition and the second compile against the plan's
     placements run eagerly, bitwise) and the oracle, all with the case's own loss."""
-    run = run_pipeline(scenario)
+    run = run_scenario(scenario)
     result = ModelCheck(scenario, run)
     if parity:
         case = planned_case(scenario)
@@ -192,7 +192,7 @@ def check_model(
     check_flags(scenario)
     if scenario.plan == AUTO:
         return _check_planned(scenario, steps, parity=parity, native_collectives=native_collectives)
-    run = run_pipeline(scenario, keep_compiled=parity)
+    run = run_scenario(scenario, keep_compiled=parity)
     result = ModelCheck(scenario, run)
     if parity:
         with ordered_collectives.native_collectives(native_collectives):

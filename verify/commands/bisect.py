@@ -37,7 +37,7 @@ from autoparallel import pipeline as P
 from autoparallel.mesh import MeshSpec
 from verify.parity import differential as D
 from verify.parity.compare import ParityReport
-from verify.stages.run import pipeline_options
+from verify.stages.pipeline_run import pipeline_options
 from verify.stages.scenario import Scenario, check_flags
 
 Graphs = fx.GraphModule | tuple[fx.GraphModule, fx.GraphModule]

@@ -1,7 +1,7 @@
 """``python -m verify report``: every stage of the pipeline for one scenario, in one table.
 
 Each stage is a graph (or a forward/backward pair) with its node count and collectives per kind
-and mesh dim (from ``verify.stages.run``, shared with the golden tests), in the order
+and mesh dim (from ``verify.stages.pipeline_run``, shared with the golden tests), in the order
 ``autoparallel.pipeline`` runs them; then the alternatives (each collective pass alone on the
 second compile's graphs); whether each matches its golden; and parity on a small real world that
 keeps the plan's shape: every stage bitwise against the eager parallel program, and the eager
@@ -37,7 +37,7 @@ from verify.parity.runs import (
     oracle_check,
     run_stage_parity,
 )
-from verify.stages.run import params_summary, pipeline_options, run_pipeline
+from verify.stages.pipeline_run import params_summary, pipeline_options, run_scenario
 from verify.stages.scenario import Scenario, check_flags, parameter_count
 
 COLLECTIVE_KINDS = ("all_gather", "reduce_scatter", "all_reduce")
@@ -185,7 +185,7 @@ def report_and_run(scenario: Scenario, *, parity: bool = True, steps: int = 2) -
     # When the mesh is already parity's world, one run serves the table, the goldens and parity
     # (plan="auto" excepted: each rank of its parity world lowers the plan itself).
     keep = parity and not scenario.is_auto and parity_mesh(scenario.mesh_spec) == scenario.mesh_spec
-    run = run_pipeline(scenario, keep_compiled=keep, **golden_catalog.pipeline_options(scenario))
+    run = run_scenario(scenario, keep_compiled=keep, **golden_catalog.pipeline_options(scenario))
     progress(f"{len(run.results)} stage(s) and {len(run.alternatives)} alternative(s) in {time.perf_counter() - t0:.1f}s")
     return {
         "model": scenario.model_name,

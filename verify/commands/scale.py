@@ -26,7 +26,7 @@ from collections.abc import Callable
 from autoparallel.passes.collective import COLLECTIVE_PASS_NAMES
 from autoparallel.pipeline import PLAN, StageResult, run_pipeline, stages_for
 from verify.graphs.stats import graph_stats, human_bytes, partition_stats
-from verify.stages.run import pipeline_options, stage_tracer
+from verify.stages.pipeline_run import pipeline_options, stage_tracer
 from verify.stages.scenario import Scenario, check_flags
 
 

@@ -28,7 +28,7 @@ from verify.goldens.text import (
     header_text,
     render_golden,
 )
-from verify.stages.run import run_pipeline
+from verify.stages.pipeline_run import run_scenario
 from verify.stages.scenario import Scenario
 
 GOLDEN_SCENARIOS: dict[str, Scenario] = {
@@ -89,7 +89,7 @@ def scenario_id(scenario: Scenario) -> str | None:
 
 def run_group(scenario: Scenario) -> str:
     """The xdist group of the tests that read ``scenario``'s pipeline run (shared per process:
-    ``verify.stages.run.reuse_pipeline_runs``): the golden scenario's id, else a name made of the
+    ``verify.stages.pipeline_run.reuse_pipeline_runs``): the golden scenario's id, else a name made of the
     scenario's fields. Tests that read one scenario's run name its group, so it is built once
     per test run, by the first of them (the golden tests, where there are any: they collect
     first)."""
@@ -98,13 +98,13 @@ def run_group(scenario: Scenario) -> str:
 
 
 def pipeline_options(scenario: Scenario) -> dict:
-    """``run_pipeline`` keyword arguments the scenario's goldens were made with ({} = defaults)."""
+    """``run_scenario`` keyword arguments the scenario's goldens were made with ({} = defaults)."""
     return dict(PIPELINE_OPTIONS.get(scenario_id(scenario), {}))
 
 
 def golden_run(sid: str) -> PipelineRun:
     """The pipeline run behind scenario ``sid``'s goldens."""
-    return run_pipeline(ALL_SCENARIOS[sid], **PIPELINE_OPTIONS.get(sid, {}))
+    return run_scenario(ALL_SCENARIOS[sid], **PIPELINE_OPTIONS.get(sid, {}))
 
 
 def _options_text(options: dict) -> str:

@@ -65,7 +65,7 @@ from verify.parity.compare import (
     oracle_tolerance,
 )
 from verify.parity.ordered_collectives import run_parity_world
-from verify.stages.run import intra_op_threads, pipeline_options
+from verify.stages.pipeline_run import intra_op_threads, pipeline_options
 from verify.stages.scenario import Scenario
 
 EAGER = "eager"  # the eager parallel program: the reference every executor is compared with
@@ -105,7 +105,7 @@ def _last_stage(executors) -> str | None:
 
 def _pipeline(scenario: Scenario, mesh, enable_ac: bool, collective: CollectivePassesConfig, until: str | None) -> PipelineRun:
     options = _options(enable_ac, collective)
-    # The module runs (keep_compiled): a model with values, never meta (verify.stages.run.run_pipeline).
+    # The module runs (keep_compiled): a model with values, never meta (verify.stages.pipeline_run.run_scenario).
     return run_pipeline(*scenario.pipeline_inputs("cpu")[:4], mesh, options, until=until or JOINT)
 
 
@@ -211,7 +211,7 @@ def run_stage_parity(
     ``executors`` (default: every stage, see the module docstring); per-rank traces by name.
 
     ``run``: a pipeline run of this scenario to take the graphs and the compiled module from (made
-    with ``keep_compiled`` and one intra-op thread, as ``verify.stages.run.run_pipeline`` makes
+    with ``keep_compiled`` and one intra-op thread, as ``verify.stages.pipeline_run.run_scenario`` makes
     it); default: :func:`parity_pipeline`, up to the last stage the executors need. ``collective``: the collective
     passes' configuration (default: the pipeline's, as the report and goldens use it)."""
     unknown = sorted(set(executors) - set(STAGE_EXECUTORS))

@@ -7,7 +7,7 @@ so every consumer sees the same model seed, the same batches and the same plan o
 is a LLaMA-3 preset (``preset``, token cross-entropy) unless ``case`` names a
 :class:`verify.model_case.ModelCase` (an object, ``"package.module:name"``, or a ``verify.zoo``
 name), which brings its own loss, batches and TP rules. The runs built from scenarios live
-elsewhere: ``verify.stages.run`` (graphs), ``verify.parity.runs`` (gloo parity runs).
+elsewhere: ``verify.stages.pipeline_run`` (graphs), ``verify.parity.runs`` (gloo parity runs).
 """
 
 from __future__ import annotations

@@ -33,7 +33,7 @@ from autoparallel.trainer import (
 )
 from verify.graphs.memory import peak_memory, ratio
 from verify.parity.compare import ParityReport, compare_traces
-from verify.stages.run import intra_op_threads
+from verify.stages.pipeline_run import intra_op_threads
 
 __all__ = [
     "cross_entropy_loss",

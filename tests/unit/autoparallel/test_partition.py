@@ -2,7 +2,7 @@
 
 Pipeline tests run tiny and debug LLaMA-3 with fsdp(dp=8) and fsdp_tp(dp=4,tp=2) through
 trace -> apply_placement -> torch.compile(autoparallel_backend()) on a fake world (graphs only),
-through verify.stages.run's shared runs: where the golden tests of the same worker have built a
+through verify.stages.pipeline_run's shared runs: where the golden tests of the same worker have built a
 golden scenario's whole run, that run serves (its stages up to the second compile do not depend
 on the collective passes' settings). Replay-partitioner rules are checked on hand-built joint
 graphs.
@@ -30,7 +30,7 @@ from autoparallel.pipeline import PipelineOptions, second_compile
 from autoparallel.pipeline import run_pipeline as run_stages
 from verify.goldens.catalog import run_group
 from verify.graphs.stats import saved_gathered_values
-from verify.stages.run import run_pipeline
+from verify.stages.pipeline_run import run_scenario
 from verify.stages.scenario import Scenario
 
 aten = torch.ops.aten
@@ -53,7 +53,7 @@ class Compiled:
 
 def _compile(sc: Scenario) -> Compiled:
     """The pipeline through the second compile (graphs only), on a fake world of the scenario."""
-    run = run_pipeline(sc, until=SECOND_COMPILE)
+    run = run_scenario(sc, until=SECOND_COMPILE)
     return Compiled(run.module, run.stage(STEP_FIRST_PARTITION).graphs, run.stage(SECOND_COMPILE).graphs, run.group_dims)
 
 

@@ -1,5 +1,5 @@
 """What the page is built from: one ``StageRecord`` per pipeline stage, and adapters that make
-them from what the project produces today (``verify.stages.run.run_pipeline``, the graph
+them from what the project produces today (``verify.stages.pipeline_run.run_scenario``, the graph
 trainer's stages, ``verify.commands.report``'s parity dict).
 
 A record holds graphs and pass metrics as the pipeline left them; ``verify.commands.html.views`` turns it

@@ -1,6 +1,6 @@
 """The joint graph has the collectives the plan promises, on the mesh dims it names.
 
-Traces of named scenarios come from verify.stages.run's shared runs (``traced``): the joint stage
+Traces of named scenarios come from verify.stages.pipeline_run's shared runs (``traced``): the joint stage
 of the run the golden and partition tests of the same xdist group build anyway.
 """
 
@@ -18,7 +18,7 @@ from autoparallel.models.llama3 import build_model
 from autoparallel.parallelize import ParallelPlan, build_joint_graph
 from autoparallel.pipeline import JOINT
 from verify.goldens.catalog import run_group
-from verify.stages.run import run_pipeline
+from verify.stages.pipeline_run import run_scenario
 from verify.stages.scenario import Scenario
 
 _c10d = torch.ops._c10d_functional
@@ -46,7 +46,7 @@ def traced(shared_pipeline_runs):
     run (the tests only read it)."""
 
     def get(sc: Scenario):
-        run = run_pipeline(sc, until=JOINT)
+        run = run_scenario(sc, until=JOINT)
         return dataclasses.replace(run.joint, gm=run.stage(JOINT).graphs)
 
     return get

@@ -43,7 +43,7 @@ from autoparallel.pipeline import run_pipeline
 from verify.__main__ import main as verify_main
 from verify.commands import bisect as B
 from verify.graphs.generators import GraphSpec, OpSpec, build_synthetic, mesh_groups
-from verify.stages.run import pipeline_options
+from verify.stages.pipeline_run import pipeline_options
 
 aten = torch.ops.aten
 MESH = "dp=8"  # tests/conftest.py's mlp_pipeline_run

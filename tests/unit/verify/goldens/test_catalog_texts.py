@@ -297,7 +297,7 @@ def test_order_text_names_a_pass_that_did_not_run_as_off_after_those_that_did():
 @pytest.mark.parametrize("sid", ["tiny-fsdp-dp4-split", "debug-fsdp-dp8", "tiny-fsdp-dp8"])
 def test_golden_run_runs_the_scenario_with_the_pass_settings_its_goldens_were_made_with(sid, monkeypatch):
     calls = []
-    monkeypatch.setattr(catalog, "run_pipeline", lambda scenario, **kw: calls.append((scenario, kw)) or "the run")
+    monkeypatch.setattr(catalog, "run_scenario", lambda scenario, **kw: calls.append((scenario, kw)) or "the run")
     assert catalog.golden_run(sid) == "the run"
     assert calls == [(catalog.ALL_SCENARIOS[sid], catalog.PIPELINE_OPTIONS.get(sid, {}))]
     if sid == "tiny-fsdp-dp4-split":

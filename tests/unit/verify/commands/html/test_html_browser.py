@@ -14,7 +14,7 @@ from verify.commands.html.diff import build_diff_page
 from verify.commands.html.page import build_page
 from verify.commands.html.synthetic import synthetic_views
 from verify.goldens.catalog import GOLDEN_SCENARIOS
-from verify.stages.run import run_pipeline
+from verify.stages.pipeline_run import run_scenario
 
 pytestmark = pytest.mark.browser
 
@@ -24,7 +24,7 @@ PNG = b"\x89PNG\r\n\x1a\n"
 @pytest.mark.xdist_group("tiny-fsdp-dp8")
 def test_pipeline_page_loads_cleanly_and_sections_expand(tmp_path, shared_pipeline_runs):
     sc = GOLDEN_SCENARIOS["tiny-fsdp-dp8"]
-    records = records_from_pipeline_run(run_pipeline(sc), scenario=sc)
+    records = records_from_pipeline_run(run_scenario(sc), scenario=sc)
     joint = records[0]
     assert joint.name == "joint" and joint.golden is not None
     joint.golden = joint.golden.replace("/mm_0:", "/mm_0 (edited):", 1)  # a golden diff too

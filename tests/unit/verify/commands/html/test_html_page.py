@@ -26,7 +26,7 @@ from verify.commands.html.views import golden_sections, golden_with_current
 from verify.goldens.catalog import GOLDEN_SCENARIOS
 from verify.goldens.text import render_golden
 from verify.graphs.canon import canonicalize
-from verify.stages.run import run_pipeline
+from verify.stages.pipeline_run import run_scenario
 
 SIDS = ["tiny-fsdp-dp8", "tiny-fsdp_tp-dp4tp2"]  # the issue asks for page structure on these two
 BUCKETING_PASSES = {"pre_overlap_bucketing", "topo_span_bucketing"}
@@ -40,7 +40,7 @@ def _grouped(sids):
 
 
 def _run(sid):
-    return run_pipeline(GOLDEN_SCENARIOS[sid])
+    return run_scenario(GOLDEN_SCENARIOS[sid])
 
 
 def _records(sid, **kw):

@@ -1,4 +1,4 @@
-"""verify.stages.run: the structured trace of verify's runs carries the goldens' canonical text and
+"""verify.stages.pipeline_run: the structured trace of verify's runs carries the goldens' canonical text and
 the stats table's data (what ``TORCH_TRACE`` + tlparse show a reviewer)."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from verify.commands.html.views import golden_sections
 from verify.goldens import catalog, read_golden
 from verify.graphs.canon import canonicalize
 from verify.graphs.stats import graph_stats, partition_stats
-from verify.stages.run import run_pipeline, stage_tracer
+from verify.stages.pipeline_run import run_scenario, stage_tracer
 
 SID = "tiny-fsdp-dp8"
 ROOT = Path(__file__).resolve().parents[4]
@@ -20,7 +20,7 @@ ROOT = Path(__file__).resolve().parents[4]
 
 @pytest.mark.xdist_group(SID)  # the golden tests' run of this scenario
 def test_trace_of_a_run_is_the_goldens_text_and_the_stats(structured_trace, shared_pipeline_runs):
-    run = run_pipeline(catalog.GOLDEN_SCENARIOS[SID])
+    run = run_scenario(catalog.GOLDEN_SCENARIOS[SID])
     tracer = stage_tracer()
     for result in run.results:  # as the run's own observer saw them
         tracer(result)

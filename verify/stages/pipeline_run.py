@@ -84,7 +84,7 @@ _shared_runs: dict | None = None  # while reuse_pipeline_runs() is entered: argu
 
 @contextlib.contextmanager
 def reuse_pipeline_runs() -> Iterator[None]:
-    """Within: ``run_pipeline`` builds each (scenario, bucket cap, topo span) once and then
+    """Within: ``run_scenario`` builds each (scenario, bucket cap, topo span) once and then
     returns the same ``PipelineRun`` (e.g. the golden tests and the report test of one pytest
     process); a whole run also serves a request that stops earlier (``until``). Callers must
     treat the run as read-only. Nests; the outermost exit drops the runs."""
@@ -105,7 +105,7 @@ def _covers(names: list[str], ran_until: str | None, until: str | None) -> bool:
     return until is not None and names.index(until) <= names.index(ran_until)
 
 
-def run_pipeline(
+def run_scenario(
     scenario: Scenario,
     *,
     bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB,
