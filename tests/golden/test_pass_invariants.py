@@ -4,7 +4,7 @@ On the golden scenarios' pipeline runs (built once per xdist worker and shared w
 tests: ``shared_pipeline_runs`` and one xdist group per scenario) and on a model that is not
 LLaMA (``TwoNormMLP``, tests/conftest.py, fsdp over dp=8, buckets small enough that both bucketing passes act):
 
-* collectives: each stage's conservation law holds (``verify.graphs.invariants.CONSERVATION``: no
+* collectives: each stage's conservation law holds (``verify.stages.registry.CONSERVATION``: no
   collective lost or duplicated; fusion re-groups chains, bucketing merges);
 * saved values: the second compile saves exactly what the first partition saved, per op,
   multi-output getitem index, shape and dtype (LayerNorm's mean and rstd among them);
@@ -26,12 +26,8 @@ from autoparallel.pipeline import JOINT, STAGE_NAMES, STAGES
 from verify.commands.bisect import bisect_run
 from verify.goldens.catalog import GOLDEN_SCENARIOS, golden_run
 from verify.graphs.generators import GraphSpec, OpSpec, build_synthetic, mesh_groups
-from verify.graphs.invariants import (
-    CONSERVATION,
-    check_conservation,
-    check_saved_equal,
-    multi_output_saves,
-)
+from verify.graphs.invariants import check_saved_equal, multi_output_saves
+from verify.stages.registry import CONSERVATION, check_conservation
 
 MLP_MESH = "dp=8"  # tests/conftest.py's mlp_pipeline_run
 

@@ -14,12 +14,13 @@ whether each stage it shows matches its reviewed golden. Per golden scenario:
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from autoparallel.compile import SECOND_COMPILE
-from autoparallel.passes.collective import COLLECTIVE_PASS_NAMES, COLLECTIVE_PASSES
+from autoparallel.passes.collective import COLLECTIVE_PASSES
 from autoparallel.passes.topo_span_bucketing import TopoSpanConfig
-from autoparallel.pipeline import PLAN, PLANNED_STAGE_NAMES, STAGE_NAMES, PipelineRun, StageResult
+from autoparallel.pipeline import PLAN, PLANNED_STAGES, STAGES, PipelineRun, Stage, StageResult
 from verify import zoo
 from verify.goldens.text import (
     GOLDENS_DIR,
@@ -29,6 +30,7 @@ from verify.goldens.text import (
     render_golden,
 )
 from verify.stages.pipeline_run import run_scenario
+from verify.stages.registry import ALONE, REGISTRY, StageChecks, golden_kinds
 from verify.stages.scenario import Scenario
 
 GOLDEN_SCENARIOS: dict[str, Scenario] = {
@@ -66,13 +68,22 @@ MODULE = "golden/test_pipeline_goldens"
 STAGE_TEST = "test_stage_graph"
 COUNTS_TEST = "test_collective_counts"
 ORDER_TEST = "test_collective_pass_order"
-GRAPH_GOLDEN_STAGES: tuple[str, ...] = STAGE_NAMES  # a graph golden for every stage (hand plans)
+
+
+def golden_stage_names(stages: Sequence[Stage], registry: Mapping[Stage, StageChecks] = REGISTRY) -> tuple[str, ...]:
+    """A golden slot for every stage of ``stages``, each showing what its registry entry says
+    (ValueError naming a stage without an entry)."""
+    return tuple(golden_kinds(stages, registry))
+
+
+GRAPH_GOLDEN_STAGES: tuple[str, ...] = golden_stage_names(STAGES)  # a graph golden for every stage (hand plans)
+_GOLDEN_KINDS = golden_kinds(PLANNED_STAGES)
 
 
 def golden_stages(sid: str) -> tuple[str, ...]:
     """The stages with a golden for scenario ``sid``: every stage it runs (plan="auto" runs the
     plan stage too; its golden is the plan text)."""
-    return PLANNED_STAGE_NAMES if GOLDEN_SCENARIOS[sid].is_auto else GRAPH_GOLDEN_STAGES
+    return golden_stage_names(PLANNED_STAGES) if GOLDEN_SCENARIOS[sid].is_auto else GRAPH_GOLDEN_STAGES
 
 
 def golden_slots() -> list[tuple[str, str]]:
@@ -135,7 +146,7 @@ def header(scenario: Scenario, stage: str) -> dict[str, str]:
 def golden_result(run: PipelineRun, stage: str) -> StageResult:
     """The result whose graphs a stage's graph golden shows: the stage's own, or for a collective
     pass that pass alone on the second compile's graphs (the composed run: :func:`order_text`)."""
-    return run.alternative(stage) if stage in COLLECTIVE_PASS_NAMES else run.stage(stage)
+    return run.alternative(stage) if _GOLDEN_KINDS.get(stage) == ALONE else run.stage(stage)
 
 
 def stage_text(sid: str, result: StageResult) -> str:

@@ -6,7 +6,7 @@ graphs look like, so a reviewer cannot wave a violation through with ``--update`
 Collectives: no collective lost or duplicated
     A collective's *bytes* follow ``verify.graphs.stats`` (an all-gather its output, the others their
     input); a *ledger* is ``{(kind, mesh dim): (count, bytes)}`` of one graph. Each stage keeps
-    its own conservation law (:data:`CONSERVATION`):
+    its own conservation law (which one: ``verify.stages.registry``):
 
     * ``cleanup``, ``fsdp_tagging``: the ledger is unchanged. (CSE may merge two identical
       collectives, e.g. of a tied weight; that would show here as a loss, and the law would need
@@ -42,10 +42,8 @@ from torch.utils.checkpoint import CheckpointPolicy
 
 from autoparallel import meta as M
 from autoparallel import roles
-from autoparallel.compile import SECOND_COMPILE
 from autoparallel.fx_utils import ALL_GATHER, ALL_GATHER_OUT, WAIT
 from autoparallel.mesh import FLAT_SEP, group_dims_of
-from autoparallel.partition import STEP_CLEANUP, STEP_FIRST_PARTITION, STEP_FSDP_TAGS
 from verify.graphs.stats import collective_kind, collective_node_bytes, graph_stats, group_label
 
 Graphs = fx.GraphModule | tuple[fx.GraphModule, fx.GraphModule]
@@ -219,27 +217,6 @@ def merged(stage: str, before: Graphs, after: Graphs) -> list[str]:
     return problems
 
 
-#: The conservation law of each graph-in/graph-out stage (see the module docstring).
-CONSERVATION: dict[str, Callable[[str, Graphs, Graphs], list[str]]] = {
-    STEP_CLEANUP: unchanged,
-    STEP_FSDP_TAGS: unchanged,
-    STEP_FIRST_PARTITION: partitioned,
-    SECOND_COMPILE: unchanged,
-    "fuse_chained_allgathers": regrouped,
-    "pre_overlap_bucketing": merged,
-    "topo_span_bucketing": merged,
-}
-
-
-def check_conservation(stage: str, before: Graphs, after: Graphs) -> list[str]:
-    """Problems with stage ``stage``'s conservation law (ValueError for a stage without one)."""
-    try:
-        law = CONSERVATION[stage]
-    except KeyError:
-        raise ValueError(f"no conservation law for stage {stage!r}; laws: {sorted(CONSERVATION)}") from None
-    return law(stage, before, after)
-
-
 # --- saved values -------------------------------------------------------------------------------
 
 _SAME_OP = {aten.reshape.default: aten.view.default}  # a re-traced reshape of a contiguous tensor is a view
@@ -282,8 +259,6 @@ def check_saved_equal(first: Graphs, second: Graphs) -> list[str]:
 
 
 __all__ = [
-    "CONSERVATION",
-    "check_conservation",
     "check_saved_equal",
     "gather_chains",
     "ledger",

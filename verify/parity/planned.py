@@ -38,7 +38,7 @@ from autoparallel.fx_utils import copy_graph_module
 from autoparallel.mesh import MeshSpec, build_mesh, fake_world
 from autoparallel.parallelize import ParallelPlan, cross_entropy_loss
 from autoparallel.partition import STEP_FIRST_PARTITION
-from autoparallel.pipeline import JOINT, PipelineOptions, run_pipeline
+from autoparallel.pipeline import JOINT, PLANNED_STAGES, PipelineOptions, run_pipeline
 from autoparallel.planner.auto import local_inputs, local_params, plan_for_pipeline
 from autoparallel.planner.lower import PlacedInterpreter, decode, node_placements, shard_tensor
 from autoparallel.planner.plan import Plan
@@ -54,11 +54,11 @@ from autoparallel.runtime.steps import (
 )
 from verify.parity.compare import OracleReport, check_within, module_scales, oracle_tolerance
 from verify.parity.ordered_collectives import run_parity_world
+from verify.stages.registry import EAGER, planned_executors
 
 PLANNED_RNG_SEED = 20_261_127  # base of the ranks' generator seeds (each executor draws alike)
-EAGER = "eager"
 TRAIN_LR = 1e-2  # train_steps' AdamW learning rate (the replay uses the same)
-EXECUTORS = (EAGER, JOINT, STEP_FIRST_PARTITION, SECOND_COMPILE)
+EXECUTORS = planned_executors(PLANNED_STAGES)  # eager (the plan stage's), then the stages it covers
 
 # Single-device comparison until the "any model" issue's oracle (a per-dtype tolerance derived
 # from the reduction depth) lands: then switch single_device_report to it. fp32 only here.

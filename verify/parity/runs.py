@@ -1,7 +1,8 @@
 """Parity runs built from a scenario: the same plan on a real gloo world, executor by executor.
 
 :func:`run_stage_parity` is one gloo world per (model, plan) that trains the same steps with
-every form of the program the pipeline makes, each from the same initial parameters and buffers:
+every form of the program the pipeline makes, each from the same initial parameters and buffers
+(one executor per stage, named in ``verify.stages.registry``; the collective passes share one):
 
 =====================  =========================================================================
 ``eager``              the eager parallel program (the reference every executor is compared with)
@@ -36,12 +37,17 @@ import torch.distributed as dist
 from torch._dynamo.utils import counters
 
 from autoparallel import roles
-from autoparallel.compile import SECOND_COMPILE
 from autoparallel.mesh import build_mesh, fake_world
 from autoparallel.parallelize import ParallelProgram, split_batch
-from autoparallel.partition import STEP_CLEANUP, STEP_FIRST_PARTITION, STEP_FSDP_TAGS
 from autoparallel.passes.collective import CollectivePassesConfig, bucket_fw_bw
-from autoparallel.pipeline import JOINT, STAGE_NAMES, PipelineOptions, PipelineRun, run_pipeline
+from autoparallel.pipeline import (
+    JOINT,
+    STAGE_NAMES,
+    STAGES,
+    PipelineOptions,
+    PipelineRun,
+    run_pipeline,
+)
 from autoparallel.runtime.rebind import rebind_groups
 from autoparallel.runtime.steps import (
     Executor,
@@ -66,13 +72,25 @@ from verify.parity.compare import (
 )
 from verify.parity.ordered_collectives import run_parity_world
 from verify.stages.pipeline_run import intra_op_threads, pipeline_options
+from verify.stages.registry import (
+    COLLECTIVE_PASSES_EXECUTOR,
+    COMPILED,
+    EAGER,
+    JOINT_GRAPH,
+    MODULE,
+    SPLIT_GRAPHS,
+    parity_executors,
+)
 from verify.stages.scenario import Scenario
 
-EAGER = "eager"  # the eager parallel program: the reference every executor is compared with
-COLLECTIVE = "collective_passes"
-JOINT_EXECUTORS = (JOINT, STEP_CLEANUP, STEP_FSDP_TAGS)  # joint-graph forms
-COMPILE_EXECUTORS = (EAGER, STEP_FIRST_PARTITION, SECOND_COMPILE)
-STAGE_EXECUTORS = (EAGER, *JOINT_EXECUTORS, STEP_FIRST_PARTITION, SECOND_COMPILE, COLLECTIVE)
+# The executors, one per stage (the collective passes composed share one), from the stage registry.
+_EXECUTORS = {e.name: e for e in parity_executors(STAGES)}
+COLLECTIVE = COLLECTIVE_PASSES_EXECUTOR
+JOINT_EXECUTORS = tuple(name for name, e in _EXECUTORS.items() if e.form == JOINT_GRAPH)  # joint-graph forms
+COMPILE_EXECUTORS = (EAGER, *(name for name, e in _EXECUTORS.items() if e.form in (MODULE, COMPILED)))
+STAGE_EXECUTORS = (EAGER, *_EXECUTORS)
+FORMS_BUILT = (JOINT_GRAPH, MODULE, COMPILED, SPLIT_GRAPHS)  # the forms _rank_stages' build() makes
+_MODULE_EXECUTORS = frozenset(COMPILE_EXECUTORS[1:])  # they run the pipeline's module (kept compiled)
 _RANK_THREADS = 1
 RNG_SEED = 20_261_126  # base of the ranks' generator seeds (rank_seed)
 
@@ -94,8 +112,7 @@ def _options(enable_ac: bool = False, collective: CollectivePassesConfig | None 
 
 
 # The last pipeline stage each executor needs.
-_NEEDS = {EAGER: None, **{s: s for s in JOINT_EXECUTORS}, STEP_FIRST_PARTITION: STEP_FIRST_PARTITION,
-          SECOND_COMPILE: SECOND_COMPILE, COLLECTIVE: SECOND_COMPILE}
+_NEEDS = {EAGER: None, **{name: e.needs for name, e in _EXECUTORS.items()}}
 
 
 def _last_stage(executors) -> str | None:
@@ -137,7 +154,7 @@ def _rank_stages(rank, world_size, scenario: Scenario, batches, run: PipelineRun
     # groups it belongs to), so the inherited module may name other groups: then every rank
     # builds its own (together: the compile's first call runs on this world).
     inherited = _on_every_rank(mesh.group_dims == run.group_dims)
-    if {STEP_FIRST_PARTITION, SECOND_COMPILE} & set(executors) and not inherited:
+    if _MODULE_EXECUTORS & set(executors) and not inherited:
         torch._dynamo.reset()
         run = _pipeline(scenario, mesh, enable_ac, collective, _last_stage(executors))
     joint = run.joint
@@ -148,15 +165,16 @@ def _rank_stages(rank, world_size, scenario: Scenario, batches, run: PipelineRun
     def build(name: str) -> Executor:
         if name == EAGER:
             return eager_program_executor(program)
-        if name in JOINT_EXECUTORS:
-            gm = rebind_groups(run.stage(name).graphs, mesh.group_dims)
+        form = _EXECUTORS[name].form if name in _EXECUTORS else None
+        if form == JOINT_GRAPH:
+            gm = rebind_groups(run.stage(_EXECUTORS[name].needs).graphs, mesh.group_dims)
             return joint_graph_executor(gm, joint.input_roles, joint.output_roles, fresh_buffers())
-        if name == STEP_FIRST_PARTITION:
+        if form == MODULE:
             return parallel_module_executor(run.module)
-        if name == SECOND_COMPILE:
+        if form == COMPILED:
             return compiled_module_executor(run.module, run.compiled)
-        if name == COLLECTIVE:
-            fw, bw = (rebind_groups(g, mesh.group_dims) for g in run.stage(SECOND_COMPILE).graphs)
+        if form == SPLIT_GRAPHS:  # the collective passes composed, on the rank's own second-compile graphs
+            fw, bw = (rebind_groups(g, mesh.group_dims) for g in run.stage(_EXECUTORS[name].needs).graphs)
             fw, bw, _ = bucket_fw_bw(fw, bw, collective)
             return split_graph_executor(fw, bw, fresh_buffers())
         raise ValueError(f"unknown executor {name!r}; executors: {list(STAGE_EXECUTORS)}")
@@ -171,7 +189,7 @@ def _rank_stages(rank, world_size, scenario: Scenario, batches, run: PipelineRun
         graphs_before = counters["stats"]["unique_graphs"]
         traces[name] = train_steps(executor, {k: v.clone() for k, v in init.items()}, local_batches,
                                    seed=rank_seed(scenario, coord))
-        if name == SECOND_COMPILE and inherited and counters["stats"]["unique_graphs"] != graphs_before:
+        if name in _EXECUTORS and _EXECUTORS[name].form == COMPILED and inherited and counters["stats"]["unique_graphs"] != graphs_before:
             raise RuntimeError(
                 "torch.compile recompiled the module in the rank: the parity run would not test the "
                 "graphs compiled (and captured) on the fake world; check Dynamo's recompile reasons"
@@ -220,7 +238,7 @@ def run_stage_parity(
     collective = collective if collective is not None else pipeline_options().collective
     if run is None:
         run = parity_pipeline(scenario, executors, enable_ac=enable_ac, collective=collective)
-    elif run.compiled is None and {STEP_FIRST_PARTITION, SECOND_COMPILE} & set(executors):
+    elif run.compiled is None and _MODULE_EXECUTORS & set(executors):
         raise ValueError("run_stage_parity: the given pipeline run kept no compiled module; make it with keep_compiled=True")
     try:
         return run_parity_world(

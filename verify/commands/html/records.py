@@ -17,11 +17,17 @@ from typing import Any
 from torch import fx
 
 from autoparallel import ac
-from autoparallel.passes.collective import COLLECTIVE_PASS_NAMES, PipelineMetrics
+from autoparallel.passes.collective import PipelineMetrics
 from autoparallel.trainer import run_traced
 from verify.goldens import catalog
 from verify.goldens.text import read_golden
 from verify.graphs.memory import memory_timeline
+from verify.stages.registry import (
+    COLLECTIVE_PASSES_EXECUTOR,
+    HTML_PASS,
+    HTML_PLANNING,
+    html_sections,
+)
 from verify.stages.trainer import (
     TRAINER_STAGES,
     intra_op_threads,
@@ -113,8 +119,8 @@ class StageRecord:
         return [("graph", self.graphs)]
 
 
-# verify.parity.runs.COLLECTIVE: parity of the collective passes composed, shown on the last one
-COMPOSED_PASSES = "collective_passes"
+# parity of the collective passes composed (one executor), shown on the last one
+COMPOSED_PASSES = COLLECTIVE_PASSES_EXECUTOR
 
 
 def parity_from_report(parity: Mapping[str, Any] | None) -> dict[str, Parity]:
@@ -168,7 +174,13 @@ def records_from_pipeline_run(
     pass's record has none. ``parity``: ``verify.commands.report.run_parity``'s dict."""
 
     verdicts = parity_from_report(parity)
-    composed = [r.name for r in run.results if r.name in COLLECTIVE_PASS_NAMES]
+    sections = html_sections()
+    unknown = [name for name in run.names if name not in sections]
+    if unknown:
+        raise ValueError(f"stage(s) {unknown} have no entry in verify.stages.registry.REGISTRY: "
+                         "how the page shows them (html) is not known")
+    passes = {name for name, section in sections.items() if section == HTML_PASS}
+    composed = [r.name for r in run.results if r.name in passes]
     if COMPOSED_PASSES in verdicts and composed:  # every pass in sequence: the last one's output
         verdicts[composed[-1]] = verdicts.pop(COMPOSED_PASSES)
     unknown = sorted(set(verdicts) - set(run.names))
@@ -194,9 +206,9 @@ def records_from_pipeline_run(
         )
 
     out = [
-        record(r, r.name, None if r.name in COLLECTIVE_PASS_NAMES else r.name)
+        record(r, r.name, None if r.name in passes else r.name)
         for r in run.results
-        if r.graphs is not None
+        if sections.get(r.name) != HTML_PLANNING and r.graphs is not None
     ]
     if alternatives:
         out += [record(r, r.name + ALONE, r.name) for r in run.alternatives]

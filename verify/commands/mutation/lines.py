@@ -100,19 +100,10 @@ from verify.commands.repo import repo_root
 PASSES_DIR = "autoparallel/passes"
 VERIFY_PLUGIN = "verify.pytest_plugin"  # its pytest11 entry point name (pyproject.toml)
 EXCLUDED_FILES = ("__init__.py", "registry.py")
-DEFAULT_TESTS = (
-    "tests/unit/autoparallel/passes/test_fsdp_recompute.py",
-    "tests/unit/autoparallel/passes/test_cleanup.py",
-    "tests/unit/autoparallel/passes/test_topo_span_bucketing.py",
-    "tests/unit/autoparallel/passes/test_bucket_plan.py",
-    "tests/unit/autoparallel/passes/test_overlap_scheduling.py",
-    "tests/unit/autoparallel/passes/test_pre_overlap_bucketing.py",
-    "tests/unit/autoparallel/passes/test_fuse_chained_allgathers.py",
+# Tests of code every stage shares; each stage's own come from verify.stages.registry.
+SHARED_TESTS = (
     "tests/unit/autoparallel/passes/test_collective.py",
     "tests/unit/autoparallel/passes/test_overlap_estimator.py",
-    "tests/unit/autoparallel/passes/test_ac_joint.py",
-    "tests/unit/autoparallel/passes/test_contiguous_gathered_shards.py",
-    "tests/unit/autoparallel/passes/test_shared_provenance.py",
     "tests/unit/autoparallel/test_fx_utils.py",
     "tests/property",
 )
@@ -405,8 +396,18 @@ def default_files(root: Path) -> list[str]:
     return sorted(str(p.relative_to(root)) for p in (root / PASSES_DIR).glob("*.py") if p.name not in EXCLUDED_FILES)
 
 
+def default_test_paths(stages=None, registry=None) -> tuple[str, ...]:
+    """``--target passes``' tests: each stage's line-mutation tests (its registry entry), then
+    :data:`SHARED_TESTS`. ``stages`` / ``registry``: default every stage, the registry."""
+    # The registry imports torch; every `python -m verify` parser imports this module without it.
+    from verify.stages import registry as R
+
+    stages = R.PLANNED_STAGES if stages is None else stages
+    return tuple(dict.fromkeys((*R.mutation_tests(stages, R.REGISTRY if registry is None else registry), *SHARED_TESTS)))
+
+
 def default_tests(root: Path) -> list[str]:
-    return [t for t in DEFAULT_TESTS if (root / t).exists()]
+    return [t for t in default_test_paths() if (root / t).exists()]
 
 
 def _toml_list(items: Iterable[str]) -> str:
@@ -850,7 +851,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--group", action="append", choices=VERIFY_GROUP_NAMES,
                    help="with --target verify: only this group (repeatable; default: all)")
     p.add_argument("--files", nargs="+", help=f"files to mutate (default: {PASSES_DIR}/*.py except {', '.join(EXCLUDED_FILES)})")
-    p.add_argument("--tests", nargs="+", help=f"test files or directories (default: {' '.join(DEFAULT_TESTS)})")
+    p.add_argument("--tests", nargs="+", help="test files or directories (default: each stage's line-mutation tests from "
+                   "verify.stages.registry, then SHARED_TESTS)")
     p.add_argument("--by", choices=["file", "function"], default="file", help="one table row per file or per function")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("-n", dest="workers", default="auto", help="mutmut --max-children (default: all cores)")

@@ -1,0 +1,267 @@
+"""How each pipeline stage is verified: one entry per ``autoparallel.pipeline`` Stage.
+
+Every verification surface reads its per-stage knowledge from here, so a new stage is one entry
+beside the stage list, and a stage without one fails the surfaces that need it, naming it:
+
+* ``parity``: the executor a hand-plan parity rank trains with (``verify.parity.runs``);
+* ``planned_parity``: the executor of a ``plan="auto"`` parity world (``verify.parity.planned``);
+* ``conservation``: the stage's law for collectives (``verify.graphs.invariants``), run by
+  :func:`check_conservation` on every golden scenario;
+* ``golden``: which graphs the stage's golden slot shows (``verify.goldens.catalog``);
+* ``html``: how the HTML page shows the stage (``verify.commands.html.records``);
+* ``mutation_tests``: the tests ``python -m verify mutate --lines`` runs against the stage's code
+  (``verify.commands.mutation.lines``).
+
+A check that does not apply is an :class:`Exempt` with its reason, never a silent gap. The
+checks every stage gets without an entry's help (the structured trace, ``acted`` counters,
+differential execution of each stage against its input) read ``autoparallel.pipeline`` directly.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, fields
+
+from torch import fx
+
+from autoparallel.compile import SECOND_COMPILE
+from autoparallel.partition import STEP_CLEANUP, STEP_FIRST_PARTITION, STEP_FSDP_TAGS
+from autoparallel.pipeline import JOINT, PLAN, PLANNED_STAGES, Stage
+from verify.graphs.invariants import merged, partitioned, regrouped, unchanged
+
+Graphs = fx.GraphModule | tuple[fx.GraphModule, fx.GraphModule]
+Law = Callable[[str, Graphs, Graphs], list[str]]
+
+EAGER = "eager"  # the reference executor of a parity world: every other executor is compared with it
+# The forms a parity rank builds an executor from (verify.parity.runs.build_executor).
+JOINT_GRAPH, MODULE, COMPILED, SPLIT_GRAPHS = "joint graph", "module", "compiled module", "split graphs"
+FORMS = (JOINT_GRAPH, MODULE, COMPILED, SPLIT_GRAPHS)
+# What a stage's golden slot shows (verify.goldens.catalog.golden_result).
+OWN, ALONE, PLAN_TEXT = "own graphs", "the pass alone", "plan text"
+GOLDENS = (OWN, ALONE, PLAN_TEXT)
+# How the HTML page shows a stage (verify.commands.html.records.records_from_pipeline_run).
+HTML_STAGE = "stage"  # one record: its graphs, golden and parity
+HTML_PASS = "collective pass"  # a composed record (parity of the sequence on the last pass) and one "(alone)" with the golden
+HTML_PLANNING = "planning summary"  # no graphs: the report's planning section
+HTML_SECTIONS = (HTML_STAGE, HTML_PASS, HTML_PLANNING)
+COLLECTIVE_PASSES_EXECUTOR = "collective_passes"  # the collective passes composed, one executor
+
+PASS_TESTS = "tests/unit/autoparallel/passes"
+
+
+@dataclass(frozen=True)
+class Exempt:
+    """A check that does not apply to a stage, and why."""
+
+    why: str
+
+
+@dataclass(frozen=True)
+class Executor:
+    """How a parity rank runs a stage: ``name`` (what parity results are keyed by), ``form``
+    (one of :data:`FORMS`), ``needs`` (the last pipeline stage whose graphs it takes)."""
+
+    name: str
+    form: str
+    needs: str
+
+
+@dataclass(frozen=True)
+class StageChecks:
+    """How one stage is verified (see the module docstring)."""
+
+    stage: Stage
+    parity: Executor | Exempt
+    planned_parity: str | Exempt
+    conservation: Law | Exempt
+    golden: str
+    html: str
+    mutation_tests: tuple[str, ...] | Exempt
+
+
+def problems(entry: StageChecks) -> list[str]:
+    """What ``entry`` is missing or gets wrong, each naming the stage and the field."""
+    name = entry.stage.name
+    out = []
+    for f in fields(StageChecks):
+        value = getattr(entry, f.name)
+        if value is None or value == () or value == "" or (isinstance(value, Exempt) and not value.why):
+            out.append(f"stage {name!r} has no {f.name} (give one, or Exempt(why))")
+    if isinstance(entry.parity, Executor) and entry.parity.form not in FORMS:
+        out.append(f"stage {name!r}: parity form {entry.parity.form!r} is not one of {FORMS}")
+    if entry.golden and entry.golden not in GOLDENS:
+        out.append(f"stage {name!r}: golden {entry.golden!r} is not one of {GOLDENS}")
+    if entry.html and entry.html not in HTML_SECTIONS:
+        out.append(f"stage {name!r}: html {entry.html!r} is not one of {HTML_SECTIONS}")
+    return out
+
+
+def _stage(name: str) -> Stage:
+    return next(s for s in PLANNED_STAGES if s.name == name)
+
+
+def _collective_pass(name: str, law: Law, tests: tuple[str, ...]) -> StageChecks:
+    return StageChecks(
+        _stage(name),
+        parity=Executor(COLLECTIVE_PASSES_EXECUTOR, SPLIT_GRAPHS, needs=SECOND_COMPILE),
+        planned_parity=Exempt("the planned parity world stops at the second compile (README: not yet)"),
+        conservation=law,
+        golden=ALONE,
+        html=HTML_PASS,
+        mutation_tests=tests,
+    )
+
+
+_NOT_A_LINES_TARGET = "its code is outside autoparallel/passes, the only --lines target of the compile stack"
+_PLANNED_WORLD_NOT_YET = "the planned parity world does not run it yet (README: not yet)"
+_BUCKETING_PATCHES = (f"{PASS_TESTS}/test_contiguous_gathered_shards.py", f"{PASS_TESTS}/test_shared_provenance.py")
+
+_ENTRIES = (
+    StageChecks(
+        _stage(PLAN),
+        parity=Exempt("no graphs: a plan; hand-plan worlds have none"),
+        planned_parity=EAGER,  # the plan's placements run eagerly are the planned world's reference
+        conservation=Exempt("no graphs: its output is a plan"),
+        golden=PLAN_TEXT,
+        html=HTML_PLANNING,
+        mutation_tests=Exempt(_NOT_A_LINES_TARGET),
+    ),
+    StageChecks(
+        _stage(JOINT),
+        parity=Executor(JOINT, JOINT_GRAPH, needs=JOINT),
+        planned_parity=JOINT,
+        conservation=Exempt("the trace: its input is the model, not a graph"),
+        golden=OWN,
+        html=HTML_STAGE,
+        mutation_tests=Exempt(_NOT_A_LINES_TARGET),
+    ),
+    StageChecks(
+        _stage(STEP_CLEANUP),
+        parity=Executor(STEP_CLEANUP, JOINT_GRAPH, needs=STEP_CLEANUP),
+        planned_parity=Exempt(_PLANNED_WORLD_NOT_YET),
+        conservation=unchanged,
+        golden=OWN,
+        html=HTML_STAGE,
+        mutation_tests=(f"{PASS_TESTS}/test_cleanup.py",),
+    ),
+    StageChecks(
+        _stage(STEP_FSDP_TAGS),
+        parity=Executor(STEP_FSDP_TAGS, JOINT_GRAPH, needs=STEP_FSDP_TAGS),
+        planned_parity=Exempt(_PLANNED_WORLD_NOT_YET),
+        conservation=unchanged,
+        golden=OWN,
+        html=HTML_STAGE,
+        mutation_tests=(f"{PASS_TESTS}/test_fsdp_recompute.py",),
+    ),
+    StageChecks(
+        _stage(STEP_FIRST_PARTITION),
+        parity=Executor(STEP_FIRST_PARTITION, MODULE, needs=STEP_FIRST_PARTITION),
+        planned_parity=STEP_FIRST_PARTITION,
+        conservation=partitioned,
+        golden=OWN,
+        html=HTML_STAGE,
+        mutation_tests=Exempt(_NOT_A_LINES_TARGET),
+    ),
+    StageChecks(
+        _stage(SECOND_COMPILE),
+        parity=Executor(SECOND_COMPILE, COMPILED, needs=SECOND_COMPILE),
+        planned_parity=SECOND_COMPILE,
+        conservation=unchanged,
+        golden=OWN,
+        html=HTML_STAGE,
+        # the AC joint pass and the overlap-scheduling settings it installs live in passes/
+        mutation_tests=(f"{PASS_TESTS}/test_ac_joint.py", f"{PASS_TESTS}/test_overlap_scheduling.py"),
+    ),
+    _collective_pass("fuse_chained_allgathers", regrouped, (f"{PASS_TESTS}/test_fuse_chained_allgathers.py",)),
+    _collective_pass(
+        "pre_overlap_bucketing",
+        merged,
+        (f"{PASS_TESTS}/test_pre_overlap_bucketing.py", f"{PASS_TESTS}/test_bucket_plan.py", *_BUCKETING_PATCHES),
+    ),
+    _collective_pass(
+        "topo_span_bucketing",
+        merged,
+        (f"{PASS_TESTS}/test_topo_span_bucketing.py", f"{PASS_TESTS}/test_overlap_scheduling.py", *_BUCKETING_PATCHES),
+    ),
+)
+#: Stage -> how it is verified, for every stage of PLANNED_STAGES (STAGES and the plan stage).
+REGISTRY: Mapping[Stage, StageChecks] = {e.stage: e for e in _ENTRIES}
+
+
+def verification(stages: Sequence[Stage] = PLANNED_STAGES, registry: Mapping[Stage, StageChecks] = REGISTRY) -> tuple[StageChecks, ...]:
+    """The entries of ``stages``, in order; ValueError naming every stage without an entry or
+    with an incomplete one."""
+    found = []
+    for s in stages:
+        if s not in registry:
+            found.append(f"stage {s.name!r} has no entry in verify.stages.registry.REGISTRY (how it is verified: "
+                         f"{', '.join(f.name for f in fields(StageChecks)[1:])})")
+        else:
+            found += problems(registry[s])
+    if found:
+        raise ValueError("; ".join(found))
+    return tuple(registry[s] for s in stages)
+
+
+def checks_named(name: str, stages: Sequence[Stage] = PLANNED_STAGES,
+                 registry: Mapping[Stage, StageChecks] = REGISTRY) -> StageChecks:
+    """The entry of the stage called ``name`` (results and goldens carry names); ValueError naming it."""
+    for entry in verification(stages, registry):
+        if entry.stage.name == name:
+            return entry
+    raise ValueError(f"no stage {name!r} in {[s.name for s in stages]}")
+
+
+# --- what each surface reads ------------------------------------------------------------------------
+
+
+def parity_executors(stages: Sequence[Stage], registry: Mapping[Stage, StageChecks] = REGISTRY) -> tuple[Executor, ...]:
+    """The hand-plan executors of ``stages``, in stage order, each once (the collective passes share one)."""
+    out: dict[str, Executor] = {}
+    for e in verification(stages, registry):
+        if isinstance(e.parity, Executor):
+            out.setdefault(e.parity.name, e.parity)
+    return tuple(out.values())
+
+
+def planned_executors(stages: Sequence[Stage], registry: Mapping[Stage, StageChecks] = REGISTRY) -> tuple[str, ...]:
+    """The executors of a ``plan="auto"`` parity world for ``stages``, in stage order (the plan
+    stage's, :data:`EAGER`, first)."""
+    return tuple(e.planned_parity for e in verification(stages, registry) if not isinstance(e.planned_parity, Exempt))
+
+
+def conservation_laws(stages: Sequence[Stage] = PLANNED_STAGES, registry: Mapping[Stage, StageChecks] = REGISTRY) -> dict[str, Law]:
+    """Stage name -> its conservation law, for every stage of ``stages`` that has one."""
+    return {e.stage.name: e.conservation for e in verification(stages, registry) if not isinstance(e.conservation, Exempt)}
+
+
+#: The conservation law of each graph-in/graph-out stage (see verify.graphs.invariants).
+CONSERVATION: dict[str, Law] = conservation_laws()
+
+
+def check_conservation(stage: str, before: Graphs, after: Graphs) -> list[str]:
+    """Problems with stage ``stage``'s conservation law (ValueError for a stage without one)."""
+    try:
+        law = CONSERVATION[stage]
+    except KeyError:
+        raise ValueError(f"no conservation law for stage {stage!r}; laws: {sorted(CONSERVATION)}") from None
+    return law(stage, before, after)
+
+
+def golden_kinds(stages: Sequence[Stage], registry: Mapping[Stage, StageChecks] = REGISTRY) -> dict[str, str]:
+    """Stage name -> what its golden slot shows (:data:`GOLDENS`), for every stage of ``stages``."""
+    return {e.stage.name: e.golden for e in verification(stages, registry)}
+
+
+def html_sections(stages: Sequence[Stage] = PLANNED_STAGES, registry: Mapping[Stage, StageChecks] = REGISTRY) -> dict[str, str]:
+    """Stage name -> how the HTML page shows it (:data:`HTML_SECTIONS`)."""
+    return {e.stage.name: e.html for e in verification(stages, registry)}
+
+
+def mutation_tests(stages: Sequence[Stage] = PLANNED_STAGES, registry: Mapping[Stage, StageChecks] = REGISTRY) -> tuple[str, ...]:
+    """The line-mutation tests of ``stages``' code, in stage order, each once."""
+    out: dict[str, None] = {}
+    for e in verification(stages, registry):
+        if not isinstance(e.mutation_tests, Exempt):
+            out.update(dict.fromkeys(e.mutation_tests))
+    return tuple(out)
