@@ -10,6 +10,9 @@ from __future__ import annotations
 import argparse
 import sys
 
+from autoparallel.defaults import BUCKET_CAP_MB, FSDP_TP, HAND_PLANS, PLANS
+from verify.stages.defaults import MESH, PLAN, PRESET, TRAINER_PRESET
+
 
 def _flag_type(check, what: str):
     """An argparse ``type`` from ``check(text) -> value`` that raises ValueError; argparse then
@@ -137,7 +140,7 @@ def _parser() -> argparse.ArgumentParser:
     which.add_argument("--hf", dest="model", default=None, type=_flag_type(_hf_case, "architecture"),
                        help="a Hugging Face transformers architecture from a tiny config with the library's "
                             "defaults (verify.hf: gpt2, bert, llama, t5, vit, ...; needs the hf extra)")
-    r.add_argument("--plan", default=None, choices=["fsdp", "fsdp_tp", "ddp", "auto"],
+    r.add_argument("--plan", default=None, choices=PLANS,
                    help="parallel plan; auto: the ILP planner places everything (default: fsdp)")
     r.add_argument("--mesh", default=None, type=mesh, help="mesh, e.g. dp=8 or dp=4,tp=2 (default: dp=8)")
     r.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
@@ -185,13 +188,13 @@ def _parser() -> argparse.ArgumentParser:
                    help="with --lines --target verify: only this group of checkers (repeatable; default: all)")
 
     b = sub.add_parser("bisect", help="name the first pass whose graphs compute other values (simulated ranks)")
-    b.add_argument("--preset", default="tiny", type=preset, help="model preset: tiny, debug, 8b (default: tiny)")
-    b.add_argument("--plan", default="fsdp", choices=["fsdp", "fsdp_tp", "ddp"], help="parallel plan (default: fsdp)")
-    b.add_argument("--mesh", default="dp=8", type=mesh,
-                   help="mesh, e.g. dp=8 or dp=4,tp=2; its size is the number of simulated ranks (default: dp=8)")
+    b.add_argument("--preset", default=PRESET, type=preset, help=f"model preset: tiny, debug, 8b (default: {PRESET})")
+    b.add_argument("--plan", default=PLAN, choices=HAND_PLANS, help=f"parallel plan (default: {PLAN})")
+    b.add_argument("--mesh", default=MESH, type=mesh,
+                   help=f"mesh, e.g. dp=8 or dp=4,tp=2; its size is the number of simulated ranks (default: {MESH})")
     b.add_argument("--param-dtype", default=None, type=dtype, help="FSDP mixed-precision param dtype, e.g. bf16")
     b.add_argument("--reduce-dtype", default=None, type=dtype, help="FSDP gradient reduce dtype, e.g. fp32")
-    b.add_argument("--bucket-cap-mb", type=_positive(float), default=25.0, help="pre-overlap bucket cap (default: 25)")
+    b.add_argument("--bucket-cap-mb", type=_positive(float), default=BUCKET_CAP_MB, help=f"pre-overlap bucket cap (default: {BUCKET_CAP_MB:g})")
     b.add_argument("--disable", default=None, type=_flag_type(_patch_list, "patch list"),
                    help="compare the pipeline with these patches disabled (A, comma list) against as configured (B)")
     b.add_argument("--seed", default=0, type=_flag_type(_non_negative_int, "int >= 0"),
@@ -203,18 +206,17 @@ def _parser() -> argparse.ArgumentParser:
     sc.add_argument("--layers", default=None, type=_flag_type(_layer_list, "layers"),
                     help="override n_layers; a list like 2,8,32 prints a scaling table")
     sc.add_argument("--mesh", default="dp=16,tp=8", type=mesh, help="mesh (default: dp=16,tp=8)")
-    sc.add_argument("--plan", default="fsdp_tp", choices=["fsdp", "fsdp_tp", "ddp", "auto"],
+    sc.add_argument("--plan", default=FSDP_TP, choices=PLANS,
                     help="plan; auto: plan with the ILP planner, then lower (default: fsdp_tp)")
     sc.add_argument("--repeat", type=_positive(int), default=1, help="runs per size; seconds are medians (default: 1)")
-    sc.add_argument("--bucket-cap-mb", type=_positive(float), default=25.0, help="pre-overlap bucket cap (default: 25)")
+    sc.add_argument("--bucket-cap-mb", type=_positive(float), default=BUCKET_CAP_MB, help=f"pre-overlap bucket cap (default: {BUCKET_CAP_MB:g})")
     sc.add_argument("--param-dtype", default=None, type=dtype, help="FSDP mixed-precision param dtype, e.g. bf16 (default: none)")
     sc.add_argument("--reduce-dtype", default=None, type=dtype, help="FSDP gradient reduce dtype, e.g. fp32 (default: none)")
     sc.add_argument("--json", action="store_true", help="print one JSON object")
     return p
 
 
-REPORT_DEFAULTS = {"preset": "tiny", "plan": "fsdp", "mesh": "dp=8"}
-TRAINER_PRESET = "debug"  # the graph trainer's goldens are of the debug preset
+REPORT_DEFAULTS = {"preset": PRESET, "plan": PLAN, "mesh": MESH}
 
 
 def _report_defaults(parser: argparse.ArgumentParser, args) -> None:

@@ -31,8 +31,8 @@ from dataclasses import dataclass, field
 
 from torch import nn
 
+from autoparallel.defaults import AUTO
 from autoparallel.parallelize import ParallelPlan
-from autoparallel.parallelize.plan import AUTO
 from autoparallel.pipeline import STAGE_NAMES, PipelineRun
 from verify.goldens.catalog import golden_result, header
 from verify.goldens.text import graph_golden_text

@@ -38,10 +38,10 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
+from autoparallel.defaults import AUTO, DDP, FSDP, FSDP_TP
 from autoparallel.mesh import MeshSpec
 
 TPStyle = Literal["colwise", "rowwise"]
-AUTO = "auto"
 
 # Megatron-style TP for LLaMA: q/k/v and the gate/up projections split their output features,
 # wo and the down projection split their input features; one all-reduce closes each region.
@@ -240,19 +240,19 @@ class ParallelPlan:
 
     @classmethod
     def fsdp(cls, dp: str = "dp", **kw) -> ParallelPlan:
-        return cls(name="fsdp", fsdp_dim=dp, **kw)
+        return cls(name=FSDP, fsdp_dim=dp, **kw)
 
     @classmethod
     def fsdp_tp(cls, dp: str = "dp", tp: str = "tp", **kw) -> ParallelPlan:
-        return cls(name="fsdp_tp", fsdp_dim=dp, tp_dim=tp, **kw)
+        return cls(name=FSDP_TP, fsdp_dim=dp, tp_dim=tp, **kw)
 
     @classmethod
     def ddp(cls, dp: str = "dp", **kw) -> ParallelPlan:
-        return cls(name="ddp", ddp_dim=dp, **kw)
+        return cls(name=DDP, ddp_dim=dp, **kw)
 
     @classmethod
     def preset(cls, name: str, **kw) -> ParallelPlan:
-        presets = {"fsdp": cls.fsdp, "fsdp_tp": cls.fsdp_tp, "ddp": cls.ddp, AUTO: cls.auto}
+        presets = {FSDP: cls.fsdp, FSDP_TP: cls.fsdp_tp, DDP: cls.ddp, AUTO: cls.auto}
         if name not in presets:
             raise ValueError(f"unknown plan {name!r}; valid plans: {sorted(presets)}")
         return presets[name](**kw)

@@ -32,6 +32,7 @@ from torch.utils import _pytree as pytree
 
 from autoparallel import meta as M
 from autoparallel import patches, roles
+from autoparallel.defaults import BUCKET_CAP_MB
 from autoparallel.fx_utils import (
     ALL_GATHER,
     ALL_GATHER_OUT,
@@ -60,7 +61,7 @@ class PreOverlapConfig:
     """``bucket_cap_mb``: the byte cap of one bucket. ``max_topo_span``: optional topological
     span bound (see topo_span_bucketing; None: bytes only)."""
 
-    bucket_cap_mb: float = 25.0
+    bucket_cap_mb: float = BUCKET_CAP_MB
     max_topo_span: int | None = None
 
     def __post_init__(self) -> None:

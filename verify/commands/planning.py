@@ -14,6 +14,8 @@ import resource
 import sys
 import time
 
+from autoparallel.defaults import HAND_PLANS
+
 GIB = 2**30
 
 
@@ -34,7 +36,7 @@ def add_arguments(p: argparse.ArgumentParser, *, preset=str, mesh=str, dtype=str
                    help="trace only this many identical blocks (>= 4) and expand; 0: trace every block (default: automatic)")
     p.add_argument("--no-cluster", action="store_true", help="do not share variables between identical blocks")
     p.add_argument("--explain", action="append", default=[], metavar="NODE", help="explain a node's placement (repeatable)")
-    p.add_argument("--compare-hand", default=None, choices=["fsdp", "fsdp_tp", "ddp"], help="also price this hand plan and diff")
+    p.add_argument("--compare-hand", default=None, choices=HAND_PLANS, help="also price this hand plan and diff")
     p.add_argument("--save", default=None, metavar="FILE", help="write the plan as JSON to FILE")
     p.add_argument("--json", action="store_true", help="print the plan as JSON instead of tables")
     p.add_argument("--text", action="store_true", help="print the canonical plan text (what goldens hold) instead of tables")

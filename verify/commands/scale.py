@@ -23,6 +23,7 @@ import sys
 import time
 from collections.abc import Callable
 
+from autoparallel.defaults import BUCKET_CAP_MB
 from autoparallel.passes.collective import COLLECTIVE_PASS_NAMES
 from autoparallel.pipeline import PLAN, StageResult, run_pipeline, stages_for
 from verify.graphs.stats import graph_stats, human_bytes, partition_stats
@@ -143,7 +144,7 @@ def run_once(scenario: Scenario, bucket_cap_mb: float, progress: Callable[[str],
     return sorted(stages, key=lambda e: e["alternative"])
 
 
-def run_scale(scenario: Scenario, *, repeat: int = 1, bucket_cap_mb: float = 25.0, progress=lambda m: None) -> dict:
+def run_scale(scenario: Scenario, *, repeat: int = 1, bucket_cap_mb: float = BUCKET_CAP_MB, progress=lambda m: None) -> dict:
     t0 = time.perf_counter()
     import_seconds = import_stage_modules()
     progress(f"imports {import_seconds:.2f}s (once per process, in no stage)")

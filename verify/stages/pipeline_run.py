@@ -15,6 +15,7 @@ from collections.abc import Iterator
 import torch
 
 from autoparallel import pipeline as P
+from autoparallel.defaults import BUCKET_CAP_MB
 from autoparallel.passes.collective import CollectivePassesConfig
 from autoparallel.passes.pre_overlap_bucketing import PreOverlapConfig
 from autoparallel.passes.topo_span_bucketing import TopoSpanConfig
@@ -23,7 +24,7 @@ from verify.graphs.canon import canonicalize
 from verify.graphs.stats import graph_stats, partition_stats
 from verify.stages.scenario import Scenario
 
-DEFAULT_BUCKET_CAP_MB = 25.0
+DEFAULT_BUCKET_CAP_MB = BUCKET_CAP_MB
 
 
 def pipeline_options(bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB, topo_span=None, **kw) -> P.PipelineOptions:

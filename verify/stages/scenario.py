@@ -16,21 +16,22 @@ from dataclasses import dataclass
 
 import torch
 
+from autoparallel.defaults import AUTO
 from autoparallel.mesh import MeshSpec, fake_world
 from autoparallel.models.llama3 import build_model, model_args
 from autoparallel.parallelize import JointGraph, ParallelPlan, build_joint_graph, cross_entropy_loss
-from autoparallel.parallelize.plan import AUTO
 from autoparallel.parallelize.program import LossFn
 from verify.model_case import ModelCase, load_case
+from verify.stages import defaults
 
 _DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp32": torch.float32, "float32": torch.float32}
 
 
 @dataclass(frozen=True)
 class Scenario:
-    preset: str = "tiny"
-    plan: str = "fsdp"
-    mesh: str = "dp=8"
+    preset: str = defaults.PRESET
+    plan: str = defaults.PLAN
+    mesh: str = defaults.MESH
     seed: int = 0
     batch_per_rank: int | None = None  # default: 1 for a preset, the case's own for a model
     seq_len: int | None = None  # default: the preset's max_seq_len

@@ -33,6 +33,7 @@ from autoparallel.trainer import (
 )
 from verify.graphs.memory import peak_memory, ratio
 from verify.parity.compare import ParityReport, compare_traces
+from verify.stages.defaults import TRAINER_PRESET
 from verify.stages.pipeline_run import intra_op_threads
 
 __all__ = [
@@ -56,7 +57,7 @@ def cross_entropy_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Ten
 
 
 def make_model(
-    preset: str = "debug",
+    preset: str = TRAINER_PRESET,
     *,
     tie_embeddings: bool = False,
     ac: str | None = None,
@@ -74,7 +75,7 @@ def make_model(
 
 
 def make_batches(
-    preset: str = "debug",
+    preset: str = TRAINER_PRESET,
     *,
     steps: int = 3,
     batch: int = 4,
@@ -111,7 +112,7 @@ def _traced(
 
 
 def traced_step(
-    preset: str = "debug",
+    preset: str = TRAINER_PRESET,
     *,
     tie_embeddings: bool = False,
     batch: int = 4,
@@ -138,7 +139,7 @@ def _traced_sac(
 
 
 def traced_sac_step(
-    preset: str = "debug",
+    preset: str = TRAINER_PRESET,
     *,
     tie_embeddings: bool = False,
     batch: int = 4,
@@ -154,7 +155,7 @@ def traced_sac_step(
 
 
 def sac_graphs(
-    preset: str = "debug", *, policy: str = ac.OP, batch: int = 4, seq: int | None = None
+    preset: str = TRAINER_PRESET, *, policy: str = ac.OP, batch: int = 4, seq: int | None = None
 ) -> tuple[fx.GraphModule, fx.GraphModule]:
     """``(before_remat, after_remat)`` graphs of the traced step with graph SAC ``policy``.
 
@@ -199,7 +200,7 @@ def traced_executor(step: TracedStep, model: torch.nn.Module) -> Executor:
 TRAINER_STAGES = ("traced_step", "before_remat", "after_remat")
 
 
-def stage_step(stage: str, preset: str = "debug", *, policy: str = ac.OP, batch: int = 4) -> TracedStep:
+def stage_step(stage: str, preset: str = TRAINER_PRESET, *, policy: str = ac.OP, batch: int = 4) -> TracedStep:
     """The (cached) traced step of one of :data:`TRAINER_STAGES`."""
     if stage == "traced_step":
         return traced_step(preset, batch=batch)
@@ -209,7 +210,7 @@ def stage_step(stage: str, preset: str = "debug", *, policy: str = ac.OP, batch:
 
 
 def stage_parity(
-    preset: str = "debug", *, policy: str = ac.OP, batch: int = 4, steps: int = 2, lr: float = 1e-2
+    preset: str = TRAINER_PRESET, *, policy: str = ac.OP, batch: int = 4, steps: int = 2, lr: float = 1e-2
 ) -> dict[str, ParityReport]:
     """Each of :data:`TRAINER_STAGES` trained ``steps`` AdamW steps against eager, bitwise: the
     traced step and the SAC-tagged graph (tags change nothing it computes) against plain eager,

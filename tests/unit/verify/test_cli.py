@@ -2,8 +2,10 @@
 
 import pytest
 
-from verify.__main__ import main
+from autoparallel.defaults import BUCKET_CAP_MB, PLANS
+from verify.__main__ import _parser, _report_defaults, main
 from verify.commands.report import PARITY_MAX_PARAMS, check_parity_size, parity_memory_lower_bound
+from verify.stages import defaults
 from verify.stages.scenario import Scenario, parameter_count
 
 
@@ -76,3 +78,17 @@ def test_html_takes_a_directory_it_can_write(capsys, tmp_path):
     assert f"argument --html: '{file}' is a file; give a directory (the page is written as DIR/index.html)" in capsys.readouterr().err
     assert run(["report", "--html", str(file / "out")]) == 2
     assert f"argument --html: '{file / 'out'}': '{file}' is a file, so the directory cannot be created" in capsys.readouterr().err
+
+
+
+def test_parser_and_scenario_defaults_come_from_their_homes():
+    p = _parser()
+    bisect, scale = p.parse_args(["bisect"]), p.parse_args(["scale"])
+    assert bisect.bucket_cap_mb == scale.bucket_cap_mb == BUCKET_CAP_MB
+    assert (bisect.preset, bisect.plan, bisect.mesh) == (defaults.PRESET, defaults.PLAN, defaults.MESH)
+    assert (Scenario().preset, Scenario().plan, Scenario().mesh) == (defaults.PRESET, defaults.PLAN, defaults.MESH)
+    report = p.parse_args(["report", "--no-parity"])
+    _report_defaults(p, report)
+    assert (report.preset, report.plan, report.mesh) == (defaults.PRESET, defaults.PLAN, defaults.MESH)
+    with pytest.raises(SystemExit):
+        p.parse_args(["bisect", "--plan", PLANS[-1]])  # auto: not a hand plan
