@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import warnings
+from typing import Any
 
 import torch
 from torch import fx
@@ -34,6 +35,17 @@ def is_dtype_cast(node: fx.Node) -> bool:
 GROUP_ARG = "group_name"
 
 
+def schema_group_index(target: Any) -> int | None:
+    """Position of the ``group_name`` argument in any op's schema (the functional collectives and
+    their autograd twins alike), else None."""
+    if not isinstance(target, torch._ops.OpOverload):
+        return None
+    for i, arg in enumerate(target._schema.arguments):
+        if arg.name == GROUP_ARG:
+            return i
+    return None
+
+
 def group_arg_index(node: fx.Node) -> int | None:
     """Position of the ``group_name`` argument of a ``_c10d_functional`` node, else None."""
     target = node.target
@@ -41,10 +53,34 @@ def group_arg_index(node: fx.Node) -> int | None:
         return None
     if target.namespace != "_c10d_functional":
         return None
-    for i, arg in enumerate(target._schema.arguments):
-        if arg.name == GROUP_ARG:
-            return i
-    return None
+    return schema_group_index(target)
+
+
+def group_arg(node: fx.Node) -> Any:
+    """The raw group argument (a name, or a ProcessGroup object) of a node whose op has one, in
+    any namespace; None if it has none. :func:`group_of` is the name, for functional collectives."""
+    idx = schema_group_index(node.target)
+    if idx is None:
+        return None
+    if idx < len(node.args):
+        return node.args[idx]
+    return node.kwargs.get(GROUP_ARG)
+
+
+def group_arg_name(value: Any) -> str:
+    """The group name a group argument stands for (a ProcessGroup object's ``group_name``)."""
+    name = getattr(value, "group_name", None)
+    return str(name if name is not None else value)
+
+
+def resolve_attr(owner: Any, target: str) -> Any:
+    """The object a ``get_attr`` target names under ``owner`` (None where a part is missing)."""
+    obj = owner
+    for part in str(target).split("."):
+        if obj is None:
+            return None
+        obj = getattr(obj, part, None)
+    return obj
 
 
 def schema_arg(node: fx.Node, name: str):

@@ -5,6 +5,7 @@
 * node-meta keys, role labels and activation-checkpointing policy names are spelled only in their
   home modules (``meta.py``, ``roles.py``, ``ac.py``);
 * first-party imports inside functions only where a module says why (cheap CLI / pytest plugin);
+* no module imports another's private names;
 * every test path listed in code exists (xdist module groups, line-mutation defaults).
 
 Each checker is also fed a small bad source, so a checker that cannot fail fails here.
@@ -138,6 +139,26 @@ def test_autoparallel_never_imports_verify_or_tests():
         if name.split(".")[0] in ("verify", "tests")
     ]
     assert bad == []
+
+
+def private_imports(sources: dict[str, str]) -> list[str]:
+    """``from <first-party module> import _name``: a helper another module needs is public (or
+    lives in a shared home such as ``autoparallel/fx_utils.py``), not borrowed."""
+    out = []
+    for path, text in sources.items():
+        for n in ast.walk(_parse(text)):
+            if isinstance(n, ast.ImportFrom) and n.level == 0 and (n.module or "").split(".")[0] in PACKAGES:
+                out += [f"{path}:{n.lineno}: {n.module}.{a.name}" for a in n.names if a.name.startswith("_")]
+    return out
+
+
+def test_no_module_imports_another_modules_private_names():
+    assert private_imports(_sources(*PACKAGES)) == []
+
+
+def test_private_import_check_finds_one():
+    bad = {"m.py": "from verify.graphs.canon import _helper, public\nfrom torch.fx import _private\n"}
+    assert private_imports(bad) == ["m.py:1: verify.graphs.canon._helper"]
 
 
 # Modules whose functions import first-party code on purpose, and why.

@@ -87,7 +87,7 @@ def _mesh(text: str) -> str:
 
 
 def _dtype(text: str) -> str:
-    from verify.stages.scenario import _dtype as lookup
+    from verify.stages.scenario import parse_dtype as lookup
 
     lookup(text)
     return text

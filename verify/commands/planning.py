@@ -49,7 +49,7 @@ def main(args: argparse.Namespace) -> int:
     from autoparallel.parallelize import ParallelPlan
     from autoparallel.planner import PlannerConfig, diff, evaluate_hand_plan, get_profile
     from verify.stages import plan_cases
-    from verify.stages.scenario import _dtype
+    from verify.stages.scenario import parse_dtype
 
     def say(msg: str) -> None:
         print(f"[plan {time.perf_counter() - t_start:7.2f}s] {msg}", file=sys.stderr, flush=True)
@@ -65,7 +65,7 @@ def main(args: argparse.Namespace) -> int:
     config = PlannerConfig(
         profile=args.profile,
         memory_budget=None if args.memory_budget is None else args.memory_budget * GIB,
-        param_dtype=_dtype(args.param_dtype) if args.param_dtype else None,
+        param_dtype=parse_dtype(args.param_dtype) if args.param_dtype else None,
         cluster=not args.no_cluster,
         time_limit=args.time_limit,
         trace_blocks=args.trace_blocks,

@@ -80,7 +80,12 @@ import torch
 import torch.fx as fx
 
 from autoparallel import meta as M
-from autoparallel.fx_utils import missing_val_error
+from autoparallel.fx_utils import (
+    group_arg_name,
+    missing_val_error,
+    resolve_attr,
+    schema_group_index,
+)
 from autoparallel.mesh import dim_label, group_dims_of
 
 __all__ = ["canonical_names", "canonicalize", "canonicalize_pair", "SymbolNamer"]
@@ -261,40 +266,6 @@ def _target_text(node: fx.Node) -> str:
     return str(t)
 
 
-def _group_arg_index(target: Any) -> int | None:
-    """Positional index of the ``group_name`` argument in an op's schema (None if it has none)."""
-    if not isinstance(target, torch._ops.OpOverload):
-        return None
-    for i, arg in enumerate(target._schema.arguments):
-        if arg.name == "group_name":
-            return i
-    return None
-
-
-def group_arg(node: fx.Node) -> Any:
-    """The raw process-group argument of a collective node (None if the op has none)."""
-    idx = _group_arg_index(node.target)
-    if idx is None:
-        return None
-    if idx < len(node.args):
-        return node.args[idx]
-    return node.kwargs.get("group_name")
-
-
-def _group_name_of(value: Any) -> str:
-    name = getattr(value, "group_name", None)  # a ProcessGroup object instead of its name
-    return str(name if name is not None else value)
-
-
-def _resolve_attr(owner: Any, target: str) -> Any:
-    obj = owner
-    for part in str(target).split("."):
-        if obj is None:
-            return None
-        obj = getattr(obj, part, None)
-    return obj
-
-
 def _missing_val_error(node: fx.Node) -> ValueError:
     return missing_val_error(node, "canonical text (shapes inline)", "; or pass require_val=False to omit shapes")
 
@@ -457,7 +428,7 @@ def _canonical_lines(
     def group_text(node: fx.Node, value: Any) -> str:
         try:
             return dim_label(
-                _group_name_of(value),
+                group_arg_name(value),
                 group_dims,
                 where=f"node {node.name!r} ({_target_text(node)})",
             )
@@ -475,7 +446,7 @@ def _canonical_lines(
         else:
             args = list(node.args)
             kwargs = dict(node.kwargs)
-            gidx = _group_arg_index(node.target)
+            gidx = schema_group_index(node.target)
             parts = []
             for i, a in enumerate(args):
                 parts.append(group_text(node, a) if i == gidx else arg_text(a))
@@ -493,7 +464,7 @@ def _canonical_lines(
         if M.VAL in node.meta:
             typ = ": " + val_text(node.meta[M.VAL], syms)
         elif node.op == "get_attr":
-            attr = _resolve_attr(owner, node.target)
+            attr = resolve_attr(owner, node.target)
             if isinstance(attr, torch.Tensor):
                 typ = ": " + tensor_text(attr, syms)
             elif isinstance(attr, torch.nn.Module):

@@ -25,12 +25,12 @@ from torch import fx
 
 from autoparallel import meta as M
 from autoparallel import roles
+from autoparallel.fx_utils import group_arg
 from autoparallel.mesh import dim_label, group_dims_of
 from autoparallel.planner.costs import ALL_GATHER, ALL_TO_ALL, CostModel
 from autoparallel.planner.graph import PlanningGraph, tensor_args
 from autoparallel.planner.lower import OUTPUT_KEY, decode
 from autoparallel.planner.plan import Plan
-from verify.graphs.canon import group_arg
 from verify.graphs.stats import collective_kind, collective_node_bytes, graph_stats
 
 Comm = dict[str, dict[str, dict[str, int]]]  # kind -> mesh dim -> {"count", "bytes"}

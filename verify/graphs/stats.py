@@ -59,10 +59,15 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 from autoparallel import meta as M
 from autoparallel import roles
-from autoparallel.fx_utils import max_consec_compute_between_rs, node_val
+from autoparallel.fx_utils import (
+    group_arg,
+    group_arg_name,
+    max_consec_compute_between_rs,
+    node_val,
+    resolve_attr,
+)
 from autoparallel.mesh import dim_label, group_dims_of
-from verify.graphs.canon import _group_name_of, canonical_names, graph_and_owner, group_arg
-from verify.graphs.canon import _resolve_attr as resolve_attr
+from verify.graphs.canon import canonical_names, graph_and_owner
 
 __all__ = [
     "CATEGORIES",
@@ -229,7 +234,7 @@ def group_label(node: fx.Node, group_dims: Mapping[str, str]) -> str:
     if g is None:
         return "?"
     try:
-        return dim_label(_group_name_of(g), group_dims, where=f"node {node.name!r} ({node.target})")
+        return dim_label(group_arg_name(g), group_dims, where=f"node {node.name!r} ({node.target})")
     except ValueError as e:
         raise ValueError(f"{e}, or pass group_dims={{name: label}}") from None
 

@@ -16,7 +16,7 @@ from autoparallel.mesh import fake_world
 from autoparallel.models.llama3 import build_model, model_args
 from autoparallel.planner import Planner, PlannerConfig
 from verify.goldens import header_text, render_golden
-from verify.stages.scenario import _dtype
+from verify.stages.scenario import parse_dtype
 
 
 @dataclass(frozen=True)
@@ -73,7 +73,7 @@ def planner(
             model,
             mesh,
             inputs,
-            param_dtype=_dtype(param_dtype) if param_dtype else None,
+            param_dtype=parse_dtype(param_dtype) if param_dtype else None,
             trace_blocks=trace_blocks,
             description=description,
             progress=progress,

@@ -67,9 +67,9 @@ class Scenario:
     def plan_obj(self) -> ParallelPlan:
         kw = {"reshard_after_forward": self.reshard_after_forward}
         if self.param_dtype:
-            kw["param_dtype"] = _dtype(self.param_dtype)
+            kw["param_dtype"] = parse_dtype(self.param_dtype)
         if self.reduce_dtype:
-            kw["reduce_dtype"] = _dtype(self.reduce_dtype)
+            kw["reduce_dtype"] = parse_dtype(self.reduce_dtype)
         case = self.model_case
         if case is not None and self.plan != AUTO:  # the case's TP rules are for fsdp_tp; auto decides
             kw.update(tp_rules=dict(case.tp_rules), tp_regions=case.tp_regions)
@@ -150,7 +150,8 @@ def dtype_name(dtype: torch.dtype | None) -> str | None:
     raise ValueError(f"dtype {dtype} has no scenario name; valid: {sorted(set(_DTYPES.values()), key=str)}")
 
 
-def _dtype(name: str) -> torch.dtype:
+def parse_dtype(name: str) -> torch.dtype:
+    """The torch dtype a scenario or flag names (bf16, fp32, ...); ValueError naming the valid ones."""
     try:
         return _DTYPES[name]
     except KeyError:

@@ -20,7 +20,9 @@ from autoparallel.fx_utils import (
     WAIT,
     collective_bytes,
     copy_graph_module,
+    group_arg,
     group_arg_index,
+    group_arg_name,
     group_of,
     group_size_of,
     is_dtype_cast,
@@ -28,6 +30,7 @@ from autoparallel.fx_utils import (
     max_consec_compute_between_rs,
     missing_val_error,
     node_val,
+    resolve_attr,
     resolve_group,
     tensor_bytes,
     wait_of,
@@ -332,3 +335,25 @@ def test_group_size_of_a_python_function_node():
     x = g.placeholder("x")
     with pytest.raises(ValueError, match="node 'add' is not a _c10d_functional collective"):
         group_size_of(g.call_function(operator.add, (x, x)))
+
+
+def test_group_arg_name_and_resolve_attr():
+    assert group_arg_name(type("PG", (), {"group_name": "7"})()) == "7" and group_arg_name(3) == "3"
+    root = torch.nn.Module()
+    root.sub = torch.nn.Module()
+    root.sub.register_buffer("scale", torch.ones(1))
+    assert resolve_attr(root, "sub.scale") is root.sub.scale
+    assert resolve_attr(root, "sub.nope.deeper") is None
+
+
+def test_group_arg_positional_keyword_or_none():
+
+    g = fx.Graph()
+    x = g.placeholder("x")
+    pos = g.call_function(torch.ops._c10d_functional.all_reduce.default, (x, "sum", "5"))
+    kw = g.call_function(torch.ops._c10d_functional.all_reduce.default, (x, "sum"), {"group_name": "6"})
+    plain = g.call_function(aten.relu.default, (x,))
+    assert (group_arg(pos), group_arg(kw), group_arg(plain), group_arg(x)) == ("5", "6", None, None)
+    # the autograd twins name a group too; group_arg_index is for _c10d_functional only
+    node = g.call_function(torch.ops._c10d_functional_autograd.all_gather_into_tensor.default, (x, 2, "7"))
+    assert group_arg(node) == "7" and group_arg_index(node) is None

@@ -19,17 +19,14 @@ from autoparallel import meta as M
 from verify.graphs.canon import (
     SymbolNamer,
     _const_text,
-    _group_name_of,
     _missing_val_error,
     _op_short_name,
-    _resolve_attr,
     _stack_path,
     _target_text,
     canonical_names,
     canonicalize,
     canonicalize_pair,
     dtype_abbr,
-    group_arg,
     tensor_text,
     val_text,
 )
@@ -461,12 +458,6 @@ def test_containers_groups_attributes_and_module_paths():
     syms = SymbolNamer()
     assert val_text((torch.zeros(2),), syms) == "(f32[2],)"
     assert val_text((1, 2), syms) == "(1, 2)"
-    assert _group_name_of(type("PG", (), {"group_name": "7"})()) == "7" and _group_name_of(3) == "3"
-    root = torch.nn.Module()
-    root.sub = torch.nn.Module()
-    root.sub.register_buffer("scale", torch.ones(1))
-    assert _resolve_attr(root, "sub.scale") is root.sub.scale
-    assert _resolve_attr(root, "sub.nope.deeper") is None
     assert _stack_path("L['self'].layers['0'].attn") == "layers.0.attn"
     assert _stack_path(("['layers']", torch.nn.Module)) == "layers"
     assert _stack_path("ab") == "ab"
@@ -513,16 +504,6 @@ def test_recompute_tag_that_is_not_a_policy_is_printed_with_repr():
     y.meta[M.RECOMPUTE] = "custom"
     g.output(y)
     assert "{recompute='custom'}" in canonicalize(g, require_val=False)
-
-
-def test_group_arg_positional_keyword_or_none():
-
-    g = fx.Graph()
-    x = g.placeholder("x")
-    pos = g.call_function(c10d.all_reduce.default, (x, "sum", "5"))
-    kw = g.call_function(c10d.all_reduce.default, (x, "sum"), {"group_name": "6"})
-    plain = g.call_function(aten.relu.default, (x,))
-    assert (group_arg(pos), group_arg(kw), group_arg(plain), group_arg(x)) == ("5", "6", None, None)
 
 
 class _Fn:
