@@ -86,7 +86,7 @@ def one_thread():
     """One intra-op thread for the module (``pytestmark = pytest.mark.usefixtures("one_thread")``):
     on a 2-core box shared by 2 xdist workers, intra-op threads spin against each other (one
     debug-preset step took 0.7-2.3 s with 2 threads, 0.13 s with 1); results are bitwise the same."""
-    from verify.stages.trainer import intra_op_threads
+    from verify.parity.trainer import intra_op_threads
 
     with intra_op_threads(1):
         yield
@@ -283,7 +283,7 @@ def pytest_configure_node(node):
 # Modules whose tests share per-process state across modules, or whose owners keep the module's
 # marks elsewhere: each list runs on one worker (an explicit xdist_group mark on a test wins).
 MODULE_GROUPS = {
-    # verify.stages.trainer caches the traced steps (functools.lru_cache) these modules share.
+    # verify.parity.trainer caches the traced steps (functools.lru_cache) these modules share.
     "trainer": (
         "tests/golden/test_trainer_goldens.py",
         "tests/parity/test_trainer_parity.py",

@@ -1,7 +1,8 @@
 """The layout's rules, checked on the source (ARCHITECTURE.md lists them):
 
-* no import cycle among the modules of ``autoparallel`` and ``verify``, and ``autoparallel`` never
-  imports ``verify`` or ``tests``;
+* no import cycle among the modules of ``autoparallel`` and ``verify``, nor among verify's
+  families, and ``autoparallel`` never imports ``verify`` or ``tests``;
+* verify/ keeps at most 12 top-level entries, and tests/unit/ mirrors the source packages;
 * node-meta keys, role labels and activation-checkpointing policy names are spelled only in their
   home modules (``meta.py``, ``roles.py``, ``ac.py``);
 * first-party imports inside functions only where a module says why (cheap CLI / pytest plugin);
@@ -129,6 +130,64 @@ def test_import_cycle_check_finds_a_cycle_through_a_function_local_import():
         "pkg/d.py": "import pkg.a\n",
     }
     assert import_cycles(import_graph(sources)) == [["pkg.a", "pkg.b", "pkg.c"]]
+
+
+MAX_VERIFY_TOP_LEVEL = 12  # files plus packages at verify/'s top (issue 29: the public surface, then families)
+
+
+def top_level_entries(root: Path) -> list[str]:
+    return sorted(p.name for p in root.iterdir() if p.name != "__pycache__" and (p.suffix == ".py" or (p / "__init__.py").exists()))
+
+
+def test_verify_has_at_most_twelve_top_level_entries():
+    entries = top_level_entries(ROOT / "verify")
+    assert len(entries) <= MAX_VERIFY_TOP_LEVEL, f"group these into verify's families (ARCHITECTURE.md): {entries}"
+
+
+def family_graph(graph: dict[str, set[str]], package: str) -> dict[str, set[str]]:
+    """``graph`` collapsed to ``package``'s top-level modules and subpackages (its ``__init__``,
+    which every module may import, left out)."""
+
+    def family(module: str) -> str | None:
+        parts = module.split(".")
+        return ".".join(parts[:2]) if parts[0] == package and len(parts) > 1 else None
+
+    out: dict[str, set[str]] = {}
+    for me, deps in graph.items():
+        if family(me):
+            out.setdefault(family(me), set()).update(f for d in deps if (f := family(d)) and f != family(me))
+    return out
+
+
+def test_verify_families_import_each_other_in_one_direction():
+    """graphs <- stages <- parity; goldens and commands above them (ARCHITECTURE.md)."""
+    assert import_cycles(family_graph(import_graph(_sources("verify")), "verify")) == []
+
+
+def test_family_cycle_check_finds_two_packages_importing_each_other():
+    sources = {"pkg/__init__.py": "", "pkg/a/x.py": "from pkg.b import y\n", "pkg/b/y.py": "from pkg.a import z\n",
+               "pkg/a/z.py": "", "pkg/c.py": "import pkg.a.x\n"}
+    assert import_cycles(family_graph(import_graph(sources), "pkg")) == [["pkg.a", "pkg.b"]]
+
+
+def unmirrored_test_dirs(root: Path) -> list[str]:
+    """Directories under ``root/tests/unit`` with no package at the same path under ``root``."""
+    unit = root / "tests" / "unit"
+    return [str(d.relative_to(unit)) for d in sorted(unit.rglob("*")) if d.is_dir() and d.name != "__pycache__"
+            and not (root / d.relative_to(unit) / "__init__.py").exists()]
+
+
+def test_unit_tests_mirror_the_source_packages():
+    """tests/unit/<package>/... has a directory only where the source has that package."""
+    assert unmirrored_test_dirs(ROOT) == []
+
+
+def test_layout_counts_find_too_many_entries_and_stray_test_dirs(tmp_path):
+    for name in ("a.py", "b/__init__.py", "tests/unit/b/x/t.py", "tests/unit/b/t.py", "notes/readme.md"):
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text("")
+    assert top_level_entries(tmp_path) == ["a.py", "b"]
+    assert unmirrored_test_dirs(tmp_path) == ["b/x"]
 
 
 def test_autoparallel_never_imports_verify_or_tests():
@@ -327,3 +386,4 @@ def test_no_test_module_directly_in_tests_unit():
     named autoparallel/ and verify/, so that entry would make a spawned process (run_on_world with
     start_method="spawn") import them as namespace packages instead of the real ones."""
     assert sorted(p.name for p in (ROOT / "tests" / "unit").glob("*.py")) == []
+

@@ -19,6 +19,8 @@ run the test suite in a subprocess and say what to install when pytest is missin
 ``tests/unit/verify/test_base_install.py`` imports every other module with those packages blocked.
 """
 
+from pathlib import Path
+
 # Modules allowed to import a test-only package at module level (see above).
 TEST_ONLY_MODULES = (
     "verify.pytest_plugin",
@@ -27,3 +29,11 @@ TEST_ONLY_MODULES = (
     "verify.commands.mutation.subprocess_hits",
 )
 TEST_ONLY_PACKAGES = ("pytest", "_pytest", "syrupy", "hypothesis", "xdist", "pytest_timeout", "mutmut")
+
+
+def repo_root() -> Path:
+    """The source checkout's root: the commands that run the test suite (goldens, mutate) need it."""
+    root = Path(__file__).resolve().parents[1]
+    if not (root / "tests").is_dir():
+        raise ValueError(f"{root} has no tests/ directory: run from a source checkout (pip install -e .)")
+    return root

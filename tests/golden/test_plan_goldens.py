@@ -7,7 +7,8 @@ per parameter, input and node; predicted collectives; the objective). Regenerate
 
 import pytest
 
-from verify.stages.plan_cases import GOLDEN_CASES, golden_text
+from verify.goldens.catalog import plan_case_text
+from verify.stages.plan_cases import GOLDEN_CASES
 
 
 def _grouped(names):
@@ -18,4 +19,4 @@ def _grouped(names):
 
 @pytest.mark.parametrize("name", _grouped(GOLDEN_CASES))
 def test_plan_text(name, golden):
-    golden.check_text(golden_text(name))
+    golden.check_text(plan_case_text(name))

@@ -5,7 +5,7 @@ import functools
 import pytest
 
 from verify.goldens import graph_golden_text
-from verify.stages.trainer import sac_graphs
+from verify.parity.trainer import sac_graphs
 
 
 @functools.cache

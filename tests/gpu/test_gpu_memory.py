@@ -17,7 +17,7 @@ from autoparallel.patches import disabled
 from autoparallel.trainer import run_traced
 from verify.graphs.memory import compare_peaks, peak_memory, ratio
 from verify.parity.launch import run_gated
-from verify.stages.trainer import (
+from verify.parity.trainer import (
     cross_entropy_loss,
     make_batches,
     make_model,

@@ -16,7 +16,7 @@ from autoparallel.runtime.steps import Executor, train_steps
 from autoparallel.trainer import recompute_summary, run_traced, trace_train_step
 from verify import zoo
 from verify.parity.compare import compare_traces
-from verify.stages.trainer import (
+from verify.parity.trainer import (
     eager_executor,
     make_batches,
     make_model,

@@ -1,7 +1,7 @@
 """``python -m verify report --trainer``: the graph trainer's stages in one table (and page).
 
 The graph trainer (``autoparallel/trainer/``) traces one single-device training step into one
-graph, tags it for graph SAC and rematerializes; its stages are ``verify.stages.trainer.
+graph, tags it for graph SAC and rematerializes; its stages are ``verify.parity.trainer.
 TRAINER_STAGES``. Per stage: node count, static peak (the liveness walk of ``verify.graphs.stats``),
 the peak of one step measured on this CPU, the golden comparison, and parity (each stage trained
 against eager, bitwise). ``--html DIR`` writes the page with the measured memory timeline beside
@@ -20,8 +20,8 @@ from verify.commands.html.records import trainer_records
 from verify.commands.html.views import stage_view
 from verify.commands.report import PARITY_MAX_PARAMS, parity_lines, progress, table_lines
 from verify.graphs.stats import human_bytes
+from verify.parity.trainer import stage_parity
 from verify.stages.scenario import Scenario, parameter_count
-from verify.stages.trainer import stage_parity
 
 BATCH = 4  # the trainer goldens' and parity tests' batch: their traces are shared
 PARITY_STEPS = 2

@@ -29,6 +29,7 @@ from verify.goldens.text import (
     header_text,
     render_golden,
 )
+from verify.stages import plan_cases
 from verify.stages.pipeline_run import run_scenario
 from verify.stages.registry import ALONE, REGISTRY, StageChecks, golden_kinds
 from verify.stages.scenario import Scenario
@@ -233,3 +234,11 @@ def compare_with_golden(root: Path, test: str, param_id: str, text: str) -> str:
     if not path.exists():
         return "missing"
     return "matches" if path.read_bytes() == text.encode() else "differs"
+
+
+def plan_case_text(name: str) -> str:
+    """Header and canonical plan text of a golden planning case (``verify.stages.plan_cases``)."""
+
+    case = plan_cases.GOLDEN_CASES[name]
+    header = {"case": name, "model": case.preset, "layers": case.layers or "preset", "batch": case.batch, "mesh": case.mesh, "profile": case.profile}
+    return render_golden(f"plan {name}", [("header", header_text(header)), ("plan", plan_cases.plan_case(case).text())])

@@ -21,7 +21,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from verify.commands.repo import repo_root
+from verify import repo_root
 from verify.goldens.text import GOLDENS_DIR, UPDATE_COMMAND
 
 USAGE_LOG_ENV = "AUTOPARALLEL_GOLDENS_LOG"  # a directory: one JSON file per pytest process

@@ -1,2 +1,3 @@
 """Running the graphs for real and comparing: tensors bitwise and against the oracle, gloo worlds
-per executor, planned worlds, simulated ranks (differential execution) and the launcher."""
+per executor, planned worlds, the graph trainer's stages, simulated ranks (differential
+execution) and the launcher."""

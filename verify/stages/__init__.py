@@ -1,2 +1,2 @@
-"""What runs: named scenarios through ``autoparallel.pipeline``, the graph trainer's stages and
-the planning cases."""
+"""What runs: named scenarios through ``autoparallel.pipeline``, the planning cases, the default
+scenario, and how each stage is verified (``registry``)."""

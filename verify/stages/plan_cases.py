@@ -15,7 +15,6 @@ import torch
 from autoparallel.mesh import fake_world
 from autoparallel.models.llama3 import build_model, model_args
 from autoparallel.planner import Planner, PlannerConfig
-from verify.goldens import header_text, render_golden
 from verify.stages.scenario import parse_dtype
 
 
@@ -98,10 +97,3 @@ GOLDEN_CASES = {
     "debug-dp4tp2": PlanCase("debug", "dp=4,tp=2"),
 }
 
-
-def golden_text(name: str) -> str:
-    """Header and canonical plan text of a golden case."""
-
-    case = GOLDEN_CASES[name]
-    header = {"case": name, "model": case.preset, "layers": case.layers or "preset", "batch": case.batch, "mesh": case.mesh, "profile": case.profile}
-    return render_golden(f"plan {name}", [("header", header_text(header)), ("plan", plan_case(case).text())])

@@ -22,18 +22,18 @@ from autoparallel.trainer import run_traced
 from verify.goldens import catalog
 from verify.goldens.text import read_golden
 from verify.graphs.memory import memory_timeline
-from verify.stages.registry import (
-    COLLECTIVE_PASSES_EXECUTOR,
-    HTML_PASS,
-    HTML_PLANNING,
-    html_sections,
-)
-from verify.stages.trainer import (
+from verify.parity.trainer import (
     TRAINER_STAGES,
     intra_op_threads,
     make_batches,
     make_model,
     stage_step,
+)
+from verify.stages.registry import (
+    COLLECTIVE_PASSES_EXECUTOR,
+    HTML_PASS,
+    HTML_PLANNING,
+    html_sections,
 )
 
 __all__ = [

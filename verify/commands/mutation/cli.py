@@ -7,9 +7,9 @@ import sys
 import time
 
 from autoparallel.patches import PATCHES
+from verify import repo_root
 from verify.commands.mutation import patches as patch_mutation
 from verify.commands.mutation.lines import main as lines_main
-from verify.commands.repo import repo_root
 
 
 def main(args) -> int:

@@ -93,9 +93,9 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from verify import repo_root
 from verify.commands.mutation import STATES, run_slow_args
 from verify.commands.mutation.outcome_log import ENV as OUTCOME_ENV
-from verify.commands.repo import repo_root
 
 PASSES_DIR = "autoparallel/passes"
 VERIFY_PLUGIN = "verify.pytest_plugin"  # its pytest11 entry point name (pyproject.toml)
@@ -444,7 +444,7 @@ def mutmut_config(files: Sequence[str], tests: Sequence[str], deselect: Sequence
                   timeout_constant: float = DEFAULT_TIMEOUT_CONSTANT) -> str:
     """The ``[tool.mutmut]`` table written into the scratch directory's pyproject.toml. ``goldens``
     is copied next to the mutants: code under ``verify`` finds the repository root from its own
-    path (``verify.commands.repo``), which is mutmut's ``mutants/`` there. ``blocked_plugins``: pytest
+    path (``verify.repo_root``), which is mutmut's ``mutants/`` there. ``blocked_plugins``: pytest
     plugins mutmut's own pytest runs leave out (:func:`mutated_pytest_plugins`); ``run_slow``:
     :func:`verify.commands.mutation.run_slow_args` of the project (its ``slow`` tests run too)."""
     selection = [*tests]

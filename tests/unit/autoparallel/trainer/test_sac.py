@@ -24,7 +24,7 @@ from autoparallel.trainer import (
     sac_stages,
     trace_train_step,
 )
-from verify.stages.trainer import sac_graphs, traced_step
+from verify.parity.trainer import sac_graphs, traced_step
 
 PRESET = "tiny"
 MM = torch.ops.aten.mm.default

@@ -17,7 +17,7 @@ from autoparallel.trainer import (
     run_traced,
     trace_train_step,
 )
-from verify.stages.trainer import (
+from verify.parity.trainer import (
     cross_entropy_loss,
     make_batches,
     make_model,

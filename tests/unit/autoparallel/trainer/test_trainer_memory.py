@@ -21,7 +21,7 @@ from autoparallel.patches import disabled
 from autoparallel.trainer import run_traced
 from verify.graphs.memory import PeakMemory, compare_peaks, peak_memory, ratio, static_peak
 from verify.parity.launch import gated_backend, run_gated
-from verify.stages.trainer import (
+from verify.parity.trainer import (
     cross_entropy_loss,
     make_batches,
     make_model,

@@ -13,7 +13,7 @@ import pytest
 from verify.__main__ import main
 from verify.commands.html.page import page_sections
 from verify.commands.trainer_report import format_report
-from verify.stages.trainer import TRAINER_STAGES
+from verify.parity.trainer import TRAINER_STAGES
 
 pytestmark = [pytest.mark.xdist_group("trainer"), pytest.mark.usefixtures("one_thread")]  # the cached debug traces
 

@@ -15,8 +15,8 @@ from types import SimpleNamespace
 
 import pytest
 
+from verify import repo_root
 from verify.__main__ import main as verify_main
-from verify.commands.repo import repo_root
 from verify.goldens import cli
 from verify.goldens.cli import USAGE_LOG_ENV, run_goldens
 

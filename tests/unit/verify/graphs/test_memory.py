@@ -19,7 +19,7 @@ from verify.graphs.memory import (
 )
 from verify.graphs.stats import static_peak_bytes
 from verify.parity.launch import gated_backend, run_gated
-from verify.stages.trainer import traced_step
+from verify.parity.trainer import traced_step
 
 MB4 = 1_000_000  # float32 elements in 4 MB
 
