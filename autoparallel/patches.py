@@ -39,7 +39,7 @@ def _register(name: str, summary: str, when_disabled: str, guards: tuple[str, ..
 
 # Entries are added by the issues that build each pass; see tests/unit/autoparallel/test_patches.py.
 
-# Automatic placement (pipeline step 2, plan="auto"): autoparallel/planner/.
+# Automatic placement (the plan stage, plan="auto"): autoparallel/planner/.
 _register(
     "eliminate_alias_round_trips",
     "the plan stage rewires each consumer of an alias that wants the alias's producer's placement "
@@ -96,7 +96,7 @@ _register(
 )
 
 
-# Collective passes on the split fw/bw graphs (pipeline step 6): autoparallel/passes/.
+# Collective passes on the split fw/bw graphs (the stages after second_compile): autoparallel/passes/.
 _register(
     "fuse_chained_allgathers",
     "fuse_chained_allgathers replaces all_gather(dp) -> wait -> [identity views] -> all_gather(tp) "
@@ -180,7 +180,7 @@ _register(
 )
 
 
-# Graph trainer (pipeline step 7): autoparallel/trainer/.
+# Graph trainer (the second front end, docs/design.md): autoparallel/trainer/.
 _register(
     "phase_tagging",
     "trace_train_step marks nodes traced inside torch.autograd.grad with custom.phase='backward' "

@@ -387,3 +387,35 @@ def test_no_test_module_directly_in_tests_unit():
     start_method="spawn") import them as namespace packages instead of the real ones."""
     assert sorted(p.name for p in (ROOT / "tests" / "unit").glob("*.py")) == []
 
+
+# --- the repository refers only to itself ---------------------------------------------------------
+
+# A design doc outside the repository, a sibling checkout, numbered steps of that doc ("pipeline
+# step 6"): pieces of a path, so that this file does not match itself.
+_OUTSIDE = re.compile("|".join(("DESIGN" + r"\.md", r"\.\./" + "shared", "/work" + "/shared", "pipeline step" + r" \d")))
+
+
+def outside_references(texts: dict[str, str]) -> list[str]:
+    return [f"{path}:{i}: {m.group(0)}" for path, text in texts.items()
+            for i, line in enumerate(text.splitlines(), 1) for m in _OUTSIDE.finditer(line)]
+
+
+def _repo_texts() -> dict[str, str]:
+    suffixes = {".py", ".md", ".toml", ".ini", ".txt", ".cfg", ""}
+    out = {}
+    for p in sorted(ROOT.rglob("*")):
+        rel = p.relative_to(ROOT)
+        if rel.parts[0] in (".git", ".venv", "goldens", "build", "dist") or "egg-info" in rel.parts[0] or not p.is_file():
+            continue
+        if p.suffix in suffixes and "__pycache__" not in rel.parts and not rel.parts[0].startswith((".hypothesis", ".ruff", ".pytest")):
+            out[str(rel)] = p.read_text(errors="replace")
+    return out
+
+
+def test_nothing_refers_to_a_file_outside_the_repository():
+    assert outside_references(_repo_texts()) == [], "the design doc is docs/design.md"
+
+
+def test_outside_reference_check_finds_them():
+    bad = {"m.md": "see " + "DESIGN" + ".md\n" + "cat .." + "/shared/notes\nok\n# pipeline " + "step 6: passes"}
+    assert [r.split(": ", 1)[0] for r in outside_references(bad)] == ["m.md:1", "m.md:2", "m.md:4"]

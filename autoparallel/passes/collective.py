@@ -1,4 +1,4 @@
-"""The collective passes of pipeline step 6, composed: what a compiler (and the report) calls.
+"""The collective passes (the stages after second_compile), composed: what a compiler (and the report) calls.
 
 * :func:`tag_joint` on the joint graph, before the partition (pre-overlap bucketing tags);
 * :func:`bucket_fw_bw` on the split forward and backward graphs: the passes of

@@ -1,5 +1,5 @@
 """Graph trainer: one make_fx graph per training step (forward, loss, backward), phase tags,
-graph SAC + remat, and no-grad execution. See DESIGN.md, pipeline step 7."""
+graph SAC + remat, and no-grad execution. See docs/design.md, "The graph trainer"."""
 
 from autoparallel.trainer.execute import accumulate_grads, run_traced
 from autoparallel.trainer.regions import annotate_ac_regions, clear_ac_regions, region_of
