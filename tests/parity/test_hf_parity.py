@@ -20,19 +20,16 @@ _SEQ2SEQ_DROPOUT = (
 NOT_YET: dict[str, dict[str, str]] = {
     "fsdp dp=2": {"t5": _SEQ2SEQ_DROPOUT, "bart": _SEQ2SEQ_DROPOUT},
     "auto dp=2,tp=2": {
-        **dict.fromkeys(("gpt2", "bert", "roberta", "distilbert", "electra", "t5"), (
-            "dropout on: every stage bitwise, but the planned oracle compares with the unsharded model on the whole "
-            "batch, whose masks no rank draws (random ops are not yet disabled on both sides under plan='auto')")),
+        "t5": (
+            "dropout on: the collective passes (composed) train differently from the eager placements while the second "
+            "compile is bitwise; bitwise at every stage with dropout_rate=0 (the fsdp row's seq2seq cause, not found "
+            "yet)"),
         **dict.fromkeys(("gpt_neo", "falcon"), (
             "the planner cannot place a lifted tensor constant (get_attr '_tensor_constant0': a tensor the model "
             "builds from Python data in forward)")),
-        **dict.fromkeys(("opt", "starcoder2", "bart", "vit"), (
-            "the plan's lowering (PlacedInterpreter, DTensor dispatch) views a strided local shard: 'Cannot view a "
-            "tensor with shape [4, 8, 2, 16] and strides (256, 16, 128, 1) as [4, 8, 32]'")),
         **dict.fromkeys(("mixtral", "qwen2_moe"), (
             "the planner has no sharding strategy for transformers.grouped_mm_fallback (the MoE experts' custom op)")),
         "swin": "the planner has no sharding strategy for aten.as_strided",
-        "resnet": "the second compile of the lowered plan fails at run time: 'size of tensor a (16) must match b (4)'",
     },
 }
 TIER = ("falcon", "resnet")  # in the tier (the cheapest two): a decoder LM through transformers' mask code, a BatchNorm image model

@@ -4,8 +4,11 @@ import pytest
 import torch
 from torch import nn
 
+from autoparallel import pipeline as P
+from autoparallel.mesh import fake_world
 from autoparallel.parallelize import ParallelPlan
 from autoparallel.planner.auto import _check_reduce_dtype, planner_config
+from verify import zoo
 
 
 def test_planner_options_become_the_planner_config():
@@ -30,10 +33,6 @@ def test_a_buffers_new_value_is_placed_like_the_buffer():
     which the module copies into the buffer's local piece: placed otherwise, the copy fails at run
     time (Hugging Face ResNet under plan='auto': 'size of tensor a (16) must match b (4)'). The
     buffer is pinned sharded over tp here; its new value must follow."""
-    from autoparallel import pipeline as P
-    from autoparallel.mesh import fake_world
-    from verify import zoo
-
     case = zoo.convnet
     with torch.device("meta"):
         model = case.factory()

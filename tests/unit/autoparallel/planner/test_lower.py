@@ -23,7 +23,9 @@ from autoparallel.planner.costs import CostModel
 from autoparallel.planner.graph import ALIAS
 from autoparallel.planner.lower import (
     LoweringError,
+    _dim_order,
     decode,
+    in_layout_of,
     local_shape,
     lower_plan,
     node_placements,
@@ -152,8 +154,6 @@ def test_a_moved_piece_takes_the_traced_layout_so_the_graphs_views_still_apply()
     kernel's [B, S, H, D]-laid result, so the traced graph views it as [B, S, H*D]; a redistribution
     hands back its piece contiguous in [B, H, S, D], whose transpose cannot be viewed so ('Cannot
     view a tensor with shape [4, 8, 2, 16] and strides (256, 16, 128, 1)')."""
-    from autoparallel.planner.lower import in_layout_of
-
     traced = torch.empty(4, 8, 4, 16).transpose(1, 2)  # [B, H, S, D] laid out as [B, S, H, D]
     piece = torch.randn(4, 2, 8, 16)  # a moved piece, contiguous in its logical order
     with pytest.raises(RuntimeError, match="view"):
@@ -170,8 +170,6 @@ def test_a_moved_piece_takes_the_traced_layout_so_the_graphs_views_still_apply()
 @given(shape=st.lists(st.integers(1, 4), min_size=2, max_size=4), data=st.data())
 @settings(max_examples=50, deadline=None)
 def test_in_layout_of_keeps_values_and_takes_the_traced_dim_order(shape, data):
-    from autoparallel.planner.lower import _dim_order, in_layout_of
-
     n = len(shape)
     traced_perm = data.draw(st.permutations(range(n)))
     piece_perm = data.draw(st.permutations(range(n)))
