@@ -13,17 +13,9 @@ from verify.hf import ARCHS, hf_case
 pytest.importorskip("transformers", reason="the Hugging Face matrix needs the hf extra: pip install -c constraints.txt -e '.[hf]'")
 
 # Why an architecture cannot pass a plan yet (measured with transformers 5.24.0); absent: it passes.
-_SEQ2SEQ_DROPOUT = (
-    "dropout on: the second compile (and so the collective passes) trains differently from the eager program "
-    "(max |diff| 0.1-0.3; every earlier stage bitwise, and bitwise with dropout 0): the compiled module draws "
-    "its masks otherwise, cause not found yet")
 NOT_YET: dict[str, dict[str, str]] = {
-    "fsdp dp=2": {"t5": _SEQ2SEQ_DROPOUT, "bart": _SEQ2SEQ_DROPOUT},
+    "fsdp dp=2": {},
     "auto dp=2,tp=2": {
-        "t5": (
-            "dropout on: the collective passes (composed) train differently from the eager placements while the second "
-            "compile is bitwise; bitwise at every stage with dropout_rate=0 (the fsdp row's seq2seq cause, not found "
-            "yet)"),
         **dict.fromkeys(("gpt_neo", "falcon"), (
             "the planner cannot place a lifted tensor constant (get_attr '_tensor_constant0': a tensor the model "
             "builds from Python data in forward)")),
