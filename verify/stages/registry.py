@@ -108,7 +108,7 @@ def _collective_pass(name: str, law: Law, tests: tuple[str, ...]) -> StageChecks
         conservation=law,
         golden=ALONE,
         html=HTML_PASS,
-        mutation_tests=tests,
+        mutation_tests=(*tests, f"{PASS_TESTS}/test_random_order.py"),  # every pass runs keeping random order
     )
 
 
