@@ -14,6 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import fx
 from torch.distributed.tensor import Partial, Replicate, Shard
+from torch.fx.experimental.proxy_tensor import make_fx
 
 from autoparallel import meta as M
 from autoparallel import pipeline as P
@@ -181,3 +182,15 @@ def test_in_layout_of_keeps_values_and_takes_the_traced_dim_order(shape, data):
     assert torch.equal(laid, piece)
     assert laid.permute(_dim_order(traced)).is_contiguous(), "dense, in the traced dims' memory order"
     assert laid.is_contiguous() or not traced.is_contiguous()
+
+
+def test_a_piece_laid_out_already_adds_no_node_to_the_lowered_graph():
+    """The lowered graph is traced through the interpreter: checking the layout must not record an
+    op (a permute made to ask is_contiguous() lands in every golden), and an identity order copies
+    with contiguous() alone."""
+    traced = torch.empty(4, 6)
+    dense = make_fx(lambda t: in_layout_of(t, traced))(torch.randn(4, 6))
+    assert [n.op for n in dense.graph.nodes] == ["placeholder", "output"]
+    strided = make_fx(lambda t: in_layout_of(t[:, :3], torch.empty(4, 3)))(torch.randn(4, 6))
+    ops = [n.target for n in strided.graph.nodes if n.op == "call_function"]
+    assert torch.ops.aten.permute.default not in ops and torch.ops.aten.clone.default in ops
