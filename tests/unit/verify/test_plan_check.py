@@ -1,0 +1,315 @@
+"""The independent plan checker (verify/plan_check.py) on a 2-D mesh whose dims do not divide.
+
+The model's dims (12, 20, 6) divide each mesh dim of dp=4,tp=2 alone but not their product 8, so
+a strategy space that checks divisibility per mesh dim keeps placements no rank can hold. Every
+constraint group is tampered with once (the multi-output LayerNorm's getitems included), and two
+strategy bugs are planted in the planner itself: the checker, which never reads the planner's
+candidate lists, must name each.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.tensor.placement_types import Partial, Replicate, Shard, _MaskPartial
+
+from autoparallel.mesh import fake_world
+from autoparallel.planner import Plan, Planner, PlannerConfig
+from autoparallel.planner import problem as planner_problem
+from autoparallel.planner import strategies as planner_strategies
+from verify import plan_check
+from verify.plan_check import (
+    can_move,
+    check_plan,
+    local_numel,
+    placement,
+    shard_counts,
+    traced_graph,
+)
+
+MESH = "dp=4,tp=2"
+PINS = {"input:0": "dp:S(0),tp:R", "input:1": "dp:S(0),tp:R"}
+
+
+class Uneven(nn.Module):
+    """12 -> 20 -> LayerNorm -> GELU -> 6: no dim divides by 8, each divides by 4 or 2."""
+
+    def __init__(self):
+        super().__init__()
+        self.up = nn.Linear(12, 20)
+        self.norm = nn.LayerNorm(20)
+        self.down = nn.Linear(20, 6, bias=False)
+
+    def forward(self, x):
+        return self.down(F.gelu(self.norm(self.up(x))))
+
+
+def _inputs():
+    return torch.empty(12, 12, device="meta"), torch.zeros(12, dtype=torch.long, device="meta")
+
+
+@pytest.fixture(scope="module")
+def traced():
+    with torch.device("meta"):
+        model = Uneven()
+    with fake_world(MESH) as mesh:
+        return Planner.trace(model, mesh, _inputs(), F.cross_entropy, description="uneven")
+
+
+@pytest.fixture(scope="module")
+def plan(traced):
+    with fake_world(MESH) as mesh:
+        return traced.plan(mesh, PlannerConfig(pins=PINS))
+
+
+def _tampered(plan: Plan, edit) -> Plan:
+    copy = Plan.from_json(json.loads(json.dumps(plan.to_json())))
+    edit(copy)
+    return copy
+
+
+def _groups(plan, tampered, semantics=True) -> set[str]:
+    return check_plan(tampered, *traced_graph(plan), semantics=semantics).groups()
+
+
+def test_the_correct_plan_passes_and_every_op_ran(plan):
+    result = plan_check.assert_plan_valid(plan)
+    assert result.ran >= 20 and result.unchecked == {}
+    assert plan.inputs["input:0"] == {"dp": "S(0)", "tp": "R"}
+
+
+def _node(p, op, k=0, phase="fwd"):
+    return p.nodes[f"-/{phase}/{op}#{k}"]
+
+
+R2 = {"dp": "R", "tp": "R"}
+
+
+def _structure(p):
+    del p.nodes["-/fwd/aten.gelu.default#0"]
+
+
+def _divides(p):  # the batch of 12 split 8 ways, consumers adjusted so that only this is wrong
+    p.nodes["input:0"].out = [{"dp": "S(0)", "tp": "S(0)"}]
+    p.inputs["input:0"] = {"dp": "S(0)", "tp": "S(0)"}
+
+
+def _flow(p):  # addmm wants the transposed weight as a partial sum over dp; it is split over dp
+    _node(p, "aten.addmm.default").ins[2] = {"dp": "P(sum)", "tp": "R"}
+
+
+def _partial_into_gelu(p):  # a replicated value split into summands is legal; GELU of them is not
+    _node(p, "aten.gelu.default").ins = [{"dp": "P(sum)", "tp": "R"}]
+
+
+def _multi_output(p):  # LayerNorm's mean placed apart from the op that makes it
+    p.nodes["-/fwd/getitem#1"].out = [{"dp": "S(0)", "tp": "R"}]
+
+
+def _fwd_bwd(p):
+    p.nodes["out:grad:down.weight"].out = [R2]
+    p.nodes["out:grad:down.weight"].ins = [R2]
+
+
+def _loss(p):
+    p.nodes["out:loss"].out = [{"dp": "P(avg)", "tp": "R"}]
+    p.nodes["out:loss"].ins = [{"dp": "P(avg)", "tp": "R"}]
+
+
+def _memory(p):
+    p.param_memory_bytes -= 4
+
+
+def _budget(p):
+    p.memory_budget_bytes = p.param_memory_bytes / 2
+
+
+def _tables(p):
+    p.params["up.weight"] = R2
+
+
+def _semantics(p):  # a replicated matmul claimed split over tp: every structural rule still holds
+    mm = _node(p, "aten.mm.default")
+    mm.out = [{**mm.out[0], "tp": "S(1)"}]
+
+
+def _semantics_partial(p):  # x @ w with x sharded on its rows claimed as a partial sum
+    mm = _node(p, "aten.mm.default")
+    mm.ins = [{"dp": "S(0)", "tp": "R"}, R2]
+    mm.out = [{"dp": "P(sum)", "tp": "R"}]
+
+
+TAMPERED = {
+    "structure": (_structure, {"structure"}),
+    "divides": (_divides, {"divides"}),
+    "flow": (_flow, {"flow"}),
+    "multi_output": (_multi_output, {"multi_output"}),
+    "fwd_bwd": (_fwd_bwd, {"fwd_bwd"}),
+    "fwd_bwd (loss)": (_loss, {"fwd_bwd"}),
+    "param_memory": (_memory, {"param_memory"}),
+    "param_memory (budget)": (_budget, {"param_memory"}),
+    "tables": (_tables, {"tables"}),
+    "semantics": (_semantics, {"semantics"}),
+    "semantics (partial)": (_semantics_partial, {"semantics"}),
+    "semantics (partial into gelu)": (_partial_into_gelu, {"semantics"}),
+}
+
+
+@pytest.mark.parametrize("name", sorted(TAMPERED))
+def test_each_tampered_group_is_named(plan, name):
+    edit, groups = TAMPERED[name]
+    got = check_plan(_tampered(plan, edit), *traced_graph(plan))
+    assert got.groups() >= groups, [str(v) for v in got.violations]
+    assert got.groups() <= groups | {"semantics"}, [str(v) for v in got.violations]
+
+
+def test_pins_are_checked(plan):
+    got = check_plan(plan, *traced_graph(plan), semantics=False, pins={"input:0": (Replicate(), Replicate())})
+    assert [v.group for v in got.violations] == ["pins"]
+    assert check_plan(plan, *traced_graph(plan), semantics=False, pins={"input:0": (Shard(0), Replicate())}).violations == []
+
+
+def test_a_cast_that_moves_before_a_mixed_precision_parameter_cast_is_named():
+    with torch.device("meta"):
+        model = Uneven()
+    with fake_world(MESH) as mesh:
+        plan = Planner.trace(model, mesh, _inputs(), F.cross_entropy, param_dtype=torch.bfloat16).plan(mesh)
+    result = plan_check.assert_plan_valid(plan)
+    # fp32 inputs meet bf16 weights: the traced graph does not run on real tensors, and says so
+    assert list(result.unchecked) == ["*"] and "does not run" in result.unchecked["*"]
+    gm, _ = traced_graph(plan)
+    casts = [plan.node_names[n.name] for n in gm.graph.nodes if plan_check._cast(n) is not None]
+    key = next(k for k in casts if plan.nodes[k].ins[0] != {"dp": "S(1)", "tp": "R"})
+
+    def moved(p):
+        p.nodes[key].ins = [{"dp": "S(1)", "tp": "R"}]
+
+    assert "grad_reduce_dtype" in _groups(plan, _tampered(plan, moved), semantics=False)
+
+
+# --- planted strategy bugs: the planner's own candidate space is wrong ------------------------------
+
+
+def _divides_per_mesh_dim(placements, shape, sizes, *, pad_dim0=False):
+    """The classic bug: each mesh dim checked alone (12 % 4 == 0 and 12 % 2 == 0, yet 12 % 8 != 0)."""
+    for p, n in zip(placements, sizes, strict=True):
+        if isinstance(p, Shard) and (not 0 <= p.dim < len(shape) or (shape[p.dim] % n and not (p.dim == 0 and pad_dim0))):
+            return False
+    return True
+
+
+def _last_mesh_dim_wins(placements, sizes, ndim):
+    """A wrong shard count: the last mesh dim sharding a tensor dim overwrites the count."""
+    counts = [1] * ndim
+    for p, n in zip(placements, sizes, strict=True):
+        if isinstance(p, Shard):
+            if not 0 <= p.dim < ndim:
+                return None
+            counts[p.dim] = n
+    return counts
+
+
+PLANTED = {
+    "non-dividing candidate kept": ((planner_strategies, "divides", _divides_per_mesh_dim), (planner_problem, "divides", _divides_per_mesh_dim)),
+    "wrong shard count": ((planner_strategies, "shard_counts", _last_mesh_dim_wins),),
+}
+
+
+def planted_plan(traced, bug: str, monkeypatch) -> Plan:
+    """The plan a planner with ``bug`` makes (its non-dividing candidate chosen through a pin)."""
+    for module, attr, fn in PLANTED[bug]:
+        monkeypatch.setattr(module, attr, fn)
+    with fake_world(MESH) as mesh:
+        plan = Planner(traced.pg, "uneven").plan(mesh, PlannerConfig(pins={"input:0": "dp:S(1),tp:S(1)"}))
+    monkeypatch.undo()
+    return plan
+
+
+@pytest.mark.parametrize("bug", sorted(PLANTED))
+def test_planted_strategy_bugs_are_caught(traced, bug, monkeypatch):
+    plan = planted_plan(traced, bug, monkeypatch)
+    got = check_plan(plan, *traced_graph(plan))
+    assert [str(v) for v in got.violations if v.group == "divides"] == [
+        "[divides] input:0: output 0: dim 1 of (12, 12) split 8 ways by dp:S(1) tp:S(1)"
+    ]
+    with fake_world(MESH) as mesh, pytest.raises(ValueError, match="is not a candidate"):
+        traced.plan(mesh, PlannerConfig(pins={"input:0": "dp:S(1),tp:S(1)"}))  # the real planner refuses it
+
+
+def test_the_checker_reads_nothing_of_the_planner_but_the_plan_format():
+    """No candidate table, strategy, cost model or problem: only the plan's file format."""
+    tree = ast.parse(Path(plan_check.__file__).read_text())
+    imported = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)} | {
+        a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+    assert {m for m in imported if m and m.startswith("autoparallel.planner")} == {"autoparallel.planner.plan"}, imported
+
+
+# --- the pieces ------------------------------------------------------------------------------------
+
+
+def test_placements_parse_and_moves_into_partials_need_replicate_or_the_same_partial():
+    assert [placement(t) for t in ("R", "S(1)", "P(sum)")] == [Replicate(), Shard(1), Partial("sum")]
+    mask = placement("MaskP(sum, (12, 4), 0)")
+    assert isinstance(mask, _MaskPartial) and (mask.reduce_op, tuple(mask.offset_shape), mask.offset_dim) == ("sum", (12, 4), 0)
+    with pytest.raises(ValueError, match="bad placement"):
+        placement("S(x)")
+    assert can_move((Shard(0), Partial("sum")), (Replicate(), Shard(1)))
+    assert can_move((Replicate(), Partial("sum")), (Partial("avg"), Partial("sum")))
+    assert not can_move((Shard(0), Replicate()), (Partial("sum"), Replicate()))
+    assert not can_move((Partial("avg"), Replicate()), (Partial("sum"), Replicate()))
+    assert shard_counts((Shard(1), Shard(1)), (4, 2), 2) == [1, 8]
+    assert shard_counts((Shard(0), Replicate()), (4, 2), 3) == [4, 1, 1]
+    assert local_numel((10, 12), (Shard(0), Shard(1)), (4, 2)) == 3 * 6  # padded rows rounded up
+
+
+@pytest.mark.parametrize(
+    "pl",
+    [(Shard(0), Shard(1)), (Shard(1), Shard(1)), (Partial("sum"), Shard(0)), (Replicate(), Partial("avg")),
+     (Partial("max"), Replicate()), (Partial("min"), Partial("sum"))],
+    ids=str,
+)
+def test_split_then_combine_gives_back_the_tensor(pl):
+    full = torch.randn(8, 4, generator=torch.Generator().manual_seed(0))
+    coords = [(i, j) for i in range(4) for j in range(2)]
+    pieces, masks = plan_check._split(full, pl, (4, 2), coords, torch.Generator().manual_seed(1))
+    if any(isinstance(p, Partial) for p in pl):
+        assert not torch.allclose(pieces[0], pieces[1]) or not torch.allclose(pieces[0], pieces[-1])
+    assert plan_check._differs(plan_check._combine(pieces, pl, (4, 2), coords, masks), full) is None
+
+
+def test_a_replicated_claim_on_disagreeing_ranks_is_named():
+    coords = [(0,), (1,)]
+    with pytest.raises(plan_check._Disagree, match="disagree on a replicated value"):
+        plan_check._combine([torch.ones(3), torch.zeros(3)], (Replicate(),), (2,), coords, [None, None])
+
+
+def test_masked_rows_of_a_vocab_split_lookup_are_dropped():
+    table = torch.randn(8, 3, generator=torch.Generator().manual_seed(0))
+    ids = torch.tensor([0, 7, 3, 4])
+    coords = [(0,), (1,)]
+    mask_p = _MaskPartial(offset_shape=(8, 3), offset_dim=0, reduce_op="sum")
+    local_ids, masks = plan_check._split(ids, (mask_p,), (2,), coords, torch.Generator())
+    tables, _ = plan_check._split(table, (Shard(0),), (2,), coords, torch.Generator())
+    outs = [F.embedding(i, t) for i, t in zip(local_ids, tables, strict=True)]
+    assert plan_check._differs(plan_check._combine(outs, (mask_p,), (2,), coords, masks), F.embedding(ids, table)) is None
+    assert plan_check._differs(plan_check._combine(outs, (Partial("sum"),), (2,), coords, masks), F.embedding(ids, table))
+
+
+def test_differs_judges_at_the_tensors_scale():
+    a = torch.tensor([1000.0, 1.0])
+    assert plan_check._differs(a + 0.5, a) is None  # 5e-4 of the scale
+    assert "max |diff|" in plan_check._differs(a + 2.0, a)
+    assert "shape/dtype" in plan_check._differs(a[:1], a)
+    assert plan_check._differs(torch.tensor([1, 2]), torch.tensor([1, 3])) == "1 of 2 elements differ"
+    assert plan_check._differs(torch.tensor([float("nan")]), torch.tensor([0.0])) == "NaN on one side"
+
+
+def test_every_constraint_group_has_a_negative_test():
+    tampered = {g for _, groups in TAMPERED.values() for g in groups}
+    assert tampered | {"pins", "grad_reduce_dtype"} == set(plan_check.GROUPS)  # those two: their own tests above
