@@ -319,7 +319,7 @@ def test_verify_target_runs_each_checker_group_with_its_own_tests(tmp_path):
 
 
 def test_group_selects_named_verify_groups(tmp_path):
-    assert L.VERIFY_GROUP_NAMES == ("parity", "canon", "stats", "memory", "goldens", "pytest_plugin")
+    assert L.VERIFY_GROUP_NAMES == ("parity", "canon", "stats", "memory", "goldens", "pytest_plugin", "plan_check")
     two = L.groups(SimpleNamespace(target="verify", files=None, tests=None, group=["canon", "goldens"]), tmp_path)
     assert [files[0] for files, _ in two] == ["verify/canon.py", "verify/goldens/text.py"]
     with pytest.raises(ValueError, match=r"--group \['nope'\]: choose from"):
