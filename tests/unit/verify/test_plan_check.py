@@ -242,6 +242,44 @@ def test_planted_strategy_bugs_are_caught(traced, bug, monkeypatch):
         traced.plan(mesh, PlannerConfig(pins={"input:0": "dp:S(1),tp:S(1)"}))  # the real planner refuses it
 
 
+class Attention(nn.Module):
+    """One causal attention layer (the CPU SDPA op, which has the planner's own rule)."""
+
+    def __init__(self):
+        super().__init__()
+        self.qkv = nn.Linear(16, 48, bias=False)
+        self.out = nn.Linear(16, 4, bias=False)
+
+    def forward(self, x):
+        b, t, _ = x.shape
+        q, k, v = (z.view(b, t, 2, 8).transpose(1, 2) for z in self.qkv(x).chunk(3, dim=-1))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.out(y.transpose(1, 2).reshape(b, t, 16)).mean(1)
+
+
+def test_a_planted_op_rule_that_shards_attention_over_the_sequence_is_caught_by_running_it(monkeypatch):
+    """The planner's SDPA rule with a sequence split added (wrong without context parallelism):
+    every shape divides and every move exists, so only running the op on the shards sees it."""
+    sdpa = planner_strategies.aten._scaled_dot_product_flash_attention_for_cpu
+    rule = planner_strategies.PLANNER_RULES[sdpa.default]
+
+    def with_sequence(node, num_outs, num_ins):
+        return [*rule(node, num_outs, num_ins), [Shard(2)] * (num_outs + num_ins)]
+
+    with torch.device("meta"):
+        model = Attention()
+    inputs = (torch.empty(4, 8, 16, device="meta"), torch.zeros(4, dtype=torch.long, device="meta"))
+    key = "-/fwd/aten._scaled_dot_product_flash_attention_for_cpu.default#0"
+    with fake_world(MESH) as mesh:
+        traced = Planner.trace(model, mesh, inputs, F.cross_entropy)
+        plan_check.assert_plan_valid(traced.plan(mesh))
+        for op in (sdpa.default, planner_strategies.aten._scaled_dot_product_flash_attention_for_cpu_backward.default):
+            monkeypatch.setitem(planner_strategies.PLANNER_RULES, op, with_sequence)
+        plan = Planner(traced.pg, "attention").plan(mesh, PlannerConfig(pins={key: "dp:S(2),tp:R"}))
+    got = check_plan(plan, *traced_graph(plan))
+    assert got.groups() == {"semantics"} and got.violations[0].where == key, [str(v) for v in got.violations]
+
+
 def test_the_checker_reads_nothing_of_the_planner_but_the_plan_format():
     """No candidate table, strategy, cost model or problem: only the plan's file format."""
     tree = ast.parse(Path(plan_check.__file__).read_text())
