@@ -13,12 +13,16 @@ the unsharded graph (the lowering's *semantics*): both sides run the same redist
 is what the single-device comparison checks, independently (the unsharded model, one process,
 plain autograd), within a tolerance.
 
-Executors compared with ``eager`` on every rank, for ``steps`` AdamW steps (``train_steps``):
-``joint`` (the lowered joint graph, after the placement steps), ``first_partition`` (the
-``ParallelModule``), ``second_compile`` (``torch.compile`` with ``autoparallel_backend``). The plan
-is made once, in this process, on a fake world of the same mesh; each rank lowers it for itself
-(lowered graphs are rank-specific: a local split keeps the rank's piece) by running the pipeline
-on the real world with ``ParallelPlan.auto(plan=<the solver's plan>)``.
+Executors compared with ``eager`` on every rank, for ``steps`` AdamW steps (``train_steps``): one
+per stage of ``PLANNED_STAGES`` after the plan, as the hand plans' parity runs them
+(``verify.parity_runs``): ``joint`` (the lowered joint graph), ``cleanup`` and ``fsdp_tagging``
+(the joint graph after each placement step), ``first_partition`` (the ``ParallelModule``),
+``second_compile`` (``torch.compile`` with ``autoparallel_backend``) and ``collective_passes``
+(the second compile's graphs through every collective pass, composed). The plan is made once, in
+this process, on a fake world of the same mesh; each rank lowers it for itself (lowered graphs are
+rank-specific: a local split keeps the rank's piece) by running the pipeline on the real world
+with ``ParallelPlan.auto(plan=<the solver's plan>)``, every stage's graphs a snapshot (the second
+compile's graphs only: nothing runs there).
 """
 
 from __future__ import annotations
@@ -29,7 +33,7 @@ from dataclasses import dataclass, field
 import torch
 import torch._dynamo
 import torch.distributed as dist
-from torch import fx, nn
+from torch import nn
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from autoparallel import roles
@@ -38,7 +42,8 @@ from autoparallel.fx_utils import copy_graph_module
 from autoparallel.mesh import MeshSpec, build_mesh, fake_world
 from autoparallel.parallelize import ParallelPlan, cross_entropy_loss
 from autoparallel.partition import STEP_FIRST_PARTITION
-from autoparallel.pipeline import JOINT, PipelineOptions, run_pipeline
+from autoparallel.passes.collective import bucket_fw_bw
+from autoparallel.pipeline import run_pipeline
 from autoparallel.planner.auto import local_inputs, local_params, plan_for_pipeline
 from autoparallel.planner.lower import PlacedInterpreter, decode, node_placements, shard_tensor
 from autoparallel.planner.plan import Plan
@@ -50,15 +55,18 @@ from autoparallel.runtime.steps import (
     loss_and_updates,
     parallel_module_executor,
     primals_by_role,
+    split_graph_executor,
     train_steps,
 )
 from verify.ordered_collectives import run_parity_world
 from verify.parity import OracleReport, check_within, module_scales, oracle_tolerance
+from verify.parity_runs import COLLECTIVE, JOINT_EXECUTORS
+from verify.pipeline import pipeline_options
 
 PLANNED_RNG_SEED = 20_261_127  # base of the ranks' generator seeds (each executor draws alike)
 EAGER = "eager"
 TRAIN_LR = 1e-2  # train_steps' AdamW learning rate (the replay uses the same)
-EXECUTORS = (EAGER, JOINT, STEP_FIRST_PARTITION, SECOND_COMPILE)
+EXECUTORS = (EAGER, *JOINT_EXECUTORS, STEP_FIRST_PARTITION, SECOND_COMPILE, COLLECTIVE)
 
 # Single-device comparison until the "any model" issue's oracle (a per-dtype tolerance derived
 # from the reduction depth) lands: then switch single_device_report to it. fp32 only here.
@@ -141,17 +149,9 @@ def eager_executor(planned, mesh, buffers) -> Executor:
 
 def _rank_case(case: PlannedCase, solved: Plan, batches, executors, mesh) -> PlannedRank:
     torch._dynamo.reset()
-    options = PipelineOptions(snapshots=False)
-    lowered: dict[str, fx.GraphModule] = {}
-
-    def keep_lowered(result):  # the joint stage's graph, before the placement steps rewrite it
-        if result.name == JOINT:
-            lowered[JOINT] = copy_graph_module(result.graphs)
-
-    run = run_pipeline(
-        case.model("meta"), case.loss_fn, batches[0], ParallelPlan.auto(plan=solved), mesh, options,
-        until=STEP_FIRST_PARTITION, observers=[keep_lowered],
-    )
+    options = pipeline_options(snapshots=True, alternatives=False)
+    until = SECOND_COMPILE if {SECOND_COMPILE, COLLECTIVE} & set(executors) else STEP_FIRST_PARTITION
+    run = run_pipeline(case.model("meta"), case.loss_fn, batches[0], ParallelPlan.auto(plan=solved), mesh, options, until=until)
     plan = run.planned.plan
     model = case.model("cpu")
     full = {fqn: p.detach() for fqn, p in model.named_parameters()}
@@ -165,11 +165,20 @@ def _rank_case(case: PlannedCase, solved: Plan, batches, executors, mesh) -> Pla
     fresh = lambda: {k: v.clone() for k, v in init.items()}  # noqa: E731
     fresh_buffers = lambda: {k: v.clone() for k, v in buffers.items()}  # noqa: E731
     mod = run.module
+
+    def collective_passes() -> Executor:
+        fw, bw = (copy_graph_module(g) for g in run.stage(SECOND_COMPILE).graphs)
+        fw, bw, _ = bucket_fw_bw(fw, bw, options.collective)
+        return split_graph_executor(fw, bw, fresh_buffers())
+
     runs: dict[str, Callable[[], Executor]] = {
         EAGER: lambda: eager_executor(run.planned, mesh, fresh_buffers()),
-        JOINT: lambda: joint_graph_executor(lowered[JOINT], run.joint.input_roles, run.joint.output_roles, fresh_buffers()),
+        **{name: (lambda name=name: joint_graph_executor(
+            run.stage(name).graphs, run.joint.input_roles, run.joint.output_roles, fresh_buffers()))
+           for name in JOINT_EXECUTORS},
         STEP_FIRST_PARTITION: lambda: parallel_module_executor(mod),
         SECOND_COMPILE: lambda: compiled_module_executor(mod, torch.compile(mod, backend=autoparallel_backend())),
+        COLLECTIVE: collective_passes,
     }
     traces = {}
     for name in executors:
