@@ -387,7 +387,7 @@ def test_a_mutated_pytest_plugin_is_left_out_of_the_runs_that_judge_it(tmp_path,
     root = Path(__file__).resolve().parents[4]
     blocked = {L.group_name(files): L.mutated_pytest_plugins(root, files) for files, _ in L.VERIFY_GROUPS}
     assert blocked == {"parity": [], "canon": [], "stats": [], "memory": [], "goldens": [],
-                       "pytest_plugin": ["verify.pytest_plugin"]}
+                       "pytest_plugin": ["verify.pytest_plugin"], "plan_check": []}
 
     cfg = tomllib.loads(L.mutmut_config(["pkg/plug.py"], ["tests/t.py"], blocked_plugins=["pkg.plug"]))["tool"]["mutmut"]
     assert cfg["pytest_add_cli_args"][-2:] == ["-p", "no:pkg.plug"]
