@@ -169,6 +169,19 @@ def test_each_tampered_group_is_named(plan, name):
     assert got.groups() <= groups | {"semantics"}, [str(v) for v in got.violations]
 
 
+def test_a_valid_placement_the_planner_did_not_choose_passes(plan):
+    """The bias gradient's view (1, 20) -> (20,) split over dp: it must run with this rank's size
+    (5), not the global one, and reassemble; a checker that flags every change is no checker."""
+
+    def split_view(p):
+        view = _node(p, "aten.view.default", phase="bwd")
+        view.ins = [{"dp": "S(1)", "tp": "R"}]
+        view.out = [{"dp": "S(0)", "tp": "R"}]
+
+    got = check_plan(_tampered(plan, split_view), *traced_graph(plan))
+    assert got.violations == [] and got.ran >= 20
+
+
 def test_pins_are_checked(plan):
     got = check_plan(plan, *traced_graph(plan), semantics=False, pins={"input:0": (Replicate(), Replicate())})
     assert [v.group for v in got.violations] == ["pins"]
@@ -272,7 +285,9 @@ def test_a_planted_op_rule_that_shards_attention_over_the_sequence_is_caught_by_
     key = "-/fwd/aten._scaled_dot_product_flash_attention_for_cpu.default#0"
     with fake_world(MESH) as mesh:
         traced = Planner.trace(model, mesh, inputs, F.cross_entropy)
-        plan_check.assert_plan_valid(traced.plan(mesh))
+        # the batch split over dp: views and reshapes run with this rank's sizes, not the global ones
+        correct = plan_check.assert_plan_valid(traced.plan(mesh, PlannerConfig(pins={"input:0": "dp:S(0),tp:R"})))
+        assert correct.unchecked == {} and correct.ran >= 20
         for op in (sdpa.default, planner_strategies.aten._scaled_dot_product_flash_attention_for_cpu_backward.default):
             monkeypatch.setitem(planner_strategies.PLANNER_RULES, op, with_sequence)
         plan = Planner(traced.pg, "attention").plan(mesh, PlannerConfig(pins={key: "dp:S(2),tp:R"}))
@@ -339,6 +354,28 @@ def test_masked_rows_of_a_vocab_split_lookup_are_dropped():
     assert plan_check._differs(plan_check._combine(outs, (Partial("sum"),), (2,), coords, masks), F.embedding(ids, table))
 
 
+class Dropout(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 4, bias=False)
+
+    def forward(self, x):
+        return F.dropout(self.fc(x), p=0.5)
+
+
+def test_random_ops_and_graphs_too_big_to_run_are_listed_as_unchecked():
+    with torch.device("meta"):
+        model = Dropout()
+    inputs = (torch.empty(4, 8, device="meta"), torch.zeros(4, dtype=torch.long, device="meta"))
+    with fake_world("dp=2") as mesh:
+        plan = Planner.trace(model, mesh, inputs, F.cross_entropy).plan(mesh)
+    result = plan_check.assert_plan_valid(plan)
+    assert set(result.unchecked.values()) == {"random op"} and result.ran >= 5
+    assert any("native_dropout" in k for k in result.unchecked)
+    small = check_plan(plan, *traced_graph(plan), max_numel=31)
+    assert small.ran == 0 and small.unchecked == {"*": "a tensor of 32 elements exceeds max_numel=31: the graph is not run"}
+
+
 def test_differs_judges_at_the_tensors_scale():
     a = torch.tensor([1000.0, 1.0])
     assert plan_check._differs(a + 0.5, a) is None  # 5e-4 of the scale
@@ -346,6 +383,9 @@ def test_differs_judges_at_the_tensors_scale():
     assert "shape/dtype" in plan_check._differs(a[:1], a)
     assert plan_check._differs(torch.tensor([1, 2]), torch.tensor([1, 3])) == "1 of 2 elements differ"
     assert plan_check._differs(torch.tensor([float("nan")]), torch.tensor([0.0])) == "NaN on one side"
+    assert plan_check._differs(torch.empty(0, 3), torch.empty(0, 3)) is None
+    z = torch.tensor([1 + 2j, 3 - 1j])
+    assert plan_check._differs(z, z.clone()) is None and "max |diff|" in plan_check._differs(z * 1j, z)
 
 
 def test_every_constraint_group_has_a_negative_test():
