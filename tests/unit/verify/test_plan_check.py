@@ -169,6 +169,74 @@ def test_each_tampered_group_is_named(plan, name):
     assert got.groups() <= groups | {"semantics"}, [str(v) for v in got.violations]
 
 
+NORM = "-/fwd/aten.native_layer_norm.default#0"
+GELU = "-/fwd/aten.gelu.default#0"
+EXACT = {  # tampered plan -> every structural violation, word for word
+    "divides": ["[divides] input:0: output 0: dim 0 of (12, 12) split 8 ways by dp:S(0) tp:S(0)"],
+    "flow": ["[flow] -/fwd/aten.addmm.default#0 input 2 <- -/fwd/aten.t.default#0: no redistribution from dp:S(1) tp:R to dp:P(sum) tp:R"],
+    "fwd_bwd": ["[fwd_bwd] out:grad:down.weight ~ param:down.weight: dp:R tp:R != dp:S(1) tp:S(0)"],
+    "fwd_bwd (loss)": ["[fwd_bwd] out:loss ~ tangent:loss: dp:P(avg) tp:R != dp:R tp:R",
+                       "[fwd_bwd] out:loss: the loss must be replicated, placed dp:P(avg) tp:R"],
+    "multi_output": ["[multi_output] -/fwd/getitem#1: placed dp:S(0) tp:R, its producer's output 1 is dp:R tp:R"],
+    "param_memory": ["[param_memory] params: parameters take 216 bytes per rank, the plan says 212"],
+    "param_memory (budget)": ["[param_memory] params: 216 bytes per rank exceed the budget of 108.0"],
+    "structure": [f"[structure] {GELU}: the plan does not place this node"],
+    "tables": ["[tables] up.weight: parameter table says {'dp': 'R', 'tp': 'R'}, its node dp:S(0) tp:S(1)"],
+}
+
+
+def _drop_output(p):
+    p.nodes[NORM].out.pop()
+
+
+def _extra_input(p):
+    p.nodes[GELU].ins.append(R2)
+
+
+def _unreadable(p):
+    p.nodes[GELU].ins = [{"dp": "S(x)", "tp": "R"}]
+
+
+def _unplaced_output(p):
+    p.nodes[NORM].out[1] = None
+
+
+def _alias_moves(p):
+    p.nodes["input:0/alias"].out = [{"dp": "S(0)", "tp": "R"}]
+
+
+def _output_moves(p):
+    p.nodes["out:loss"].ins = [{"dp": "S(0)", "tp": "R"}]
+
+
+def _extra_param(p):
+    p.params["extra.weight"] = R2
+
+
+def _input_split_8_ways(p):
+    p.nodes[GELU].ins = [{"dp": "S(0)", "tp": "S(0)"}]
+
+
+MORE = {
+    "output count": (_drop_output, [f"[structure] {NORM}: 2 output placements for 3 outputs"]),
+    "input count": (_extra_input, [f"[structure] {GELU}: 2 input placements for 1 tensor inputs"]),
+    "unreadable": (_unreadable, [f"[structure] {GELU}: unreadable placement: bad placement 'S(x)': expected R, S(d), P(op) or MaskP(op, shape, dim)"]),
+    "unplaced output": (_unplaced_output, [f"[structure] {NORM}: output 1: placement None for a tensor",
+                                           f"[multi_output] -/fwd/getitem#1: reads output 1 of {NORM}, which has no placement"]),
+    "alias moves": (_alias_moves, ["[flow] input:0/alias: an alias moves nothing: in dp:R tp:R, out dp:S(0) tp:R"]),
+    "output moves": (_output_moves, ["[flow] out:loss: a graph output is what it receives: in [{'dp': 'S(0)', 'tp': 'R'}], out [{'dp': 'R', 'tp': 'R'}]"]),
+    "parameter count": (_extra_param, ["[tables] params: the plan lists 6 parameters, the graph has 5"]),
+    "input divides": (_input_split_8_ways, [f"[divides] {GELU}: input 0: dim 0 of (12, 20) split 8 ways by dp:S(0) tp:S(0)"]),
+}
+
+
+@pytest.mark.parametrize("name", sorted(EXACT) + sorted(MORE))
+def test_each_violation_is_named_word_for_word(plan, name):
+    edit, want = (TAMPERED[name][0], EXACT[name]) if name in EXACT else MORE[name]
+    got = check_plan(_tampered(plan, edit), *traced_graph(plan), semantics=False)
+    assert [str(v) for v in got.violations] == want
+
+
 def test_a_valid_placement_the_planner_did_not_choose_passes(plan):
     """The bias gradient's view (1, 20) -> (20,) split over dp: it must run with this rank's size
     (5), not the global one, and reassemble; a checker that flags every change is no checker."""
@@ -203,7 +271,18 @@ def test_a_cast_that_moves_before_a_mixed_precision_parameter_cast_is_named():
     def moved(p):
         p.nodes[key].ins = [{"dp": "S(1)", "tp": "R"}]
 
-    assert "grad_reduce_dtype" in _groups(plan, _tampered(plan, moved), semantics=False)
+    got = check_plan(_tampered(plan, moved), *traced_graph(plan), semantics=False).violations
+    assert [v.group for v in got] == ["grad_reduce_dtype"] and got[0].where == key
+    assert got[0].detail.endswith("-> dp:S(1) tp:R across a mixed-precision cast")
+    # a gradient's widening cast (bf16 -> fp32, straight into a graph output) moves nothing either
+    widening = next(plan.node_names[n.name] for n in gm.graph.nodes
+                    if (plan_check._cast(n) or (None, None))[1] == torch.float32 and any(u.op == "output" for u in n.users))
+
+    def reduced_in_bf16(p):
+        p.nodes[widening].ins = [{"dp": "P(sum)", "tp": "R"}]
+
+    got = check_plan(_tampered(plan, reduced_in_bf16), *traced_graph(plan), semantics=False).violations
+    assert [(v.group, v.where) for v in got] == [("grad_reduce_dtype", widening)]
 
 
 # --- planted strategy bugs: the planner's own candidate space is wrong ------------------------------
