@@ -252,7 +252,7 @@ def test_a_valid_placement_the_planner_did_not_choose_passes(plan):
 
 def test_pins_are_checked(plan):
     got = check_plan(plan, *traced_graph(plan), semantics=False, pins={"input:0": (Replicate(), Replicate())})
-    assert [v.group for v in got.violations] == ["pins"]
+    assert [str(v) for v in got.violations] == ["[pins] input:0: pinned to (Replicate(), Replicate()), placed (Shard(dim=0), Replicate())"]
     assert check_plan(plan, *traced_graph(plan), semantics=False, pins={"input:0": (Shard(0), Replicate())}).violations == []
 
 
