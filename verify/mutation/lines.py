@@ -129,6 +129,8 @@ VERIFY_GROUPS: tuple[tuple[tuple[str, ...], tuple[str, ...]], ...] = (
     ),
     # The golden workflow's throwaway projects are where GoldenChecker (the golden fixture) runs.
     (("verify/pytest_plugin.py",), ("tests/unit/verify/test_pytest_plugin.py", "tests/golden/test_golden_workflow.py")),
+    # The independent plan checker: its negative tests on a correct plan and on tampered ones.
+    (("verify/plan_check.py",), ("tests/unit/verify/test_plan_check.py",)),
 )
 TARGETS = ("passes", "verify")
 
