@@ -18,8 +18,8 @@ Constraint groups (each ``Violation`` names one):
   take the placement they get;
 * ``multi_output``: a ``getitem`` is placed exactly as its producer's output of that index, and
   every tensor output a ``getitem`` reads has a placement;
-* ``fwd_bwd``: a parameter and its gradient, an output and its tangent, are placed alike; the
-  loss is replicated;
+* ``fwd_bwd``: a parameter and its gradient, an output and its tangent, a buffer and its new
+  value (a model that updates it in place), are placed alike; the loss is replicated;
 * ``grad_reduce_dtype``: nothing moves between a parameter and its narrowing cast, nor between a
   gradient's widening cast and its producer (mixed precision reduces in the wide dtype);
 * ``param_memory``: per-rank parameter bytes (padded shards rounded up) recomputed from the
@@ -284,6 +284,8 @@ class _Checker:
             if roles.is_grad(role):
                 name = roles.name(role)
                 twin = by_role.get(roles.param(name)) or (by_role.get(roles.input_(int(name))) if name.isdigit() else None)
+            elif roles.is_mutated(role):  # copied into the buffer's local piece
+                twin = by_role.get(roles.buffer(roles.name(role)))
             elif roles.tangent(role) in by_role:
                 twin = by_role[roles.tangent(role)]
             if twin is not None and twin in self.out and self.out[twin][0] != o:

@@ -19,11 +19,13 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor.placement_types import Partial, Replicate, Shard, _MaskPartial
 
+from autoparallel import pipeline as P
 from autoparallel.mesh import fake_world
+from autoparallel.parallelize import ParallelPlan
 from autoparallel.planner import Plan, Planner, PlannerConfig
 from autoparallel.planner import problem as planner_problem
 from autoparallel.planner import strategies as planner_strategies
-from verify import plan_check
+from verify import plan_check, zoo
 from verify.plan_check import (
     can_move,
     check_plan,
@@ -470,3 +472,24 @@ def test_differs_judges_at_the_tensors_scale():
 def test_every_constraint_group_has_a_negative_test():
     tampered = {g for _, groups in TAMPERED.values() for g in groups}
     assert tampered | {"pins", "grad_reduce_dtype"} == set(plan_check.GROUPS)  # those two: their own tests above
+
+
+def test_a_buffers_new_value_placed_apart_from_the_buffer_is_named():
+    """The convnet updates BatchNorm's running stats in place: the module copies each new value
+    into the buffer's local piece, so the two are placed alike (fwd_bwd); pinned sharded here."""
+    case = zoo.convnet
+    with torch.device("meta"):
+        model = case.factory()
+    with fake_world("dp=2,tp=2") as mesh:
+        run = P.run_pipeline(model, case.loss_fn, case.batch(4),
+                             ParallelPlan.auto(pins={"buffer:bn.running_mean": "dp:R,tp:S(0)"}), mesh, until=P.PLAN)
+    good = run.planned.plan
+    assert "fwd_bwd" not in check_plan(good, *traced_graph(good), semantics=False).groups()
+
+    def apart(p):
+        p.nodes["out:mutated:bn.running_mean"].out = [R2]
+        p.nodes["out:mutated:bn.running_mean"].ins = [R2]
+
+    result = check_plan(_tampered(good, apart), *traced_graph(good), semantics=False)
+    assert [str(v) for v in result.violations if v.group == "fwd_bwd"] == [
+        "[fwd_bwd] out:mutated:bn.running_mean ~ buffer:bn.running_mean: dp:R tp:R != dp:R tp:S(0)"]
