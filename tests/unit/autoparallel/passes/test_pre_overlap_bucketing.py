@@ -28,6 +28,7 @@ from autoparallel.passes.pre_overlap_bucketing import (
     tag_collectives_for_bucketing,
 )
 from autoparallel.runtime.rebind import rebind_groups
+from verify.goldens.catalog import GOLDEN_SCENARIOS, golden_run
 from verify.scenario import Scenario
 from verify.strategies import GraphBuilder, mesh_groups
 
@@ -62,8 +63,6 @@ def _ddp_trace():
 @pytest.fixture
 def traced(request, shared_pipeline_runs):
     """``traced(name) -> (scenario, joint graph, num_fwd_outputs)``: a copy the test may tag."""
-    from verify.goldens.catalog import GOLDEN_SCENARIOS, golden_run
-
     def get(name):
         sc = SCENARIOS[name]
         if name not in GOLDEN_RUN_OF:
