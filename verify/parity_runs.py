@@ -66,6 +66,12 @@ from verify.parity import (
     oracle_tolerance,
 )
 from verify.pipeline import intra_op_threads, pipeline_options
+from verify.random_ops import (
+    DROPOUT_OFF,
+    executor_without_random_ops,
+    random_nodes,
+    random_ops_disabled,
+)
 from verify.scenario import Scenario
 
 EAGER = "eager"  # the eager parallel program: the reference every executor is compared with
@@ -145,9 +151,14 @@ def _rank_stages(rank, world_size, scenario: Scenario, batches, run: PipelineRun
     def fresh_buffers() -> dict[str, torch.Tensor]:
         return {k: b.clone() for k, b in init_buffers.items()}
 
+    if EAGER in executors and dropout_off_in_oracle(scenario, run):
+        executors = (*executors, DROPOUT_OFF)
+
     def build(name: str) -> Executor:
         if name == EAGER:
             return eager_program_executor(program)
+        if name == DROPOUT_OFF:
+            return executor_without_random_ops(eager_program_executor(program))
         if name in JOINT_EXECUTORS:
             gm = rebind_groups(run.stage(name).graphs, mesh.group_dims)
             return joint_graph_executor(gm, joint.input_roles, joint.output_roles, fresh_buffers())
@@ -178,6 +189,22 @@ def _rank_stages(rank, world_size, scenario: Scenario, batches, run: PipelineRun
             )
         seconds[name] = time.perf_counter() - t0
     return RankParity(tuple(coord[d] for d in spec.names), traces, seconds)
+
+
+def dropout_off_in_oracle(scenario: Scenario, run: PipelineRun) -> bool:
+    """Whether the oracle compares with dropout off on both sides (``verify.random_ops``): the
+    model draws random numbers and the plan shards activations over a TP dim, where a rank's mask
+    of its shard is no slice of the one the single-device model draws. Under FSDP/DDP a rank's
+    activations are its batch slice's, and the reference draws each slice's masks instead."""
+    plan, spec = scenario.plan_obj(), scenario.mesh_spec
+    sharded = plan.tp_dim is not None and spec.size(plan.tp_dim) > 1
+    return sharded and bool(random_nodes(run.stage(JOINT).graphs))
+
+
+def oracle_executor(ranks: Sequence[RankParity]) -> str:
+    """The executor the oracle compares: the eager program, or its dropout-off form where the
+    rank ran one (:func:`dropout_off_in_oracle`)."""
+    return DROPOUT_OFF if DROPOUT_OFF in ranks[0].traces else EAGER
 
 
 def rank_seed(scenario: Scenario, coord: dict[str, int]) -> int:
@@ -281,7 +308,9 @@ def data_coordinates(scenario: Scenario) -> list[dict[str, int]]:
     return coords
 
 
-def single_device_reference(scenario: Scenario) -> SingleDeviceReference:
+def single_device_reference(scenario: Scenario, *, dropout_off: bool = False) -> SingleDeviceReference:
+    """:class:`SingleDeviceReference` for ``scenario``: each slice draws its rank's masks, or with
+    ``dropout_off`` every dropout is off (``verify.random_ops``)."""
     model = scenario.model()
     plan, spec = scenario.plan_obj(), scenario.mesh_spec
     batch = scenario.batches(1)[0]
@@ -295,9 +324,10 @@ def single_device_reference(scenario: Scenario) -> SingleDeviceReference:
                 b.copy_(initial[k])
         model.zero_grad(set_to_none=True)
         *inputs, target = split_batch(batch, plan, spec, {d: coord.get(d, 0) for d in spec.names})
-        with seeded(step_seed(rank_seed(scenario, coord), 0)):  # the slice's rank draws these masks
+        # the slice's rank draws these masks (or none, dropout off)
+        with random_ops_disabled() if dropout_off else seeded(step_seed(rank_seed(scenario, coord), 0)):
             loss = scenario.loss_fn(model(*inputs), target)
-        loss.backward()
+            loss.backward()
         losses.append(loss.detach())
         for fqn, p in model.named_parameters():
             grads[fqn] = grads[fqn] + p.grad if fqn in grads else p.grad.clone()
@@ -337,13 +367,15 @@ def gather_full_grads(scenario: Scenario, ranks: list[RankParity], executor: str
 
 
 def oracle_check(
-    scenario: Scenario, ranks: list[RankParity], executor: str = EAGER, reference: SingleDeviceReference | None = None
+    scenario: Scenario, ranks: list[RankParity], executor: str | None = None, reference: SingleDeviceReference | None = None
 ) -> OracleReport:
     """The independent oracle (``verify.parity``): ``executor``'s first step on the ranks (loss
     averaged over the data-parallel slices, gradients reassembled from shards, each rank's
     buffers) against single-device eager, within the tolerance the dtype and the reduction depth
-    give. ``eager`` by default: every other executor is compared with it bitwise."""
-    ref = reference if reference is not None else single_device_reference(scenario)
+    give. Default: :func:`oracle_executor` (the eager program, which every other executor is
+    compared with bitwise, or its dropout-off form; the reference then runs with dropout off)."""
+    executor = executor if executor is not None else oracle_executor(ranks)
+    ref = reference if reference is not None else single_device_reference(scenario, dropout_off=executor == DROPOUT_OFF)
     plan, spec = scenario.plan_obj(), scenario.mesh_spec
     coords = data_coordinates(scenario)
     slice0 = split_batch(scenario.batches(1)[0], plan, spec, {d: coords[0].get(d, 0) for d in spec.names})

@@ -13,16 +13,21 @@ the unsharded graph (the lowering's *semantics*): both sides run the same redist
 is what the single-device comparison checks, independently (the unsharded model, one process,
 plain autograd), within a tolerance.
 
-Executors compared with ``eager`` on every rank, for ``steps`` AdamW steps (``train_steps``):
-``joint`` (the lowered joint graph, after the placement steps), ``first_partition`` (the
-``ParallelModule``), ``second_compile`` (``torch.compile`` with ``autoparallel_backend``). The plan
-is made once, in this process, on a fake world of the same mesh; each rank lowers it for itself
-(lowered graphs are rank-specific: a local split keeps the rank's piece) by running the pipeline
-on the real world with ``ParallelPlan.auto(plan=<the solver's plan>)``.
+Executors compared with ``eager`` on every rank, for ``steps`` AdamW steps (``train_steps``): one
+per stage of ``PLANNED_STAGES`` after the plan, as the hand plans' parity runs them
+(``verify.parity_runs``): ``joint`` (the lowered joint graph), ``cleanup`` and ``fsdp_tagging``
+(the joint graph after each placement step), ``first_partition`` (the ``ParallelModule``),
+``second_compile`` (``torch.compile`` with ``autoparallel_backend``) and ``collective_passes``
+(the second compile's graphs through every collective pass, composed). The plan is made once, in
+this process, on a fake world of the same mesh; each rank lowers it for itself (lowered graphs are
+rank-specific: a local split keeps the rank's piece) by running the pipeline on the real world
+with ``ParallelPlan.auto(plan=<the solver's plan>)``, every stage's graphs a snapshot (the second
+compile's graphs only: nothing runs there).
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -38,7 +43,8 @@ from autoparallel.fx_utils import copy_graph_module
 from autoparallel.mesh import MeshSpec, build_mesh, fake_world
 from autoparallel.parallelize import ParallelPlan, cross_entropy_loss
 from autoparallel.partition import STEP_FIRST_PARTITION
-from autoparallel.pipeline import JOINT, PipelineOptions, run_pipeline
+from autoparallel.passes.collective import bucket_fw_bw
+from autoparallel.pipeline import run_pipeline
 from autoparallel.planner.auto import local_inputs, local_params, plan_for_pipeline
 from autoparallel.planner.lower import PlacedInterpreter, decode, node_placements, shard_tensor
 from autoparallel.planner.plan import Plan
@@ -50,15 +56,24 @@ from autoparallel.runtime.steps import (
     loss_and_updates,
     parallel_module_executor,
     primals_by_role,
+    split_graph_executor,
     train_steps,
 )
 from verify.ordered_collectives import run_parity_world
 from verify.parity import OracleReport, check_within, module_scales, oracle_tolerance
+from verify.parity_runs import COLLECTIVE, JOINT_EXECUTORS, oracle_executor
+from verify.pipeline import pipeline_options
+from verify.random_ops import (
+    DROPOUT_OFF,
+    graph_without_random_ops,
+    random_nodes,
+    random_ops_disabled,
+)
 
 PLANNED_RNG_SEED = 20_261_127  # base of the ranks' generator seeds (each executor draws alike)
 EAGER = "eager"
 TRAIN_LR = 1e-2  # train_steps' AdamW learning rate (the replay uses the same)
-EXECUTORS = (EAGER, JOINT, STEP_FIRST_PARTITION, SECOND_COMPILE)
+EXECUTORS = (EAGER, *JOINT_EXECUTORS, STEP_FIRST_PARTITION, SECOND_COMPILE, COLLECTIVE)
 
 # Single-device comparison until the "any model" issue's oracle (a per-dtype tolerance derived
 # from the reduction depth) lands: then switch single_device_report to it. fp32 only here.
@@ -107,10 +122,14 @@ def planned_case(scenario) -> PlannedCase:
 
 
 def solve(case: PlannedCase) -> Plan:
-    """The solver's plan for ``case``, made on a fake world of its mesh (what every rank lowers)."""
+    """The solver's plan for ``case``, made on a fake world of its mesh (what every rank lowers).
+    A random op the oracle cannot switch off (verify.random_ops) is an error here, before any rank
+    starts."""
     with fake_world(case.spec) as mesh:
         planned = plan_for_pipeline(case.model("meta"), case.loss_fn, case.batches(1)[0], mesh, ParallelPlan.auto())
         planned.pg.joint.close()
+    if random_nodes(planned.pg.gm):
+        graph_without_random_ops(planned.pg.gm)
     return planned.solved
 
 
@@ -120,17 +139,22 @@ def _primals(pg, params, buffers, inputs) -> list[torch.Tensor]:
     return primals_by_role(pg.input_roles, params, buffers, inputs) + tangents
 
 
-def eager_executor(planned, mesh, buffers) -> Executor:
+def eager_executor(planned, mesh, buffers, gm: fx.GraphModule | None = None) -> Executor:
     """The reference: the plan's interpreter, eagerly, on this rank's real local tensors; the
     buffers a model updates in place (its ``mutated:<fqn>`` outputs) are written back, and recorded
-    like every executor's."""
+    like every executor's. ``gm``: another form of the planning graph, with its node names (the
+    oracle's, dropout off)."""
     pg, plan = planned.pg, planned.plan
+    graph = pg.gm if gm is None else gm
     placed = node_placements(pg, plan)
+    if gm is not None:  # the same placements, by node name
+        by_name = {n.name: pl for n, pl in placed.items()}
+        placed = {n: by_name[n.name] for n in gm.graph.nodes if n.name in by_name}
     grad_fqns = [(i, roles.name(r)) for i, r in enumerate(pg.output_roles) if roles.is_grad(r)]
 
     def run(params, inputs):
         with torch.no_grad():
-            outs = PlacedInterpreter(pg.gm, placed, mesh, pg.keys).run(*_primals(pg, params, buffers, inputs), enable_io_processing=False)
+            outs = PlacedInterpreter(graph, placed, mesh, pg.keys).run(*_primals(pg, params, buffers, inputs), enable_io_processing=False)
         # By role: a model that updates buffers (BatchNorm) returns their new values ahead of the
         # loss; they are copied into ``buffers``, as every stage's executor does.
         loss = loss_and_updates(outs, pg.output_roles, buffers, "the plan's eager placements")
@@ -141,17 +165,9 @@ def eager_executor(planned, mesh, buffers) -> Executor:
 
 def _rank_case(case: PlannedCase, solved: Plan, batches, executors, mesh) -> PlannedRank:
     torch._dynamo.reset()
-    options = PipelineOptions(snapshots=False)
-    lowered: dict[str, fx.GraphModule] = {}
-
-    def keep_lowered(result):  # the joint stage's graph, before the placement steps rewrite it
-        if result.name == JOINT:
-            lowered[JOINT] = copy_graph_module(result.graphs)
-
-    run = run_pipeline(
-        case.model("meta"), case.loss_fn, batches[0], ParallelPlan.auto(plan=solved), mesh, options,
-        until=STEP_FIRST_PARTITION, observers=[keep_lowered],
-    )
+    options = pipeline_options(snapshots=True, alternatives=False)
+    until = SECOND_COMPILE if {SECOND_COMPILE, COLLECTIVE} & set(executors) else STEP_FIRST_PARTITION
+    run = run_pipeline(case.model("meta"), case.loss_fn, batches[0], ParallelPlan.auto(plan=solved), mesh, options, until=until)
     plan = run.planned.plan
     model = case.model("cpu")
     full = {fqn: p.detach() for fqn, p in model.named_parameters()}
@@ -165,12 +181,25 @@ def _rank_case(case: PlannedCase, solved: Plan, batches, executors, mesh) -> Pla
     fresh = lambda: {k: v.clone() for k, v in init.items()}  # noqa: E731
     fresh_buffers = lambda: {k: v.clone() for k, v in buffers.items()}  # noqa: E731
     mod = run.module
+
+    def collective_passes() -> Executor:
+        fw, bw = (copy_graph_module(g) for g in run.stage(SECOND_COMPILE).graphs)
+        fw, bw, _ = bucket_fw_bw(fw, bw, options.collective)
+        return split_graph_executor(fw, bw, fresh_buffers())
+
     runs: dict[str, Callable[[], Executor]] = {
         EAGER: lambda: eager_executor(run.planned, mesh, fresh_buffers()),
-        JOINT: lambda: joint_graph_executor(lowered[JOINT], run.joint.input_roles, run.joint.output_roles, fresh_buffers()),
+        **{name: (lambda name=name: joint_graph_executor(
+            run.stage(name).graphs, run.joint.input_roles, run.joint.output_roles, fresh_buffers()))
+           for name in JOINT_EXECUTORS},
         STEP_FIRST_PARTITION: lambda: parallel_module_executor(mod),
         SECOND_COMPILE: lambda: compiled_module_executor(mod, torch.compile(mod, backend=autoparallel_backend())),
+        COLLECTIVE: collective_passes,
+        DROPOUT_OFF: lambda: eager_executor(
+            run.planned, mesh, fresh_buffers(), graph_without_random_ops(run.planned.pg.gm)),
     }
+    if EAGER in executors and random_nodes(run.planned.pg.gm):
+        executors = (*executors, DROPOUT_OFF)
     traces = {}
     for name in executors:
         executor = runs[name]()
@@ -229,15 +258,18 @@ def full_grads(case: PlannedCase, ranks: Sequence[PlannedRank], executor: str, s
     return out
 
 
-def single_device_replay(case: PlannedCase, ranks: Sequence[PlannedRank], executor: str = EAGER) -> StepTrace:
+def single_device_replay(case: PlannedCase, ranks: Sequence[PlannedRank], executor: str | None = None) -> StepTrace:
     """The independent oracle, step by step: the unsharded model in one process (plain autograd)
     at the parameters the ranks had at each step, on that step's global batch.
 
     The parameters are the ranks' own trajectory: AdamW (as ``train_steps`` runs it) replayed on
     the ranks' reassembled gradients. Comparing from the same parameters keeps the comparison at
     one step's rounding: a free-running single-device run drifts apart through AdamW, which
-    turns a last-bit difference of a near-zero gradient into a step of ``lr``.
+    turns a last-bit difference of a near-zero gradient into a step of ``lr``. ``executor``:
+    :func:`oracle_executor` by default; its dropout-off form runs the model with dropout off.
     """
+    executor = executor if executor is not None else oracle_executor(ranks)
+    random_off = random_ops_disabled if executor == DROPOUT_OFF else contextlib.nullcontext
     model = case.model("cpu")
     loss_fn = case.loss_fn or cross_entropy_loss
     named = dict(model.named_parameters())
@@ -251,8 +283,9 @@ def single_device_replay(case: PlannedCase, ranks: Sequence[PlannedRank], execut
             with torch.no_grad():
                 p.copy_(leaves[fqn])
         *xs, target = inputs
-        loss = loss_fn(model(*xs), target)
-        loss.backward()
+        with random_off():
+            loss = loss_fn(model(*xs), target)
+            loss.backward()
         out.losses.append(loss.detach().clone())
         out.grads.append({fqn: p.grad.detach().clone() for fqn, p in named.items()})
         for fqn, g in full_grads(case, ranks, executor, step).items():
@@ -267,13 +300,16 @@ def planned_oracle(case: PlannedCase, ranks: Sequence[PlannedRank], reference: S
     hand plan: the eager placements' first step (the replicated loss, every gradient reassembled
     from its pieces) against the unsharded model (``single_device_replay``) within the tolerance
     the dtype and reduction depth give (every rank counted as a slice: the widest sum the plan
-    may reorder)."""
-    single = reference if reference is not None else single_device_replay(case, ranks)
+    may reorder). A graph that draws random numbers is compared with dropout off on both sides
+    (:func:`oracle_executor`; the report says so): a rank's mask of its shard of an activation is
+    no slice of any mask the unsharded model draws."""
+    executor = oracle_executor(ranks)
+    single = reference if reference is not None else single_device_replay(case, ranks, executor)
     inputs = case.batches(1)[0]
     tolerance = oracle_tolerance(case.model("meta"), inputs[:-1], case.spec.world_size)
-    report = OracleReport(tolerance, parallel=EAGER)
-    report.checks.append(check_within("loss", single.losses[0], ranks[0].traces[EAGER].losses[0], tolerance.rtol))
-    grads = full_grads(case, ranks, EAGER, 0)
+    report = OracleReport(tolerance, parallel=executor)
+    report.checks.append(check_within("loss", single.losses[0], ranks[0].traces[executor].losses[0], tolerance.rtol))
+    grads = full_grads(case, ranks, executor, 0)
     scales = module_scales(single.grads[0])
     for fqn in sorted(set(single.grads[0]) | set(grads)):
         report.checks.append(check_within(roles.grad(fqn), single.grads[0].get(fqn), grads.get(fqn), tolerance.rtol, scales.get(fqn)))

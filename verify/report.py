@@ -214,8 +214,9 @@ def write_html(scenario: Scenario, run: PipelineRun, report: dict, out_dir: Path
     p = report.get("parity")
     parity_line = "parity: skipped (--no-parity)" if p is None else (
         f"parity on gloo {p['mesh']}, {p['steps']} AdamW steps, each stage vs the eager parallel program")
+    planning = run.stage(PLAN).report if run.planned is not None else None
     path = write_report(records, out_dir, title=f"autoparallel report: {scenario.header()}",
-                        subtitle=f"{golden_line}. {parity_line}.", mesh=scenario.mesh_spec)
+                        subtitle=f"{golden_line}. {parity_line}.", mesh=scenario.mesh_spec, planning=planning)
     progress(f"wrote {path} ({path.stat().st_size / 2**20:.1f} MiB, {time.perf_counter() - t0:.1f}s)")
     return path
 

@@ -388,6 +388,22 @@ class PlanContext:
             rows.append((float(pn.compute_us[j]), inc, out))
         return rows
 
+    def chosen_cost(self, pn: PNode) -> float:
+        """Microseconds the chosen candidate of ``pn`` costs: its compute plus the moves into it."""
+        nodes, choice = self.graph.nodes, self.choice
+        cand = pn.candidates[choice[pn.index]]
+        total = float(pn.compute_us[choice[pn.index]])
+        if pn.kind != GETITEM:
+            for a, p in enumerate(pn.inputs):
+                prod = nodes[p]
+                total += self.costs.redistribute(prod.meta, prod.candidates[choice[p]].outs[0], cand.ins[a]).us
+        return total
+
+    def costliest(self, n: int) -> list[tuple[str, float]]:
+        """The ``n`` nodes whose chosen placements cost the most (compute plus incoming moves)."""
+        costs = [(pn.key, self.chosen_cost(pn)) for pn in self.graph.nodes if pn.kind != OUTPUT]
+        return sorted(costs, key=lambda kc: (-kc[1], kc[0]))[:n]
+
     def explain(self, key: str) -> str:
         pn = next(n for n in self.graph.nodes if n.key == key)
         names = self.graph.mesh_names

@@ -254,6 +254,13 @@ class Plan:
             raise ValueError("explain needs the planning context: this plan was loaded from JSON; plan again to explain it")
         return self._context.explain(self.key_of(node))
 
+    def costliest(self, n: int = 5) -> list[tuple[str, float]]:
+        """The ``n`` nodes whose chosen placements cost the most (microseconds: compute plus the
+        moves into them), costliest first: where to start ``explain``."""
+        if self._context is None:
+            raise ValueError("costliest needs the planning context: this plan was loaded from JSON; plan again")
+        return self._context.costliest(n)
+
     def param_table(self) -> str:
         names = self.mesh_names
         width = max((len(f) for f in self.params), default=10)

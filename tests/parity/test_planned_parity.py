@@ -1,7 +1,8 @@
 """plan="auto": the lowered planned program is bitwise the plan's placements run eagerly, on gloo.
 
-For 3 AdamW steps, every executor of the planned pipeline (the lowered joint graph, the first
-partition's ParallelModule, its torch.compile'd version) gives bitwise the losses and gradients
+For 3 AdamW steps, every executor of the planned pipeline (the lowered joint graph, after the
+clean-up and after FSDP tagging, the first partition's ParallelModule, its torch.compile'd version,
+the second compile's graphs through the collective passes) gives bitwise the losses and gradients
 of the plan's interpreter run eagerly on real tensors with real collectives (``eager``; see
 verify.planned_parity for why that is an honest reference), and the eager run is within a stated
 tolerance of single-device eager (the independent oracle: the unsharded model, plain autograd, at

@@ -17,7 +17,15 @@ from torch import nn
 from autoparallel import ac
 from verify import parity_runs
 from verify.model_case import ModelCase
-from verify.parity_runs import COMPILE_EXECUTORS, EAGER, run_compile_parity
+from verify.parity_runs import COMPILE_EXECUTORS, EAGER, oracle_executor, run_compile_parity
+from verify.planned_parity import EXECUTORS as PLANNED_EXECUTORS
+from verify.planned_parity import (
+    planned_case,
+    planned_oracle,
+    run_planned_parity,
+    single_device_replay,
+)
+from verify.random_ops import DROPOUT_OFF
 from verify.scenario import Scenario
 
 aten = torch.ops.aten
@@ -95,3 +103,61 @@ def test_joint_ac_saves_random_ops_and_stays_bitwise():
     for executor in COMPILE_EXECUTORS:
         if executor != EAGER:
             parity_runs.compare_with_eager(ranks, executor).assert_bitwise()
+
+
+@pytest.mark.slow  # a planned parity world (each rank plans, lowers and compiles): CI's slow step
+def test_plan_auto_is_bitwise_with_dropout_and_its_oracle_switches_dropout_off_on_both_sides():
+    """Under plan="auto" a rank's mask of its shard of an activation is no slice of the unsharded
+    model's: the stages are bitwise with dropout on (each rank draws alike in every executor), the
+    oracle compares with dropout off on both sides and says so. Negative: off on one side only."""
+    case = planned_case(Scenario(case=CASE, plan="auto", mesh="dp=2"))
+    ((_, ranks),) = run_planned_parity(case, 2)
+    for executor in PLANNED_EXECUTORS[1:]:
+        parity_runs.compare_with_eager(ranks, executor).assert_bitwise()
+    assert oracle_executor(ranks) == DROPOUT_OFF
+    report = planned_oracle(case, ranks)
+    assert report.passed and "dropout off on both sides" in report.summary(), report.summary()
+    one_side = planned_oracle(case, ranks, single_device_replay(case, ranks, EAGER))  # the reference drops
+    assert not one_side.passed, one_side.summary()
+
+
+class _ShardedDropout(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(16, 32)
+        self.drop = nn.Dropout(0.25)
+        self.proj = nn.Linear(32, 16)
+
+    def forward(self, x):
+        return self.proj(self.drop(nn.functional.gelu(self.fc(x))))
+
+
+class TPDropoutMLP(nn.Module):
+    """Dropout inside a TP region: on the colwise Linear's sharded activation."""
+
+    def __init__(self):
+        super().__init__()
+        self.norm = nn.LayerNorm(16)
+        self.mlp = _ShardedDropout()
+        self.head = nn.Linear(16, 4)
+
+    def forward(self, x):
+        return self.head(x + self.mlp(self.norm(x)))
+
+
+TP_CASE = ModelCase("tp_dropout_mlp", TPDropoutMLP, nn.functional.cross_entropy, _batch, batch_per_rank=2,
+                    tp_rules={"mlp.fc.weight": "colwise", "mlp.proj.weight": "rowwise"}, tp_regions=("mlp",))
+
+
+@pytest.mark.slow  # a second world of every stage; the tier keeps dropout's fsdp world above
+def test_dropout_on_tp_shards_is_bitwise_and_its_oracle_switches_dropout_off_on_both_sides(model_check):
+    """A rank's mask of its TP shard is no slice of any mask the unsharded model draws: the stages
+    are bitwise with dropout on, the oracle compares with dropout off on both sides and says so.
+    Negative: the per-slice reference (dropout on) against the eager program fails."""
+    result = model_check(TP_CASE, plan="fsdp_tp", mesh="dp=1,tp=2")
+    assert "dropout off on both sides" in result.oracle.summary()
+    ranks = parity_runs.run_stage_parity(Scenario(case=TP_CASE, plan="fsdp_tp", mesh="dp=1,tp=2"), 1,
+                                         executors=(EAGER,))
+    assert oracle_executor(ranks) == DROPOUT_OFF
+    on = parity_runs.oracle_check(Scenario(case=TP_CASE, plan="fsdp_tp", mesh="dp=1,tp=2"), ranks, EAGER)
+    assert not on.passed, on.summary()

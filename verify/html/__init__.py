@@ -48,26 +48,29 @@ PAGE_NAME = "index.html"
 
 
 def build_report_page(
-    records: Sequence[Any], *, title: str, subtitle: str = "", mesh=None, roofline=None
+    records: Sequence[Any], *, title: str, subtitle: str = "", mesh=None, roofline=None, planning=None
 ) -> str:
     """The page's HTML for ``records`` (``StageRecord``s, in pipeline order). ``mesh`` (a ``MeshSpec``) gives the
     group sizes of collectives whose schema has none (all-reduce) once the fake world is gone;
-    ``roofline``: the estimator's ``RooflineConfig`` (default: one H100)."""
+    ``roofline``: the estimator's ``RooflineConfig`` (default: one H100); ``planning``: the plan
+    stage's ``PlanningReport`` (``plan="auto"``), shown in a section of its own."""
     from verify.html.page import build_page
+    from verify.html.plan_section import plan_section
     from verify.html.views import stage_view
 
     if not records:
         raise ValueError("no stage records: nothing to report (pass the pipeline's stages in order)")
     views = [stage_view(r, mesh=mesh, roofline=roofline) for r in records]
-    return build_page(views, title=title, subtitle=subtitle)
+    return build_page(views, title=title, subtitle=subtitle, plan=plan_section(planning) if planning is not None else "")
 
 
 def write_report(
     records: Sequence[Any], out_dir: str | Path, *, title: str, subtitle: str = "",
-    mesh=None, roofline=None,
+    mesh=None, roofline=None, planning=None,
 ) -> Path:
     """Write ``out_dir/index.html`` (creating ``out_dir``) and return its path."""
-    return write_page(build_report_page(records, title=title, subtitle=subtitle, mesh=mesh, roofline=roofline), out_dir)
+    page = build_report_page(records, title=title, subtitle=subtitle, mesh=mesh, roofline=roofline, planning=planning)
+    return write_page(page, out_dir)
 
 
 def write_page(html: str, out_dir: str | Path) -> Path:

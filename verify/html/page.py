@@ -17,6 +17,7 @@ from html import escape, unescape
 
 from verify.html import svg
 from verify.html.diff import PAGE_CSS, PAGE_JS, TextStore, diff_opcodes, payload_script
+from verify.html.plan_section import SECTION_ID as PLAN_SECTION_ID
 from verify.html.views import StageView, stage_text
 from verify.stats import CATEGORIES, human_bytes
 
@@ -200,8 +201,9 @@ def _summary_table(views: Sequence[StageView]) -> str:
     return "<table class=summary>" + "".join(rows) + "</table>"
 
 
-def build_page(views: Sequence[StageView], *, title: str, subtitle: str = "") -> str:
-    """The whole page (a string starting with ``<!DOCTYPE html>``)."""
+def build_page(views: Sequence[StageView], *, title: str, subtitle: str = "", plan: str = "") -> str:
+    """The whole page (a string starting with ``<!DOCTYPE html>``); ``plan``: the plan stage's
+    section (``verify.html.plan_section``), ahead of the stages, for ``plan="auto"``."""
     texts = TextStore()
     diffs: list[dict] = []
     by_name = {v.name: v for v in views}
@@ -218,9 +220,11 @@ def build_page(views: Sequence[StageView], *, title: str, subtitle: str = "") ->
         "<!DOCTYPE html><html lang=en><head><meta charset=utf-8>",
         f"<title>{escape(title)}</title><style>{PAGE_CSS}</style></head><body>",
         f"<header><h1>{escape(title)}</h1><p>{escape(subtitle)}</p></header>",
-        "<nav>", _summary_table(views), "</nav>",
+        "<nav>", (f"<p><a href='#{PLAN_SECTION_ID}'>plan</a> (the plan stage)</p>" if plan else ""),
+        _summary_table(views), "</nav>",
         "<section class=pipeline id=pipeline>",
         _figure("collective bytes across the pipeline", chart), "</section>",
+        plan,
         *sections,
         payload_script(texts, diffs),
         f"<script>{PAGE_JS}</script></body></html>",

@@ -121,13 +121,14 @@ def test_model_check_lists_every_failure():
 
 def test_plan_auto_runs_a_users_model_with_its_own_loss(readme_module, model_check):
     """The README's convnet (BatchNorm buffers updated in place, its own loss) under plan="auto":
-    the plan stage, then the lowered joint graph, the first partition and the second compile
-    bitwise against the plan's placements run eagerly, and the oracle. Failed before: 'unknown
+    the plan stage, then every later stage (the lowered joint graph, the clean-up, FSDP tags, the
+    first partition, the second compile, the collective passes) bitwise against the plan's
+    placements run eagerly, and the oracle. Failed before: 'unknown
     planner option(s) ['tp_regions', 'tp_rules']', then the reference's loss was output 0 (a
     BatchNorm buffer) and it applied no buffer update."""
     result = model_check(readme_module.case, plan="auto", mesh="dp=2")
     assert result.run.names[0] == "plan" and set(result.run.names[1:]) == set(STAGE_NAMES)
-    assert set(result.parity) == {"joint", "first_partition", "second_compile"}
+    assert set(result.parity) == {"joint", "cleanup", "fsdp_tagging", "first_partition", "second_compile", "collective_passes"}
     assert all(rep.bitwise for rep in result.parity.values()) and result.oracle.passed
     names = {c.name for c in result.oracle.checks}
     assert "loss" in names and "grad:bn.weight" in names

@@ -1,0 +1,68 @@
+"""The plan stage's section of the HTML page (plan="auto"): placements per parameter and mesh dim,
+the objective and the solver's verdict, solve statistics, and explain for the costliest nodes."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from html import escape
+
+import pytest
+
+from autoparallel.pipeline import PLAN
+from autoparallel.planner.plan import Plan
+from verify import zoo
+from verify.html import build_report_page, records_from_pipeline_run
+from verify.html.page import page_sections
+from verify.html.plan_section import COSTLIEST, plan_section
+from verify.pipeline import run_pipeline
+from verify.scenario import Scenario
+
+
+@pytest.fixture(scope="module")
+def planned_run():
+    return run_pipeline(Scenario(case=zoo.ln_mlp, plan="auto", mesh="dp=2,tp=2"), until="joint")
+
+
+def test_the_section_shows_every_parameter_per_mesh_dim_and_explains_the_costliest_nodes(planned_run):
+    report = planned_run.stage(PLAN).report
+    plan = report.plan
+    html = plan_section(report)
+    rows = re.findall(r"<tr><td>([^<]+)</td><td>([^<]+)</td><td>([^<]+)</td></tr>", html.split("plan-params")[1])
+    assert {fqn: {"dp": dp, "tp": tp} for fqn, dp, tp in rows} == {
+        fqn: {n: p.get(n, "R") for n in ("dp", "tp")} for fqn, p in plan.params.items()}
+    assert len(rows) == len(plan.params) == len(list(zoo.ln_mlp.factory().parameters()))
+    assert "proven optimal" in html and f"{report.objective_us:.3f} us per step" in html
+    assert "solve: status" in html and "seconds: solve" in html
+    explained = re.findall(r"<details><summary>([^<]+): ([0-9.]+) us</summary>", html)
+    costliest = plan.costliest(COSTLIEST)
+    assert [(k, float(us)) for k, us in explained] == [(escape(k), round(us, 3)) for k, us in costliest]
+    assert [us for _, us in costliest] == sorted((us for _, us in costliest), reverse=True)
+    assert html.count("why: ") == COSTLIEST
+
+
+def test_the_costliest_nodes_are_the_dearest_chosen_placements(planned_run):
+    plan = planned_run.stage(PLAN).report.plan
+    every = plan.costliest(10**6)
+    assert len(every) > COSTLIEST and plan.costliest(3) == every[:3]
+    assert every[0][1] > 0 and every[-1][1] <= every[0][1]
+
+
+def test_a_time_limited_plan_says_it_is_not_proven_and_a_plan_from_json_cannot_explain(planned_run):
+    report = planned_run.stage(PLAN).report
+    limited = dataclasses.replace(report, proven_optimal=False)
+    assert escape("NOT proven optimal: the solver's time limit returned its best plan so far") in plan_section(limited)
+    loaded = dataclasses.replace(report, plan=Plan.from_json(report.plan.to_json()))
+    html = plan_section(loaded)
+    assert "explain: not available" in html and "<details>" not in html
+    with pytest.raises(ValueError, match="carries no plan"):
+        plan_section(dataclasses.replace(report, plan=None))
+
+
+def test_the_page_carries_the_plan_section_ahead_of_the_stages_and_links_it(planned_run):
+    records = records_from_pipeline_run(planned_run, alternatives=False, goldens=False)
+    page = build_report_page(records, title="t", planning=planned_run.stage(PLAN).report)
+    assert page.index("id=plan-stage") < page.index("<section class=stage ")
+    assert "href='#plan-stage'" in page
+    assert "plan" not in page_sections(page), "the stage sections' parser still sees only stages"
+    assert "id=plan-stage" not in build_report_page(records, title="t"), "a hand plan has no plan section"
