@@ -158,6 +158,19 @@ _register(
     ),
 )
 _register(
+    "random_op_order",
+    "after each collective pass, the graph's random ops (dropout, bernoulli, rand) are put back in "
+    "the order they drew in before it (a stable topological sort with each random op after the "
+    "previous one); a pass that adds or drops one, or makes that order impossible, is an error naming them",
+    "upstream's topological sort after a bucket merge, and the overlap scheduler, reorder random ops "
+    "on independent branches: on CPU they then draw each other's masks (T5 and BART under fsdp dp=2: "
+    "the decoder's embedding dropout ahead of the encoder's attention dropout, loss off by 0.3)",
+    (
+        "tests/unit/autoparallel/passes/test_random_order.py::test_bucketing_a_weight_two_branches_read_keeps_their_dropouts_in_order",
+        "tests/parity/test_random_ops_parity.py::test_an_encoder_and_a_decoder_reading_one_embedding_are_bitwise_at_every_stage",
+    ),
+)
+_register(
     "primary_fsdp_group",
     "inside the overlap scheduler, identify_fsdp_groups returns only the process group with the "
     "most FSDP all-gathers (ties: the one seen first)",

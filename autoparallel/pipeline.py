@@ -287,7 +287,8 @@ def second_compile(
     Graphs only (default): the partition hook stops the call before anything executes (at 8B
     shapes the forward would compute real activations on this CPU), and Dynamo's cache is reset.
     ``keep_compiled``: the call runs, the compiled module is returned, and Dynamo's cache is left
-    for the caller to reset (``torch._dynamo.reset()``). ``collective_passes``: the backend also
+    for the caller to reset (``torch._dynamo.reset()``); ``fw``/``bw`` are then copies of the
+    graphs the module runs, so rewriting them leaves the module as compiled. ``collective_passes``: the backend also
     tags its joint graph and runs those passes; ``fw``/``bw`` are their output. A module traced on
     another world's group names is an error (re-trace on this world, or enter one built the same
     way: a fresh fake world names its groups as the first did)."""
@@ -335,9 +336,15 @@ def second_compile(
     finally:
         if not keep_compiled:
             torch._dynamo.reset()
-    for gm in (captured["fw"], captured["bw"]):
+    fw, bw = captured["fw"], captured["bw"]
+    if keep_compiled:
+        # The compiled module runs these very GraphModules (the backward compiles lazily, and a
+        # lazy forward re-reads its graph): hand out copies, or the pipeline's collective stages,
+        # which rewrite their input in place, would change what the module computes.
+        fw, bw = copy_graph_module(fw), copy_graph_module(bw)
+    for gm in (fw, bw):
         attach_group_dims(gm, mesh.group_dims)
-    return SecondCompile(captured["fw"], captured["bw"], compiled if keep_compiled else None, captured.get("metrics"))
+    return SecondCompile(fw, bw, compiled if keep_compiled else None, captured.get("metrics"))
 
 
 # --- the stages -------------------------------------------------------------------------------

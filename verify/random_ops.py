@@ -24,6 +24,7 @@ from torch import fx
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from autoparallel import meta as M
 from autoparallel.ac import is_random
 from autoparallel.fx_utils import copy_graph_module
 from autoparallel.runtime.steps import Executor
@@ -87,7 +88,7 @@ def random_nodes(gm: fx.GraphModule) -> list[fx.Node]:
 
 
 def _model_line(node: fx.Node) -> str:
-    trace = (node.meta.get("stack_trace") or "").strip().splitlines()
+    trace = (node.meta.get(M.STACK_TRACE) or "").strip().splitlines()
     files = [line.strip() for line in trace if line.strip().startswith("File ")]
     return f" ({files[-1]})" if files else ""
 

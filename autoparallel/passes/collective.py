@@ -12,6 +12,10 @@
 runs it through :func:`bucket_fw_bw`, and ``autoparallel.pipeline`` makes one stage of each entry
 (so each pass has a name, an input graph and an output graph).
 
+Every pass runs under two wrappers. ``run_with_shared_provenance`` shares the nodes' histories.
+``run_keeping_random_order`` (``random_order.py``) puts the random ops back in the order they
+drew in before the pass: on CPU that order decides which op gets which mask.
+
 Each returns per-graph collective counts before/after so stage counts can be reported. Graphs are
 mutated in place where the passes allow it (the overlap scheduler returns a new module). Merged
 all-gathers are rank-specific: run this on each rank's graphs, in that rank's (fake) world.
@@ -41,6 +45,7 @@ from autoparallel.passes.pre_overlap_bucketing import (
     collective_counts,
     tag_collectives_for_bucketing,
 )
+from autoparallel.passes.random_order import run_keeping_random_order
 from autoparallel.passes.shared_provenance import run_with_shared_provenance
 from autoparallel.passes.topo_span_bucketing import TopoSpanConfig
 
@@ -144,21 +149,22 @@ COLLECTIVE_PASSES: tuple[CollectivePass, ...] = (
         lambda c: c.fuse_chained_allgathers,
         _fuse,
         "dp->tp all-gather chains -> one all-gather on the flattened group",
-        ("fuse_chained_allgathers",),
+        ("fuse_chained_allgathers", "random_op_order"),
     ),
     CollectivePass(
         "pre_overlap_bucketing",
         lambda c: c.pre_overlap_bucketing,
         _pre_overlap,
         "merge the collectives tagged on the joint graph into byte-capped buckets",
-        ("pre_overlap_bucketing", "contiguous_gathered_shards", "shared_provenance"),
+        ("pre_overlap_bucketing", "contiguous_gathered_shards", "shared_provenance", "random_op_order"),
     ),
     CollectivePass(
         "topo_span_bucketing",
         lambda c: c.schedule_overlap,
         _schedule_overlap,
         "Inductor's overlap scheduler (CPU roofline) with topo-span-bounded FSDP bucketing",
-        ("primary_fsdp_group", "topo_span_bucketing", "contiguous_gathered_shards", "shared_provenance"),
+        ("primary_fsdp_group", "topo_span_bucketing", "contiguous_gathered_shards", "shared_provenance",
+         "random_op_order"),
     ),
 )
 COLLECTIVE_PASS_NAMES: tuple[str, ...] = tuple(p.name for p in COLLECTIVE_PASSES)
@@ -214,7 +220,8 @@ def _run(
     m = GraphPassMetrics(before=collective_counts(gm))
     for p in _selected(config, only):
         with _upstream_quiet():
-            gm = run_with_shared_provenance(gm, lambda g, p=p: p.run(g, config, m))
+            gm = run_keeping_random_order(
+                gm, lambda g, p=p: run_with_shared_provenance(g, lambda h: p.run(h, config, m)), f"{p.name} on {name}")
     m.after = collective_counts(gm)
     log.info("collective passes on %s: %s", name, {k: (m.before[k], m.after[k]) for k in m.before})
     return gm, m

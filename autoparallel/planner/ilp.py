@@ -14,7 +14,8 @@ Constraint groups (named in errors and checked independently by ``verify.plan_ch
 * ``consistent_output`` (per edge class, per row u): ``sum_v y[e, u, v] = sum_{j -> u} s[cons, j]``,
   so every input of a node agrees with the node's one choice;
 * ``flow`` (per edge class, per column v): ``sum_u y[e, u, v] = sum_{k -> v} s[prod, k]``;
-* ``fwd_bwd``: ``s[a, j] = s[b, j]`` for parameter/gradient, input/gradient, output/tangent;
+* ``fwd_bwd``: ``s[a, j] = s[b, j]`` for parameter/gradient, input/gradient, output/tangent,
+  buffer/its new value (a model that updates a buffer in place: the value is copied into the piece);
 * ``grad_reduce_dtype``: dtype-locked edges only have ``u == v`` pairs (no redistribution
   around a mixed-precision cast);
 * ``param_memory``: ``sum count * bytes * s <= budget``;

@@ -202,7 +202,8 @@ class PlacedInterpreter(fx.Interpreter):
         self.report.moved_inputs += 1
         meta = _meta(val)
         dm = self.mesh.device_mesh
-        return redistribute_local_tensor(value, DTensorSpec(dm, src, tensor_meta=meta), DTensorSpec(dm, dst, tensor_meta=meta))
+        moved = redistribute_local_tensor(value, DTensorSpec(dm, src, tensor_meta=meta), DTensorSpec(dm, dst, tensor_meta=meta))
+        return in_layout_of(moved, val)
 
     def _moved_inputs(self, node: fx.Node, args, kwargs):
         """(args, kwargs) with each tensor input moved to the placement ``node`` wants, and the
@@ -289,6 +290,29 @@ class PlacedInterpreter(fx.Interpreter):
             if isinstance(src, fx.Node) and planned[i] is not None:
                 values[i] = self.move(value, src.meta[M.VAL], self._out_of(src), planned[i])
         return values
+
+
+def _dim_order(t: torch.Tensor) -> list[int]:
+    """``t``'s dims from outermost to innermost in memory (ties: in dim order)."""
+    return sorted(range(t.dim()), key=lambda d: (-t.stride(d), d))
+
+
+def in_layout_of(local: torch.Tensor, val: Any) -> torch.Tensor:
+    """``local`` (a moved piece) laid out in memory like the traced value ``val``: dense, dims in
+    ``val``'s memory order.
+
+    A redistribution returns its pieces in its own layout (an all-gather's chunk, a contiguous
+    result where the traced value was a transposed view of a kernel's output), and the traced
+    graph's views assume the traced value's strides: ``view`` of a piece laid out otherwise
+    fails ("Cannot view a tensor with shape ... and strides ..."). A copy in the traced dim order
+    restores them (values unchanged)."""
+    if not isinstance(val, torch.Tensor) or local.dim() != val.dim() or local.dim() < 2:
+        return local
+    order = _dim_order(val)
+    if local.permute(order).is_contiguous():
+        return local
+    inverse = sorted(range(len(order)), key=order.__getitem__)
+    return local.permute(order).contiguous().permute(inverse)
 
 
 def local_placeholders(pg: PlanningGraph, placed: Mapping[fx.Node, NodePlacements], make: Callable[[fx.Node, tuple[int, ...]], torch.Tensor]) -> list:

@@ -114,6 +114,7 @@ def build_nodes(pg: PlanningGraph, costs: CostModel, enumerator: StrategyEnumera
     nodes: list[PNode] = []
     index: dict[fx.Node, int] = {}
     by_desc: dict[object, int] = {}
+    by_role: dict[str, int] = {}  # placeholder role -> node index
     for node in pg.graph.nodes:
         if node.op == "output":
             continue
@@ -141,6 +142,7 @@ def build_nodes(pg: PlanningGraph, costs: CostModel, enumerator: StrategyEnumera
             desc = node.meta.get(M.DESC)
             if desc is not None:
                 by_desc[desc] = pn.index
+            by_role[role] = pn.index
         elif is_getitem(node):
             cands = getitem_candidates(nodes[index[node.args[0]]].candidates, node.args[1])
             common["inputs"] = (index[node.args[0]],)
@@ -177,6 +179,8 @@ def build_nodes(pg: PlanningGraph, costs: CostModel, enumerator: StrategyEnumera
         meta = prod.metas[0]
         role = role or roles.user_output(i)
         twin = by_desc.get(desc.grad_of) if isinstance(desc, D.GradAOTOutput) else None
+        if roles.is_mutated(role):  # a buffer's new value is copied into the buffer's local piece
+            twin = by_role.get(roles.buffer(roles.name(role)))
         if twin is not None:
             placements = nodes[twin].out_placements()
         elif role == LOSS_ROLE:

@@ -13,26 +13,15 @@ from verify.hf import ARCHS, hf_case
 pytest.importorskip("transformers", reason="the Hugging Face matrix needs the hf extra: pip install -c constraints.txt -e '.[hf]'")
 
 # Why an architecture cannot pass a plan yet (measured with transformers 5.24.0); absent: it passes.
-_SEQ2SEQ_DROPOUT = (
-    "dropout on: the second compile (and so the collective passes) trains differently from the eager program "
-    "(max |diff| 0.1-0.3; every earlier stage bitwise, and bitwise with dropout 0): the compiled module draws "
-    "its masks otherwise, cause not found yet")
 NOT_YET: dict[str, dict[str, str]] = {
-    "fsdp dp=2": {"t5": _SEQ2SEQ_DROPOUT, "bart": _SEQ2SEQ_DROPOUT},
+    "fsdp dp=2": {},
     "auto dp=2,tp=2": {
-        **dict.fromkeys(("gpt2", "bert", "roberta", "distilbert", "electra", "t5"), (
-            "dropout on: every stage bitwise, but the planned oracle compares with the unsharded model on the whole "
-            "batch, whose masks no rank draws (random ops are not yet disabled on both sides under plan='auto')")),
         **dict.fromkeys(("gpt_neo", "falcon"), (
             "the planner cannot place a lifted tensor constant (get_attr '_tensor_constant0': a tensor the model "
             "builds from Python data in forward)")),
-        **dict.fromkeys(("opt", "starcoder2", "bart", "vit"), (
-            "the plan's lowering (PlacedInterpreter, DTensor dispatch) views a strided local shard: 'Cannot view a "
-            "tensor with shape [4, 8, 2, 16] and strides (256, 16, 128, 1) as [4, 8, 32]'")),
         **dict.fromkeys(("mixtral", "qwen2_moe"), (
             "the planner has no sharding strategy for transformers.grouped_mm_fallback (the MoE experts' custom op)")),
         "swin": "the planner has no sharding strategy for aten.as_strided",
-        "resnet": "the second compile of the lowered plan fails at run time: 'size of tensor a (16) must match b (4)'",
     },
 }
 TIER = ("falcon", "resnet")  # in the tier (the cheapest two): a decoder LM through transformers' mask code, a BatchNorm image model

@@ -113,6 +113,7 @@ DEFAULT_TESTS = (
     "tests/unit/autoparallel/passes/test_ac_joint.py",
     "tests/unit/autoparallel/passes/test_contiguous_gathered_shards.py",
     "tests/unit/autoparallel/passes/test_shared_provenance.py",
+    "tests/unit/autoparallel/passes/test_random_order.py",
     "tests/unit/autoparallel/test_fx_utils.py",
     "tests/property",
 )

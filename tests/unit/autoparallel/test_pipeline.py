@@ -93,6 +93,27 @@ def test_each_stage_keeps_its_own_graphs(observed):
     assert run.stage("pre_overlap_bucketing").graphs[1].meta[M.GM_STAGE] == "pre_overlap_bucketing/backward"
 
 
+def test_rewriting_the_second_compiles_graphs_leaves_the_kept_module_as_compiled(observed, mlp):
+    """Failed before second_compile handed out copies with keep_compiled. The collective stages
+    rewrite their input in place, and the kept module ran whatever they left, so the parity row
+    'second_compile' tested the last collective stage's graphs instead (with T5's dropout, it
+    showed that stage's reordered masks as a second-compile failure)."""
+    run, _ = observed
+    with fake_world(MESH) as mesh:
+        local = P.PipelineState(mlp[0](), mlp[1], _inputs(), ParallelPlan.fsdp("dp"), mesh, P.PipelineOptions()).local_inputs()
+        try:
+            kept = P.second_compile(run.module, mesh, local, keep_compiled=True)
+            loss = kept.compiled(*local).detach()
+            out = kept.fw.graph.output_node()
+            with kept.fw.graph.inserting_before(out):
+                doubled = kept.fw.graph.call_function(torch.ops.aten.mul.Tensor, (out.args[0][0], 2.0))
+            out.args = ((doubled, *out.args[0][1:]),)
+            kept.fw.recompile()
+            assert torch.equal(kept.compiled(*local), loss)
+        finally:
+            torch._dynamo.reset()
+
+
 def test_composed_passes_are_what_the_backend_runs(observed, mlp):
     """The sequence the pipeline shows, one stage per pass, gives the graphs the backend gives when
     it runs the same passes inside one compile."""

@@ -4,8 +4,11 @@ import pytest
 import torch
 from torch import nn
 
+from autoparallel import pipeline as P
+from autoparallel.mesh import fake_world
 from autoparallel.parallelize import ParallelPlan
 from autoparallel.planner.auto import _check_reduce_dtype, planner_config
+from verify import zoo
 
 
 def test_planner_options_become_the_planner_config():
@@ -23,3 +26,21 @@ def test_a_reduce_dtype_the_planner_cannot_honour_is_refused():
     _check_reduce_dtype(ParallelPlan.auto(reduce_dtype=torch.float32), model)
     with pytest.raises(ValueError, match=r"reduce_dtype=torch.bfloat16: parameter 'weight' is torch.float32"):
         _check_reduce_dtype(ParallelPlan.auto(reduce_dtype=torch.bfloat16), model)
+
+
+def test_a_buffers_new_value_is_placed_like_the_buffer():
+    """A model that updates a buffer in place (BatchNorm's running stats) returns the new value,
+    which the module copies into the buffer's local piece: placed otherwise, the copy fails at run
+    time (Hugging Face ResNet under plan='auto': 'size of tensor a (16) must match b (4)'). The
+    buffer is pinned sharded over tp here; its new value must follow."""
+    case = zoo.convnet
+    with torch.device("meta"):
+        model = case.factory()
+    pin = "dp:R,tp:S(0)"
+    with fake_world("dp=2,tp=2") as mesh:
+        run = P.run_pipeline(model, case.loss_fn, case.batch(4), ParallelPlan.auto(pins={"buffer:bn.running_mean": pin}),
+                             mesh, until=P.PLAN)
+    plan = run.planned.plan
+    assert plan.inputs["buffer:bn.running_mean"] == {"dp": "R", "tp": "S(0)"}
+    for fqn in ("bn.running_mean", "bn.running_var", "bn.num_batches_tracked"):
+        assert plan.nodes[f"out:mutated:{fqn}"].out == [plan.inputs[f"buffer:{fqn}"]], fqn

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from torch import fx
 from torch.distributed.tensor import Partial, Replicate, Shard
 
@@ -21,7 +23,9 @@ from autoparallel.planner.costs import CostModel
 from autoparallel.planner.graph import ALIAS
 from autoparallel.planner.lower import (
     LoweringError,
+    _dim_order,
     decode,
+    in_layout_of,
     local_shape,
     lower_plan,
     node_placements,
@@ -140,3 +144,40 @@ def test_placeholder_aliases_sink_to_their_first_user():
     assert [n.name for n in g.nodes][2:5] == [n1.name, a.name, n2.name]
     assert sink_placeholder_aliases(g) == 0  # already there
     g.lint()
+
+
+# --- moved pieces keep the traced value's memory layout ---------------------------------------------
+
+
+def test_a_moved_piece_takes_the_traced_layout_so_the_graphs_views_still_apply():
+    """OPT/ViT/BART/Starcoder2 under plan='auto': attention's output is a transposed view of a
+    kernel's [B, S, H, D]-laid result, so the traced graph views it as [B, S, H*D]; a redistribution
+    hands back its piece contiguous in [B, H, S, D], whose transpose cannot be viewed so ('Cannot
+    view a tensor with shape [4, 8, 2, 16] and strides (256, 16, 128, 1)')."""
+    traced = torch.empty(4, 8, 4, 16).transpose(1, 2)  # [B, H, S, D] laid out as [B, S, H, D]
+    piece = torch.randn(4, 2, 8, 16)  # a moved piece, contiguous in its logical order
+    with pytest.raises(RuntimeError, match="view"):
+        piece.transpose(1, 2).view(4, 8, 32)
+    laid = in_layout_of(piece, traced)
+    assert torch.equal(laid, piece) and laid.stride() == (256, 16, 32, 1)
+    assert laid.transpose(1, 2).view(4, 8, 32).shape == (4, 8, 32)
+    assert in_layout_of(laid, traced) is laid, "a piece laid out already is not copied"
+    strided = torch.randn(4, 8, 4, 16)[:, :, :2]  # an all-gather's chunk: the traced value is contiguous
+    assert not strided.is_contiguous() and in_layout_of(strided, torch.empty(4, 8, 4, 16)).is_contiguous()
+    assert in_layout_of(piece, 3.0) is piece and in_layout_of(torch.randn(5), torch.empty(5)).shape == (5,)
+
+
+@given(shape=st.lists(st.integers(1, 4), min_size=2, max_size=4), data=st.data())
+@settings(max_examples=50, deadline=None)
+def test_in_layout_of_keeps_values_and_takes_the_traced_dim_order(shape, data):
+    n = len(shape)
+    traced_perm = data.draw(st.permutations(range(n)))
+    piece_perm = data.draw(st.permutations(range(n)))
+    physical = [shape[d] for d in traced_perm]
+    traced = torch.empty(physical).permute(sorted(range(n), key=traced_perm.__getitem__))
+    piece = torch.randn([shape[d] for d in piece_perm]).permute(sorted(range(n), key=piece_perm.__getitem__))
+    assert list(traced.shape) == shape == list(piece.shape)
+    laid = in_layout_of(piece, traced)
+    assert torch.equal(laid, piece)
+    assert laid.permute(_dim_order(traced)).is_contiguous(), "dense, in the traced dims' memory order"
+    assert laid.is_contiguous() or not traced.is_contiguous()
