@@ -131,8 +131,12 @@ def copy_graph_module(gm: fx.GraphModule) -> fx.GraphModule:
     Node names are kept; each node's ``meta`` dict is copied (its values, FakeTensors included,
     are shared: passes replace meta entries, they do not mutate them); ``gm.meta`` is copied too.
     Cheaper than ``copy.deepcopy`` (no FakeTensor copies, no pickled pytree specs), which matters
-    on graphs of 8B-model size.
+    on graphs of 8B-model size. The copy generates its Python code when first called or asked
+    for its ``code`` (a lazy GraphModule): most copies are snapshots that are only read, and
+    code generation was most of a copy's cost.
     """
+    from torch.fx._lazy_graph_module import _LazyGraphModule, _make_graph_module
+
     graph = fx.Graph(tracer_cls=gm.graph._tracer_cls)
     env: dict[fx.Node, fx.Node] = {}
     for node in gm.graph.nodes:
@@ -141,7 +145,7 @@ def copy_graph_module(gm: fx.GraphModule) -> fx.GraphModule:
         # Deep-copying pytree specs warns about a deprecation inside torch itself.
         warnings.simplefilter("ignore", FutureWarning)
         graph._codegen = copy.deepcopy(gm.graph._codegen)  # the calling convention (pytree specs)
-    out = fx.GraphModule(gm, graph)
+    out = _make_graph_module(gm, graph, graph_module_cls=_LazyGraphModule)
     out.meta = dict(gm.meta)
     return out
 

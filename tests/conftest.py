@@ -291,8 +291,6 @@ MODULE_GROUPS = {
         "tests/unit/autoparallel/trainer/test_sac.py",
         "tests/unit/autoparallel/trainer/test_trace.py",
     ),
-    # its module fixture ``traced`` traces three scenarios.
-    "pre-overlap-bucketing": ("tests/unit/autoparallel/passes/test_pre_overlap_bucketing.py",),
     # the session fixture ``mlp_pipeline_run`` (tests whose own xdist_group mark names a golden
     # scenario run with that scenario instead).
     "layernorm-mlp": ("tests/golden/test_pass_invariants.py", "tests/unit/verify/commands/test_bisect.py"),

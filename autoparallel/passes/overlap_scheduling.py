@@ -12,7 +12,11 @@ on exit, exceptions included.
 * :func:`cpu_runtime_estimation_installed`: the scheduler's built-in roofline
   (``estimate_roofline_runtime_ms``, which imports triton) goes through
   :class:`~autoparallel.passes.overlap_estimator.RooflineEstimator`;
-* :func:`schedule_overlap_on_cpu`: the scheduler inside both scopes, with analytic compute and
+* :func:`estimation_tables_only_when_traced`: the scheduler's table of compute estimates (a
+  structured-trace artifact) is built only when a structured-trace handler listens: upstream
+  builds it on every run, counting each compute node's FLOPs on fake tensors (a fifth of the
+  pass at LLaMA-3 8B shapes) and then drops it when nobody listens;
+* :func:`schedule_overlap_on_cpu`: the scheduler inside these scopes, with analytic compute and
   collective estimators (no benchmarking, no cross-rank alignment); logs
   ``max_consec_compute_between_rs`` of the result. This is the pass the collective-pass
   sequence calls ``topo_span_bucketing``.
@@ -119,6 +123,27 @@ def cpu_runtime_estimation_installed(estimator: RooflineEstimator) -> Iterator[R
         sched.estimate_roofline_runtime_ms = saved
 
 
+@contextlib.contextmanager
+def estimation_tables_only_when_traced() -> Iterator[None]:
+    """Upstream ``_log_compute_estimations`` runs only when the structured trace has a handler
+    (``TORCH_TRACE``, a test's capture): the artifact is then the same, and no table is built for
+    nobody. The scheduler imports the function when it logs, so the module attribute is swapped."""
+    import torch._inductor.fx_passes.node_runtime_estimation as estimation
+    from torch._logging._internal import trace_log
+
+    upstream = estimation._log_compute_estimations
+
+    def when_traced(*args, **kwargs):
+        if trace_log.handlers:
+            upstream(*args, **kwargs)
+
+    estimation._log_compute_estimations = when_traced
+    try:
+        yield
+    finally:
+        estimation._log_compute_estimations = upstream
+
+
 @dataclass
 class OverlapResult:
     gm: fx.GraphModule
@@ -152,7 +177,11 @@ def schedule_overlap_on_cpu(
         "pre_bucketing_fsdp_collectives_bucket_cap_mb": config.bucket_cap_mb,
     }
     kwargs.update(scheduler_kwargs)
-    with cpu_runtime_estimation_installed(estimator), topo_span_bucketing_installed(config) as inst:
+    with (
+        cpu_runtime_estimation_installed(estimator),
+        estimation_tables_only_when_traced(),
+        topo_span_bucketing_installed(config) as inst,
+    ):
         new_gm = schedule_overlap_bucketing(gm, **kwargs)
     make_gathered_shards_contiguous(new_gm)
     new_gm.graph.lint()
@@ -166,6 +195,7 @@ __all__ = [
     "Installation",
     "OverlapResult",
     "cpu_runtime_estimation_installed",
+    "estimation_tables_only_when_traced",
     "schedule_overlap_on_cpu",
     "topo_span_bucketing_installed",
 ]

@@ -224,7 +224,7 @@ class Planner:
                 "traced_blocks": None if self.expansion is None else self.expansion[1],
             }
         )
-        plan._context = PlanContext(graph, costs, choice, clustering, problem, pins)
+        plan._context = PlanContext(graph, costs, choice, clustering, problem, pins, self.pg)
         return plan
 
 
@@ -358,6 +358,9 @@ class PlanContext:
     clustering: Clustering
     problem: Problem
     pins: dict[int, np.ndarray]
+    # The traced joint graph (every block, or the traced subset of an expanded plan): what an
+    # independent checker re-derives the placements' validity from (verify.parity.plan_check).
+    traced: PlanningGraph | None = None
 
     def _consumers(self) -> dict[int, list[tuple[PNode, int]]]:
         out: dict[int, list[tuple[PNode, int]]] = {}

@@ -8,7 +8,7 @@ consistency over the edge tables: a choice whose input placement no live produce
 reaches at finite cost, or whose output no live consumer can take, goes), and only finite
 ``(u, v)`` pairs become variables.
 
-Constraint groups (named in errors and checked independently by ``verify.graphs.plan_check``):
+Constraint groups (named in errors and checked independently by ``verify.parity.plan_check``):
 
 * ``one_choice``: ``sum_j s[c, j] = 1``;
 * ``consistent_output`` (per edge class, per row u): ``sum_v y[e, u, v] = sum_{j -> u} s[cons, j]``,

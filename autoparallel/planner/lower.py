@@ -309,10 +309,23 @@ def in_layout_of(local: torch.Tensor, val: Any) -> torch.Tensor:
     if not isinstance(val, torch.Tensor) or local.dim() != val.dim() or local.dim() < 2:
         return local
     order = _dim_order(val)
-    if local.permute(order).is_contiguous():
+    if _dense_in(local, order):  # from sizes and strides: no op here, so nothing is traced
         return local
+    if order == sorted(order):
+        return local.contiguous()
     inverse = sorted(range(len(order)), key=order.__getitem__)
     return local.permute(order).contiguous().permute(inverse)
+
+
+def _dense_in(t: torch.Tensor, order: list[int]) -> bool:
+    """Whether ``t`` is dense with its dims laid out in ``order`` (outermost first); dims of size
+    1 may have any stride, as for ``is_contiguous``."""
+    expected = 1
+    for d in reversed(order):
+        if t.size(d) != 1 and t.stride(d) != expected:
+            return False
+        expected *= t.size(d)
+    return True
 
 
 def local_placeholders(pg: PlanningGraph, placed: Mapping[fx.Node, NodePlacements], make: Callable[[fx.Node, tuple[int, ...]], torch.Tensor]) -> list:

@@ -8,8 +8,10 @@ a 4-expert router ``[4, D]`` and a 10-class head ``[10, D]`` (D = 6). On dp=4 ra
 only padding of the class token, and rank 3 holds only padding of the branch scale. The 4-rank
 world also runs fsdp_tp (dp=2, tp=2) on a toy whose TP-local shards are uneven over dp.
 
-All in CI's slow step (tests/conftest.py SLOW_GROUPS); the quick tier keeps the padding
-properties (tests/property/test_fsdp_padding_properties.py) and the uneven FSDP unit tests.
+The gloo worlds are in CI's slow step (tests/conftest.py SLOW_GROUPS); the quick tier keeps the
+padding properties (tests/property/test_fsdp_padding_properties.py), the uneven FSDP unit tests
+and one world on real tensors: the dp=2 joint graph on two simulated ranks
+(``test_uneven_joint_graph_on_two_simulated_ranks_...``, no process group).
 
 Until issue 14's "check my model" API lands, the stages run through the runtime executors and
 ``run_parity_world`` here (the pattern of ``verify/parity/runs.py``: reductions rank-ordered); :func:`_stage_parity_run` is
@@ -27,6 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from autoparallel import meta as M
+from autoparallel import roles
 from autoparallel.compile import SECOND_COMPILE
 from autoparallel.fx_utils import WAIT
 from autoparallel.mesh import MeshSpec, build_mesh, fake_world
@@ -42,7 +45,16 @@ from autoparallel.runtime.steps import (
     train_steps,
 )
 from verify.graphs.stats import graph_stats, saved_gathered_values
-from verify.parity.compare import compare_tensors, compare_traces, diff_tensors, merge_reports
+from verify.parity.compare import (
+    check_within,
+    compare_tensors,
+    compare_traces,
+    diff_tensors,
+    merge_reports,
+    module_scales,
+    oracle_tolerance,
+)
+from verify.parity.differential import Feeds, run_program, simulated_world
 from verify.parity.ordered_collectives import run_parity_world
 
 STEPS = 3
@@ -355,3 +367,36 @@ def test_fsdp_tp_pads_the_tp_local_shard_and_trains_bitwise_on_the_4_rank_world(
     full = {f: s.unshard({tuple(c.values()): t[JOINT].grads[0][f] for c, t in tp_ranks}, spec) for f, s in shardings.items()}
     report = compare_tensors(grads, full, a_name="single-device", b_name="fsdp_tp joint")
     assert all(d.max_abs < SINGLE_DEVICE_ATOL for d in report.diffs), report.summary()
+
+
+def test_uneven_joint_graph_on_two_simulated_ranks_matches_single_device_with_zero_padding():
+    """The quick tier's uneven-FSDP world (the gloo worlds above are in CI's slow step): the
+    traced dp=2 joint graph of TinyViT, whose class token, position embeddings, branch scale and
+    fc1 weight pad dim 0, run on two simulated ranks with the real model's zero-padded shards and
+    batch slices (reduce-scatters and all-gathers by LocalTensorMode). The real rows of every
+    gradient reassemble to single-device eager within the oracle's bound; every padding row of
+    every gradient is exactly +0.0."""
+    spec, plan = MeshSpec.parse("dp=2"), ParallelPlan.fsdp()
+    model, batch = make_model(), make_batches(1)[0]
+    shardings = plan.resolve(model, spec)
+    assert {f for f, s in shardings.items() if s.padded} >= {"cls_token", "pos_embed", "branch_scale", "fc1.weight"}
+    coords = [{"dp": r} for r in range(2)]
+    given = {roles.param(f): tuple(shardings[f].shard(p.detach(), c, {"dp": 2}) for c in coords) for f, p in model.named_parameters()}
+    slices = [split_batch(batch, plan, spec, c) for c in coords]
+    given.update({roles.input_(i): tuple(sl[i] for sl in slices) for i in range(len(batch))})
+    given[roles.tangent(roles.LOSS)] = (torch.ones(()), torch.ones(()))
+    with simulated_world(spec) as world, build_joint_graph(make_model(), plan, world, batch, class_loss) as jg:
+        result = run_program(jg.gm, Feeds(2, given=given)).result
+    _, grads, _ = _single_device(batches=[batch])
+    tolerance = oracle_tolerance(make_model(), slices[0][:-1], 2)
+    scales = module_scales(grads)
+    for fqn, s in shardings.items():
+        pieces = result[roles.grad(fqn)]
+        for c, g in zip(coords, pieces, strict=True):
+            pad = g[s.real_rows(c):]
+            assert diff_tensors(f"{fqn} padding", pad, torch.zeros_like(pad)).equal, fqn
+        full = s.unshard({(c["dp"],): g for c, g in zip(coords, pieces, strict=True)}, spec)
+        check = check_within(roles.grad(fqn), grads[fqn], full, tolerance.rtol, scales[fqn])
+        assert check.passed, check
+    loss = torch.stack(result[roles.LOSS]).mean()
+    assert check_within("loss", _single_device(batches=[batch])[0][0], loss, tolerance.rtol).passed

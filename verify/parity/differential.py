@@ -62,7 +62,7 @@ from autoparallel.fx_utils import ALL_GATHER_OUT, group_of, schema_arg
 from autoparallel.mesh import MeshSpec, ParallelMesh, fake_world, group_dims_of
 from autoparallel.runtime.rebind import rebind_groups
 from verify.parity.compare import ParityReport, TensorDiff, diff_tensors
-from verify.parity.trainer import intra_op_threads
+from verify.stages.pipeline_run import intra_op_threads
 
 Graphs = fx.GraphModule | tuple[fx.GraphModule, fx.GraphModule]
 

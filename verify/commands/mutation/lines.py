@@ -120,6 +120,8 @@ VERIFY_GROUPS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     ),
     # The golden workflow's throwaway projects are where GoldenChecker (the golden fixture) runs.
     "pytest_plugin": (("verify/pytest_plugin.py",), ("tests/unit/verify/test_pytest_plugin.py", "tests/golden/test_golden_workflow.py")),
+    # The independent plan checker: its negative tests on a correct plan and on tampered ones.
+    "plan_check": (("verify/parity/plan_check.py",), ("tests/unit/verify/parity/test_plan_check.py",)),
 }
 TARGETS = ("passes", "verify")
 VERIFY_GROUP_NAMES = tuple(VERIFY_GROUPS)

@@ -21,6 +21,7 @@ from autoparallel.passes import overlap_scheduling
 from autoparallel.passes.overlap_estimator import RooflineConfig, RooflineEstimator
 from autoparallel.passes.overlap_scheduling import (
     cpu_runtime_estimation_installed,
+    estimation_tables_only_when_traced,
     schedule_overlap_on_cpu,
     topo_span_bucketing_installed,
 )
@@ -85,6 +86,50 @@ def test_overlap_scheduler_runs_on_cpu_through_topo_span_bucketing(mesh, caplog)
     kinds = [n.target for n in res.gm.graph.nodes if n.op == "call_function"]
     assert kinds.count(ALL_GATHER) == 0 and kinds.count(REDUCE_SCATTER) == 1
     assert "max_consec_compute_between_rs=" in caplog.text
+
+
+def _fsdp_like_graph(b):
+    x = b.placeholder("x", (8, H), role="input:0")
+    acc, grads = x, []
+    for _ in range(2):
+        acc = b.call(aten.mm.default, acc, b.all_gather(b.param((16, H)), "dp"))
+        grads.append(b.reduce_scatter(b.call(aten.mm.default, b.call(aten.t.default, acc), acc), "dp"))
+    return b.output([b.call(aten.sum.default, acc), *grads], ["loss", "grad:a", "grad:b"])
+
+
+ESTIMATES_ARTIFACT = "fx_compute_nodes_runtime_estimation"
+
+
+def test_the_estimates_table_is_built_only_for_a_structured_trace(b, monkeypatch):
+    """Upstream builds it (FLOPs of every compute node on fake tensors) on every run; without a
+    trace handler nobody reads it, so nothing may count FLOPs."""
+    from torch._inductor import fx_utils
+    from torch._logging._internal import trace_log
+
+    def no_flop_count(node):
+        raise AssertionError("the estimates table was built with no structured-trace handler")
+
+    monkeypatch.setattr(trace_log, "handlers", [])
+    monkeypatch.setattr(fx_utils, "count_flops_fx", no_flop_count)
+    schedule_overlap_on_cpu(_fsdp_like_graph(b))
+
+
+def test_a_structured_trace_still_gets_the_estimates_table(b, structured_trace):
+    schedule_overlap_on_cpu(_fsdp_like_graph(b))
+    tables = [p for _, p in structured_trace.artifacts(ESTIMATES_ARTIFACT)]
+    # one row per compute node, with its FLOPs: an [8, 64] x [64, 64] mm is 2 * 8 * 64 * 64
+    assert tables and all("mm_default f32(8, 64) f32(64, 64)," in t and t.rstrip().endswith(",65536") for t in tables), tables
+
+
+def test_the_estimates_switch_is_scoped_and_restored_on_error():
+    import torch._inductor.fx_passes.node_runtime_estimation as estimation
+
+    up = estimation._log_compute_estimations
+    with pytest.raises(RuntimeError, match="boom"):
+        with estimation_tables_only_when_traced():
+            assert estimation._log_compute_estimations is not up
+            raise RuntimeError("boom")
+    assert estimation._log_compute_estimations is up
 
 
 def test_installation_routes_the_scheduler_roofline_and_restores_it(b):

@@ -13,7 +13,7 @@ from torch._functorch.partitioners import default_partition
 
 from autoparallel import meta as M
 from autoparallel import patches
-from autoparallel.fx_utils import ALL_GATHER, REDUCE_SCATTER
+from autoparallel.fx_utils import ALL_GATHER, REDUCE_SCATTER, copy_graph_module
 from autoparallel.mesh import attach_group_dims, fake_world
 from autoparallel.partition import apply_placement
 from autoparallel.passes.pre_overlap_bucketing import (
@@ -28,6 +28,7 @@ from autoparallel.passes.pre_overlap_bucketing import (
     tag_collectives_for_bucketing,
 )
 from autoparallel.runtime.rebind import rebind_groups
+from verify.goldens.catalog import GOLDEN_SCENARIOS, golden_run
 from verify.graphs.generators import GraphBuilder, mesh_groups
 from verify.stages.scenario import Scenario
 
@@ -41,14 +42,38 @@ SCENARIOS = {
 }
 
 
+# The two FSDP scenarios are golden scenarios of the tier: their joint graphs come from the shared
+# golden runs (copied: the tests tag them), on the worker that builds those runs (xdist_group).
+GOLDEN_RUN_OF = {"fsdp-dp8": "tiny-fsdp-dp8", "fsdp_tp-dp4tp2": "tiny-fsdp_tp-dp4tp2"}
+
+
+def _on_its_run(name: str):
+    """``name`` as a parameter on the xdist group of the golden run that holds its joint graph."""
+    marks = [pytest.mark.xdist_group(GOLDEN_RUN_OF[name])] if name in GOLDEN_RUN_OF else []
+    return pytest.param(name, marks=marks)
+
+
 @pytest.fixture(scope="module")
-def traced():
-    """Joint graphs traced once per module (each trace starts and ends its own fake world)."""
-    out = {}
-    for name, sc in SCENARIOS.items():
-        with sc.trace() as jg:
-            out[name] = (sc, jg.gm, jg.num_fwd_outputs)
-    return out
+def _ddp_trace():
+    """The DDP scenario (no golden run of it in the tier) traced once per module."""
+    with SCENARIOS["ddp-dp2"].trace() as jg:
+        return jg.gm, jg.num_fwd_outputs
+
+
+@pytest.fixture
+def traced(request, shared_pipeline_runs):
+    """``traced(name) -> (scenario, joint graph, num_fwd_outputs)``: a copy the test may tag."""
+    def get(name):
+        sc = SCENARIOS[name]
+        if name not in GOLDEN_RUN_OF:
+            gm, nfwd = request.getfixturevalue("_ddp_trace")
+            return sc, copy_graph_module(gm), nfwd
+        sid = GOLDEN_RUN_OF[name]
+        assert GOLDEN_SCENARIOS[sid] == sc, f"{name} is no longer golden scenario {sid}"
+        run = golden_run(sid)
+        return sc, copy_graph_module(run.stage("joint").graphs), run.joint.num_fwd_outputs
+
+    return get
 
 
 def _split(gm, num_fwd_outputs):
@@ -70,25 +95,27 @@ def _tags(gm):
 # --- tagging ------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize(
-    "name, expected, untagged",
-    [
-        ("fsdp-dp8", {TAG_FSDP_AG: 21, TAG_GRAD_RS: 21}, 0),
-        # TP all-reduces (activations and their gradients) feed compute: never tagged.
-        ("fsdp_tp-dp4tp2", {TAG_FSDP_AG: 21, TAG_GRAD_RS: 21}, 8),
-        ("ddp-dp2", {TAG_GRAD_AR: 21}, 0),
-    ],
-)
-def test_tags_eligible_collectives_on_joint_graph(traced, name, expected, untagged):
-    _, gm, _ = traced[name]
+EXPECTED_TAGS = {
+    "fsdp-dp8": ({TAG_FSDP_AG: 21, TAG_GRAD_RS: 21}, 0),
+    # TP all-reduces (activations and their gradients) feed compute: never tagged.
+    "fsdp_tp-dp4tp2": ({TAG_FSDP_AG: 21, TAG_GRAD_RS: 21}, 8),
+    "ddp-dp2": ({TAG_GRAD_AR: 21}, 0),
+}
+
+
+@pytest.mark.parametrize("name", [_on_its_run(n) for n in EXPECTED_TAGS])
+def test_tags_eligible_collectives_on_joint_graph(traced, name):
+    expected, untagged = EXPECTED_TAGS[name]
+    _, gm, _ = traced(name)
     counts = tag_collectives_for_bucketing(gm)
     assert {k: v for k, v in counts.tagged.items() if v} == expected
     assert counts.untagged == untagged
     assert _tags(gm) == expected
 
 
+@pytest.mark.xdist_group(GOLDEN_RUN_OF["fsdp-dp8"])
 def test_tags_survive_the_fw_bw_split(traced):
-    sc, gm, nfwd = traced["fsdp-dp8"]
+    sc, gm, nfwd = traced("fsdp-dp8")
     tag_collectives_for_bucketing(gm)
     fw, bw = _split(gm, nfwd)
     assert _tags(fw) == {TAG_FSDP_AG: 21}
@@ -160,8 +187,9 @@ def test_pass_is_idempotent():
         assert second.before == second.after == first.after
 
 
+@pytest.mark.xdist_group(GOLDEN_RUN_OF["fsdp-dp8"])
 def test_split_fw_bw_graphs_are_bucketed(traced):
-    sc, gm, nfwd = traced["fsdp-dp8"]
+    sc, gm, nfwd = traced("fsdp-dp8")
     with fake_world(sc.mesh_spec) as mesh:
         gm = rebind_groups(gm, mesh.group_dims)
         tag_collectives_for_bucketing(gm)

@@ -1,7 +1,8 @@
 """Lowering a plan (autoparallel/planner/lower.py) on a model that is not LLaMA, and its errors.
 
 The two-layer MLP is planned on a fake 2x2 world (dp=2, tp=2) through the pipeline's plan
-stage and lowered by its joint stage: the lowered graph takes this rank's local shapes under
+stage and lowered by its joint stage (and on an unequal 4x2 world, pinned so that each move
+changes one mesh dim only): the lowered graph takes this rank's local shapes under
 the plan, carries roles, descriptors and the group registry, is called like a traced joint
 graph, and names for each collective the planned node it serves. Bad plans name the node.
 """
@@ -14,11 +15,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import fx
 from torch.distributed.tensor import Partial, Replicate, Shard
+from torch.fx.experimental.proxy_tensor import make_fx
 
 from autoparallel import meta as M
 from autoparallel import pipeline as P
 from autoparallel import roles
 from autoparallel.mesh import fake_world
+from autoparallel.parallelize import ParallelPlan
 from autoparallel.planner.costs import CostModel
 from autoparallel.planner.graph import ALIAS
 from autoparallel.planner.lower import (
@@ -40,6 +43,7 @@ from verify.graphs.plan_lowering import (
     traced_by_node,
     traced_comm,
 )
+from verify.parity.plan_check import assert_plan_valid
 
 MESH = "dp=2,tp=2"
 
@@ -146,6 +150,44 @@ def test_placeholder_aliases_sink_to_their_first_user():
     g.lint()
 
 
+UNEQUAL = "dp=4,tp=2"
+# up.weight split over dp only, down.weight over tp only: the activation is gathered over dp and
+# the weight over tp, each move changing one mesh dim while the other stays replicated.
+ONE_DIM_PINS = {"up.weight": "dp:S(0),tp:R", "down.weight": "dp:R,tp:S(0)"}
+
+
+def test_lowering_on_an_unequal_2d_mesh_with_moves_on_one_dim_only(mlp, mlp_batch):
+    make_model, loss = mlp
+    with torch.device("meta"):
+        model = make_model()
+    plan_spec = ParallelPlan.auto(pins=ONE_DIM_PINS, memory_budget=float("inf"))
+    run = P.run_pipeline(model, loss, mlp_batch(), plan_spec, UNEQUAL, P.PipelineOptions(), until=P.JOINT)
+    plan, gm, pg = run.planned.plan, run.stage(P.JOINT).graphs, run.planned.pg
+    assert_plan_valid(plan)
+    moved = {}  # mesh dims whose placement a move changes -> how many such moves
+    for key, node in plan.nodes.items():
+        for producer, want, steps in zip(_producers(pg, key), node.ins, node.comm or [[]] * len(node.ins), strict=False):
+            if steps:
+                changed = tuple(d for d in plan.mesh_names if plan.nodes[producer].out[0][d] != want[d])
+                moved[changed] = moved.get(changed, 0) + 1
+    assert moved == {("dp",): 1, ("tp",): 1}
+    with fake_world(UNEQUAL) as mesh:
+        costs = CostModel(get_profile(plan.profile), mesh.spec, mesh.device_mesh)
+        assert traced_comm(gm) == expected_on(plan.comm, "cpu", dict(plan.mesh)) == {
+            "all_gather": {"dp": {"count": 1, "bytes": 512}, "tp": {"count": 1, "bytes": 1024}}}
+        assert mismatches(predicted_by_node(pg, plan, costs), traced_by_node(gm)) == []
+        weights = {ph.meta[M.ROLE]: tuple(ph.meta[M.VAL].shape) for ph in gm.graph.find_nodes(op="placeholder")}
+    assert weights[roles.param("up.weight")] == (8, 16) and weights[roles.param("down.weight")] == (4, 32)
+
+
+def _producers(pg, key: str) -> list[str]:
+    """The canonical keys of a planned node's tensor inputs."""
+    node = pg.node_by_key().get(key)
+    if node is None or node.op != "call_function":
+        return []
+    return [pg.keys[a.name] for a in node.all_input_nodes]
+
+
 # --- moved pieces keep the traced value's memory layout ---------------------------------------------
 
 
@@ -181,3 +223,15 @@ def test_in_layout_of_keeps_values_and_takes_the_traced_dim_order(shape, data):
     assert torch.equal(laid, piece)
     assert laid.permute(_dim_order(traced)).is_contiguous(), "dense, in the traced dims' memory order"
     assert laid.is_contiguous() or not traced.is_contiguous()
+
+
+def test_a_piece_laid_out_already_adds_no_node_to_the_lowered_graph():
+    """The lowered graph is traced through the interpreter: checking the layout must not record an
+    op (a permute made to ask is_contiguous() lands in every golden), and an identity order copies
+    with contiguous() alone."""
+    traced = torch.empty(4, 6)
+    dense = make_fx(lambda t: in_layout_of(t, traced))(torch.randn(4, 6))
+    assert [n.op for n in dense.graph.nodes] == ["placeholder", "output"]
+    strided = make_fx(lambda t: in_layout_of(t[:, :3], torch.empty(4, 3)))(torch.randn(4, 6))
+    ops = [n.target for n in strided.graph.nodes if n.op == "call_function"]
+    assert torch.ops.aten.permute.default not in ops and torch.ops.aten.clone.default in ops

@@ -1,7 +1,8 @@
 """The planner on traced models: rediscovery, hand plans, identical blocks, budgets, pins, tools.
 
-Every plan made here is re-checked by ``verify.graphs.plan_check`` (constraints and objective recomputed
-from the plan's placements, not from the ILP). Traces are shared per process through
+Every plan made here is re-checked by ``verify.parity.plan_check`` (each placement re-derived from the
+graph and the mesh, ops run on simulated ranks; the planner's tables are not read) and its prices
+by ``verify.parity.plan_objective``. Traces are shared per process through
 ``verify.stages.plan_cases`` (this module shares a worker with the plan goldens).
 """
 
@@ -30,7 +31,8 @@ from autoparallel.planner import (
     plan_model,
 )
 from autoparallel.planner.problem import OP, min_param_bytes
-from verify.graphs.plan_check import assert_plan_valid, check_plan
+from verify.parity.plan_check import assert_plan_valid, check_plan, traced_graph
+from verify.parity.plan_objective import check_objective
 from verify.stages.plan_cases import GOLDEN_CASES, PlanCase, model_and_inputs, plan_case, planner
 
 TINY_DP8 = GOLDEN_CASES["tiny-dp8"]
@@ -56,35 +58,40 @@ def _tampered(plan: Plan, edit) -> Plan:
 
 
 @tiny
-def test_the_checker_catches_each_kind_of_violation():
+def test_the_checkers_catch_each_kind_of_violation_on_llama():
+    """LLaMA's 2-D plan tampered per group (tests/unit/verify/parity/test_plan_check.py does every group,
+    multi-output ops included, on a mesh whose dims do not divide the shapes)."""
     plan = plan_case(TINY_2D)
+    gm, output_roles = traced_graph(plan)
     graph, costs = plan._context.graph, plan._context.costs
-    assert check_plan(plan, graph, costs) == []
+    assert check_plan(plan, gm, output_roles, semantics=False).violations == []
+    assert check_objective(plan, graph, costs) == []
     fqn = "layers.0.attention.wq.weight"
 
-    def groups(edit):
-        return {v.group for v in check_plan(_tampered(plan, edit), graph, costs)}
+    def groups(edit, semantics=False):
+        return check_plan(_tampered(plan, edit), gm, output_roles, semantics=semantics).groups()
 
     def replicate_param(p):
         p.params[fqn] = {"dp": "R", "tp": "R"}
         p.nodes[f"param:{fqn}"].out = [{"dp": "R", "tp": "R"}]
 
-    assert {"param_memory", "fwd_bwd"} <= groups(replicate_param)
+    assert groups(replicate_param) == {"param_memory", "fwd_bwd"}
 
     def table_only(p):
         p.params[fqn] = {"dp": "R", "tp": "S(0)"}
 
-    assert "tables" in groups(table_only)
+    assert groups(table_only) == {"tables"}
 
-    def not_a_candidate(p):
+    def wrong_op_output(p):
         p.nodes["layers.0/fwd/aten.mm.default#0"].out = [{"dp": "S(1)", "tp": "S(1)"}]
 
-    assert "one_choice" in groups(not_a_candidate)
+    assert "semantics" in groups(wrong_op_output, semantics=True)
+    assert {v.group for v in check_objective(_tampered(plan, wrong_op_output), graph, costs)} >= {"one_choice"}
 
     def objective(p):
         p.objective_us *= 1.01
 
-    assert groups(objective) == {"objective"}
+    assert groups(objective) == set() and {v.group for v in check_objective(_tampered(plan, objective), graph, costs)} == {"objective"}
     # a consumer that wants a Partial its producer cannot give
     key = next(k for k, v in plan.nodes.items() if v.op == "aten.neg.default")
 
@@ -93,8 +100,9 @@ def test_the_checker_catches_each_kind_of_violation():
         node.ins = [{"dp": "P(sum)", "tp": "P(sum)"}]
         node.out = [{"dp": "P(sum)", "tp": "P(sum)"}]
 
-    assert groups(partial_in) & {"flow", "one_choice"}
-    assert check_plan(plan, graph, costs, pins={fqn: (parse_placement("R"), parse_placement("R"))})[0].group == "pins"
+    assert "flow" in groups(partial_in)
+    pinned = check_plan(plan, gm, output_roles, semantics=False, pins={fqn: (parse_placement("R"), parse_placement("R"))})
+    assert pinned.groups() == {"pins"}
 
 
 def test_1d_mesh_rediscovers_fsdp_on_8b_shapes():
@@ -299,7 +307,7 @@ def test_mixed_precision_casts_keep_parameter_and_gradient_placements():
         other = next(c.outs[0] for c in prod.candidates if c.outs[0] != p.nodes[prod.key].out)
         p.nodes[key].ins = [dict(zip(p.mesh_names, (str(x) for x in other), strict=True))]
 
-    assert any(v.group in ("grad_reduce_dtype", "one_choice") for v in check_plan(_tampered(plan, moved), graph, plan._context.costs))
+    assert "grad_reduce_dtype" in check_plan(_tampered(plan, moved), *traced_graph(plan), semantics=False).groups()
 
 
 # The fresh interpreter plans the MLP stack with plan_text() of this very file.

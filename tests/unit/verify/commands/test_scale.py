@@ -7,7 +7,7 @@ import pytest
 from autoparallel.passes.collective import COLLECTIVE_PASS_NAMES
 from autoparallel.pipeline import STAGE_NAMES
 from verify.__main__ import main
-from verify.commands.scale import format_scaling
+from verify.commands.scale import format_scaling, pipeline_over_trace
 
 
 @pytest.mark.xdist_group("scale-benchmark")  # tests/conftest.py SLOW_GROUPS: CI's slow step
@@ -32,6 +32,9 @@ def test_scale_json_has_every_stage_and_field(capsys):
     stage_sum = sum(s["seconds"] for s in result["stages"])
     assert result["import_seconds"] >= 0
     assert abs(result["total_seconds"] - (result["import_seconds"] + stage_sum)) < 0.02
+    trace = by_name["joint"]["seconds"]
+    assert result["pipeline_over_trace"] == pytest.approx(result["pipeline_seconds"] / trace, abs=0.01)
+    assert result["pipeline_over_trace_samples"] == [result["pipeline_over_trace"]]
 
 
 def test_scaling_table_ratios():
@@ -42,3 +45,25 @@ def test_scaling_table_ratios():
     assert "x8/2" in table and "x32/8" in table
     row = [line for line in table.splitlines() if line.startswith("trace")][0]
     assert row.split()[-2:] == ["4.00", "4.50"]
+    assert "peak RSS" not in table  # no row for a figure the results lack
+
+
+def test_scaling_table_has_each_sizes_trace_ratio_and_peak_rss():
+    def result(layers, ratio, rss):
+        return {"layers": layers, "stages": [], "pipeline_over_trace": ratio, "peak_rss_gib": rss}
+
+    lines = format_scaling([result(8, 3.5, 0.5), result(32, 3.25, 1.5)]).splitlines()
+    assert [x for x in lines if x.startswith("pipeline / trace")][0].split()[-2:] == ["3.50", "3.25"]
+    assert [x for x in lines if x.startswith("peak RSS GiB")][0].split()[-2:] == ["0.50", "1.50"]
+
+
+def test_the_trace_ratio_is_each_runs_own_then_the_median():
+    def stages(joint, rest):
+        return [{"name": "joint", "seconds": joint, "alternative": False},
+                {"name": "cleanup", "seconds": rest, "alternative": False},
+                {"name": "x (alone)", "seconds": 100.0, "alternative": True}]  # not the pipeline
+
+    assert pipeline_over_trace(stages(2.0, 4.0), import_seconds=2.0) == 4.0
+    planned = [{"name": "plan", "seconds": 9.0, "alternative": False, "planning": {"seconds": {"trace": 3.0}}},
+               *stages(1.0, 2.0)]
+    assert pipeline_over_trace(planned, import_seconds=0.0) == 4.0  # the plan stage's trace

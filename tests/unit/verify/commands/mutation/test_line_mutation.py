@@ -319,7 +319,7 @@ def test_verify_target_runs_each_checker_group_with_its_own_tests(tmp_path):
 
 
 def test_group_selects_named_verify_groups(tmp_path):
-    assert L.VERIFY_GROUP_NAMES == ("parity", "canon", "stats", "memory", "goldens", "pytest_plugin")
+    assert L.VERIFY_GROUP_NAMES == ("parity", "canon", "stats", "memory", "goldens", "pytest_plugin", "plan_check")
     two = L.groups(SimpleNamespace(target="verify", files=None, tests=None, group=["canon", "goldens"]), tmp_path)
     assert [files[0] for files, _ in two] == ["verify/graphs/canon.py", "verify/goldens/text.py"]
     with pytest.raises(ValueError, match=r"--group \['nope'\]: choose from"):
@@ -387,7 +387,7 @@ def test_a_mutated_pytest_plugin_is_left_out_of_the_runs_that_judge_it(tmp_path,
     root = Path(__file__).resolve().parents[5]
     blocked = {name: L.mutated_pytest_plugins(root, files) for name, (files, _) in L.VERIFY_GROUPS.items()}
     assert blocked == {"parity": [], "canon": [], "stats": [], "memory": [], "goldens": [],
-                       "pytest_plugin": ["verify.pytest_plugin"]}
+                       "pytest_plugin": ["verify.pytest_plugin"], "plan_check": []}
 
     cfg = tomllib.loads(L.mutmut_config(["pkg/plug.py"], ["tests/t.py"], blocked_plugins=["pkg.plug"]))["tool"]["mutmut"]
     assert cfg["pytest_add_cli_args"][-2:] == ["-p", "no:pkg.plug"]

@@ -1,0 +1,496 @@
+"""The independent plan checker (verify/parity/plan_check.py) on a 2-D mesh whose dims do not divide.
+
+The model's dims (12, 20, 6) divide each mesh dim of dp=4,tp=2 alone but not their product 8, so
+a strategy space that checks divisibility per mesh dim keeps placements no rank can hold. Every
+constraint group is tampered with once (the multi-output LayerNorm's getitems included), and two
+strategy bugs are planted in the planner itself: the checker, which never reads the planner's
+candidate lists, must name each.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.tensor.placement_types import Partial, Replicate, Shard, _MaskPartial
+
+from autoparallel import pipeline as P
+from autoparallel.mesh import fake_world
+from autoparallel.parallelize import ParallelPlan
+from autoparallel.planner import Plan, Planner, PlannerConfig
+from autoparallel.planner import problem as planner_problem
+from autoparallel.planner import strategies as planner_strategies
+from verify import zoo
+from verify.parity import plan_check
+from verify.parity.plan_check import (
+    can_move,
+    check_plan,
+    local_numel,
+    placement,
+    shard_counts,
+    traced_graph,
+)
+
+MESH = "dp=4,tp=2"
+PINS = {"input:0": "dp:S(0),tp:R", "input:1": "dp:S(0),tp:R"}
+
+
+class Uneven(nn.Module):
+    """12 -> 20 -> LayerNorm -> GELU -> 6: no dim divides by 8, each divides by 4 or 2."""
+
+    def __init__(self):
+        super().__init__()
+        self.up = nn.Linear(12, 20)
+        self.norm = nn.LayerNorm(20)
+        self.down = nn.Linear(20, 6, bias=False)
+
+    def forward(self, x):
+        return self.down(F.gelu(self.norm(self.up(x))))
+
+
+def _inputs():
+    return torch.empty(12, 12, device="meta"), torch.zeros(12, dtype=torch.long, device="meta")
+
+
+@pytest.fixture(scope="module")
+def traced():
+    with torch.device("meta"):
+        model = Uneven()
+    with fake_world(MESH) as mesh:
+        return Planner.trace(model, mesh, _inputs(), F.cross_entropy, description="uneven")
+
+
+@pytest.fixture(scope="module")
+def plan(traced):
+    with fake_world(MESH) as mesh:
+        return traced.plan(mesh, PlannerConfig(pins=PINS))
+
+
+def _tampered(plan: Plan, edit) -> Plan:
+    copy = Plan.from_json(json.loads(json.dumps(plan.to_json())))
+    edit(copy)
+    return copy
+
+
+def _groups(plan, tampered, semantics=True) -> set[str]:
+    return check_plan(tampered, *traced_graph(plan), semantics=semantics).groups()
+
+
+def test_the_correct_plan_passes_and_every_op_ran(plan):
+    result = plan_check.assert_plan_valid(plan)
+    assert result.ran >= 20 and result.unchecked == {}
+    assert plan.inputs["input:0"] == {"dp": "S(0)", "tp": "R"}
+
+
+def _node(p, op, k=0, phase="fwd"):
+    return p.nodes[f"-/{phase}/{op}#{k}"]
+
+
+R2 = {"dp": "R", "tp": "R"}
+
+
+def _structure(p):
+    del p.nodes["-/fwd/aten.gelu.default#0"]
+
+
+def _divides(p):  # the batch of 12 split 8 ways, consumers adjusted so that only this is wrong
+    p.nodes["input:0"].out = [{"dp": "S(0)", "tp": "S(0)"}]
+    p.inputs["input:0"] = {"dp": "S(0)", "tp": "S(0)"}
+
+
+def _flow(p):  # addmm wants the transposed weight as a partial sum over dp; it is split over dp
+    _node(p, "aten.addmm.default").ins[2] = {"dp": "P(sum)", "tp": "R"}
+
+
+def _partial_into_gelu(p):  # a replicated value split into summands is legal; GELU of them is not
+    _node(p, "aten.gelu.default").ins = [{"dp": "P(sum)", "tp": "R"}]
+
+
+def _multi_output(p):  # LayerNorm's mean placed apart from the op that makes it
+    p.nodes["-/fwd/getitem#1"].out = [{"dp": "S(0)", "tp": "R"}]
+
+
+def _fwd_bwd(p):
+    p.nodes["out:grad:down.weight"].out = [R2]
+    p.nodes["out:grad:down.weight"].ins = [R2]
+
+
+def _loss(p):
+    p.nodes["out:loss"].out = [{"dp": "P(avg)", "tp": "R"}]
+    p.nodes["out:loss"].ins = [{"dp": "P(avg)", "tp": "R"}]
+
+
+def _memory(p):
+    p.param_memory_bytes -= 4
+
+
+def _budget(p):
+    p.memory_budget_bytes = p.param_memory_bytes / 2
+
+
+def _tables(p):
+    p.params["up.weight"] = R2
+
+
+def _semantics(p):  # a replicated matmul claimed split over tp: every structural rule still holds
+    mm = _node(p, "aten.mm.default")
+    mm.out = [{**mm.out[0], "tp": "S(1)"}]
+
+
+def _semantics_partial(p):  # x @ w with x sharded on its rows claimed as a partial sum
+    mm = _node(p, "aten.mm.default")
+    mm.ins = [{"dp": "S(0)", "tp": "R"}, R2]
+    mm.out = [{"dp": "P(sum)", "tp": "R"}]
+
+
+TAMPERED = {
+    "structure": (_structure, {"structure"}),
+    "divides": (_divides, {"divides"}),
+    "flow": (_flow, {"flow"}),
+    "multi_output": (_multi_output, {"multi_output"}),
+    "fwd_bwd": (_fwd_bwd, {"fwd_bwd"}),
+    "fwd_bwd (loss)": (_loss, {"fwd_bwd"}),
+    "param_memory": (_memory, {"param_memory"}),
+    "param_memory (budget)": (_budget, {"param_memory"}),
+    "tables": (_tables, {"tables"}),
+    "semantics": (_semantics, {"semantics"}),
+    "semantics (partial)": (_semantics_partial, {"semantics"}),
+    "semantics (partial into gelu)": (_partial_into_gelu, {"semantics"}),
+}
+
+
+@pytest.mark.parametrize("name", sorted(TAMPERED))
+def test_each_tampered_group_is_named(plan, name):
+    edit, groups = TAMPERED[name]
+    got = check_plan(_tampered(plan, edit), *traced_graph(plan))
+    assert got.groups() >= groups, [str(v) for v in got.violations]
+    assert got.groups() <= groups | {"semantics"}, [str(v) for v in got.violations]
+
+
+NORM = "-/fwd/aten.native_layer_norm.default#0"
+GELU = "-/fwd/aten.gelu.default#0"
+EXACT = {  # tampered plan -> every structural violation, word for word
+    "divides": ["[divides] input:0: output 0: dim 0 of (12, 12) split 8 ways by dp:S(0) tp:S(0)"],
+    "flow": ["[flow] -/fwd/aten.addmm.default#0 input 2 <- -/fwd/aten.t.default#0: no redistribution from dp:S(1) tp:R to dp:P(sum) tp:R"],
+    "fwd_bwd": ["[fwd_bwd] out:grad:down.weight ~ param:down.weight: dp:R tp:R != dp:S(1) tp:S(0)"],
+    "fwd_bwd (loss)": ["[fwd_bwd] out:loss ~ tangent:loss: dp:P(avg) tp:R != dp:R tp:R",
+                       "[fwd_bwd] out:loss: the loss must be replicated, placed dp:P(avg) tp:R"],
+    "multi_output": ["[multi_output] -/fwd/getitem#1: placed dp:S(0) tp:R, its producer's output 1 is dp:R tp:R"],
+    "param_memory": ["[param_memory] params: parameters take 216 bytes per rank, the plan says 212"],
+    "param_memory (budget)": ["[param_memory] params: 216 bytes per rank exceed the budget of 108.0"],
+    "structure": [f"[structure] {GELU}: the plan does not place this node"],
+    "tables": ["[tables] up.weight: parameter table says {'dp': 'R', 'tp': 'R'}, its node dp:S(0) tp:S(1)"],
+}
+
+
+def _drop_output(p):
+    p.nodes[NORM].out.pop()
+
+
+def _extra_input(p):
+    p.nodes[GELU].ins.append(R2)
+
+
+def _unreadable(p):
+    p.nodes[GELU].ins = [{"dp": "S(x)", "tp": "R"}]
+
+
+def _unplaced_output(p):
+    p.nodes[NORM].out[1] = None
+
+
+def _alias_moves(p):
+    p.nodes["input:0/alias"].out = [{"dp": "S(0)", "tp": "R"}]
+
+
+def _output_moves(p):
+    p.nodes["out:loss"].ins = [{"dp": "S(0)", "tp": "R"}]
+
+
+def _extra_param(p):
+    p.params["extra.weight"] = R2
+
+
+def _input_split_8_ways(p):
+    p.nodes[GELU].ins = [{"dp": "S(0)", "tp": "S(0)"}]
+
+
+MORE = {
+    "output count": (_drop_output, [f"[structure] {NORM}: 2 output placements for 3 outputs"]),
+    "input count": (_extra_input, [f"[structure] {GELU}: 2 input placements for 1 tensor inputs"]),
+    "unreadable": (_unreadable, [f"[structure] {GELU}: unreadable placement: bad placement 'S(x)': expected R, S(d), P(op) or MaskP(op, shape, dim)"]),
+    "unplaced output": (_unplaced_output, [f"[structure] {NORM}: output 1: placement None for a tensor",
+                                           f"[multi_output] -/fwd/getitem#1: reads output 1 of {NORM}, which has no placement"]),
+    "alias moves": (_alias_moves, ["[flow] input:0/alias: an alias moves nothing: in dp:R tp:R, out dp:S(0) tp:R"]),
+    "output moves": (_output_moves, ["[flow] out:loss: a graph output is what it receives: in [{'dp': 'S(0)', 'tp': 'R'}], out [{'dp': 'R', 'tp': 'R'}]"]),
+    "parameter count": (_extra_param, ["[tables] params: the plan lists 6 parameters, the graph has 5"]),
+    "input divides": (_input_split_8_ways, [f"[divides] {GELU}: input 0: dim 0 of (12, 20) split 8 ways by dp:S(0) tp:S(0)"]),
+}
+
+
+@pytest.mark.parametrize("name", sorted(EXACT) + sorted(MORE))
+def test_each_violation_is_named_word_for_word(plan, name):
+    edit, want = (TAMPERED[name][0], EXACT[name]) if name in EXACT else MORE[name]
+    got = check_plan(_tampered(plan, edit), *traced_graph(plan), semantics=False)
+    assert [str(v) for v in got.violations] == want
+
+
+def test_a_valid_placement_the_planner_did_not_choose_passes(plan):
+    """The bias gradient's view (1, 20) -> (20,) split over dp: it must run with this rank's size
+    (5), not the global one, and reassemble; a checker that flags every change is no checker."""
+
+    def split_view(p):
+        view = _node(p, "aten.view.default", phase="bwd")
+        view.ins = [{"dp": "S(1)", "tp": "R"}]
+        view.out = [{"dp": "S(0)", "tp": "R"}]
+
+    got = check_plan(_tampered(plan, split_view), *traced_graph(plan))
+    assert got.violations == [] and got.ran >= 20
+
+
+def test_pins_are_checked(plan):
+    got = check_plan(plan, *traced_graph(plan), semantics=False, pins={"input:0": (Replicate(), Replicate())})
+    assert [str(v) for v in got.violations] == ["[pins] input:0: pinned to (Replicate(), Replicate()), placed (Shard(dim=0), Replicate())"]
+    assert check_plan(plan, *traced_graph(plan), semantics=False, pins={"input:0": (Shard(0), Replicate())}).violations == []
+
+
+def test_a_cast_that_moves_before_a_mixed_precision_parameter_cast_is_named():
+    with torch.device("meta"):
+        model = Uneven()
+    with fake_world(MESH) as mesh:
+        plan = Planner.trace(model, mesh, _inputs(), F.cross_entropy, param_dtype=torch.bfloat16).plan(mesh)
+    result = plan_check.assert_plan_valid(plan)
+    # fp32 inputs meet bf16 weights: the traced graph does not run on real tensors, and says so
+    assert list(result.unchecked) == ["*"] and "does not run" in result.unchecked["*"]
+    gm, _ = traced_graph(plan)
+    casts = [plan.node_names[n.name] for n in gm.graph.nodes if plan_check._cast(n) is not None]
+    key = next(k for k in casts if plan.nodes[k].ins[0] != {"dp": "S(1)", "tp": "R"})
+
+    def moved(p):
+        p.nodes[key].ins = [{"dp": "S(1)", "tp": "R"}]
+
+    got = check_plan(_tampered(plan, moved), *traced_graph(plan), semantics=False).violations
+    assert [v.group for v in got] == ["grad_reduce_dtype"] and got[0].where == key
+    assert got[0].detail.endswith("-> dp:S(1) tp:R across a mixed-precision cast")
+    # a gradient's widening cast (bf16 -> fp32, straight into a graph output) moves nothing either
+    widening = next(plan.node_names[n.name] for n in gm.graph.nodes
+                    if (plan_check._cast(n) or (None, None))[1] == torch.float32 and any(u.op == "output" for u in n.users))
+
+    def reduced_in_bf16(p):
+        p.nodes[widening].ins = [{"dp": "P(sum)", "tp": "R"}]
+
+    got = check_plan(_tampered(plan, reduced_in_bf16), *traced_graph(plan), semantics=False).violations
+    assert [(v.group, v.where) for v in got] == [("grad_reduce_dtype", widening)]
+
+
+# --- planted strategy bugs: the planner's own candidate space is wrong ------------------------------
+
+
+def _divides_per_mesh_dim(placements, shape, sizes, *, pad_dim0=False):
+    """The classic bug: each mesh dim checked alone (12 % 4 == 0 and 12 % 2 == 0, yet 12 % 8 != 0)."""
+    for p, n in zip(placements, sizes, strict=True):
+        if isinstance(p, Shard) and (not 0 <= p.dim < len(shape) or (shape[p.dim] % n and not (p.dim == 0 and pad_dim0))):
+            return False
+    return True
+
+
+def _last_mesh_dim_wins(placements, sizes, ndim):
+    """A wrong shard count: the last mesh dim sharding a tensor dim overwrites the count."""
+    counts = [1] * ndim
+    for p, n in zip(placements, sizes, strict=True):
+        if isinstance(p, Shard):
+            if not 0 <= p.dim < ndim:
+                return None
+            counts[p.dim] = n
+    return counts
+
+
+PLANTED = {
+    "non-dividing candidate kept": ((planner_strategies, "divides", _divides_per_mesh_dim), (planner_problem, "divides", _divides_per_mesh_dim)),
+    "wrong shard count": ((planner_strategies, "shard_counts", _last_mesh_dim_wins),),
+}
+
+
+def planted_plan(traced, bug: str, monkeypatch) -> Plan:
+    """The plan a planner with ``bug`` makes (its non-dividing candidate chosen through a pin)."""
+    for module, attr, fn in PLANTED[bug]:
+        monkeypatch.setattr(module, attr, fn)
+    with fake_world(MESH) as mesh:
+        plan = Planner(traced.pg, "uneven").plan(mesh, PlannerConfig(pins={"input:0": "dp:S(1),tp:S(1)"}))
+    monkeypatch.undo()
+    return plan
+
+
+@pytest.mark.parametrize("bug", sorted(PLANTED))
+def test_planted_strategy_bugs_are_caught(traced, bug, monkeypatch):
+    plan = planted_plan(traced, bug, monkeypatch)
+    got = check_plan(plan, *traced_graph(plan))
+    assert [str(v) for v in got.violations if v.group == "divides"] == [
+        "[divides] input:0: output 0: dim 1 of (12, 12) split 8 ways by dp:S(1) tp:S(1)"
+    ]
+    with fake_world(MESH) as mesh, pytest.raises(ValueError, match="is not a candidate"):
+        traced.plan(mesh, PlannerConfig(pins={"input:0": "dp:S(1),tp:S(1)"}))  # the real planner refuses it
+
+
+class Attention(nn.Module):
+    """One causal attention layer (the CPU SDPA op, which has the planner's own rule)."""
+
+    def __init__(self):
+        super().__init__()
+        self.qkv = nn.Linear(16, 48, bias=False)
+        self.out = nn.Linear(16, 4, bias=False)
+
+    def forward(self, x):
+        b, t, _ = x.shape
+        q, k, v = (z.view(b, t, 2, 8).transpose(1, 2) for z in self.qkv(x).chunk(3, dim=-1))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.out(y.transpose(1, 2).reshape(b, t, 16)).mean(1)
+
+
+def test_a_planted_op_rule_that_shards_attention_over_the_sequence_is_caught_by_running_it(monkeypatch):
+    """The planner's SDPA rule with a sequence split added (wrong without context parallelism):
+    every shape divides and every move exists, so only running the op on the shards sees it."""
+    sdpa = planner_strategies.aten._scaled_dot_product_flash_attention_for_cpu
+    rule = planner_strategies.PLANNER_RULES[sdpa.default]
+
+    def with_sequence(node, num_outs, num_ins):
+        return [*rule(node, num_outs, num_ins), [Shard(2)] * (num_outs + num_ins)]
+
+    with torch.device("meta"):
+        model = Attention()
+    inputs = (torch.empty(4, 8, 16, device="meta"), torch.zeros(4, dtype=torch.long, device="meta"))
+    key = "-/fwd/aten._scaled_dot_product_flash_attention_for_cpu.default#0"
+    with fake_world(MESH) as mesh:
+        traced = Planner.trace(model, mesh, inputs, F.cross_entropy)
+        # the batch split over dp: views and reshapes run with this rank's sizes, not the global ones
+        correct = plan_check.assert_plan_valid(traced.plan(mesh, PlannerConfig(pins={"input:0": "dp:S(0),tp:R"})))
+        assert correct.unchecked == {} and correct.ran >= 20
+        for op in (sdpa.default, planner_strategies.aten._scaled_dot_product_flash_attention_for_cpu_backward.default):
+            monkeypatch.setitem(planner_strategies.PLANNER_RULES, op, with_sequence)
+        plan = Planner(traced.pg, "attention").plan(mesh, PlannerConfig(pins={key: "dp:S(2),tp:R"}))
+    got = check_plan(plan, *traced_graph(plan))
+    assert got.groups() == {"semantics"} and got.violations[0].where == key, [str(v) for v in got.violations]
+
+
+def test_the_checker_reads_nothing_of_the_planner_but_the_plan_format():
+    """No candidate table, strategy, cost model or problem: only the plan's file format."""
+    tree = ast.parse(Path(plan_check.__file__).read_text())
+    imported = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)} | {
+        a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+    assert {m for m in imported if m and m.startswith("autoparallel.planner")} == {"autoparallel.planner.plan"}, imported
+
+
+# --- the pieces ------------------------------------------------------------------------------------
+
+
+def test_placements_parse_and_moves_into_partials_need_replicate_or_the_same_partial():
+    assert [placement(t) for t in ("R", "S(1)", "P(sum)")] == [Replicate(), Shard(1), Partial("sum")]
+    mask = placement("MaskP(sum, (12, 4), 0)")
+    assert isinstance(mask, _MaskPartial) and (mask.reduce_op, tuple(mask.offset_shape), mask.offset_dim) == ("sum", (12, 4), 0)
+    with pytest.raises(ValueError, match="bad placement"):
+        placement("S(x)")
+    assert can_move((Shard(0), Partial("sum")), (Replicate(), Shard(1)))
+    assert can_move((Replicate(), Partial("sum")), (Partial("avg"), Partial("sum")))
+    assert not can_move((Shard(0), Replicate()), (Partial("sum"), Replicate()))
+    assert not can_move((Partial("avg"), Replicate()), (Partial("sum"), Replicate()))
+    assert shard_counts((Shard(1), Shard(1)), (4, 2), 2) == [1, 8]
+    assert shard_counts((Shard(0), Replicate()), (4, 2), 3) == [4, 1, 1]
+    assert local_numel((10, 12), (Shard(0), Shard(1)), (4, 2)) == 3 * 6  # padded rows rounded up
+
+
+@pytest.mark.parametrize(
+    "pl",
+    [(Shard(0), Shard(1)), (Shard(1), Shard(1)), (Partial("sum"), Shard(0)), (Replicate(), Partial("avg")),
+     (Partial("max"), Replicate()), (Partial("min"), Partial("sum"))],
+    ids=str,
+)
+def test_split_then_combine_gives_back_the_tensor(pl):
+    full = torch.randn(8, 4, generator=torch.Generator().manual_seed(0))
+    coords = [(i, j) for i in range(4) for j in range(2)]
+    pieces, masks = plan_check._split(full, pl, (4, 2), coords, torch.Generator().manual_seed(1))
+    if any(isinstance(p, Partial) for p in pl):
+        assert not torch.allclose(pieces[0], pieces[1]) or not torch.allclose(pieces[0], pieces[-1])
+    assert plan_check._differs(plan_check._combine(pieces, pl, (4, 2), coords, masks), full) is None
+
+
+def test_a_replicated_claim_on_disagreeing_ranks_is_named():
+    coords = [(0,), (1,)]
+    with pytest.raises(plan_check._Disagree, match="disagree on a replicated value"):
+        plan_check._combine([torch.ones(3), torch.zeros(3)], (Replicate(),), (2,), coords, [None, None])
+
+
+def test_masked_rows_of_a_vocab_split_lookup_are_dropped():
+    table = torch.randn(8, 3, generator=torch.Generator().manual_seed(0))
+    ids = torch.tensor([0, 7, 3, 4])
+    coords = [(0,), (1,)]
+    mask_p = _MaskPartial(offset_shape=(8, 3), offset_dim=0, reduce_op="sum")
+    local_ids, masks = plan_check._split(ids, (mask_p,), (2,), coords, torch.Generator())
+    tables, _ = plan_check._split(table, (Shard(0),), (2,), coords, torch.Generator())
+    outs = [F.embedding(i, t) for i, t in zip(local_ids, tables, strict=True)]
+    assert plan_check._differs(plan_check._combine(outs, (mask_p,), (2,), coords, masks), F.embedding(ids, table)) is None
+    assert plan_check._differs(plan_check._combine(outs, (Partial("sum"),), (2,), coords, masks), F.embedding(ids, table))
+
+
+class Dropout(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 4, bias=False)
+
+    def forward(self, x):
+        return F.dropout(self.fc(x), p=0.5)
+
+
+def test_random_ops_and_graphs_too_big_to_run_are_listed_as_unchecked():
+    with torch.device("meta"):
+        model = Dropout()
+    inputs = (torch.empty(4, 8, device="meta"), torch.zeros(4, dtype=torch.long, device="meta"))
+    with fake_world("dp=2") as mesh:
+        plan = Planner.trace(model, mesh, inputs, F.cross_entropy).plan(mesh)
+    result = plan_check.assert_plan_valid(plan)
+    assert set(result.unchecked.values()) == {"random op"} and result.ran >= 5
+    assert any("native_dropout" in k for k in result.unchecked)
+    small = check_plan(plan, *traced_graph(plan), max_numel=31)
+    assert small.ran == 0 and small.unchecked == {"*": "a tensor of 32 elements exceeds max_numel=31: the graph is not run"}
+
+
+def test_differs_judges_at_the_tensors_scale():
+    a = torch.tensor([1000.0, 1.0])
+    assert plan_check._differs(a + 0.5, a) is None  # 5e-4 of the scale
+    assert "max |diff|" in plan_check._differs(a + 2.0, a)
+    assert "shape/dtype" in plan_check._differs(a[:1], a)
+    assert plan_check._differs(torch.tensor([1, 2]), torch.tensor([1, 3])) == "1 of 2 elements differ"
+    assert plan_check._differs(torch.tensor([float("nan")]), torch.tensor([0.0])) == "NaN on one side"
+    assert plan_check._differs(torch.empty(0, 3), torch.empty(0, 3)) is None
+    z = torch.tensor([1 + 2j, 3 - 1j])
+    assert plan_check._differs(z, z.clone()) is None and "max |diff|" in plan_check._differs(z * 1j, z)
+
+
+def test_every_constraint_group_has_a_negative_test():
+    tampered = {g for _, groups in TAMPERED.values() for g in groups}
+    assert tampered | {"pins", "grad_reduce_dtype"} == set(plan_check.GROUPS)  # those two: their own tests above
+
+
+def test_a_buffers_new_value_placed_apart_from_the_buffer_is_named():
+    """The convnet updates BatchNorm's running stats in place: the module copies each new value
+    into the buffer's local piece, so the two are placed alike (fwd_bwd); pinned sharded here."""
+    case = zoo.convnet
+    with torch.device("meta"):
+        model = case.factory()
+    with fake_world("dp=2,tp=2") as mesh:
+        run = P.run_pipeline(model, case.loss_fn, case.batch(4),
+                             ParallelPlan.auto(pins={"buffer:bn.running_mean": "dp:R,tp:S(0)"}), mesh, until=P.PLAN)
+    good = run.planned.plan
+    assert "fwd_bwd" not in check_plan(good, *traced_graph(good), semantics=False).groups()
+
+    def apart(p):
+        p.nodes["out:mutated:bn.running_mean"].out = [R2]
+        p.nodes["out:mutated:bn.running_mean"].ins = [R2]
+
+    result = check_plan(_tampered(good, apart), *traced_graph(good), semantics=False)
+    assert [str(v) for v in result.violations if v.group == "fwd_bwd"] == [
+        "[fwd_bwd] out:mutated:bn.running_mean ~ buffer:bn.running_mean: dp:R tp:R != dp:R tp:S(0)"]
