@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import ast
 import functools
+import os
 import re
 from pathlib import Path
 
@@ -401,14 +402,17 @@ def outside_references(texts: dict[str, str]) -> list[str]:
 
 
 def _repo_texts() -> dict[str, str]:
+    """Every tracked-looking text file (git's own, virtual environments, caches and goldens left
+    out, their directories never walked)."""
     suffixes = {".py", ".md", ".toml", ".ini", ".txt", ".cfg", ""}
+    skip = ("goldens", "build", "dist", "venv", "node_modules", "__pycache__")
     out = {}
-    for p in sorted(ROOT.rglob("*")):
-        rel = p.relative_to(ROOT)
-        if rel.parts[0] in (".git", ".venv", "goldens", "build", "dist") or "egg-info" in rel.parts[0] or not p.is_file():
-            continue
-        if p.suffix in suffixes and "__pycache__" not in rel.parts and not rel.parts[0].startswith((".hypothesis", ".ruff", ".pytest")):
-            out[str(rel)] = p.read_text(errors="replace")
+    for dirpath, dirs, files in os.walk(ROOT):
+        dirs[:] = [d for d in dirs if (d == ".ci" or not d.startswith(".")) and d not in skip and not d.endswith(".egg-info")]
+        for name in files:
+            p = Path(dirpath) / name
+            if p.suffix in suffixes:
+                out[str(p.relative_to(ROOT))] = p.read_text(errors="replace")
     return out
 
 
