@@ -11,27 +11,30 @@ import pytest
 
 from autoparallel.pipeline import PLAN
 from autoparallel.planner.plan import Plan
-from verify import zoo
 from verify.commands.html import build_report_page, records_from_pipeline_run
 from verify.commands.html.page import page_sections
 from verify.commands.html.plan_section import COSTLIEST, plan_section
-from verify.stages.pipeline_run import run_scenario
-from verify.stages.scenario import Scenario
+from verify.goldens.catalog import GOLDEN_SCENARIOS, golden_run
+
+# The tier's golden run of plan="auto" (tiny LLaMA on dp=8), shared with the golden tests on its
+# worker: no planning of its own.
+pytestmark = pytest.mark.xdist_group("tiny-auto-dp8")
 
 
 @pytest.fixture(scope="module")
-def planned_run():
-    return run_scenario(Scenario(case=zoo.ln_mlp, plan="auto", mesh="dp=2,tp=2"), until="joint")
+def planned_run(shared_pipeline_runs):
+    return golden_run("tiny-auto-dp8")
 
 
 def test_the_section_shows_every_parameter_per_mesh_dim_and_explains_the_costliest_nodes(planned_run):
     report = planned_run.stage(PLAN).report
     plan = report.plan
     html = plan_section(report)
-    rows = re.findall(r"<tr><td>([^<]+)</td><td>([^<]+)</td><td>([^<]+)</td></tr>", html.split("plan-params")[1])
-    assert {fqn: {"dp": dp, "tp": tp} for fqn, dp, tp in rows} == {
-        fqn: {n: p.get(n, "R") for n in ("dp", "tp")} for fqn, p in plan.params.items()}
-    assert len(rows) == len(plan.params) == len(list(zoo.ln_mlp.factory().parameters()))
+    table = html.split("plan-params")[1].split("</table>")[0]
+    assert re.findall(r"<th>([^<]+)</th>", table) == ["parameter", "dp"]
+    rows = re.findall(r"<tr><td>([^<]+)</td><td>([^<]+)</td></tr>", table)
+    assert {fqn: {"dp": dp} for fqn, dp in rows} == {fqn: {"dp": p.get("dp", "R")} for fqn, p in plan.params.items()}
+    assert len(rows) == len(plan.params) == len(list(planned_run.module.local_parameters())) > 0
     assert "proven optimal" in html and f"{report.objective_us:.3f} us per step" in html
     assert "solve: status" in html and "seconds: solve" in html
     explained = re.findall(r"<details><summary>([^<]+): ([0-9.]+) us</summary>", html)
@@ -60,9 +63,10 @@ def test_a_time_limited_plan_says_it_is_not_proven_and_a_plan_from_json_cannot_e
 
 
 def test_the_page_carries_the_plan_section_ahead_of_the_stages_and_links_it(planned_run):
-    records = records_from_pipeline_run(planned_run, alternatives=False, goldens=False)
-    page = build_report_page(records, title="t", planning=planned_run.stage(PLAN).report)
+    records = records_from_pipeline_run(planned_run, alternatives=False, goldens=False)[:1]  # the joint stage
+    mesh = GOLDEN_SCENARIOS["tiny-auto-dp8"].mesh_spec  # group sizes once the fake world is gone
+    page = build_report_page(records, title="t", mesh=mesh, planning=planned_run.stage(PLAN).report)
     assert page.index("id=plan-stage") < page.index("<section class=stage ")
     assert "href='#plan-stage'" in page
     assert "plan" not in page_sections(page), "the stage sections' parser still sees only stages"
-    assert "id=plan-stage" not in build_report_page(records, title="t"), "a hand plan has no plan section"
+    assert "id=plan-stage" not in build_report_page(records, title="t", mesh=mesh), "a hand plan has no plan section"
