@@ -48,13 +48,18 @@ def test_a_rowwise_bias_added_on_every_tp_rank_fails_the_oracle(monkeypatch):
     assert {roles.grad("blocks.0.fc.bias"), roles.grad("head.weight")} <= failing
 
 
-class _SumNotAvg(torch.autograd.Function):
-    """DDPGradAllReduce with the reduce op a typo away: "sum" instead of "avg"."""
+class _PlantedGradReduce(torch.autograd.Function):
+    """DDPGradAllReduce's forward (the parameter as is, the group kept); subclasses plant a bug in
+    the backward's reduction."""
 
     @staticmethod
     def forward(ctx, param, group_name):
         ctx.group_name = group_name
         return param.view_as(param)
+
+
+class _SumNotAvg(_PlantedGradReduce):
+    """DDPGradAllReduce with the reduce op a typo away: "sum" instead of "avg"."""
 
     @staticmethod
     def backward(ctx, grad):
@@ -87,14 +92,9 @@ def test_the_oracle_bound_of_the_ln_mlp_on_two_ranks_is_a_literal():
     assert oracle_tolerance(model, slice0, 2, compute_dtype=torch.bfloat16).rtol == pytest.approx(0.20373, rel=1e-4)
 
 
-class _AverageInBf16(torch.autograd.Function):
+class _AverageInBf16(_PlantedGradReduce):
     """DDPGradAllReduce with the gradient cast to bf16 for the all-reduce (and back): every
     gradient within 2^-8 relative of the fp32 reduction the eager program is meant to run."""
-
-    @staticmethod
-    def forward(ctx, param, group_name):
-        ctx.group_name = group_name
-        return param.view_as(param)
 
     @staticmethod
     def backward(ctx, grad):
