@@ -163,8 +163,8 @@ COLLECTIVE_PASSES: tuple[CollectivePass, ...] = (
         lambda c: c.schedule_overlap,
         _schedule_overlap,
         "Inductor's overlap scheduler (CPU roofline) with topo-span-bounded FSDP bucketing",
-        ("primary_fsdp_group", "topo_span_bucketing", "contiguous_gathered_shards", "shared_provenance",
-         "random_op_order"),
+        ("primary_fsdp_group", "topo_span_bucketing", "estimation_tables_only_when_traced",
+         "contiguous_gathered_shards", "shared_provenance", "random_op_order"),
     ),
 )
 COLLECTIVE_PASS_NAMES: tuple[str, ...] = tuple(p.name for p in COLLECTIVE_PASSES)

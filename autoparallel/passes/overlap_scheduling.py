@@ -51,6 +51,9 @@ from autoparallel.passes.topo_span_bucketing import (
 
 log = logging.getLogger(__name__)
 
+# The patch name (autoparallel.patches) of estimation_tables_only_when_traced.
+ESTIMATION_TABLES_ONLY_WHEN_TRACED = "estimation_tables_only_when_traced"
+
 
 @dataclass
 class Installation:
@@ -177,9 +180,14 @@ def schedule_overlap_on_cpu(
         "pre_bucketing_fsdp_collectives_bucket_cap_mb": config.bucket_cap_mb,
     }
     kwargs.update(scheduler_kwargs)
+    tables = (
+        estimation_tables_only_when_traced()
+        if patches.enabled(ESTIMATION_TABLES_ONLY_WHEN_TRACED)
+        else contextlib.nullcontext()
+    )
     with (
         cpu_runtime_estimation_installed(estimator),
-        estimation_tables_only_when_traced(),
+        tables,
         topo_span_bucketing_installed(config) as inst,
     ):
         new_gm = schedule_overlap_bucketing(gm, **kwargs)
@@ -192,6 +200,7 @@ def schedule_overlap_on_cpu(
 
 
 __all__ = [
+    "ESTIMATION_TABLES_ONLY_WHEN_TRACED",
     "Installation",
     "OverlapResult",
     "cpu_runtime_estimation_installed",
