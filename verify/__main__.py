@@ -178,14 +178,18 @@ def _parser() -> argparse.ArgumentParser:
     m.add_argument("--timeout", type=_positive(float), default=300.0,
                    help="seconds allowed per disabled run (default: 300)")
     m.add_argument("--lines", action="store_true", help="line-level mutation with mutmut (slow)")
-    m.add_argument("--target", choices=["passes", "verify"], default="passes",
-                   help="with --lines: autoparallel/passes, or the checkers of verify/ group by group (default: passes)")
-    from verify.commands.mutation.lines import (
-        VERIFY_GROUP_NAMES,  # stdlib only, like the rest of the parser
+    from verify.commands.mutation.lines import (  # stdlib only, like the rest of the parser
+        TARGETS,
+        VERIFY_GROUP_NAMES,
+        add_sample_args,
     )
 
+    m.add_argument("--target", choices=TARGETS, default="passes",
+                   help="with --lines: autoparallel/passes, autoparallel/planner, or the checkers of verify/ group by group "
+                   "(default: passes)")
     m.add_argument("--group", action="append", choices=VERIFY_GROUP_NAMES,
                    help="with --lines --target verify: only this group of checkers (repeatable; default: all)")
+    add_sample_args(m)
 
     b = sub.add_parser("bisect", help="name the first pass whose graphs compute other values (simulated ranks)")
     b.add_argument("--preset", default=PRESET, type=preset, help=f"model preset: tiny, debug, 8b (default: {PRESET})")

@@ -1,5 +1,6 @@
 """Line-level mutation with mutmut 3 (``python -m verify mutate --lines``): of ``autoparallel/passes``
-(``--target passes``, the default) or of the verification layer itself (``--target verify``).
+(``--target passes``, the default), of the automatic planner (``--target planner``) or of the
+verification layer itself (``--target verify``).
 
 The patch-level harness (verify/commands/mutation/patches.py) asks "does some test notice when a whole fix is
 turned off?"; this one asks it for every small edit mutmut can make inside a function of the
@@ -11,6 +12,11 @@ else mutmut reports: suspicious, segfault, skipped, not checked), then a kill-ra
 mutant that was not killed with ``file:line`` and its diff.
 
 What runs
+    * ``--target planner``: every ``.py`` file of ``autoparallel/planner`` except ``__init__.py``,
+      against :data:`PLANNER_TESTS` (the planner's unit tests and the independent plan checker's,
+      which runs the planner on its cases) without the tests marked ``slow`` (``-m "not slow"``:
+      whole-model traces and a fresh interpreter, seconds each, per mutant that reaches them; CI's
+      slow step runs them). No property test exercises the planner.
     * ``--target verify``: the checkers (parity, canon, stats, memory, goldens, pytest_plugin), one
       mutmut run per group of :data:`VERIFY_GROUPS`, each with the narrowest tests that cover it
       (the group's own unit and negative tests), merged into one table; ``--group NAME`` runs only
@@ -39,6 +45,12 @@ What runs
       and runs only those per mutant. Hypothesis tests run with ``max_examples`` capped
       (``--max-examples``, default 10) and derandomized, without the example database, so a
       verdict does not depend on luck or on examples an earlier mutant left behind.
+    * ``--sample N [--seed S]``: mutmut generates every mutant first (in a process of its own,
+      through mutmut's internals, as ``show`` is read), then ``mutmut run`` gets only ``N`` of their
+      names, drawn by :func:`sample_names` (a fixed draw for a seed; all of them when ``N`` is at
+      least their number). The report says so ("sample of N of M mutants, seed S") and counts the
+      sampled mutants only; the draw is kept in the scratch directory for ``--report-only``.
+      With several groups (``--target verify``) each group draws its own ``N``.
     * A baseline pytest run of the selected tests comes first: tests that do not pass on the
       unmutated code are deselected (and listed), because mutmut refuses to start otherwise and a
       test that already fails kills nothing.
@@ -66,6 +78,7 @@ Usage
     python -m verify mutate --lines                    # everything above, table on stdout
     python -m verify mutate --lines --target verify    # the checkers, group by group
     python -m verify mutate --lines --target verify --group parity --group canon
+    python -m verify mutate --lines --target planner --sample 150 --seed 28 -n 1
     python -m verify mutate --lines --json -n 2        # one JSON object; -n: mutmut workers
                                                        # (0/auto: all cores); --patch and
                                                        # --timeout apply to patch-level only
@@ -83,6 +96,7 @@ import argparse
 import ast
 import json
 import os
+import random
 import re
 import shutil
 import subprocess
@@ -98,6 +112,7 @@ from verify.commands.mutation import STATES, run_slow_args
 from verify.commands.mutation.outcome_log import ENV as OUTCOME_ENV
 
 PASSES_DIR = "autoparallel/passes"
+PLANNER_DIR = "autoparallel/planner"
 VERIFY_PLUGIN = "verify.pytest_plugin"  # its pytest11 entry point name (pyproject.toml)
 EXCLUDED_FILES = ("__init__.py", "registry.py")
 # Tests of code every stage shares; each stage's own come from verify.stages.registry.
@@ -123,7 +138,11 @@ VERIFY_GROUPS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     # The independent plan checker: its negative tests on a correct plan and on tampered ones.
     "plan_check": (("verify/parity/plan_check.py",), ("tests/unit/verify/parity/test_plan_check.py",)),
 }
-TARGETS = ("passes", "verify")
+# --target planner: what it mutates (PLANNER_DIR but these) and its tests, run without the slow ones
+PLANNER_EXCLUDED = ("__init__.py",)
+PLANNER_TESTS = ("tests/unit/autoparallel/planner", "tests/unit/verify/parity/test_plan_check.py")
+QUICK_TIER = "not slow"  # the pytest -m expression of a target whose tests leave CI's slow step out
+TARGETS = ("passes", "planner", "verify")
 VERIFY_GROUP_NAMES = tuple(VERIFY_GROUPS)
 # Written as sitecustomize.py into the scratch directory, on the path of every process a test starts
 # (see verify/commands/mutation/subprocess_hits.py): while mutmut collects coverage, remember the mutated
@@ -164,6 +183,7 @@ if os.environ.get("MUTANT_UNDER_TEST") == "stats" and os.environ.get("AP_MUTATIO
 '''
 BRIDGE_DIR = "ap-subprocess-bridge"
 HITS_DIR = "ap-subprocess-hits"
+SAMPLE_FILE = "ap-sample.json"  # a sampled run's draw, in its scratch directory
 MAX_EXAMPLES_ENV = "AP_MUTATION_MAX_EXAMPLES"
 DEFAULT_MAX_EXAMPLES = 10
 DEFAULT_TIMEOUT_MULTIPLIER = 5.0
@@ -394,8 +414,8 @@ def format_table(mutants: Sequence[Mutant], by: str = "file", diffs: bool = True
 # --- running mutmut --------------------------------------------------------------------------
 
 
-def default_files(root: Path) -> list[str]:
-    return sorted(str(p.relative_to(root)) for p in (root / PASSES_DIR).glob("*.py") if p.name not in EXCLUDED_FILES)
+def default_files(root: Path, directory: str = PASSES_DIR, excluded: Sequence[str] = EXCLUDED_FILES) -> list[str]:
+    return sorted(str(p.relative_to(root)) for p in (root / directory).glob("*.py") if p.name not in excluded)
 
 
 def default_test_paths(stages=None, registry=None) -> tuple[str, ...]:
@@ -435,25 +455,31 @@ def mutated_pytest_plugins(root: Path, files: Sequence[str]) -> list[str]:
     return sorted(name for name, target in entry_points.items() if module_file(target.partition(":")[0]) in mutated)
 
 
+def mark_args(markexpr: str | None) -> list[str]:
+    """``-m EXPR`` for a marker expression, nothing without one."""
+    return ["-m", markexpr] if markexpr else []
+
+
 def outer_pytest_args(blocked_plugins: Sequence[str]) -> list[str]:
     """``-p no:NAME`` for each blocked plugin."""
     return [arg for name in blocked_plugins for arg in ("-p", f"no:{name}")]
 
 
 def mutmut_config(files: Sequence[str], tests: Sequence[str], deselect: Sequence[str] = (), *,
-                  blocked_plugins: Sequence[str] = (), run_slow: Sequence[str] = (),
+                  blocked_plugins: Sequence[str] = (), run_slow: Sequence[str] = (), markexpr: str | None = None,
                   timeout_multiplier: float = DEFAULT_TIMEOUT_MULTIPLIER,
                   timeout_constant: float = DEFAULT_TIMEOUT_CONSTANT) -> str:
     """The ``[tool.mutmut]`` table written into the scratch directory's pyproject.toml. ``goldens``
     is copied next to the mutants: code under ``verify`` finds the repository root from its own
     path (``verify.repo_root``), which is mutmut's ``mutants/`` there. ``blocked_plugins``: pytest
     plugins mutmut's own pytest runs leave out (:func:`mutated_pytest_plugins`); ``run_slow``:
-    :func:`verify.commands.mutation.run_slow_args` of the project (its ``slow`` tests run too)."""
+    :func:`verify.commands.mutation.run_slow_args` of the project (its ``slow`` tests run too);
+    ``markexpr``: a pytest ``-m`` expression every run of mutmut's applies (:data:`QUICK_TIER`)."""
     selection = [*tests]
     for nodeid in deselect:
         selection += ["--deselect", nodeid]
     pytest_args = ["-p", "no:cacheprovider", "-p", "verify.commands.mutation.lines", "-p", "verify.commands.mutation.subprocess_hits",
-                   *run_slow, *outer_pytest_args(blocked_plugins)]
+                   *run_slow, *outer_pytest_args(blocked_plugins), *mark_args(markexpr)]
     return "\n".join([
         "[tool.mutmut]",
         f"source_paths = {_toml_list(source_packages(files))}",
@@ -543,14 +569,16 @@ def _mutmut_cmd() -> list[str]:
 
 
 def baseline(workdir: Path, tests: Sequence[str], max_examples: int, timeout_s: float | None = None,
-             blocked_plugins: Sequence[str] = (), run_slow: Sequence[str] = ()) -> dict[str, str]:
+             blocked_plugins: Sequence[str] = (), run_slow: Sequence[str] = (),
+             markexpr: str | None = None) -> dict[str, str]:
     """Outcomes (``verify.commands.mutation.outcome_log``) of the selected tests on the unmutated copy, run
     as mutmut will run them (without ``blocked_plugins``)."""
     log = workdir / "baseline-outcomes.json"
     env = _env(max_examples)
     env[OUTCOME_ENV] = str(log)
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "verify.commands.mutation.outcome_log",
-           "-p", "verify.commands.mutation.lines", *run_slow, *outer_pytest_args(blocked_plugins), "--rootdir", str(workdir), *tests]
+           "-p", "verify.commands.mutation.lines", *run_slow, *outer_pytest_args(blocked_plugins), *mark_args(markexpr),
+           "--rootdir", str(workdir), *tests]
     proc = subprocess.run(cmd, cwd=workdir, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                           timeout=timeout_s)
     if not log.exists():
@@ -633,6 +661,80 @@ def show_mutants(workdir: Path, names: Sequence[str]) -> dict[str, tuple[str, st
     return out
 
 
+# Generates every mutant the way ``mutmut run`` starts (same calls, same order) and prints their
+# names: what --sample draws from before ``mutmut run`` gets the drawn names.
+_GENERATE_SCRIPT = """
+import os
+import mutmut.__main__ as mm
+from mutmut.mutation.data import SourceFileMutationData
+from mutmut.utils.file_utils import walk_mutatable_files
+mm.set_mutant_under_test("mutant_generation")
+os.makedirs("mutants", exist_ok=True)
+mm.copy_src_dir()
+mm.copy_also_copy_files()
+mm.setup_source_paths()
+mm.store_lines_covered_by_tests()
+mm.create_mutants(1)
+for path in walk_mutatable_files():
+    data = SourceFileMutationData(path=path)
+    data.load()
+    for name in data.exit_code_by_key:
+        print("mutant:", name)
+"""
+
+
+def generate_mutants(workdir: Path) -> list[str]:
+    """The names of every mutant mutmut makes of the configured files in ``workdir`` (left in its
+    ``mutants/``, where ``mutmut run`` finds them unchanged and does not make them again)."""
+    proc = subprocess.run([sys.executable, "-c", _GENERATE_SCRIPT], cwd=workdir, env=_env(DEFAULT_MAX_EXAMPLES),
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    names = [ln.removeprefix("mutant: ") for ln in proc.stdout.splitlines() if ln.startswith("mutant: ")]
+    if proc.returncode != 0 or not names:
+        raise RuntimeError(f"mutmut generated no mutants to sample from (exit {proc.returncode}):\n{proc.stdout[-3000:]}")
+    return names
+
+
+@dataclass(frozen=True)
+class Sample:
+    """A sampled run: ``size`` mutants drawn with ``seed`` out of the ``total`` mutmut made."""
+
+    size: int
+    total: int
+    seed: int
+
+    def describe(self) -> str:
+        return f"sample of {self.size} of {self.total} mutants, seed {self.seed}"
+
+
+def check_sample_size(n: int) -> int:
+    if n <= 0:
+        raise ValueError(f"--sample {n}: the number of mutants to run must be positive")
+    return n
+
+
+def sample_names(names: Iterable[str], n: int, seed: int) -> list[str]:
+    """``n`` of ``names`` (all of them when there are no more), drawn with ``random.Random(seed)``
+    from their sorted list: the same draw for a seed whatever order mutmut lists them in. Sorted."""
+    check_sample_size(n)
+    pool = sorted(set(names))
+    if n >= len(pool):
+        return pool
+    return sorted(random.Random(seed).sample(pool, n))
+
+
+def save_sample(workdir: Path, names: Sequence[str], sample: Sample) -> None:
+    (workdir / SAMPLE_FILE).write_text(json.dumps({"names": list(names), "total": sample.total, "seed": sample.seed}))
+
+
+def load_sample(workdir: Path) -> tuple[list[str], Sample] | None:
+    """The draw a sampled run kept in ``workdir``, or None for a run of every mutant."""
+    path = workdir / SAMPLE_FILE
+    if not path.exists():
+        return None
+    data = json.loads(path.read_text())
+    return data["names"], Sample(len(data["names"]), data["total"], data["seed"])
+
+
 @dataclass
 class LineMutationRun:
     mutants: list[Mutant]
@@ -643,13 +745,19 @@ class LineMutationRun:
     workdir: Path
     mutmut_exit: int
     mutmut_tail: str = ""
+    sample: Sample | None = None
 
 
-def collect(workdir: Path, progress: Callable[[str], None] = lambda msg: None) -> list[Mutant]:
-    """Every mutant of a finished ``mutmut run`` in ``workdir``, with diff and line for those not killed."""
+def collect(workdir: Path, progress: Callable[[str], None] = lambda msg: None,
+            only: Iterable[str] | None = None) -> list[Mutant]:
+    """Every mutant of a finished ``mutmut run`` in ``workdir`` (``only``: those named, a sample's),
+    with diff and line for those not killed."""
     res = subprocess.run([*_mutmut_cmd(), "results", "--all", "true"], cwd=workdir, env=_env(DEFAULT_MAX_EXAMPLES),
                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     mutants = parse_results(res.stdout)
+    if only is not None:
+        chosen = set(only)
+        mutants = [m for m in mutants if m.name in chosen]
     not_killed = [m for m in mutants if m.state != "killed"]
     if not_killed:
         progress(f"reading the diffs of {len(not_killed)} mutant(s) that were not killed ...")
@@ -667,6 +775,7 @@ def collect(workdir: Path, progress: Callable[[str], None] = lambda msg: None) -
 def run(root: Path, *, files: Sequence[str], tests: Sequence[str], workdir: Path, max_children: int,
         max_examples: int = DEFAULT_MAX_EXAMPLES, timeout_multiplier: float = DEFAULT_TIMEOUT_MULTIPLIER,
         timeout_constant: float = DEFAULT_TIMEOUT_CONSTANT, skip_baseline: bool = False,
+        markexpr: str | None = None, sample: int | None = None, seed: int = 0,
         progress: Callable[[str], None] = lambda msg: None) -> LineMutationRun:
     t0 = time.perf_counter()
     progress(f"scratch directory {workdir}; mutating {len(files)} file(s): {' '.join(files)}")
@@ -682,13 +791,14 @@ def run(root: Path, *, files: Sequence[str], tests: Sequence[str], workdir: Path
 
     def configure(deselect: Sequence[str]) -> None:
         write_config(root, workdir, mutmut_config(files, tests, deselect, blocked_plugins=blocked, run_slow=slow,
-                                                  timeout_multiplier=timeout_multiplier, timeout_constant=timeout_constant))
+                                                  markexpr=markexpr, timeout_multiplier=timeout_multiplier,
+                                                  timeout_constant=timeout_constant))
 
     if not skip_baseline:
         # the project's pytest settings (its plugin opt-in, markers) for the baseline too, as mutmut will run
         configure(())
         progress("baseline: running the selected tests on the unmutated code ...")
-        outcomes = baseline(workdir, tests, max_examples, blocked_plugins=blocked, run_slow=slow)
+        outcomes = baseline(workdir, tests, max_examples, blocked_plugins=blocked, run_slow=slow, markexpr=markexpr)
         deselected = {nid: o for nid, o in outcomes.items() if o in ("failed", "error")}
         bad_files = sorted({nid for nid in deselected if "::" not in nid})
         tests = [t for t in tests if not any(t == f or f.startswith(t.rstrip("/") + "/") for f in bad_files)]
@@ -699,14 +809,23 @@ def run(root: Path, *, files: Sequence[str], tests: Sequence[str], workdir: Path
         if not tests:
             raise RuntimeError("no selected test file collects on the unmutated code")
     configure([nid for nid in deselected if "::" in nid])
+    chosen, drawn = None, None
+    (workdir / SAMPLE_FILE).unlink(missing_ok=True)
+    if sample is not None:
+        progress("generating the mutants to sample from ...")
+        every = generate_mutants(workdir)
+        chosen = sample_names(every, sample, seed)
+        drawn = Sample(len(chosen), len(set(every)), seed)
+        save_sample(workdir, chosen, drawn)
+        progress(drawn.describe())
     progress(f"mutmut run --max-children {max_children} ...")
-    proc = subprocess.Popen([*_mutmut_cmd(), "run", "--max-children", str(max_children)], cwd=workdir,
+    proc = subprocess.Popen([*_mutmut_cmd(), "run", "--max-children", str(max_children), *(chosen or ())], cwd=workdir,
                             env=_env(max_examples, workdir), stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     seen = _relay(proc.stdout, progress)
     rc = proc.wait()
-    mutants = collect(workdir, progress)
+    mutants = collect(workdir, progress, only=chosen)
     return LineMutationRun(mutants, list(files), list(tests), deselected, time.perf_counter() - t0, workdir, rc,
-                           "\n".join(seen[-30:]))
+                           "\n".join(seen[-30:]), drawn)
 
 
 def _max_children(workers) -> int:
@@ -718,7 +837,7 @@ def _max_children(workers) -> int:
 
 def groups(args, root: Path) -> list[tuple[list[str], list[str]]]:
     """``[(files, tests)]``, one mutmut run each: ``--files``/``--tests`` as given, else the
-    target's defaults (``passes``: one run; ``verify``: :data:`VERIFY_GROUPS`)."""
+    target's defaults (``passes``, ``planner``: one run; ``verify``: :data:`VERIFY_GROUPS`)."""
     target = getattr(args, "target", None) or "passes"
     if target not in TARGETS:
         raise ValueError(f"--target {target!r}: choose from {list(TARGETS)}")
@@ -733,13 +852,24 @@ def groups(args, root: Path) -> list[tuple[list[str], list[str]]]:
         if tests:
             raise ValueError("--tests with --target verify needs --files too (each group has its own tests)")
         return [(list(f), list(t)) for name, (f, t) in VERIFY_GROUPS.items() if not chosen or name in chosen]
+    if target == "planner":
+        return [(list(files or default_files(root, PLANNER_DIR, PLANNER_EXCLUDED)),
+                 list(tests or [t for t in PLANNER_TESTS if (root / t).exists()]))]
     return [(list(files or default_files(root)), list(tests or default_tests(root)))]
 
 
+def markexpr_of(args) -> str | None:
+    """The pytest ``-m`` expression of the target's runs: :data:`QUICK_TIER` for ``planner``."""
+    return QUICK_TIER if getattr(args, "target", None) == "planner" else None
+
+
 def merge_runs(runs: Sequence[LineMutationRun]) -> LineMutationRun:
-    """One run's worth of results out of several (one table)."""
+    """One run's worth of results out of several (one table); sampled runs' samples add up."""
     out = LineMutationRun([], [], [], {}, 0.0, runs[0].workdir, 0)
     for r in runs:
+        if r.sample is not None:
+            before = out.sample or Sample(0, 0, r.sample.seed)
+            out.sample = Sample(before.size + r.sample.size, before.total + r.sample.total, r.sample.seed)
         out.mutants += r.mutants
         out.files += r.files
         out.tests += [t for t in r.tests if t not in out.tests]
@@ -759,6 +889,9 @@ def main(args) -> int:
     if getattr(args, "patch", None):
         progress("--patch selects patch-level mutants; it is ignored with --lines")
     plan = groups(args, root)
+    sample = getattr(args, "sample", None)
+    if sample is not None:
+        check_sample_size(sample)
     for f in [x for files, tests in plan for x in (*files, *tests)]:
         if not (root / f).exists():
             raise ValueError(f"{f} does not exist under {root}")
@@ -779,7 +912,10 @@ def main(args) -> int:
             if not (wd / "pyproject.toml").exists():
                 continue
             files, tests, deselect = read_config(wd)
-            runs.append(LineMutationRun(collect(wd, progress), files, tests, dict.fromkeys(deselect, "deselected"), 0.0, wd, 0))
+            kept = load_sample(wd)
+            names, drawn = kept if kept else (None, None)
+            runs.append(LineMutationRun(collect(wd, progress, only=names), files, tests,
+                                        dict.fromkeys(deselect, "deselected"), 0.0, wd, 0, sample=drawn))
         if not runs:
             raise ValueError(f"--workdir {keep} holds no kept run")
         r = merge_runs(runs)
@@ -795,7 +931,8 @@ def main(args) -> int:
                             max_examples=getattr(args, "max_examples", DEFAULT_MAX_EXAMPLES),
                             timeout_multiplier=getattr(args, "timeout_multiplier", DEFAULT_TIMEOUT_MULTIPLIER),
                             timeout_constant=getattr(args, "timeout_constant", DEFAULT_TIMEOUT_CONSTANT),
-                            skip_baseline=getattr(args, "no_baseline", False), progress=progress))
+                            skip_baseline=getattr(args, "no_baseline", False), markexpr=markexpr_of(args),
+                            sample=sample, seed=getattr(args, "seed", 0), progress=progress))
         except (RuntimeError, subprocess.SubprocessError) as e:
             print(f"error: {e}", file=sys.stderr)
             return 1
@@ -814,10 +951,13 @@ def _report(args, r: LineMutationRun) -> int:
     by = getattr(args, "by", "file")
     if getattr(args, "json", False):
         counts = {s: sum(m.state == s for m in r.mutants) for s in STATES}
+        sample = None if r.sample is None else {"size": r.sample.size, "total": r.sample.total, "seed": r.sample.seed}
         print(json.dumps({"files": r.files, "tests": r.tests, "deselected": r.deselected,
                           "mutants": [m.to_dict() for m in r.mutants], "total": len(r.mutants), **counts,
-                          "seconds": round(r.seconds, 1), "mutmut_exit": r.mutmut_exit}, indent=2))
+                          "sample": sample, "seconds": round(r.seconds, 1), "mutmut_exit": r.mutmut_exit}, indent=2))
     else:
+        if r.sample is not None:
+            print(f"{r.sample.describe()}: the counts and the kill rate are of the sampled mutants only")
         print(format_table(r.mutants, by=by))
         if r.deselected:
             print(f"deselected (not passing on the unmutated code): {' '.join(sorted(r.deselected))}")
@@ -846,16 +986,25 @@ def pytest_collection_modifyitems(items) -> None:
             )
 
 
+def add_sample_args(p: argparse.ArgumentParser) -> None:
+    """``--sample N`` and ``--seed S`` (this module's parser and ``python -m verify mutate``'s)."""
+    p.add_argument("--sample", type=int, default=None, metavar="N",
+                   help="run only N mutants, drawn at random after mutmut made them all (default: every mutant)")
+    p.add_argument("--seed", type=int, default=0, metavar="S", help="with --sample: the draw's seed (default: 0)")
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m verify.commands.mutation.lines", description=__doc__.split("\n\n")[0])
     p.add_argument("--target", choices=TARGETS, default="passes",
-                   help="passes: autoparallel/passes; verify: the checkers, group by group (default: passes)")
+                   help="passes: autoparallel/passes; planner: autoparallel/planner; verify: the checkers, group by group "
+                   "(default: passes)")
     p.add_argument("--group", action="append", choices=VERIFY_GROUP_NAMES,
                    help="with --target verify: only this group (repeatable; default: all)")
     p.add_argument("--files", nargs="+", help=f"files to mutate (default: {PASSES_DIR}/*.py except {', '.join(EXCLUDED_FILES)})")
     p.add_argument("--tests", nargs="+", help="test files or directories (default: each stage's line-mutation tests from "
                    "verify.stages.registry, then SHARED_TESTS)")
     p.add_argument("--by", choices=["file", "function"], default="file", help="one table row per file or per function")
+    add_sample_args(p)
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("-n", dest="workers", default="auto", help="mutmut --max-children (default: all cores)")
     p.add_argument("--max-examples", type=int, default=DEFAULT_MAX_EXAMPLES, help="cap on Hypothesis examples per test")

@@ -314,7 +314,7 @@ def test_verify_target_runs_each_checker_group_with_its_own_tests(tmp_path):
     assert one == [(["verify/graphs/canon.py"], ["t.py"])]
     with pytest.raises(ValueError, match="--tests with --target verify needs --files too"):
         L.groups(SimpleNamespace(target="verify", files=None, tests=["t.py"]), tmp_path)
-    with pytest.raises(ValueError, match=r"--target 'lines': choose from \['passes', 'verify'\]"):
+    with pytest.raises(ValueError, match=r"--target 'lines': choose from \['passes', 'planner', 'verify'\]"):
         L.groups(SimpleNamespace(target="lines", files=None, tests=None), tmp_path)
 
 
