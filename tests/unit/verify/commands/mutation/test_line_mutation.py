@@ -1,6 +1,7 @@
 """verify.commands.mutation.lines's parsing and reporting, on canned mutmut 3.8 output (mutmut never runs here)."""
 
 import io
+import json
 import subprocess
 import sys
 import textwrap
@@ -404,3 +405,172 @@ def test_a_mutated_pytest_plugin_is_left_out_of_the_runs_that_judge_it(tmp_path,
     assert L.baseline(tmp_path, ["tests/t.py"], 1, blocked_plugins=["pkg.plug"]) == {"tests/t.py::test_a": "passed"}
     i = seen[0].index("no:pkg.plug")
     assert seen[0][i - 1] == "-p" and seen[0][-1] == "tests/t.py"
+
+
+# --- --target planner --------------------------------------------------------------------------
+
+
+def test_planner_target_mutates_the_planner_against_its_own_quick_tests(tmp_path):
+    planner = tmp_path / "autoparallel" / "planner"
+    planner.mkdir(parents=True)
+    for name in ("__init__.py", "ilp.py", "api.py", "notes.txt"):
+        (planner / name).write_text("")
+    (tmp_path / "tests" / "unit" / "autoparallel" / "planner").mkdir(parents=True)
+    args = SimpleNamespace(target="planner", files=None, tests=None)
+    assert L.groups(args, tmp_path) == [(["autoparallel/planner/api.py", "autoparallel/planner/ilp.py"],
+                                         ["tests/unit/autoparallel/planner"])]  # plan_check's test is not in tmp_path
+    assert L.markexpr_of(args) == "not slow"
+    assert L.markexpr_of(SimpleNamespace(target="passes")) is None and L.markexpr_of(SimpleNamespace(target="verify")) is None
+    with pytest.raises(ValueError, match="--group selects among the groups of --target verify"):
+        L.groups(SimpleNamespace(target="planner", files=None, tests=None, group=["canon"]), tmp_path)
+    root = Path(__file__).resolve().parents[5]
+    files, tests = L.groups(args, root)[0]
+    assert tests == list(L.PLANNER_TESTS)  # both exist in the repository
+    assert "autoparallel/planner/ilp.py" in files and "autoparallel/planner/__init__.py" not in files
+    assert len(files) == len(list((root / L.PLANNER_DIR).glob("*.py"))) - 1
+
+
+def test_quick_tier_marker_reaches_every_pytest_run_mutmut_and_the_baseline_make(tmp_path, monkeypatch):
+    cfg = tomllib.loads(L.mutmut_config(["autoparallel/planner/a.py"], ["tests/t"], markexpr=L.QUICK_TIER))["tool"]["mutmut"]
+    assert cfg["pytest_add_cli_args"][-2:] == ["-m", "not slow"]
+    assert cfg["pytest_add_cli_args_test_selection"] == ["tests/t"]  # read_config still reads the tests back
+    assert "-m" not in tomllib.loads(L.mutmut_config(["a/b.py"], ["t"]))["tool"]["mutmut"]["pytest_add_cli_args"]
+    seen = []
+
+    def fake_run(cmd, **kw):
+        seen.append(cmd)
+        Path(kw["env"][L.OUTCOME_ENV]).write_text("{}")
+        return SimpleNamespace(returncode=0, stdout="")
+
+    monkeypatch.setattr(L.subprocess, "run", fake_run)
+    L.baseline(tmp_path, ["tests/t"], 1, markexpr="not slow")
+    i = seen[0].index("not slow")
+    assert seen[0][i - 1] == "-m" and seen[0][-1] == "tests/t"
+
+
+# --- --sample N --seed S -----------------------------------------------------------------------
+
+NAMES = [f"autoparallel.planner.ilp.x_solve__mutmut_{i}" for i in range(1, 41)]
+
+
+def test_a_sample_is_a_fixed_draw_of_exactly_n_names_for_a_seed():
+    a = L.sample_names(NAMES, 7, seed=28)
+    assert len(a) == 7 == len(set(a)) and set(a) <= set(NAMES) and a == sorted(a)
+    assert L.sample_names(reversed(NAMES), 7, seed=28) == a  # mutmut's listing order does not matter
+    assert L.sample_names(NAMES + NAMES[:5], 7, seed=28) == a  # nor a name listed twice
+    assert L.sample_names(NAMES, 7, seed=29) != a
+    assert L.sample_names(NAMES, 8, seed=28) != a
+    draws = {tuple(L.sample_names(NAMES, 7, seed=s)) for s in range(10)}
+    assert len(draws) > 5  # the seed draws, the names are not just cut
+
+
+@pytest.mark.parametrize("n", [40, 41, 1000])
+def test_a_sample_of_at_least_every_mutant_is_every_mutant(n):
+    assert L.sample_names(NAMES, n, seed=3) == sorted(NAMES)
+
+
+@pytest.mark.parametrize("n", [0, -1])
+def test_a_sample_must_have_a_positive_size(n):
+    with pytest.raises(ValueError, match=rf"--sample {n}: the number of mutants to run must be positive"):
+        L.sample_names(NAMES, n, seed=0)
+    with pytest.raises(ValueError, match=rf"--sample {n}"):  # before any scratch directory is made
+        L.main(SimpleNamespace(target="planner", files=None, tests=None, sample=n, seed=0))
+    assert main(["mutate", "--lines", "--target", "planner", "--sample", str(n)]) == 2
+
+
+def test_the_verify_cli_takes_the_planner_target_a_sample_and_a_seed():
+    args = _parser().parse_args(["mutate", "--lines", "--target", "planner", "--sample", "150", "--seed", "28"])
+    assert (args.target, args.sample, args.seed) == ("planner", 150, 28)
+    args = _parser().parse_args(["mutate", "--lines"])
+    assert (args.target, args.sample, args.seed) == ("passes", None, 0)
+    own = L._parser().parse_args(["--target", "planner", "--sample", "5"])
+    assert (own.target, own.sample, own.seed) == ("planner", 5, 0)
+
+
+def test_a_sampled_run_hands_mutmut_only_the_drawn_names(tmp_path, monkeypatch):
+    root, wd = tmp_path / "root", tmp_path / "wd"
+    root.mkdir()
+    (root / "pyproject.toml").write_text('[project]\nname = "x"\n')
+    monkeypatch.setattr(L, "generate_mutants", lambda workdir: list(NAMES))
+    started, asked = [], {}
+
+    class FakeMutmut:
+        def __init__(self, cmd, **kw):
+            started.append(cmd)
+            self.stdout = io.BytesIO(b"")
+
+        def wait(self):
+            return 0
+
+    def fake_collect(workdir, progress, only=None):
+        asked["only"] = only
+        return [L.Mutant(n, "killed") for n in only or NAMES]
+
+    monkeypatch.setattr(L.subprocess, "Popen", FakeMutmut)
+    monkeypatch.setattr(L, "collect", fake_collect)
+    r = L.run(root, files=["autoparallel/planner/ilp.py"], tests=["tests/t"], workdir=wd, max_children=1,
+              skip_baseline=True, sample=5, seed=28)
+    drawn = L.sample_names(NAMES, 5, seed=28)
+    assert started[0][-5:] == drawn and started[0][-7:-5] == ["--max-children", "1"]
+    assert asked["only"] == drawn and [m.name for m in r.mutants] == drawn
+    assert r.sample == L.Sample(5, 40, 28)
+    assert L.load_sample(wd) == (drawn, L.Sample(5, 40, 28))  # kept for --report-only
+    L.run(root, files=["autoparallel/planner/ilp.py"], tests=["tests/t"], workdir=wd, max_children=1, skip_baseline=True)
+    assert started[1][-2:] == ["--max-children", "1"]  # no sample: every mutant, as before
+    assert asked["only"] is None and L.load_sample(wd) is None  # the old draw is not read back
+
+
+def test_collect_reports_only_the_sampled_mutants(tmp_path, monkeypatch):
+    (tmp_path / "autoparallel" / "passes").mkdir(parents=True)
+    (tmp_path / "autoparallel/passes/demo.py").write_text(DEMO_SRC)
+    (tmp_path / "autoparallel/passes/counts.py").write_text(COUNTS_SRC)
+
+    def fake_run(cmd, **kw):
+        return SimpleNamespace(returncode=0, stdout=RESULTS if "results" in cmd else SHOWS)
+
+    monkeypatch.setattr(L.subprocess, "run", fake_run)
+    assert len(L.collect(tmp_path)) == 8  # "not checked" too: every mutant was meant to run
+    only = ["autoparallel.passes.demo.x_walk__mutmut_1", "autoparallel.passes.demo.x_walk__mutmut_2"]
+    got = L.collect(tmp_path, only=only)
+    assert [(m.name, m.state, m.line) for m in got] == [(only[0], "killed", None), (only[1], "survived", 8)]
+
+
+def test_the_report_of_a_sample_says_so_and_counts_the_sample(capsys, tmp_path):
+    mutants = [L.Mutant("autoparallel.planner.ilp.x_solve__mutmut_1", "killed"),
+               L.Mutant("autoparallel.planner.ilp.x_solve__mutmut_2", "survived")]
+    r = L.LineMutationRun(mutants, ["autoparallel/planner/ilp.py"], ["t"], {}, 1.0, tmp_path, 0, sample=L.Sample(2, 90, 7))
+    assert L._report(SimpleNamespace(), r) == 1
+    out = capsys.readouterr().out.splitlines()
+    assert out[0] == "sample of 2 of 90 mutants, seed 7: the counts and the kill rate are of the sampled mutants only"
+    assert "kill rate: 1/2 mutants killed (50%)" in out[3]
+    L._report(SimpleNamespace(json=True), r)
+    data = json.loads(capsys.readouterr().out)
+    assert data["sample"] == {"size": 2, "total": 90, "seed": 7} and (data["total"], data["killed"]) == (2, 1)
+    r.sample = None
+    L._report(SimpleNamespace(), r)
+    assert not capsys.readouterr().out.startswith("sample")
+    L._report(SimpleNamespace(json=True), r)
+    assert json.loads(capsys.readouterr().out)["sample"] is None
+
+
+def test_merged_sampled_runs_add_their_samples(tmp_path):
+    a = L.LineMutationRun([], ["a.py"], [], {}, 1.0, tmp_path, 0, sample=L.Sample(3, 30, 5))
+    b = L.LineMutationRun([], ["b.py"], [], {}, 1.0, tmp_path, 0, sample=L.Sample(4, 8, 5))
+    assert L.merge_runs([a, b]).sample == L.Sample(7, 38, 5)
+    assert L.merge_runs([L.LineMutationRun([], [], [], {}, 0.0, tmp_path, 0)]).sample is None
+
+
+def test_mutmut_generates_the_names_a_sample_draws_from(tmp_path):
+    """generate_mutants drives the installed mutmut's internals: a two-function module, for real."""
+    pytest.importorskip("mutmut")
+    (tmp_path / "pkg").mkdir()
+    (tmp_path / "pkg" / "__init__.py").write_text("")
+    (tmp_path / "pkg" / "mod.py").write_text("def f(a):\n    return a + 1\n\n\ndef g(a):\n    return a < 2\n")
+    (tmp_path / "pyproject.toml").write_text('[project]\nname = "x"\n\n' + L.mutmut_config(["pkg/mod.py"], ["tests"]))
+    names = L.generate_mutants(tmp_path)
+    assert {L.parse_key(n)[:2] for n in names} == {("pkg.mod", "f"), ("pkg.mod", "g")}
+    assert len(names) == len(set(names)) >= 4
+    assert sorted(L.generate_mutants(tmp_path)) == sorted(names)  # mutmut run finds them made, the same
+    (tmp_path / "pyproject.toml").write_text('[project]\nname = "x"\n\n' + L.mutmut_config(["pkg/none.py"], ["tests"]))
+    with pytest.raises(RuntimeError, match="mutmut generated no mutants to sample from"):
+        L.generate_mutants(tmp_path)
