@@ -394,6 +394,15 @@ def test_a_mutated_pytest_plugin_is_left_out_of_the_runs_that_judge_it(tmp_path,
     assert cfg["pytest_add_cli_args"][-2:] == ["-p", "no:pkg.plug"]
     assert "no:pkg.plug" not in L.mutmut_config(["pkg/a.py"], ["tests/t.py"])
 
+    cmd, outcomes = _baseline_command(monkeypatch, tmp_path, blocked_plugins=["pkg.plug"])
+    assert outcomes == {"tests/t.py::test_a": "passed"}
+    i = cmd.index("no:pkg.plug")
+    assert cmd[i - 1] == "-p" and cmd[-1] == "tests/t.py"
+
+
+def _baseline_command(monkeypatch, tmp_path, **kw) -> tuple[list[str], dict]:
+    """The pytest command ``L.baseline(tmp_path, ["tests/t.py"], 1, **kw)`` starts, and the outcomes it
+    reads back (one test passed)."""
     seen = []
 
     def fake_run(cmd, **kw):
@@ -402,9 +411,8 @@ def test_a_mutated_pytest_plugin_is_left_out_of_the_runs_that_judge_it(tmp_path,
         return SimpleNamespace(returncode=0, stdout="")
 
     monkeypatch.setattr(L.subprocess, "run", fake_run)
-    assert L.baseline(tmp_path, ["tests/t.py"], 1, blocked_plugins=["pkg.plug"]) == {"tests/t.py::test_a": "passed"}
-    i = seen[0].index("no:pkg.plug")
-    assert seen[0][i - 1] == "-p" and seen[0][-1] == "tests/t.py"
+    outcomes = L.baseline(tmp_path, ["tests/t.py"], 1, **kw)
+    return seen[0], outcomes
 
 
 # --- --target planner --------------------------------------------------------------------------
@@ -435,17 +443,10 @@ def test_quick_tier_marker_reaches_every_pytest_run_mutmut_and_the_baseline_make
     assert cfg["pytest_add_cli_args"][-2:] == ["-m", "not slow"]
     assert cfg["pytest_add_cli_args_test_selection"] == ["tests/t"]  # read_config still reads the tests back
     assert "-m" not in tomllib.loads(L.mutmut_config(["a/b.py"], ["t"]))["tool"]["mutmut"]["pytest_add_cli_args"]
-    seen = []
-
-    def fake_run(cmd, **kw):
-        seen.append(cmd)
-        Path(kw["env"][L.OUTCOME_ENV]).write_text("{}")
-        return SimpleNamespace(returncode=0, stdout="")
-
-    monkeypatch.setattr(L.subprocess, "run", fake_run)
-    L.baseline(tmp_path, ["tests/t"], 1, markexpr="not slow")
-    i = seen[0].index("not slow")
-    assert seen[0][i - 1] == "-m" and seen[0][-1] == "tests/t"
+    cmd, _ = _baseline_command(monkeypatch, tmp_path, markexpr="not slow")
+    i = cmd.index("not slow")
+    assert cmd[i - 1] == "-m" and cmd[-1] == "tests/t.py"
+    assert "not slow" not in _baseline_command(monkeypatch, tmp_path)[0]
 
 
 # --- --sample N --seed S -----------------------------------------------------------------------
