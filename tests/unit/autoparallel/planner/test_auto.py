@@ -7,7 +7,8 @@ from torch import nn
 from autoparallel import pipeline as P
 from autoparallel.mesh import fake_world
 from autoparallel.parallelize import ParallelPlan
-from autoparallel.planner.auto import _check_reduce_dtype, planner_config
+from autoparallel.planner import Plan
+from autoparallel.planner.auto import _check_reduce_dtype, plan_for_pipeline, planner_config
 from verify import zoo
 
 
@@ -26,6 +27,32 @@ def test_a_reduce_dtype_the_planner_cannot_honour_is_refused():
     _check_reduce_dtype(ParallelPlan.auto(reduce_dtype=torch.float32), model)
     with pytest.raises(ValueError, match=r"reduce_dtype=torch.bfloat16: parameter 'weight' is torch.float32"):
         _check_reduce_dtype(ParallelPlan.auto(reduce_dtype=torch.bfloat16), model)
+
+
+def test_the_plan_stage_refuses_a_reduce_dtype_before_tracing():
+    model = nn.Linear(4, 4)
+    with fake_world("dp=2") as mesh, pytest.raises(ValueError, match=r"reduce_dtype=torch.bfloat16: parameter 'weight'"):
+        plan_for_pipeline(model, None, [torch.randn(2, 4)], mesh, ParallelPlan.auto(reduce_dtype=torch.bfloat16))
+
+
+def test_the_plan_stage_reports_the_solvers_seconds_and_keeps_its_plan(mlp, mlp_batch):
+    """The stage's seconds are the solver's own figures (strategies, problem, LP plus MILP), and
+    ``solved`` is the solver's plan: a copy, made before alias round trips were removed."""
+    make_model, loss = mlp
+    with torch.device("meta"):
+        model = make_model()
+    with fake_world("dp=2,tp=2") as mesh:
+        planned = P.run_pipeline(model, loss, mlp_batch(), "auto", mesh, until=P.PLAN).planned
+    stats, seconds = planned.plan.stats, planned.report.seconds
+    assert planned.report.solver == stats
+    assert seconds["strategies"] == stats["strategy_seconds"] > 0
+    assert seconds["problem"] == stats["problem_seconds"] > 0
+    assert stats["lp_seconds"] > 0 and stats["solve_seconds"] > 0
+    assert seconds["solve"] == stats["lp_seconds"] + stats["solve_seconds"]
+    assert seconds["trace"] > 0 and seconds["alias_round_trips"] > 0
+    solved = planned.solved
+    assert isinstance(solved, Plan) and solved is not planned.plan and solved._context is None
+    assert solved.params == planned.plan.params and solved.mesh == planned.plan.mesh
 
 
 def test_a_buffers_new_value_is_placed_like_the_buffer():

@@ -26,6 +26,8 @@ from autoparallel.planner.costs import CostModel
 from autoparallel.planner.graph import ALIAS
 from autoparallel.planner.lower import (
     LoweringError,
+    LoweringReport,
+    PlacedInterpreter,
     _dim_order,
     decode,
     in_layout_of,
@@ -83,6 +85,33 @@ def test_lowered_graph_is_called_like_a_traced_joint_graph(lowered):
     primals = [torch.zeros(ph.meta[M.VAL].shape) for ph in gm.graph.find_nodes(op="placeholder") if not roles.is_tangent(ph.meta[M.ROLE])]
     code = gm.code
     assert "def forward(self, primals, tangents)" in code and len(primals) == len(lowered.joint.input_roles) - 1
+
+
+def test_the_lowered_graph_returns_a_value_wherever_the_traced_graph_does(lowered):
+    """Outputs are moved to their planned placements, not dropped: the lowered graph's outputs
+    are values exactly where the planning trace's are (None stays None: no gradient)."""
+    traced = lowered.planned.pg.graph.output_node().args[0]
+    outs = lowered.stage(P.JOINT).graphs.graph.output_node().args[0]
+    assert len(outs) == len(traced) and any(isinstance(a, fx.Node) for a in traced)
+    assert [isinstance(a, fx.Node) for a in outs] == [isinstance(a, fx.Node) for a in traced]
+
+
+def test_a_move_counts_one_redistributed_input_and_an_unchanged_placement_none():
+    gm = fx.GraphModule(torch.nn.Module(), fx.Graph())
+    full = torch.arange(8.0).reshape(4, 2)
+    with fake_world(MESH) as mesh:
+        interp = PlacedInterpreter(gm, {}, mesh, {})
+        rr = (Replicate(), Replicate())
+        assert interp.move(full, full, rr, rr) is full and interp.report.moved_inputs == 0
+        assert torch.equal(interp.move(full, full, rr, (Shard(0), Replicate())), full[:2])  # rank 0's half, no collective
+        assert interp.report.moved_inputs == 1
+
+
+def test_the_lowering_report_summary():
+    report = LoweringReport(moved_inputs=3, nodes_before=10, nodes_after=14)
+    assert report.summary() == "10 unsharded nodes -> 14 per-rank nodes; 3 inputs redistributed"
+    report.fixed_outputs = ["a", "b"]
+    assert report.summary() == "10 unsharded nodes -> 14 per-rank nodes; 3 inputs redistributed, 2 outputs redistributed to the plan"
 
 
 def test_a_node_the_plan_does_not_place_is_named(lowered):

@@ -65,6 +65,12 @@ def test_bad_profile_values_are_rejected(field, value, match):
         dataclasses.replace(PROFILES["h100"], **{field: value})
 
 
+def test_the_bounds_of_profile_values_are_themselves_allowed():
+    """No launch floor (0 us) and a profile at its full peak (efficiency 1) are valid profiles."""
+    edge = dataclasses.replace(PROFILES["h100"], launch_floor_us=0.0, efficiency=1.0)
+    assert (edge.launch_floor_us, edge.efficiency) == (0.0, 1.0)
+
+
 def test_bad_links_are_rejected():
     with pytest.raises(ValueError, match="bandwidth"):
         Link(0.0, 1.0)
