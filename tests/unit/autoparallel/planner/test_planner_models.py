@@ -24,12 +24,14 @@ from autoparallel.parallelize import ParallelPlan
 from autoparallel.planner import (
     InfeasiblePlanError,
     Plan,
+    Planner,
     PlannerConfig,
     diff,
     evaluate_hand_plan,
     parse_placement,
     plan_model,
 )
+from autoparallel.planner.blocks import num_blocks, truncated
 from autoparallel.planner.problem import OP, min_param_bytes
 from verify.parity.plan_check import assert_plan_valid, check_plan, traced_graph
 from verify.parity.plan_objective import check_objective
@@ -199,6 +201,32 @@ def test_explain_says_what_each_candidate_costs_and_why_the_chosen_one_won():
     assert plan.explain(name) == mm  # by FX node name too
     with pytest.raises(ValueError, match="no node 'nope'"):
         plan.explain("nope")
+    for t in (text, mm):
+        assert t.endswith("\n") and t.splitlines()[-2:][0] == "" and t.splitlines()[-1].startswith("why: ")
+    whys = {plan.explain(k).splitlines()[-1] for k in sorted(plan.nodes)[:40]}
+    cheapest = "why: the cheapest of its candidates given where its producers and consumers are placed"
+    assert any(w == cheapest or w.startswith(cheapest + " (") for w in whys), whys
+
+
+@tiny
+def test_costliest_lists_the_dearest_planned_nodes_first_and_no_graph_outputs():
+    plan = plan_case(TINY_2D)
+    top = plan.costliest(4)
+    assert len(top) == 4 and top[0][1] > 0
+    assert [c for _, c in top] == sorted((c for _, c in top), reverse=True)
+    assert all(k in plan.nodes and not k.startswith("out:") for k, _ in top)
+
+
+@tiny
+def test_the_plan_summary_states_its_budget_and_json_has_no_infinite_bound():
+    plan = _tampered(plan_case(TINY_2D), lambda p: None)
+    plan.memory_budget_bytes = None
+    assert plan.summary().splitlines()[1].endswith(" GiB per rank (no budget)")
+    plan.memory_budget_bytes = 2**30
+    assert plan.summary().splitlines()[1].endswith(" GiB per rank (budget 1.0000 GiB)")
+    for bound in (None, float("inf")):
+        plan.lp_bound_us = bound
+        assert plan.to_json()["lp_bound_us"] is None
 
 
 @tiny
@@ -241,6 +269,36 @@ def test_tracing_four_blocks_and_expanding_gives_the_full_traces_plan():
     assert short.stats["traced_blocks"] == 4 and full.stats["traced_blocks"] is None
     assert_plan_valid(short)
     assert short.text() == full.text()
+    # the expanded graph's placement constraints are the full trace's, block by block
+    assert _equal_keys(short) == _equal_keys(full)
+    assert ("tangent:loss", "out:loss", "fwd_bwd") in _equal_keys(full)  # the loss's tangent is placed like the loss
+    assert ("param:blocks.5.up.weight", "out:grad:blocks.5.up.weight", "fwd_bwd") in _equal_keys(full)
+
+
+def _equal_keys(plan) -> list[tuple[str, str, str]]:
+    g = plan._context.graph
+    return sorted((g.nodes[a].key, g.nodes[b].key, why) for a, b, why in g.equal)
+
+
+def test_a_planner_traced_without_a_description_is_named_after_the_model_and_keeps_no_export():
+    with torch.device("meta"):
+        model = _MLPStack(blocks=2)
+    with fake_world("dp=2") as mesh:
+        p = Planner.trace(model, mesh, _mlp_inputs(), F.cross_entropy)
+    assert p.description == "_MLPStack" and p.expansion is None
+    assert p.pg.joint is None  # nothing lowers this trace: its export is closed, not kept
+
+
+def test_truncating_a_nested_block_list_copies_only_the_path_to_it():
+    outer = nn.Module()
+    outer.body = nn.Module()
+    outer.body.blocks = nn.ModuleList(nn.Linear(2, 2) for _ in range(5))
+    outer.body.norm = nn.LayerNorm(2)
+    outer.head = nn.Linear(2, 2)
+    short = truncated(outer, "body.blocks", 2)
+    assert num_blocks(short, "body.blocks") == 2 and num_blocks(outer, "body.blocks") == 5  # the model is untouched
+    assert short.body is not outer.body and short.body.norm is outer.body.norm and short.head is outer.head
+    assert list(short.body.blocks) == list(outer.body.blocks)[:2]
 
 
 class _Block(nn.Module):
