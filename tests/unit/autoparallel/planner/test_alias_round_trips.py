@@ -18,7 +18,7 @@ from autoparallel import meta as M
 from autoparallel import patches
 from autoparallel.planner.alias_round_trips import PATCH, eliminate_alias_round_trips
 from autoparallel.planner.costs import Redistribution, Step
-from autoparallel.planner.graph import ALIAS
+from autoparallel.planner.graph import ALIAS, insert_aliases
 from autoparallel.planner.plan import NodePlacement, Plan
 
 aten = torch.ops.aten
@@ -181,3 +181,26 @@ def test_property_rewired_inputs_move_nothing_and_the_rest_is_untouched(alias_pl
 
 def _op(n: int):
     return {1: aten.neg.default, 2: aten.add.Tensor, 3: aten.addcmul.default}[n]
+
+
+def test_insert_aliases_puts_one_alias_after_each_tensor_with_several_users():
+    """The planning graph's aliases (graph.insert_aliases) that this pass later removes: one per
+    placeholder or op output read twice or more, placeholders' after the last placeholder."""
+    g = fx.Graph()
+    x, y = g.placeholder("x"), g.placeholder("y")
+    once = g.call_function(aten.neg.default, (y,))
+    twice = g.call_function(aten.relu.default, (once,))
+    a = g.call_function(aten.mul.Tensor, (x, twice))
+    b = g.call_function(aten.add.Tensor, (x, twice))
+    g.output((a, b))
+    for n in (x, y, once, twice, a, b):
+        n.meta[M.VAL] = torch.empty(2)
+    blocks = {twice.name: "layers.0"}
+    assert insert_aliases(g, blocks) == 2
+    aliases = [n for n in g.nodes if n.target is ALIAS]
+    assert [al.args[0] for al in aliases] == [x, twice]
+    assert [n.name for n in g.nodes][:3] == ["x", "y", aliases[0].name]  # after the last placeholder
+    assert aliases[1].prev is twice and blocks[aliases[1].name] == "layers.0"
+    assert list(x.users) == [aliases[0]] and list(twice.users) == [aliases[1]] and list(once.users) == [twice]
+    assert a.args == (aliases[0], aliases[1]) and b.args == (aliases[0], aliases[1])
+    assert insert_aliases(g, blocks) == 0  # an alias is read twice, but never aliased again

@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 
 from autoparallel.planner import ilp
 from autoparallel.planner.ilp import InfeasiblePlanError, SolverTimeout, solve
-from autoparallel.planner.problem import EdgeClass, Problem
+from autoparallel.planner.problem import OP, EdgeClass, Graph, PNode, Problem, cluster
 from autoparallel.planner.reduce import reduce_problem
 
 # Costs are multiples of 0.25 so that distinct plans differ by far more than the tie-breaker.
@@ -208,3 +208,24 @@ def test_a_solver_time_out_returns_the_best_plan_marked_not_proven(monkeypatch):
     sol = solve(p, method="direct")
     assert sol.stats.status == "time_limit" and not sol.stats.proven_optimal
     assert math.isfinite(sol.objective_us)
+
+
+def _chain_blocks(reads: dict[int, int]) -> Graph:
+    """Two blocks of three negs each; in block b, neg#2 reads neg#reads[b] (neg#1 reads neg#0)."""
+    nodes = []
+    for b in (0, 1):
+        first = len(nodes)
+        for i in range(3):
+            inputs = () if i == 0 else (first + (0 if i == 1 else reads[b]),)
+            nodes.append(PNode(index=len(nodes), name=f"neg_{b}_{i}", key=f"layers.{b}/fwd/aten.neg.default#{i}", kind=OP,
+                               op="aten.neg.default", role=None, block=f"layers.{b}", phase="fwd", metas=(None,),
+                               inputs=inputs, candidates=[], compute_us=np.zeros(0)))
+    return Graph(nodes, [], ("dp",), (2,))
+
+
+def test_clustering_merges_corresponding_block_nodes_only_where_the_same_producers_feed_them():
+    same = cluster(_chain_blocks({0: 0, 1: 0})).class_of
+    assert same[:3] == same[3:] and len(set(same)) == 3
+    other = cluster(_chain_blocks({0: 0, 1: 1})).class_of  # block 1's neg#2 reads neg#1, block 0's neg#0
+    assert other[:2] == other[3:5] and other[2] != other[5]
+    assert cluster(_chain_blocks({0: 0, 1: 0}), enabled=False).class_of == list(range(6))
