@@ -94,3 +94,35 @@ def test_aliases_may_take_any_dividing_placement_and_the_producers_partials():
     meta = tensor_meta(torch.empty(8, 8, device="meta"))
     outs = [c.outs[0] for c in alias_candidates(meta, (2,), [(S0,), (Partial(),)])]
     assert outs == [(R,), (S0,), (S1,), (Partial(),)]
+
+
+def test_a_factory_op_with_no_strategy_is_made_whole_on_every_rank():
+    """aten.empty has no DTensor strategy and no decomposition: every rank makes all of it."""
+    gm = make_fx(lambda x: x + torch.empty(4, 3), tracing_mode="fake")(torch.empty(4, 3))
+    empty = _node(gm, aten.empty.memory_format)
+    with fake_world("dp=2") as mesh:
+        cands = StrategyEnumerator(mesh.device_mesh).op_candidates(empty, [])
+    assert [(c.outs, c.ins) for c in cands] == [(((R,),), ())]
+
+
+def test_an_op_whose_strategy_takes_a_list_of_tensors_gets_their_shapes():
+    """aten.index's single-dim rule reads its indices, a list of tensors: indexing dim 0 of x shards
+    the output like x's dim 1 or like the indices, never x's dim 0."""
+    gm = make_fx(lambda x, i: x[i], tracing_mode="fake")(torch.empty(8, 4), torch.zeros(4, dtype=torch.long))
+    index = _node(gm, aten.index.Tensor)
+    assert isinstance(index.args[1], list)
+    with fake_world("dp=2") as mesh:
+        en = StrategyEnumerator(mesh.device_mesh)
+        cands = en.op_candidates(index, [_all_placements(a, en.sizes) for a in tensor_args(index)])
+    assert {(c.outs[0], c.ins) for c in cands} == {((R,), ((R,), (R,))), ((S1,), ((S1,), (R,))), ((S0,), ((R,), (S0,)))}
+
+
+def test_a_runtime_strategy_that_is_not_an_op_strategy_is_named():
+    gm = _graph(torch.mm, (8, 6), (6, 4))
+    mm = _node(gm, aten.mm.default)
+    metas_in = tuple(tensor_meta(a.meta["val"]) for a in tensor_args(mm))
+    with fake_world("dp=2") as mesh:
+        en = StrategyEnumerator(mesh.device_mesh)
+        with pytest.raises(NoStrategyError, match=r"^op aten\.mm\.default at node 'mm': DTensor's strategy failed: "
+                           r"op aten\.mm\.default at node 'mm': DTensor returned str, not an OpStrategy$"):
+            en._full_strategy(mm, lambda schema: "no strategy", [[(R,)], [(R,)]], (tensor_meta(mm.meta["val"]),), metas_in)
