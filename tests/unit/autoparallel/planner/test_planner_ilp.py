@@ -19,6 +19,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from autoparallel.planner import ilp
+from autoparallel.planner.blocks import NotPeriodic, expand_graph
 from autoparallel.planner.ilp import InfeasiblePlanError, SolverTimeout, solve
 from autoparallel.planner.problem import OP, EdgeClass, Graph, PNode, Problem, cluster
 from autoparallel.planner.reduce import reduce_problem
@@ -210,16 +211,22 @@ def test_a_solver_time_out_returns_the_best_plan_marked_not_proven(monkeypatch):
     assert math.isfinite(sol.objective_us)
 
 
+def _neg(nodes: list, block: int | None, i: int, inputs: tuple[int, ...]) -> int:
+    """Append a neg PNode (the i-th of its block, or outside the blocks) to ``nodes``; its index."""
+    label = None if block is None else f"layers.{block}"
+    key = f"{label or 'outside'}/fwd/aten.neg.default#{i}"
+    nodes.append(PNode(index=len(nodes), name=f"neg_{block}_{i}", key=key, kind=OP, op="aten.neg.default", role=None,
+                       block=label, phase="fwd", metas=(None,), inputs=inputs, candidates=[], compute_us=np.zeros(0)))
+    return len(nodes) - 1
+
+
 def _chain_blocks(reads: dict[int, int]) -> Graph:
     """Two blocks of three negs each; in block b, neg#2 reads neg#reads[b] (neg#1 reads neg#0)."""
-    nodes = []
+    nodes: list[PNode] = []
     for b in (0, 1):
-        first = len(nodes)
-        for i in range(3):
-            inputs = () if i == 0 else (first + (0 if i == 1 else reads[b]),)
-            nodes.append(PNode(index=len(nodes), name=f"neg_{b}_{i}", key=f"layers.{b}/fwd/aten.neg.default#{i}", kind=OP,
-                               op="aten.neg.default", role=None, block=f"layers.{b}", phase="fwd", metas=(None,),
-                               inputs=inputs, candidates=[], compute_us=np.zeros(0)))
+        first = _neg(nodes, b, 0, ())
+        _neg(nodes, b, 1, (first,))
+        _neg(nodes, b, 2, (first + reads[b],))
     return Graph(nodes, [], ("dp",), (2,))
 
 
@@ -229,3 +236,13 @@ def test_clustering_merges_corresponding_block_nodes_only_where_the_same_produce
     other = cluster(_chain_blocks({0: 0, 1: 1})).class_of  # block 1's neg#2 reads neg#1, block 0's neg#0
     assert other[:2] == other[3:5] and other[2] != other[5]
     assert cluster(_chain_blocks({0: 0, 1: 0}), enabled=False).class_of == list(range(6))
+
+
+def test_expanding_blocks_that_read_two_blocks_back_is_refused_naming_the_read():
+    """Four traced blocks of one neg each; from block 2 on, each reads the block two before."""
+    nodes: list[PNode] = []
+    outside = _neg(nodes, None, 0, ())
+    for b in range(4):
+        _neg(nodes, b, 0, (outside,) if b < 2 else (outside + 1 + b - 2,))
+    with pytest.raises(NotPeriodic, match=r"^layers\.2/fwd/aten\.neg\.default#0 reads layers\.0/fwd/aten\.neg\.default#0, 2 blocks away$"):
+        expand_graph(Graph(nodes, [], ("dp",), (2,)), "layers", 4, 6)
