@@ -246,3 +246,9 @@ def test_expanding_blocks_that_read_two_blocks_back_is_refused_naming_the_read()
         _neg(nodes, b, 0, (outside,) if b < 2 else (outside + 1 + b - 2,))
     with pytest.raises(NotPeriodic, match=r"^layers\.2/fwd/aten\.neg\.default#0 reads layers\.0/fwd/aten\.neg\.default#0, 2 blocks away$"):
         expand_graph(Graph(nodes, [], ("dp",), (2,)), "layers", 4, 6)
+
+
+def test_no_time_limit_solves_to_the_same_optimum():
+    bounded, unbounded = solve(_chain()), solve(_chain(), time_limit=None)
+    assert unbounded.stats.proven_optimal and unbounded.objective_us == bounded.objective_us
+    assert list(unbounded.choice) == list(bounded.choice)

@@ -190,6 +190,16 @@ def test_pins_are_obeyed_and_bad_pins_are_named():
 
 
 @tiny
+def test_a_negative_budget_is_refused_and_the_stats_count_the_aliases():
+    p = planner("tiny")
+    with fake_world("dp=8") as mesh:
+        with pytest.raises(ValueError, match=r"^memory budget must be >= 0 bytes, got -1\.0$"):
+            p.plan(mesh, PlannerConfig(memory_budget=-1.0))
+    plan = plan_case(TINY_DP8)
+    assert plan.stats["aliases"] == planner("tiny").pg.num_aliases > 0
+
+
+@tiny
 def test_explain_says_what_each_candidate_costs_and_why_the_chosen_one_won():
     plan = plan_case(TINY_2D)
     text = plan.explain("layers.0.attention.wq.weight")
