@@ -17,12 +17,22 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from torch.distributed.tensor.placement_types import Replicate, Shard
 
 from autoparallel.planner import ilp
 from autoparallel.planner.blocks import NotPeriodic, expand_graph
 from autoparallel.planner.ilp import InfeasiblePlanError, SolverTimeout, solve
-from autoparallel.planner.problem import OP, EdgeClass, Graph, PNode, Problem, cluster
+from autoparallel.planner.problem import (
+    OP,
+    EdgeClass,
+    Graph,
+    PNode,
+    Problem,
+    build_problem,
+    cluster,
+)
 from autoparallel.planner.reduce import reduce_problem
+from autoparallel.planner.strategies import Candidate
 
 # Costs are multiples of 0.25 so that distinct plans differ by far more than the tie-breaker.
 COST = st.integers(0, 40).map(lambda v: v / 4)
@@ -252,3 +262,23 @@ def test_no_time_limit_solves_to_the_same_optimum():
     bounded, unbounded = solve(_chain()), solve(_chain(), time_limit=None)
     assert unbounded.stats.proven_optimal and unbounded.objective_us == bounded.objective_us
     assert list(unbounded.choice) == list(bounded.choice)
+
+
+def test_a_dtype_locked_edge_that_empties_a_class_is_named_as_the_lock():
+    """A cast whose input is locked to its producer's placement (mixed precision, see
+    problem._lock_grad_reduce_dtype) and that can only shard, after a producer that can only
+    replicate: no plan, and the error names the lock, not the flow."""
+    r, s0 = (Replicate(),), (Shard(0),)
+    nodes = [
+        PNode(index=0, name="p", key="p", kind=OP, op="aten.neg.default", role=None, block=None, phase="fwd", metas=(None,),
+              inputs=(), candidates=[Candidate((r,), ())], compute_us=np.zeros(1)),
+        PNode(index=1, name="cast", key="cast", kind=OP, op="prims.convert_element_type.default", role=None, block=None,
+              phase="fwd", metas=(None,), inputs=(0,), candidates=[Candidate((s0,), (s0,))], compute_us=np.zeros(1),
+              locked_inputs=frozenset({0})),
+    ]
+    graph = Graph(nodes, [], ("dp",), (2,))
+    problem = build_problem(graph, None, cluster(graph), budget=None)
+    assert [e.locked for e in problem.edges] == [True]
+    with pytest.raises(InfeasiblePlanError) as e:
+        solve(problem)
+    assert e.value.group == "grad_reduce_dtype"
