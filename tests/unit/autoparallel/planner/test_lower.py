@@ -107,6 +107,24 @@ def test_a_move_counts_one_redistributed_input_and_an_unchanged_placement_none()
         assert interp.report.moved_inputs == 1
 
 
+def test_an_output_dtensor_places_otherwise_is_moved_to_the_plan_and_reported(mlp, mlp_batch):
+    """A plan that places relu's output replicated where DTensor keeps its input's sharding:
+    lowering gathers it to the plan and reports relu's key among the outputs it redistributed."""
+    make_model, loss = mlp
+    with torch.device("meta"):
+        model = make_model()
+    with fake_world(MESH) as mesh:
+        run = P.run_pipeline(model, loss, mlp_batch(), "auto", mesh, P.PipelineOptions(), until=P.PLAN)
+        pg, plan = run.planned.pg, run.planned.plan
+        relu = next(n for n in pg.graph.nodes if n.target is torch.ops.aten.relu.default)
+        key = pg.keys[relu.name]
+        replicated = {"dp": "R", "tp": "R"}
+        assert plan.nodes[key].out[0] != replicated
+        plan.nodes[key].out[0] = replicated
+        _, report = lower_plan(pg, plan, ParallelPlan.auto())
+    assert report.fixed_outputs == [key]
+
+
 def test_the_lowering_report_summary():
     report = LoweringReport(moved_inputs=3, nodes_before=10, nodes_after=14)
     assert report.summary() == "10 unsharded nodes -> 14 per-rank nodes; 3 inputs redistributed"
