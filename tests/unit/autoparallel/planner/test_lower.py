@@ -9,6 +9,8 @@ graph, and names for each collective the planned node it serves. Bad plans name 
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -107,7 +109,7 @@ def test_a_move_counts_one_redistributed_input_and_an_unchanged_placement_none()
         assert interp.report.moved_inputs == 1
 
 
-def test_an_output_dtensor_places_otherwise_is_moved_to_the_plan_and_reported(mlp, mlp_batch):
+def test_an_output_dtensor_places_otherwise_is_moved_to_the_plan_and_reported(mlp, mlp_batch, caplog):
     """A plan that places relu's output replicated where DTensor keeps its input's sharding:
     lowering gathers it to the plan and reports relu's key among the outputs it redistributed."""
     make_model, loss = mlp
@@ -121,8 +123,11 @@ def test_an_output_dtensor_places_otherwise_is_moved_to_the_plan_and_reported(ml
         replicated = {"dp": "R", "tp": "R"}
         assert plan.nodes[key].out[0] != replicated
         plan.nodes[key].out[0] = replicated
-        _, report = lower_plan(pg, plan, ParallelPlan.auto())
+        with caplog.at_level(logging.INFO, logger="autoparallel.planner.lower"):
+            _, report = lower_plan(pg, plan, ParallelPlan.auto())
     assert report.fixed_outputs == [key]
+    assert [r.getMessage() for r in caplog.records if r.name == "autoparallel.planner.lower"] == [
+        f"lowered the plan: {report.summary()} ({report.seconds:.2f}s)"]
 
 
 def test_the_lowering_report_summary():

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -290,13 +291,15 @@ def _equal_keys(plan) -> list[tuple[str, str, str]]:
     return sorted((g.nodes[a].key, g.nodes[b].key, why) for a, b, why in g.equal)
 
 
-def test_a_planner_traced_without_a_description_is_named_after_the_model_and_keeps_no_export():
+def test_a_planner_traced_without_a_description_is_named_after_the_model_and_keeps_no_export(caplog):
     with torch.device("meta"):
         model = _MLPStack(blocks=2)
-    with fake_world("dp=2") as mesh:
+    with fake_world("dp=2") as mesh, caplog.at_level(logging.INFO, logger="autoparallel.planner.api"):
         p = Planner.trace(model, mesh, _mlp_inputs(), F.cross_entropy)
     assert p.description == "_MLPStack" and p.expansion is None
     assert p.pg.joint is None  # nothing lowers this trace: its export is closed, not kept
+    said = [r.getMessage() for r in caplog.records if r.name == "autoparallel.planner.api"]
+    assert said[0] == "tracing the unsharded joint graph" and said[1].startswith("traced ")  # no progress given: logged
 
 
 def test_truncating_a_nested_block_list_copies_only_the_path_to_it():
