@@ -494,3 +494,41 @@ def test_a_buffers_new_value_placed_apart_from_the_buffer_is_named():
     result = check_plan(_tampered(good, apart), *traced_graph(good), semantics=False)
     assert [str(v) for v in result.violations if v.group == "fwd_bwd"] == [
         "[fwd_bwd] out:mutated:bn.running_mean ~ buffer:bn.running_mean: dp:R tp:R != dp:R tp:S(0)"]
+
+
+class Lookup(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(16, 8)
+        self.fc = nn.Linear(8, 4, bias=False)
+
+    def forward(self, ids):
+        return self.fc(self.emb(ids)).sum(1)
+
+
+def test_a_vocab_split_lookup_placed_by_hand_runs_with_its_masked_rows():
+    """The planner offers no MaskPartial, but a plan may carry one (the plan format parses it): a
+    lookup whose table is split by rows, its ids MaskPartial, its output MaskPartial passes; the
+    same output claimed a plain Partial sum, or MaskPartial ids over both mesh dims (not simulated),
+    are named."""
+    with torch.device("meta"):
+        model = Lookup()
+    inputs = (torch.zeros(4, 6, dtype=torch.long, device="meta"), torch.zeros(4, dtype=torch.long, device="meta"))
+    with fake_world("dp=2,tp=2") as mesh:
+        traced = Planner.trace(model, mesh, inputs, F.cross_entropy)
+        plan = traced.plan(mesh, PlannerConfig(pins={"emb.weight": "dp:S(0),tp:R"}, memory_budget=float("inf")))
+    key = "-/fwd/aten.embedding.default#0"
+    mask = "MaskP(sum, (16, 8), 0)"
+
+    def vocab_split(out: str, ids_tp: str = "R"):
+        def edit(p):
+            node = p.nodes[key]
+            node.out[0], node.ins[0], node.ins[1] = {"dp": out, "tp": "R"}, {"dp": "S(0)", "tp": "R"}, {"dp": mask, "tp": ids_tp}
+        return _tampered(plan, edit)
+
+    ok = check_plan(vocab_split(mask), *traced_graph(plan))
+    assert ok.violations == [] and ok.unchecked == {} and ok.ran >= 20
+    summed = check_plan(vocab_split("P(sum)"), *traced_graph(plan))
+    assert summed.groups() == {"semantics"} and [v.where for v in summed.violations] == [key]
+    both = check_plan(vocab_split(mask, ids_tp=mask), *traced_graph(plan))
+    assert both.unchecked == {key: "MaskPartial over several mesh dims"}
