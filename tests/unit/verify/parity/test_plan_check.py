@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor.placement_types import Partial, Replicate, Shard, _MaskPartial
+from torch.fx.experimental.proxy_tensor import make_fx
 
 from autoparallel import pipeline as P
 from autoparallel.mesh import fake_world
@@ -220,6 +221,10 @@ def _input_split_8_ways(p):
     p.nodes[GELU].ins = [{"dp": "S(0)", "tp": "S(0)"}]
 
 
+def _shard_past_the_last_dim(p):
+    p.nodes[GELU].out = [{"dp": "S(2)", "tp": "R"}]
+
+
 MORE = {
     "output count": (_drop_output, [f"[structure] {NORM}: 2 output placements for 3 outputs"]),
     "input count": (_extra_input, [f"[structure] {GELU}: 2 input placements for 1 tensor inputs"]),
@@ -230,6 +235,7 @@ MORE = {
     "output moves": (_output_moves, ["[flow] out:loss: a graph output is what it receives: in [{'dp': 'S(0)', 'tp': 'R'}], out [{'dp': 'R', 'tp': 'R'}]"]),
     "parameter count": (_extra_param, ["[tables] params: the plan lists 6 parameters, the graph has 5"]),
     "input divides": (_input_split_8_ways, [f"[divides] {GELU}: input 0: dim 0 of (12, 20) split 8 ways by dp:S(0) tp:S(0)"]),
+    "shard past the last dim": (_shard_past_the_last_dim, [f"[structure] {GELU}: output 0: S(2) on a 2-d tensor"]),
 }
 
 
@@ -251,6 +257,20 @@ def test_a_valid_placement_the_planner_did_not_choose_passes(plan):
 
     got = check_plan(_tampered(plan, split_view), *traced_graph(plan))
     assert got.violations == [] and got.ran >= 20
+
+
+def test_an_op_that_fails_on_its_shards_is_named_with_its_error(plan):
+    """The bias gradient's view (1, 20) -> (20,) given its input split over dp but claimed replicated:
+    each rank views its 5 values as 20."""
+
+    def unsplit_view(p):
+        view = _node(p, "aten.view.default", phase="bwd")
+        view.ins = [{"dp": "S(1)", "tp": "R"}]
+        view.out = [R2]
+
+    got = check_plan(_tampered(plan, unsplit_view), *traced_graph(plan))
+    assert [str(v) for v in got.violations if v.group == "semantics"] == [
+        "[semantics] -/bwd/aten.view.default#0: the op fails on its shards: RuntimeError: shape '[20]' is invalid for input of size 5"]
 
 
 def test_pins_are_checked(plan):
@@ -496,6 +516,22 @@ def test_a_buffers_new_value_placed_apart_from_the_buffer_is_named():
         "[fwd_bwd] out:mutated:bn.running_mean ~ buffer:bn.running_mean: dp:R tp:R != dp:R tp:S(0)"]
 
 
+def test_ops_with_missing_outputs_run_on_simulated_ranks():
+    """The convnet's first convolution has no input gradient and its last no bias gradient:
+    convolution_backward returns None there, which has neither a placement nor a shape to run with."""
+    case = zoo.convnet
+    with torch.device("meta"):
+        model = case.factory()
+    with fake_world("dp=2") as mesh:
+        plan = P.run_pipeline(model, case.loss_fn, case.batch(4), "auto", mesh, until=P.PLAN).planned.plan
+    gm, _ = traced_graph(plan)
+    missing = {n.name: [m is None for m in plan_check._metas(n)] for n in gm.graph.nodes if n.op == "call_function"
+               and any(m is None for m in plan_check._metas(n))}
+    assert missing == {"convolution_backward": [False, False, True], "convolution_backward_1": [True, False, False]}
+    result = plan_check.assert_plan_valid(plan)
+    assert result.unchecked == {} and result.ran >= 40
+
+
 class Lookup(nn.Module):
     def __init__(self):
         super().__init__()
@@ -532,3 +568,11 @@ def test_a_vocab_split_lookup_placed_by_hand_runs_with_its_masked_rows():
     assert summed.groups() == {"semantics"} and [v.where for v in summed.violations] == [key]
     both = check_plan(vocab_split(mask, ids_tp=mask), *traced_graph(plan))
     assert both.unchecked == {key: "MaskPartial over several mesh dims"}
+
+
+def test_only_a_copy_that_changes_the_dtype_and_keeps_the_shape_is_a_cast():
+    gm = make_fx(lambda x: (torch.ops.aten._to_copy.default(x, dtype=torch.bfloat16),
+                            torch.ops.aten._to_copy.default(x, dtype=torch.float32),
+                            torch.ops.prims.convert_element_type.default(x, torch.bfloat16)))(torch.randn(4, 2))
+    casts = [plan_check._cast(n) for n in gm.graph.nodes if n.op == "call_function"]
+    assert casts == [(torch.float32, torch.bfloat16), None, (torch.float32, torch.bfloat16)]
