@@ -225,6 +225,11 @@ def _shard_past_the_last_dim(p):
     p.nodes[GELU].out = [{"dp": "S(2)", "tp": "R"}]
 
 
+def _unplaced_loss_and_a_gradient_that_moves(p):
+    del p.nodes["out:loss"]
+    p.nodes["out:grad:down.weight"].ins = [R2]
+
+
 MORE = {
     "output count": (_drop_output, [f"[structure] {NORM}: 2 output placements for 3 outputs"]),
     "input count": (_extra_input, [f"[structure] {GELU}: 2 input placements for 1 tensor inputs"]),
@@ -235,6 +240,9 @@ MORE = {
     "output moves": (_output_moves, ["[flow] out:loss: a graph output is what it receives: in [{'dp': 'S(0)', 'tp': 'R'}], out [{'dp': 'R', 'tp': 'R'}]"]),
     "parameter count": (_extra_param, ["[tables] params: the plan lists 6 parameters, the graph has 5"]),
     "input divides": (_input_split_8_ways, [f"[divides] {GELU}: input 0: dim 0 of (12, 20) split 8 ways by dp:S(0) tp:S(0)"]),
+    "unplaced graph output": (_unplaced_loss_and_a_gradient_that_moves, [
+        "[structure] out:loss: the plan does not place this graph output",
+        "[flow] out:grad:down.weight: a graph output is what it receives: in [{'dp': 'R', 'tp': 'R'}], out [{'dp': 'S(1)', 'tp': 'S(0)'}]"]),
     "shard past the last dim": (_shard_past_the_last_dim, [f"[structure] {GELU}: output 0: S(2) on a 2-d tensor"]),
 }
 
