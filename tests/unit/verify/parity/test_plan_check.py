@@ -584,3 +584,18 @@ def test_only_a_copy_that_changes_the_dtype_and_keeps_the_shape_is_a_cast():
                             torch.ops.prims.convert_element_type.default(x, torch.bfloat16)))(torch.randn(4, 2))
     casts = [plan_check._cast(n) for n in gm.graph.nodes if n.op == "call_function"]
     assert casts == [(torch.float32, torch.bfloat16), None, (torch.float32, torch.bfloat16)]
+
+
+def test_an_unplaced_placeholder_leaves_the_others_counted(plan):
+    """The first placeholder without a placement is a structure violation; memory, tables and pins
+    still read every placeholder after it."""
+    gm, roles_ = traced_graph(plan)
+    first = plan.node_names[next(iter(gm.graph.find_nodes(op="placeholder"))).name]
+
+    def unplace(p):
+        del p.nodes[first]
+
+    got = check_plan(_tampered(plan, unplace), gm, roles_, semantics=False)
+    assert first == "param:up.weight"
+    assert [str(v) for v in got.violations] == ["[structure] param:up.weight: the plan does not place this node",
+                                                "[tables] params: the plan lists 5 parameters, the graph has 4"]
