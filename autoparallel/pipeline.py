@@ -52,6 +52,8 @@ from torch import fx, nn
 
 from autoparallel import meta as M
 from autoparallel import patches, roles
+from autoparallel.aot_graph_text import PATCH as AOT_GRAPH_TEXT
+from autoparallel.aot_graph_text import aot_graph_text_only_when_logged
 from autoparallel.compile import OVERLAP_PATCH, SECOND_COMPILE, autoparallel_backend
 from autoparallel.compiling_flag import PATCH as TRACE_AS_COMPILING
 from autoparallel.fx_utils import copy_graph_module
@@ -329,7 +331,8 @@ def second_compile(
     torch._dynamo.reset()
     compiled = torch.compile(module, backend=backend)
     try:
-        compiled(*local_inputs)
+        with aot_graph_text_only_when_logged():
+            compiled(*local_inputs)
     except Exception as e:
         if not _caused_by(e, _StopAfterPartition):
             raise
@@ -441,7 +444,7 @@ STAGES: tuple[Stage, ...] = (
         SECOND_COMPILE,
         _second_compile,
         "torch.compile with autoparallel_backend: replay partition, bucketing tags",
-        patches=(REPLAY_PATCH, OVERLAP_PATCH),
+        patches=(REPLAY_PATCH, OVERLAP_PATCH, AOT_GRAPH_TEXT),
         acted=_saved_values,
     ),
     *(_collective_stage(p) for p in COLLECTIVE_PASSES),
