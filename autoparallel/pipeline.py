@@ -75,6 +75,7 @@ from autoparallel.passes.collective import (
 )
 from autoparallel.planner.alias_round_trips import PATCH as ALIAS_ROUND_TRIPS_PATCH
 from autoparallel.planner.auto import local_inputs as planned_local_inputs
+from autoparallel.planner.auto import local_values as planned_local_values
 from autoparallel.planner.auto import plan_for_pipeline
 from autoparallel.planner.lower import lower_plan
 from autoparallel.runtime.parallel_module import ParallelModule
@@ -376,6 +377,9 @@ def _joint(state: PipelineState) -> tuple[Graphs, Any]:
         if state.planned is None:
             raise ValueError("plan='auto' needs the plan stage ahead of 'joint': run PLANNED_STAGES (run_pipeline's default for it)")
         state.joint, report = lower_plan(state.planned.pg, state.planned.plan, state.plan)
+        params, buffers = planned_local_values(state.planned.plan, state.model, state.mesh)
+        state.joint.local_params.update(params)
+        state.joint.local_buffers.update(buffers)
     else:
         state.joint, report = build_joint_graph(state.model, state.plan, state.mesh, state.example_inputs, state.loss_fn), None
     state.placement = placement(state.joint)
