@@ -36,6 +36,8 @@ from torch.utils.checkpoint import CheckpointPolicy
 
 from autoparallel import meta as M
 from autoparallel import roles
+from autoparallel.aot_graph_text import PATCH as AOT_GRAPH_TEXT
+from autoparallel.aot_graph_text import aot_graph_text_only_when_logged
 from autoparallel.mesh import attach_group_dims
 from autoparallel.parallelize.program import clean_fqn
 from autoparallel.passes.cleanup import CleanupReport, cleanup_graph
@@ -230,9 +232,10 @@ def _first_partition(p: Placement) -> PartitionRecord:
 
     jg.resume_fake_mode()
     try:
-        compiled = aot_compile_joint_with_descriptors(
-            jg.jd, partition_fn=partition, fw_compiler=fw_compiler, bw_compiler=boxed_nop_preserve_node_meta
-        )
+        with aot_graph_text_only_when_logged():
+            compiled = aot_compile_joint_with_descriptors(
+                jg.jd, partition_fn=partition, fw_compiler=fw_compiler, bw_compiler=boxed_nop_preserve_node_meta
+            )
     finally:
         jg.close()
 
@@ -299,7 +302,12 @@ PLACEMENT_STEPS: tuple[PlacementStep, ...] = (
         "recompute (or save) tags on the FSDP all-gather chains",
         patches=("fsdp_chain_recompute",),
     ),
-    PlacementStep(STEP_FIRST_PARTITION, _first_partition, "AOT partition; the saved values are recorded (ap_must_save)"),
+    PlacementStep(
+        STEP_FIRST_PARTITION,
+        _first_partition,
+        "AOT partition; the saved values are recorded (ap_must_save)",
+        patches=(AOT_GRAPH_TEXT,),
+    ),
 )
 PLACEMENT_STEP_NAMES: tuple[str, ...] = tuple(s.name for s in PLACEMENT_STEPS)
 

@@ -83,6 +83,18 @@ _register(
     ),
 )
 _register(
+    "aot_graph_text_only_when_logged",
+    "the first partition and the second compile render AOTAutograd's joint, forward and backward "
+    "graphs as text (print_readable) only when a structured-trace handler or the aot_joint_graph / "
+    "aot_graphs logger listens",
+    "AOTAutograd's enable_log=True (no way to pass False through aot_module_simplified or "
+    "aot_compile_joint_with_descriptors): the joint graph and both partitions are printed on every "
+    "compile and the text dropped when nobody listens",
+    (
+        "tests/unit/autoparallel/test_aot_graph_text.py::test_no_graph_text_without_a_listener",
+    ),
+)
+_register(
     "overlap_config_persists",
     "autoparallel_backend passes the overlap-scheduling Inductor settings to the compilers "
     "themselves (compile_fx config_patches), so they are in force when the backward is compiled "

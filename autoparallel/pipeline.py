@@ -52,6 +52,8 @@ from torch import fx, nn
 
 from autoparallel import meta as M
 from autoparallel import patches, roles
+from autoparallel.aot_graph_text import PATCH as AOT_GRAPH_TEXT
+from autoparallel.aot_graph_text import aot_graph_text_only_when_logged
 from autoparallel.compile import OVERLAP_PATCH, SECOND_COMPILE, autoparallel_backend
 from autoparallel.compiling_flag import PATCH as TRACE_AS_COMPILING
 from autoparallel.fx_utils import copy_graph_module
@@ -73,6 +75,7 @@ from autoparallel.passes.collective import (
 )
 from autoparallel.planner.alias_round_trips import PATCH as ALIAS_ROUND_TRIPS_PATCH
 from autoparallel.planner.auto import local_inputs as planned_local_inputs
+from autoparallel.planner.auto import local_values as planned_local_values
 from autoparallel.planner.auto import plan_for_pipeline
 from autoparallel.planner.lower import lower_plan
 from autoparallel.runtime.parallel_module import ParallelModule
@@ -329,7 +332,8 @@ def second_compile(
     torch._dynamo.reset()
     compiled = torch.compile(module, backend=backend)
     try:
-        compiled(*local_inputs)
+        with aot_graph_text_only_when_logged():
+            compiled(*local_inputs)
     except Exception as e:
         if not _caused_by(e, _StopAfterPartition):
             raise
@@ -373,6 +377,9 @@ def _joint(state: PipelineState) -> tuple[Graphs, Any]:
         if state.planned is None:
             raise ValueError("plan='auto' needs the plan stage ahead of 'joint': run PLANNED_STAGES (run_pipeline's default for it)")
         state.joint, report = lower_plan(state.planned.pg, state.planned.plan, state.plan)
+        params, buffers = planned_local_values(state.planned.plan, state.model, state.mesh)
+        state.joint.local_params.update(params)
+        state.joint.local_buffers.update(buffers)
     else:
         state.joint, report = build_joint_graph(state.model, state.plan, state.mesh, state.example_inputs, state.loss_fn), None
     state.placement = placement(state.joint)
@@ -441,7 +448,7 @@ STAGES: tuple[Stage, ...] = (
         SECOND_COMPILE,
         _second_compile,
         "torch.compile with autoparallel_backend: replay partition, bucketing tags",
-        patches=(REPLAY_PATCH, OVERLAP_PATCH),
+        patches=(REPLAY_PATCH, OVERLAP_PATCH, AOT_GRAPH_TEXT),
         acted=_saved_values,
     ),
     *(_collective_stage(p) for p in COLLECTIVE_PASSES),

@@ -233,6 +233,24 @@ def mlp_pipeline_run(two_norm_mlp):
     return run_pipeline(model, loss, batch, ParallelPlan.fsdp(), MLP_MESH, pipeline_options(MLP_BUCKET_CAP_MB, alternatives=False))
 
 
+LLAMA_FSDP_DP2_GROUP = "joint-parity-fsdp-dp2"
+
+
+@pytest.fixture(scope="session")
+def llama_fsdp_dp2_world():
+    """``list[RankParity]``: the tiny LLaMA under fsdp on a gloo world of dp=2, three AdamW steps,
+    of the eager program, the joint graph, the first partition's module and its torch.compile'd
+    version (``verify.parity.runs.run_stage_parity``). The joint graph's and the compile stack's
+    parity tests read it (both in xdist group ``LLAMA_FSDP_DP2_GROUP``): one pipeline run, one
+    world and one eager program serve both, which each used to start for itself. Read-only."""
+    from autoparallel.pipeline import JOINT
+    from verify.parity.runs import COMPILE_EXECUTORS, EAGER, run_stage_parity
+    from verify.stages.scenario import Scenario
+
+    executors = (EAGER, JOINT, *(e for e in COMPILE_EXECUTORS if e != EAGER))
+    return run_stage_parity(Scenario(plan="fsdp", mesh="dp=2"), 3, executors=executors)
+
+
 @pytest.fixture(scope="session")
 def shared_pipeline_runs():
     """run_pipeline builds each scenario once in this process (read-only runs; see

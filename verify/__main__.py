@@ -177,6 +177,8 @@ def _parser() -> argparse.ArgumentParser:
     m.add_argument("-n", dest="workers", default="0", type=workers, help="pytest-xdist workers per run (default: 0)")
     m.add_argument("--timeout", type=_positive(float), default=300.0,
                    help="seconds allowed per disabled run (default: 300)")
+    m.add_argument("-j", "--jobs", type=_positive(int), default=1,
+                   help="patches whose guards run at once, each in its own pytest process (default: 1)")
     m.add_argument("--lines", action="store_true", help="line-level mutation with mutmut (slow)")
     from verify.commands.mutation.lines import (  # stdlib only, like the rest of the parser
         TARGETS,

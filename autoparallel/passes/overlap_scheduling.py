@@ -37,6 +37,7 @@ from typing import Any
 from torch import fx
 
 from autoparallel import patches
+from autoparallel.aot_graph_text import structured_trace_listens
 from autoparallel.fx_utils import max_consec_compute_between_rs
 from autoparallel.passes.bucket_plan import BucketingMetrics
 from autoparallel.passes.contiguous_gathered_shards import make_gathered_shards_contiguous
@@ -132,12 +133,11 @@ def estimation_tables_only_when_traced() -> Iterator[None]:
     (``TORCH_TRACE``, a test's capture): the artifact is then the same, and no table is built for
     nobody. The scheduler imports the function when it logs, so the module attribute is swapped."""
     import torch._inductor.fx_passes.node_runtime_estimation as estimation
-    from torch._logging._internal import trace_log
 
     upstream = estimation._log_compute_estimations
 
     def when_traced(*args, **kwargs):
-        if trace_log.handlers:
+        if structured_trace_listens():
             upstream(*args, **kwargs)
 
     estimation._log_compute_estimations = when_traced

@@ -12,7 +12,7 @@ The pipeline's ``plan`` stage (``autoparallel.pipeline.PLAN_STAGE``) calls :func
 
 The ``joint`` stage then lowers it (:func:`~autoparallel.planner.lower.lower_plan`). At run time
 the ranks need their local pieces of the inputs and parameters under the plan:
-:func:`local_inputs`, :func:`local_params`.
+:func:`local_inputs`, :func:`local_params`, :func:`local_values`.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from dataclasses import dataclass, field, fields
 
 import torch
 from torch import nn
+from torch._subclasses.fake_tensor import is_fake, unset_fake_temporarily
 
 from autoparallel import roles
 from autoparallel.mesh import ParallelMesh
@@ -194,4 +195,32 @@ def local_params(plan: Plan, full: Mapping[str, torch.Tensor], mesh: ParallelMes
     return {fqn: shard_tensor(full[fqn], decode(plan.params[fqn], plan.mesh_names), mesh) for fqn in plan.params}
 
 
-__all__ = ["GIVEN_PLAN", "Planned", "PlanningReport", "local_inputs", "local_params", "plan_for_pipeline", "planner_config"]
+def local_values(plan: Plan, model: nn.Module, mesh: ParallelMesh) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """(params, buffers): this rank's pieces of ``model``'s parameters and of the buffers the plan
+    places, by FQN, where every parameter and buffer of ``model`` is a real tensor; nothing for a
+    model on meta or fake tensors (graph work only). The lowered module runs on these: a second
+    compile that runs it (``keep_compiled``) would otherwise compute on memory nobody wrote. Runs
+    outside any fake mode (the lowering's export keeps one open)."""
+    with unset_fake_temporarily():
+        params = {fqn: p.detach() for fqn, p in model.named_parameters()}
+        buffers = {fqn: b.detach() for fqn, b in model.named_buffers()}
+        if not all(not t.is_meta and not is_fake(t) for t in (*params.values(), *buffers.values())):
+            return {}, {}
+        placed_buffers = {}
+        for fqn, b in buffers.items():
+            placement = plan.inputs.get(roles.buffer(fqn))
+            if placement is not None:
+                placed_buffers[fqn] = shard_tensor(b, decode(placement, plan.mesh_names), mesh)
+        return local_params(plan, params, mesh), placed_buffers
+
+
+__all__ = [
+    "GIVEN_PLAN",
+    "Planned",
+    "PlanningReport",
+    "local_inputs",
+    "local_params",
+    "local_values",
+    "plan_for_pipeline",
+    "planner_config",
+]

@@ -9,16 +9,18 @@ import pytest
 import torch
 
 from verify.parity.compare import compare_traces, merge_reports
-from verify.parity.runs import COMPILE_EXECUTORS, run_compile_parity
-from verify.stages.scenario import Scenario
+from verify.parity.runs import COMPILE_EXECUTORS
 
 STEPS = 3
-pytestmark = pytest.mark.xdist_group("compile-parity")  # one worker runs the module fixture
+# The world is tests/conftest.py's llama_fsdp_dp2_world (these executors and the joint graph's),
+# shared with test_joint_parity.py's fsdp-dp2 tests: one worker runs both.
+pytestmark = pytest.mark.xdist_group("joint-parity-fsdp-dp2")
 
 
 @pytest.fixture(scope="module")
-def compile_run():
-    return run_compile_parity(Scenario(plan="fsdp", mesh="dp=2"), steps=STEPS)
+def compile_run(llama_fsdp_dp2_world):
+    assert all(set(COMPILE_EXECUTORS) <= set(r.traces) for r in llama_fsdp_dp2_world)
+    return llama_fsdp_dp2_world
 
 
 @pytest.mark.parametrize("executor", COMPILE_EXECUTORS[1:])

@@ -20,13 +20,16 @@ SCENARIOS = {
 }
 
 
-# The tests of one scenario share an xdist worker: its gloo run happens once.
+# The tests of one scenario share an xdist worker: its gloo run happens once. fsdp-dp2's world is
+# tests/conftest.py's llama_fsdp_dp2_world, shared with test_compile_parity.py (same group).
 @pytest.fixture(
     scope="module",
     params=[pytest.param(n, marks=pytest.mark.xdist_group(f"joint-parity-{n}")) for n in sorted(SCENARIOS)],
 )
 def parity_run(request):
     sc = SCENARIOS[request.param]
+    if request.param == "fsdp-dp2":
+        return request.param, sc, request.getfixturevalue("llama_fsdp_dp2_world")
     return request.param, sc, run_joint_parity(sc, steps=3)
 
 

@@ -20,7 +20,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch import fx
 
+import autoparallel.pipeline as pipeline
+from autoparallel.compile import SECOND_COMPILE
+from autoparallel.partition import STEP_FIRST_PARTITION
 from verify.parity.compare import compare_tensors, compare_traces, merge_reports
 from verify.parity.planned import (
     EAGER,
@@ -131,3 +135,31 @@ def test_planned_debug_program_bitwise_on_two_ranks():
     case = llama_case("debug", "dp=2")
     ((_, ranks),) = run_planned_parity(case, STEPS, timeout_s=600.0)
     check(case, ranks)
+
+
+def test_the_second_compile_executor_runs_the_pipelines_compiled_module(layernorm_mlp, monkeypatch):
+    """A planted bug in the pipeline's second compile (its forward's loss scaled by 1 + 2**-20,
+    written into the graphs the compiled module runs) must show in the ``second_compile`` verdict
+    and nowhere before it: the executor runs the module the pipeline compiled and captured, not a
+    compile of its own."""
+    backend_of = pipeline.autoparallel_backend
+
+    def planted_backend(*args, on_partition=None, **kwargs):
+        def scale_the_loss(fw: fx.GraphModule, bw):
+            out = fw.graph.output_node()
+            loss = out.args[0][0]
+            with fw.graph.inserting_before(out):
+                scaled = fw.graph.call_function(torch.ops.aten.mul.Tensor, (loss, 1.0 + 2.0**-20))
+            out.update_arg(0, (scaled, *out.args[0][1:]))
+            fw.recompile()
+            if on_partition is not None:
+                on_partition(fw, bw)
+
+        return backend_of(*args, on_partition=scale_the_loss, **kwargs)
+
+    monkeypatch.setattr(pipeline, "autoparallel_backend", planted_backend)
+    case = mlp_case(layernorm_mlp, "dp=2")
+    ((_, ranks),) = run_planned_parity(case, STEPS, executors=(EAGER, STEP_FIRST_PARTITION, SECOND_COMPILE))
+    for executor, bitwise in ((STEP_FIRST_PARTITION, True), (SECOND_COMPILE, False)):
+        reports = [compare_traces(r.traces[EAGER], r.traces[executor], a_name=EAGER, b_name=executor) for r in ranks]
+        assert merge_reports(reports, [f"rank{i}" for i in range(len(ranks))]).bitwise is bitwise, executor

@@ -21,8 +21,9 @@ per stage of ``PLANNED_STAGES`` after the plan, as the hand plans' parity runs t
 (the second compile's graphs through every collective pass, composed). The plan is made once, in
 this process, on a fake world of the same mesh; each rank lowers it for itself (lowered graphs are
 rank-specific: a local split keeps the rank's piece) by running the pipeline on the real world
-with ``ParallelPlan.auto(plan=<the solver's plan>)``, every stage's graphs a snapshot (the second
-compile's graphs only: nothing runs there).
+with ``ParallelPlan.auto(plan=<the solver's plan>)``, every stage's graphs a snapshot; the second
+compile keeps its compiled module, which the ``second_compile`` executor runs (a recompile there
+is an error: it would test other graphs than the pipeline made).
 """
 
 from __future__ import annotations
@@ -35,10 +36,11 @@ import torch
 import torch._dynamo
 import torch.distributed as dist
 from torch import fx, nn
+from torch._dynamo.utils import counters
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from autoparallel import roles
-from autoparallel.compile import SECOND_COMPILE, autoparallel_backend
+from autoparallel.compile import SECOND_COMPILE
 from autoparallel.fx_utils import copy_graph_module
 from autoparallel.mesh import MeshSpec, build_mesh, fake_world
 from autoparallel.parallelize import ParallelPlan, cross_entropy_loss
@@ -165,9 +167,14 @@ def eager_executor(planned, mesh, buffers, gm: fx.GraphModule | None = None) -> 
 
 def _rank_case(case: PlannedCase, solved: Plan, batches, executors, mesh) -> PlannedRank:
     torch._dynamo.reset()
-    options = pipeline_options(snapshots=True, alternatives=False)
+    # The second compile's executor runs the module the pipeline compiled (keep_compiled): a
+    # second torch.compile here would re-trace and re-partition the same module. Running it in
+    # the pipeline needs the model's real values.
+    keep = SECOND_COMPILE in executors
+    options = pipeline_options(snapshots=True, alternatives=False, keep_compiled=keep)
     until = SECOND_COMPILE if {SECOND_COMPILE, COLLECTIVE} & set(executors) else STEP_FIRST_PARTITION
-    run = run_pipeline(case.model("meta"), case.loss_fn, batches[0], ParallelPlan.auto(plan=solved), mesh, options, until=until)
+    run = run_pipeline(case.model("cpu" if keep else "meta"), case.loss_fn, batches[0], ParallelPlan.auto(plan=solved), mesh,
+                       options, until=until)
     plan = run.planned.plan
     model = case.model("cpu")
     full = {fqn: p.detach() for fqn, p in model.named_parameters()}
@@ -193,7 +200,7 @@ def _rank_case(case: PlannedCase, solved: Plan, batches, executors, mesh) -> Pla
             run.stage(name).graphs, run.joint.input_roles, run.joint.output_roles, fresh_buffers()))
            for name in JOINT_EXECUTORS},
         STEP_FIRST_PARTITION: lambda: parallel_module_executor(mod),
-        SECOND_COMPILE: lambda: compiled_module_executor(mod, torch.compile(mod, backend=autoparallel_backend())),
+        SECOND_COMPILE: lambda: compiled_module_executor(mod, run.compiled),
         COLLECTIVE: collective_passes,
         DROPOUT_OFF: lambda: eager_executor(
             run.planned, mesh, fresh_buffers(), graph_without_random_ops(run.planned.pg.gm)),
@@ -207,7 +214,13 @@ def _rank_case(case: PlannedCase, solved: Plan, batches, executors, mesh) -> Pla
             for fqn, b in executor.buffers.items():
                 if fqn in buffers:
                     b.copy_(buffers[fqn])
+        graphs_before = counters["stats"]["unique_graphs"]
         traces[name] = train_steps(executor, fresh(), local_batches, seed=PLANNED_RNG_SEED + dist.get_rank())
+        if name == SECOND_COMPILE and counters["stats"]["unique_graphs"] != graphs_before:
+            raise RuntimeError(
+                "torch.compile recompiled the module in the rank: the parity run would not test the "
+                "graphs the pipeline's second compile made; check Dynamo's recompile reasons"
+            )
     torch._dynamo.reset()
     coord = mesh.coordinate()
     offsets = {}

@@ -32,7 +32,8 @@ def main(args) -> int:
         print(f"[mutate] {msg}", file=sys.stderr, flush=True)
 
     t0 = time.perf_counter()
-    results = patch_mutation.mutate(patches, workers=args.workers, timeout_s=args.timeout, cwd=repo_root(), progress=progress)
+    results = patch_mutation.mutate(patches, workers=args.workers, timeout_s=args.timeout, cwd=repo_root(),
+                                    progress=progress, jobs=args.jobs)
     killed = sum(r.state == "killed" for r in results)
     if args.json:
         print(json.dumps({"patches": [r.to_dict() for r in results], "killed": killed, "total": len(results),

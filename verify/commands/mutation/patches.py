@@ -8,7 +8,8 @@ collection or setup does not count as a kill, and neither does a guard that did 
 with the patch disabled; only a guard that ran and failed kills).
 
 All guards first run once together with every patch enabled; then each patch's guards run in a
-fresh pytest subprocess with ``AUTOPARALLEL_DISABLE=<patch>``.
+fresh pytest subprocess with ``AUTOPARALLEL_DISABLE=<patch>`` (``jobs`` of them at once: the
+patches are independent, each run sees only its own variable).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -147,8 +149,12 @@ def mutate(
     timeout_s: float = 300.0,
     cwd: Path | None = None,
     progress: Callable[[str], None] = lambda msg: None,
+    jobs: int = 1,
 ) -> list[PatchResult]:
-    """Classify each patch (objects with ``name`` and ``guards``)."""
+    """Classify each patch (objects with ``name`` and ``guards``), in ``patches``' order.
+    ``jobs``: how many patches' disabled runs (separate pytest processes) run at once."""
+    if jobs < 1:
+        raise ValueError(f"jobs must be at least 1, got {jobs}")
     all_guards = list(dict.fromkeys(g for p in patches for g in p.guards))
     baseline = GuardRun()
     if all_guards:
@@ -163,8 +169,8 @@ def mutate(
     if per_patch_baseline:
         why = "a guard id does not exist" if missing_id else "the combined run timed out"
         progress(f"baseline: {why}; running baselines per patch")
-    results = []
-    for i, patch in enumerate(patches, 1):
+
+    def one(i: int, patch) -> PatchResult:
         guards = tuple(patch.guards)
         base = baseline
         if per_patch_baseline and guards:
@@ -181,9 +187,12 @@ def mutate(
         disabled = _summarize(o for g in guards for o in disabled_run.for_guard(g)) if disabled_run else "-"
         if disabled_run is not None and disabled_run.timed_out:
             disabled = "timeout"
-        results.append(PatchResult(patch.name, guards, state, enabled, disabled, seconds, detail))
         progress(f"[{i}/{len(patches)}] {patch.name}: {state} ({seconds:.1f}s)")
-    return results
+        return PatchResult(patch.name, guards, state, enabled, disabled, seconds, detail)
+
+    # Each run is a pytest subprocess: threads only wait on them.
+    with ThreadPoolExecutor(max_workers=jobs) as pool:
+        return list(pool.map(one, range(1, len(patches) + 1), patches))
 
 
 def format_table(results: Sequence[PatchResult]) -> str:

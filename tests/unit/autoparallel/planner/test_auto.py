@@ -8,7 +8,12 @@ from autoparallel import pipeline as P
 from autoparallel.mesh import fake_world
 from autoparallel.parallelize import ParallelPlan
 from autoparallel.planner import Plan
-from autoparallel.planner.auto import _check_reduce_dtype, plan_for_pipeline, planner_config
+from autoparallel.planner.auto import (
+    _check_reduce_dtype,
+    local_params,
+    plan_for_pipeline,
+    planner_config,
+)
 from verify import zoo
 
 
@@ -71,3 +76,43 @@ def test_a_buffers_new_value_is_placed_like_the_buffer():
     assert plan.inputs["buffer:bn.running_mean"] == {"dp": "R", "tp": "S(0)"}
     for fqn in ("bn.running_mean", "bn.running_var", "bn.num_batches_tracked"):
         assert plan.nodes[f"out:mutated:{fqn}"].out == [plan.inputs[f"buffer:{fqn}"]], fqn
+
+
+class _Scaled(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.up, self.down = nn.Linear(8, 16), nn.Linear(16, 4)
+        self.register_buffer("scale", torch.linspace(0.5, 2.0, 16))
+
+    def forward(self, x):
+        return self.down(torch.relu(self.up(x)) * self.scale)
+
+
+def test_a_real_model_under_auto_gives_the_module_its_ranks_values():
+    """The lowered module runs on this rank's pieces of the model's own parameters and buffers; before,
+    every one was allocated with torch.empty (a second compile that runs the module refused it)."""
+    torch.manual_seed(0)
+    model, inputs = _Scaled(), (torch.randn(4, 8), torch.randn(4, 4))
+    run = P.run_pipeline(model, nn.functional.mse_loss, inputs, ParallelPlan.auto(), "dp=2",
+                         P.PipelineOptions(keep_compiled=True, alternatives=False), until=P.SECOND_COMPILE)
+    try:
+        module = run.module
+        assert module.uninitialised == ()
+        plan = run.planned.plan
+        with fake_world("dp=2") as mesh:
+            expected = local_params(plan, dict(model.named_parameters()), mesh)
+        assert expected.keys() == module.local_parameters().keys()
+        for fqn, local in module.local_parameters().items():
+            assert torch.equal(local, expected[fqn]), fqn
+        assert torch.equal(module.model.get_buffer("scale"), model.scale)  # replicated or not: rank 0's piece
+        assert run.compiled is not None
+    finally:
+        torch._dynamo.reset()
+
+
+def test_a_model_on_meta_under_auto_still_plans_but_has_no_values():
+    with torch.device("meta"):
+        model = _Scaled()
+    run = P.run_pipeline(model, nn.functional.mse_loss, (torch.randn(4, 8), torch.randn(4, 4)), ParallelPlan.auto(), "dp=2",
+                         P.PipelineOptions(alternatives=False), until="first_partition")
+    assert set(run.module.uninitialised) == {"up.weight", "up.bias", "down.weight", "down.bias", "scale"}

@@ -4,11 +4,14 @@ did not run and timeouts are never kills."""
 
 from __future__ import annotations
 
+import threading
+import time
 from types import SimpleNamespace
 
 import pytest
 
 from verify.commands.mutation import outcome_log
+from verify.commands.mutation import patches as harness
 from verify.commands.mutation.patches import GuardRun, classify
 
 A = "tests/test_x.py::test_a"
@@ -85,3 +88,33 @@ def test_outcome_log_records_what_the_harness_needs(monkeypatch, phases, recorde
     for when, outcome in phases:
         outcome_log.pytest_runtest_logreport(_report(A, when, outcome))
     assert outcome_log._outcomes == {A: recorded}
+
+
+@pytest.mark.parametrize("jobs", [1, 3])
+def test_jobs_run_that_many_disabled_runs_at_once_and_keep_the_patches_order(monkeypatch, jobs):
+    """Each patch's disabled run only waits on its subprocess; ``jobs`` of them overlap, the
+    results come back in the patches' order (the slowest first here) whatever finishes first."""
+    lock, active, most = threading.Lock(), [0], [0]
+
+    def run_guards(guards, *, disable="", **kw):
+        if not disable:  # the baseline: every guard passes
+            return GuardRun(outcomes={g: "passed" for g in guards}, returncode=0)
+        with lock:
+            active[0] += 1
+            most[0] = max(most[0], active[0])
+        time.sleep(0.05 * (5 - int(disable[1:])))  # p0 slowest: later patches finish first
+        with lock:
+            active[0] -= 1
+        return GuardRun(outcomes={g: "failed" if disable == "p1" else "passed" for g in guards}, returncode=1)
+
+    monkeypatch.setattr(harness, "run_guards", run_guards)
+    patches = [SimpleNamespace(name=f"p{i}", guards=(f"tests/test_x.py::test_{i}",)) for i in range(4)]
+    results = harness.mutate(patches, jobs=jobs)
+    assert [r.name for r in results] == ["p0", "p1", "p2", "p3"]
+    assert [r.state for r in results] == ["survived", "killed", "survived", "survived"]
+    assert most[0] == jobs
+
+
+def test_jobs_below_one_are_refused():
+    with pytest.raises(ValueError, match="jobs must be at least 1, got 0"):
+        harness.mutate([], jobs=0)

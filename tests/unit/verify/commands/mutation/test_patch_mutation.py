@@ -102,7 +102,7 @@ def results(tmp_path_factory, short_limit_for_hanging_runs):
         FakePatch("p_setup_error", (g + "test_setup",)),
         FakePatch("p_param", (g + "test_param",)),
     ]
-    out = mutate(patches, workers=0, timeout_s=LIMIT_S, cwd=root)
+    out = mutate(patches, workers=0, timeout_s=LIMIT_S, cwd=root, jobs=2)  # two runs at once, as CI runs it
     return {r.name: r for r in out}, out, root
 
 
