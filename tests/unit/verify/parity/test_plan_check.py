@@ -20,7 +20,9 @@ from torch import nn
 from torch.distributed.tensor.placement_types import Partial, Replicate, Shard, _MaskPartial
 from torch.fx.experimental.proxy_tensor import make_fx
 
+from autoparallel import meta as M
 from autoparallel import pipeline as P
+from autoparallel.fx_utils import copy_graph_module
 from autoparallel.mesh import fake_world
 from autoparallel.parallelize import ParallelPlan
 from autoparallel.planner import Plan, Planner, PlannerConfig
@@ -599,3 +601,51 @@ def test_an_unplaced_placeholder_leaves_the_others_counted(plan):
     assert first == "param:up.weight"
     assert [str(v) for v in got.violations] == ["[structure] param:up.weight: the plan does not place this node",
                                                 "[tables] params: the plan lists 5 parameters, the graph has 4"]
+
+
+def _cast_plan(model_dtype, param_dtype):
+    with torch.device("meta"):
+        model = Uneven().to(model_dtype)
+    x, target = _inputs()
+    with fake_world(MESH) as mesh:
+        plan = Planner.trace(model, mesh, (x.to(model_dtype), target), F.cross_entropy, param_dtype=param_dtype).plan(mesh)
+    gm, roles_ = traced_graph(plan)
+    return plan, gm, roles_
+
+
+def test_a_move_across_a_cast_of_equal_width_is_no_mixed_precision_move():
+    """bf16 parameters cast to fp16 neither narrow nor widen: a placement may change across them
+    (only a narrowing parameter cast, or a widening cast into a graph output, locks one)."""
+    plan, gm, roles_ = _cast_plan(torch.bfloat16, torch.float16)
+    casts = [n for n in gm.graph.nodes if plan_check._cast(n) == (torch.bfloat16, torch.float16)]
+    assert casts, "the parameters are cast bf16 -> fp16"
+    key = next(plan.node_names[n.name] for n in casts if plan.nodes[plan.node_names[n.name]].ins[0] != {"dp": "S(1)", "tp": "R"})
+
+    def moved(p):
+        p.nodes[key].ins = [{"dp": "S(1)", "tp": "R"}]
+
+    assert "grad_reduce_dtype" not in check_plan(_tampered(plan, moved), gm, roles_, semantics=False).groups()
+
+
+def test_a_narrowing_cast_into_a_graph_output_is_no_widening_gradient_cast():
+    """fp32 -> bf16 straight into a graph output (a gradient of a bf16 model's fp32 master
+    parameter would be one) does not lock its placement: it narrows, and its input is no parameter."""
+    plan, gm, roles_ = _cast_plan(torch.float32, torch.bfloat16)
+    narrowing_out = [n for n in gm.graph.nodes if (plan_check._cast(n) or (None, None))[0] == torch.bfloat16
+                     and any(u.op == "output" for u in n.users)]
+    widening = {plan.node_names[n.name] for n in narrowing_out}
+    assert widening, "bf16 gradients are widened into the outputs"
+    gm2 = copy_graph_module(gm)
+    # the same graph with every such cast made narrowing (fp32 -> bf16 into the output)
+    for n in gm2.graph.nodes:
+        if plan.node_names.get(n.name) in widening:
+            src = plan_check.tensor_inputs(n)[0]
+            src.meta[M.VAL] = src.meta[M.VAL].to(torch.float32)
+            n.meta[M.VAL] = n.meta[M.VAL].to(torch.bfloat16)
+    key = sorted(widening)[0]
+
+    def reduced(p):
+        p.nodes[key].ins = [{"dp": "P(sum)", "tp": "R"}]
+
+    assert "grad_reduce_dtype" in check_plan(_tampered(plan, reduced), gm, roles_, semantics=False).groups()
+    assert "grad_reduce_dtype" not in check_plan(_tampered(plan, reduced), gm2, roles_, semantics=False).groups()
