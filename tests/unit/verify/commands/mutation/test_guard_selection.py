@@ -53,7 +53,7 @@ def _fake_line_run(monkeypatch, tmp_path, files: list[str]) -> dict:
     monkeypatch.setattr(L.subprocess, "run", fake_run)
     monkeypatch.setattr(L.subprocess, "Popen", FakeMutmut)
     monkeypatch.setattr(L, "_mutmut_cmd", lambda: ["mutmut"])
-    monkeypatch.setattr(L, "collect", lambda workdir, progress: [])
+    monkeypatch.setattr(L, "collect", lambda workdir, progress, only=None: [])
     done = L.run(root, files=files, tests=["tests/t.py"], workdir=work, max_children=1)
     assert done.mutants == [] and done.deselected == {}
     at_baseline["mutmut"] = tomllib.loads((work / "pyproject.toml").read_text())["tool"]["mutmut"]
