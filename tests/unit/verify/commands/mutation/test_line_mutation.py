@@ -493,6 +493,7 @@ def test_a_sampled_run_hands_mutmut_only_the_drawn_names(tmp_path, monkeypatch):
     root.mkdir()
     (root / "pyproject.toml").write_text('[project]\nname = "x"\n')
     monkeypatch.setattr(L, "generate_mutants", lambda workdir: list(NAMES))
+    monkeypatch.setattr(L, "_mutmut_cmd", lambda: ["mutmut"])  # the test extra has no mutmut
     started, asked = [], {}
 
     class FakeMutmut:
@@ -530,6 +531,7 @@ def test_collect_reports_only_the_sampled_mutants(tmp_path, monkeypatch):
         return SimpleNamespace(returncode=0, stdout=RESULTS if "results" in cmd else SHOWS)
 
     monkeypatch.setattr(L.subprocess, "run", fake_run)
+    monkeypatch.setattr(L, "_mutmut_cmd", lambda: ["mutmut"])  # the test extra has no mutmut
     assert len(L.collect(tmp_path)) == 8  # "not checked" too: every mutant was meant to run
     only = ["autoparallel.passes.demo.x_walk__mutmut_1", "autoparallel.passes.demo.x_walk__mutmut_2"]
     got = L.collect(tmp_path, only=only)
