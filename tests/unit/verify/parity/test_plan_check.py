@@ -649,3 +649,38 @@ def test_a_narrowing_cast_into_a_graph_output_is_no_widening_gradient_cast():
 
     assert "grad_reduce_dtype" in check_plan(_tampered(plan, reduced), gm, roles_, semantics=False).groups()
     assert "grad_reduce_dtype" not in check_plan(_tampered(plan, reduced), gm2, roles_, semantics=False).groups()
+
+
+class _SelfCast(nn.Module):
+    """A parameter read in fp32 and, through the alias its two reads get, cast to bf16."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(12, 12))
+        self.head = nn.Linear(12, 6, bias=False)
+
+    def forward(self, x):
+        a = F.linear(x, self.w)
+        return self.head(F.linear(a.to(torch.bfloat16), self.w.to(torch.bfloat16)).float())
+
+
+def test_a_move_between_a_parameter_and_the_alias_its_cast_reads_is_named():
+    with torch.device("meta"):
+        model = _SelfCast()
+    with fake_world(MESH) as mesh:
+        plan = Planner.trace(model, mesh, _inputs(), F.cross_entropy).plan(mesh)
+    gm, roles_ = traced_graph(plan)
+    (cast,) = [n for n in gm.graph.nodes if plan_check._cast(n) is not None
+               and plan_check.tensor_inputs(n)[0] is not plan_check._through_alias(plan_check.tensor_inputs(n)[0])]
+    alias = plan.node_names[plan_check.tensor_inputs(cast)[0].name]
+    assert alias == "param:w/alias"
+    assert "grad_reduce_dtype" not in check_plan(plan, gm, roles_, semantics=False).groups()
+    other = {"dp": "R", "tp": "S(0)"}
+    assert plan.nodes["param:w"].out != [other]
+
+    def moved(p):
+        p.nodes[alias].ins = [other]
+
+    got = [v for v in check_plan(_tampered(plan, moved), gm, roles_, semantics=False).violations if v.group == "grad_reduce_dtype"]
+    assert [v.where for v in got] == [alias]
+    assert got[0].detail.endswith("-> dp:R tp:S(0) across a mixed-precision cast")
