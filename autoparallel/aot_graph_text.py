@@ -22,17 +22,9 @@ import logging
 from collections.abc import Iterator
 
 from autoparallel import patches
+from autoparallel.trace import structured_trace_listens
 
 PATCH = "aot_graph_text_only_when_logged"
-
-
-def structured_trace_listens() -> bool:
-    """Whether ``trace_structured`` would write anywhere. PyTorch installs a lazy handler without
-    a directory in every process; outside Meta's cluster it disables itself on its first record
-    and writes nothing, so it does not count as a listener."""
-    from torch._logging._internal import LazyTraceHandler, trace_log
-
-    return any(not isinstance(h, LazyTraceHandler) or h.root_dir is not None for h in trace_log.handlers)
 
 
 def _listens(logger: logging.Logger) -> bool:
@@ -69,4 +61,4 @@ def aot_graph_text_only_when_logged() -> Iterator[None]:
         graph_compile._log_fw_bw_graphs = upstream_fw_bw
 
 
-__all__ = ["PATCH", "aot_graph_text_only_when_logged", "structured_trace_listens"]
+__all__ = ["PATCH", "aot_graph_text_only_when_logged"]

@@ -203,9 +203,6 @@ _register(
         "tests/unit/autoparallel/passes/test_topo_span_bucketing.py::test_greedy_bucket_merges_non_adjacent_same_key",
     ),
 )
-
-
-# Graph trainer (the second front end, docs/design.md): autoparallel/trainer/.
 _register(
     "estimation_tables_only_when_traced",
     "inside the overlap scheduler, the table of compute estimates (a structured-trace artifact: "
@@ -217,6 +214,9 @@ _register(
         "tests/unit/autoparallel/passes/test_overlap_scheduling.py::test_the_estimates_table_is_built_only_for_a_structured_trace",
     ),
 )
+
+
+# Graph trainer (the second front end, docs/design.md): autoparallel/trainer/.
 _register(
     "phase_tagging",
     "trace_train_step marks nodes traced inside torch.autograd.grad with custom.phase='backward' "

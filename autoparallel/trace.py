@@ -43,7 +43,7 @@ import torch
 from torch import fx
 from torch._logging import trace_structured
 
-__all__ = ["ARTIFACT_PREFIX", "StageTracer", "artifact_name", "jsonable", "readable_graph"]
+__all__ = ["ARTIFACT_PREFIX", "StageTracer", "artifact_name", "jsonable", "readable_graph", "structured_trace_listens"]
 
 log = logging.getLogger(__name__)
 
@@ -52,6 +52,16 @@ _SLUG = re.compile(r"[^0-9A-Za-z]+")
 
 GraphText = Callable[[fx.GraphModule], str]
 GraphStats = Callable[[Any], Mapping[str, Any]]  # a GraphModule or an (fw, bw) pair -> JSON data
+
+
+def structured_trace_listens() -> bool:
+    """Whether ``trace_structured`` would write anywhere (what a structured-trace artifact costing
+    real work is built for). PyTorch installs a lazy handler without a directory in every process;
+    outside Meta's cluster it disables itself on its first record and writes nothing, so it does
+    not count as a listener."""
+    from torch._logging._internal import LazyTraceHandler, trace_log
+
+    return any(not isinstance(h, LazyTraceHandler) or h.root_dir is not None for h in trace_log.handlers)
 
 
 def artifact_name(position: str, label: str, what: str) -> str:

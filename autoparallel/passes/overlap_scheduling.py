@@ -37,7 +37,6 @@ from typing import Any
 from torch import fx
 
 from autoparallel import patches
-from autoparallel.aot_graph_text import structured_trace_listens
 from autoparallel.fx_utils import max_consec_compute_between_rs
 from autoparallel.passes.bucket_plan import BucketingMetrics
 from autoparallel.passes.contiguous_gathered_shards import make_gathered_shards_contiguous
@@ -49,11 +48,12 @@ from autoparallel.passes.topo_span_bucketing import (
     greedy_bucket_collective_by_mb,
     identify_fsdp_groups,
 )
+from autoparallel.trace import structured_trace_listens
 
 log = logging.getLogger(__name__)
 
-# The patch name (autoparallel.patches) of estimation_tables_only_when_traced.
-ESTIMATION_TABLES_ONLY_WHEN_TRACED = "estimation_tables_only_when_traced"
+# The patch (autoparallel.patches) that estimation_tables_only_when_traced applies.
+ESTIMATION_TABLES_PATCH = "estimation_tables_only_when_traced"
 
 
 @dataclass
@@ -131,7 +131,11 @@ def cpu_runtime_estimation_installed(estimator: RooflineEstimator) -> Iterator[R
 def estimation_tables_only_when_traced() -> Iterator[None]:
     """Upstream ``_log_compute_estimations`` runs only when the structured trace has a handler
     (``TORCH_TRACE``, a test's capture): the artifact is then the same, and no table is built for
-    nobody. The scheduler imports the function when it logs, so the module attribute is swapped."""
+    nobody. The scheduler imports the function when it logs, so the module attribute is swapped.
+    Nothing is swapped where the patch is disabled."""
+    if not patches.enabled(ESTIMATION_TABLES_PATCH):
+        yield
+        return
     import torch._inductor.fx_passes.node_runtime_estimation as estimation
 
     upstream = estimation._log_compute_estimations
@@ -180,14 +184,9 @@ def schedule_overlap_on_cpu(
         "pre_bucketing_fsdp_collectives_bucket_cap_mb": config.bucket_cap_mb,
     }
     kwargs.update(scheduler_kwargs)
-    tables = (
-        estimation_tables_only_when_traced()
-        if patches.enabled(ESTIMATION_TABLES_ONLY_WHEN_TRACED)
-        else contextlib.nullcontext()
-    )
     with (
         cpu_runtime_estimation_installed(estimator),
-        tables,
+        estimation_tables_only_when_traced(),
         topo_span_bucketing_installed(config) as inst,
     ):
         new_gm = schedule_overlap_bucketing(gm, **kwargs)
@@ -200,7 +199,7 @@ def schedule_overlap_on_cpu(
 
 
 __all__ = [
-    "ESTIMATION_TABLES_ONLY_WHEN_TRACED",
+    "ESTIMATION_TABLES_PATCH",
     "Installation",
     "OverlapResult",
     "cpu_runtime_estimation_installed",

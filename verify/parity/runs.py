@@ -27,8 +27,9 @@ process (see ``verify.parity.compare.oracle_report``).
 
 from __future__ import annotations
 
+import contextlib
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -197,16 +198,23 @@ def _rank_stages(rank, world_size, scenario: Scenario, batches, run: PipelineRun
         with torch.no_grad():
             for k, b in executor.buffers.items():
                 b.copy_(init_buffers[k])
-        graphs_before = counters["stats"]["unique_graphs"]
-        traces[name] = train_steps(executor, {k: v.clone() for k, v in init.items()}, local_batches,
-                                   seed=rank_seed(scenario, coord))
-        if name in _EXECUTORS and _EXECUTORS[name].form == COMPILED and inherited and counters["stats"]["unique_graphs"] != graphs_before:
-            raise RuntimeError(
-                "torch.compile recompiled the module in the rank: the parity run would not test the "
-                "graphs compiled (and captured) on the fake world; check Dynamo's recompile reasons"
-            )
+        kept = name in _EXECUTORS and _EXECUTORS[name].form == COMPILED and inherited
+        with no_recompile("the graphs compiled (and captured) on the fake world") if kept else contextlib.nullcontext():
+            traces[name] = train_steps(executor, {k: v.clone() for k, v in init.items()}, local_batches,
+                                       seed=rank_seed(scenario, coord))
         seconds[name] = time.perf_counter() - t0
     return RankParity(tuple(coord[d] for d in spec.names), traces, seconds)
+
+
+@contextlib.contextmanager
+def no_recompile(what: str) -> Iterator[None]:
+    """A compiled module kept from the pipeline must run as compiled: a recompile inside would
+    test other graphs than ``what``."""
+    before = counters["stats"]["unique_graphs"]
+    yield
+    if counters["stats"]["unique_graphs"] != before:
+        raise RuntimeError(f"torch.compile recompiled the module in the rank: the parity run would not test {what}; "
+                           "check Dynamo's recompile reasons")
 
 
 def dropout_off_in_oracle(scenario: Scenario, run: PipelineRun) -> bool:

@@ -7,9 +7,9 @@ import logging
 import pytest
 import torch
 from torch import nn
-from torch._logging._internal import LazyTraceHandler, trace_log
+from torch._logging._internal import trace_log
 
-from autoparallel.aot_graph_text import aot_graph_text_only_when_logged, structured_trace_listens
+from autoparallel.aot_graph_text import aot_graph_text_only_when_logged
 from autoparallel.compile import SECOND_COMPILE
 from autoparallel.parallelize import ParallelPlan
 from autoparallel.pipeline import PipelineOptions
@@ -83,12 +83,3 @@ def test_the_swap_is_scoped_and_restored_on_error():
             assert graph_compile._log_joint_graph is not up[0] and graph_compile._log_fw_bw_graphs is not up[1]
             raise RuntimeError("boom")
     assert (graph_compile._log_joint_graph, graph_compile._log_fw_bw_graphs) == up
-
-
-def test_only_a_lazy_handler_without_a_directory_is_not_a_listener(monkeypatch, tmp_path):
-    monkeypatch.setattr(trace_log, "handlers", [LazyTraceHandler(None)])
-    assert not structured_trace_listens()
-    monkeypatch.setattr(trace_log, "handlers", [LazyTraceHandler(str(tmp_path))])
-    assert structured_trace_listens()
-    monkeypatch.setattr(trace_log, "handlers", [LazyTraceHandler(None), logging.NullHandler()])
-    assert structured_trace_listens()

@@ -30,7 +30,13 @@ from autoparallel import pipeline as P
 from autoparallel.compile import SECOND_COMPILE
 from autoparallel.parallelize import ParallelPlan
 from autoparallel.passes.collective import COLLECTIVE_PASS_NAMES
-from autoparallel.trace import ARTIFACT_PREFIX, StageTracer, artifact_name, jsonable
+from autoparallel.trace import (
+    ARTIFACT_PREFIX,
+    StageTracer,
+    artifact_name,
+    jsonable,
+    structured_trace_listens,
+)
 
 pytestmark = pytest.mark.xdist_group("stage-trace")  # one worker builds the traced run
 
@@ -226,3 +232,14 @@ def test_jsonable_reports_of_any_shape():
         "g": {"graph_nodes": len(g.graph.nodes)}, "dtype": "torch.bfloat16", "3": [1, None]}
     assert jsonable(object).startswith("<class")  # a type is not called for to_json/to_dict
     json.dumps(data)
+
+
+def test_only_a_lazy_handler_without_a_directory_is_not_a_listener(monkeypatch, tmp_path):
+    """PyTorch's lazy handler without a directory writes nothing outside Meta's cluster."""
+    trace_log, LazyTraceHandler = torch_logging.trace_log, torch_logging.LazyTraceHandler
+    monkeypatch.setattr(trace_log, "handlers", [LazyTraceHandler(None)])
+    assert not structured_trace_listens()
+    monkeypatch.setattr(trace_log, "handlers", [LazyTraceHandler(str(tmp_path))])
+    assert structured_trace_listens()
+    monkeypatch.setattr(trace_log, "handlers", [LazyTraceHandler(None), logging.NullHandler()])
+    assert structured_trace_listens()

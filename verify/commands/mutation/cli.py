@@ -12,6 +12,16 @@ from verify.commands.mutation import patches as patch_mutation
 from verify.commands.mutation.lines import main as lines_main
 
 
+def _check_level_flags(args) -> None:
+    """Flags of one level given to the other are refused, not silently ignored."""
+    lines_only = [f for f, given in (("--target", args.target != "passes"), ("--group", bool(args.group)),
+                                     ("--sample", args.sample is not None), ("--seed", args.seed != 0)) if given]
+    if lines_only and not args.lines:
+        raise ValueError(f"{', '.join(lines_only)}: line-level options; add --lines, or leave them out for patch-level mutation")
+    if args.jobs != 1 and args.lines:
+        raise ValueError("-j/--jobs: patch-level only (line-level runs take -n, mutmut's workers)")
+
+
 def main(args) -> int:
     try:
         import pytest  # noqa: F401  (the guards run in pytest subprocesses)
@@ -21,6 +31,7 @@ def main(args) -> int:
     unknown = sorted(set(names) - set(PATCHES))
     if unknown:
         raise ValueError(f"--patch: unknown patch(es) {unknown}; known patches: {sorted(PATCHES)}")
+    _check_level_flags(args)
     if args.lines:
         return lines_main(args)
     patches = [PATCHES[n] for n in names]

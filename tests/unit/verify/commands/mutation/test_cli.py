@@ -1,0 +1,25 @@
+"""python -m verify mutate's flags: each level refuses the other's instead of ignoring them."""
+
+from __future__ import annotations
+
+import pytest
+
+from verify.__main__ import _parser
+from verify.commands.mutation.cli import main
+
+
+@pytest.mark.parametrize(("argv", "named"), [
+    (["--sample", "5"], "--sample"),
+    (["--seed", "3"], "--seed"),
+    (["--target", "planner"], "--target"),
+    (["--group", "canon"], "--group"),
+    (["--target", "planner", "--sample", "5"], "--target, --sample"),
+])
+def test_line_level_options_without_lines_are_refused(argv, named):
+    with pytest.raises(ValueError, match=rf"^{named}: line-level options; add --lines"):
+        main(_parser().parse_args(["mutate", *argv]))
+
+
+def test_jobs_with_lines_is_refused():
+    with pytest.raises(ValueError, match=r"^-j/--jobs: patch-level only"):
+        main(_parser().parse_args(["mutate", "--lines", "-j", "2"]))
