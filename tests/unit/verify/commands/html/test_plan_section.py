@@ -70,3 +70,20 @@ def test_the_page_carries_the_plan_section_ahead_of_the_stages_and_links_it(plan
     assert "href='#plan-stage'" in page
     assert "plan" not in page_sections(page), "the stage sections' parser still sees only stages"
     assert "id=plan-stage" not in build_report_page(records, title="t", mesh=mesh), "a hand plan has no plan section"
+
+
+def test_on_a_2d_mesh_each_parameter_has_a_column_per_mesh_dim(planned_run):
+    """The shared run is 1-D: the same plan with a tp dim added (a placement on it for one
+    parameter, Replicate left implicit for the others) shows both columns in mesh order."""
+    report = planned_run.stage(PLAN).report
+    data = report.plan.to_json()
+    data["mesh"] = [*data["mesh"], ["tp", 2]]
+    first = next(iter(data["params"]))
+    data["params"][first] = {**data["params"][first], "tp": "S(1)"}
+    html = plan_section(dataclasses.replace(report, plan=Plan.from_json(data)))
+    table = html.split("plan-params")[1].split("</table>")[0]
+    assert re.findall(r"<th>([^<]+)</th>", table) == ["parameter", "dp", "tp"]
+    rows = re.findall(r"<tr><td>([^<]+)</td><td>([^<]+)</td><td>([^<]+)</td></tr>", table)
+    assert rows[0] == (first, data["params"][first].get("dp", "R"), "S(1)")
+    assert {tp for _, _, tp in rows[1:]} == {"R"} and len(rows) == len(data["params"])
+
