@@ -99,7 +99,8 @@ def _transformers():
 
 
 def hf_config(name: str, **overrides: Any):
-    """The tiny config of architecture ``name`` (library defaults but sizes), with ``overrides``."""
+    """The tiny config of architecture ``name`` (library defaults but sizes), with ``overrides``
+    (sizes too: ``hf_config("gpt2", n_embd=256)``)."""
     arch = _arch(name)
     cls = getattr(_transformers(), arch.config)
     kw: dict[str, Any] = dict(arch.sizes)
@@ -107,7 +108,7 @@ def hf_config(name: str, **overrides: Any):
         kw["num_labels"] = LABELS
     else:
         kw["vocab_size"] = VOCAB
-    config = cls(**kw, **overrides)
+    config = cls(**{**kw, **overrides})
     if hasattr(config, "use_cache"):
         config.use_cache = False
     return config
