@@ -119,3 +119,15 @@ def test_the_runner_refuses_unknown_compilers_devices_and_a_cuda_it_cannot_see()
     if not torch.cuda.is_available():
         with pytest.raises(RuntimeError, match="sees no CUDA device"):
             run_device_parity(DeviceCell(), device="cuda")
+
+
+def test_the_staged_kernels_are_the_cuda_ones_inside_the_scope_only():
+    from verify.parity.device_world import STAGED_KERNELS, host_staged_collectives
+
+    def cuda_kernels() -> list[str]:
+        return [n for n in STAGED_KERNELS if torch._C._dispatch_has_kernel_for_dispatch_key(f"_c10d_functional::{n}", "CUDA")]
+
+    before = cuda_kernels()
+    with host_staged_collectives():
+        assert cuda_kernels() == list(STAGED_KERNELS)
+    assert cuda_kernels() == before
