@@ -375,7 +375,7 @@ def _getitem_children(node: fx.Node) -> list[fx.Node]:
 def _only_asserted(node: fx.Node) -> bool:
     """A SymBool read only by ``_assert_scalar``: checked in the forward, nothing the backward needs
     (what the stock partitioner leaves unsaved; torch 2.11, on the GPU machines, has no helper for it)."""
-    return (isinstance(node.meta.get("val"), torch.SymBool) and len(node.users) > 0
+    return (isinstance(node.meta.get(M.VAL), torch.SymBool) and len(node.users) > 0
             and all(u.target is torch.ops.aten._assert_scalar.default for u in node.users))
 
 

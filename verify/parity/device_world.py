@@ -47,6 +47,7 @@ from autoparallel.runtime.steps import (
     eager_program_executor,
     train_steps,
 )
+from verify.hf import hf_case
 from verify.parity.compare import (
     OracleCheck,
     ParityReport,
@@ -86,8 +87,6 @@ class DeviceCell:
 
     def scenario(self) -> Scenario:
         if self.model.startswith(HF_PREFIX):
-            from verify.hf import hf_case
-
             return Scenario(plan=self.plan, mesh=self.mesh, seed=self.seed, case=hf_case(self.model[len(HF_PREFIX):]))
         return Scenario(preset=self.model, plan=self.plan, mesh=self.mesh, seed=self.seed)
 

@@ -10,9 +10,11 @@ from autoparallel.runtime.steps import StepTrace
 from verify.parity.device_world import (
     EAGER,
     INDUCTOR_RTOL,
+    STAGED_KERNELS,
     DeviceCell,
     DeviceRank,
     bitwise_report,
+    host_staged_collectives,
     run_device_parity,
     tolerance_checks,
     trace_on_cpu,
@@ -122,8 +124,6 @@ def test_the_runner_refuses_unknown_compilers_devices_and_a_cuda_it_cannot_see()
 
 
 def test_the_staged_kernels_are_the_cuda_ones_inside_the_scope_only():
-    from verify.parity.device_world import STAGED_KERNELS, host_staged_collectives
-
     def cuda_kernels() -> list[str]:
         return [n for n in STAGED_KERNELS if torch._C._dispatch_has_kernel_for_dispatch_key(f"_c10d_functional::{n}", "CUDA")]
 
