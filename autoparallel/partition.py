@@ -524,13 +524,15 @@ class ReplaySavesPartitioner(CustomPartitionerFn):
                 gm, joint_inputs, num_fwd_outputs=num_fwd_outputs, static_lifetime_input_indices=static_indices
             )
         saved, saved_sym, saved_opaque = choose_replay_saves(gm, node_info)
+        # torch 2.11 (the GPU machines' CUDA build) has no opaque values, nor the argument for them.
+        opaque = {"saved_opaque_nodes": saved_opaque} if saved_opaque else {}
         fw, bw = _extract_fwd_bwd_modules(
             gm,
             saved,
             saved_sym_nodes=saved_sym,
-            saved_opaque_nodes=saved_opaque,
             num_fwd_outputs=num_fwd_outputs,
             static_lifetime_input_nodes=node_info.static_lifetime_input_nodes,
+            **opaque,
         )
         if recomputable and has_recomputable_rng_ops(gm):
             fw, bw = functionalize_rng_ops(gm, fw, bw, len(saved_sym))

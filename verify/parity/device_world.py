@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import time
 import traceback
 from collections.abc import Iterator, Mapping, Sequence
@@ -283,11 +284,20 @@ def trace_on_cpu(trace: StepTrace) -> StepTrace:
     return out
 
 
+def error_line(traceback_text: str) -> str:
+    """The line of a formatted traceback that names the exception (the last one that does: Dynamo
+    appends advice after it), else its last line."""
+    lines = [line.strip() for line in traceback_text.strip().splitlines() if line.strip()]
+    named = [line for line in lines if re.match(r"^[A-Za-z_][\w.]*(Error|Exception|Failed|Interrupt)\b.*:", line)]
+    return (named or lines or ["(empty traceback)"])[-1]
+
+
 def bitwise_report(ranks: Sequence[DeviceRank], executor: str, reference: str = EAGER) -> ParityReport:
     """``executor`` against ``reference``, bitwise, on every rank (names ``rank<i>/``)."""
     missing = [r.rank for r in ranks if executor not in r.traces]
     if missing:
-        errors = "; ".join(r.errors.get(executor, "no error recorded").strip().splitlines()[-1] for r in ranks if r.rank in missing)
+        errors = "; ".join(error_line(r.errors[executor]) if executor in r.errors else "no error recorded"
+                           for r in ranks if r.rank in missing)
         raise AssertionError(f"{executor} did not run on rank(s) {missing}: {errors}")
     return merge_reports([compare_traces(r.traces[reference], r.traces[executor], a_name=reference, b_name=executor) for r in ranks],
                          [f"rank{r.rank}" for r in ranks])
@@ -328,7 +338,7 @@ def summary(cell: DeviceCell, ranks: Sequence[DeviceRank]) -> str:
     lines = [f"{cell.label}: " + ", ".join(f"rank {r.rank} on {r.device} over {r.backend}" for r in ranks)]
     for name in (EAGER_AGAIN, *COMPILERS):
         if not all(name in r.traces for r in ranks):
-            errors = [r.errors[name].strip().splitlines()[-1] for r in ranks if name in r.errors]
+            errors = [error_line(r.errors[name]) for r in ranks if name in r.errors]
             if errors:
                 lines.append(f"  {name}: FAILED: {errors[0]}")
             continue

@@ -14,6 +14,7 @@ from verify.parity.device_world import (
     DeviceCell,
     DeviceRank,
     bitwise_report,
+    error_line,
     host_staged_collectives,
     run_device_parity,
     tolerance_checks,
@@ -131,3 +132,12 @@ def test_the_staged_kernels_are_the_cuda_ones_inside_the_scope_only():
     with host_staged_collectives():
         assert cuda_kernels() == list(STAGED_KERNELS)
     assert cuda_kernels() == before
+
+
+def test_the_error_line_is_the_exception_not_dynamos_advice_after_it():
+    dynamo = ("Traceback (most recent call last):\n  File \"x.py\", line 1, in f\n"
+              "torch._dynamo.exc.BackendCompilerFailed: backend='backend' raised:\nTypeError: f() got an unexpected keyword\n\n"
+              "Set TORCHDYNAMO_VERBOSE=1 for the internal stack trace")
+    assert error_line(dynamo) == "TypeError: f() got an unexpected keyword"
+    assert error_line("Traceback\nRuntimeError: no Triton\n") == "RuntimeError: no Triton"
+    assert error_line("no exception named\nlast words") == "last words"
