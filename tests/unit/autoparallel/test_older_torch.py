@@ -13,9 +13,10 @@ import torch.fx as fx
 import torch.fx.experimental.symbolic_shapes as symbolic_shapes
 from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
+from autoparallel import meta as M
 from autoparallel.compiling_flag import tracing_as_compiling
 from autoparallel.fx_utils import size_hint, tensor_bytes
-from autoparallel.partition import _is_opaque, _only_asserted
+from autoparallel.partition import ReplaySavesPartitioner, _is_opaque, _only_asserted
 
 
 def test_the_traces_set_is_compiling_without_a_compile_session_context(monkeypatch):
@@ -85,3 +86,34 @@ def test_a_node_is_never_opaque_on_a_torch_without_opaque_values(monkeypatch):
     node.meta["val"] = torch.empty(2)
     monkeypatch.delattr(partitioners, "is_opaque_node", raising=False)
     assert _is_opaque(node) is False
+
+
+def test_the_replay_partitioner_runs_on_torch_2_11s_extract_without_opaque_values(monkeypatch):
+    """2.11's ``_extract_fwd_bwd_modules`` takes no ``saved_opaque_nodes``: a graph with no
+    opaque value must not pass it, and must split as it does on 2.13."""
+    extract = partitioners._extract_fwd_bwd_modules
+
+    def extract_2_11(joint_module, saved_values, saved_sym_nodes, *, num_fwd_outputs, static_lifetime_input_nodes=None):
+        return extract(joint_module, saved_values, saved_sym_nodes, num_fwd_outputs=num_fwd_outputs,
+                       static_lifetime_input_nodes=static_lifetime_input_nodes)
+
+    def joint() -> fx.GraphModule:
+        """primals_1 -> a = sin (recorded as saved) -> cos: the forward; a * tangents_1: the grad."""
+        g = fx.Graph()
+        x, tan = g.placeholder("primals_1"), g.placeholder("tangents_1")
+        x.meta[M.VAL], tan.meta[M.VAL] = torch.randn(4), torch.randn(4)
+        a = g.call_function(torch.ops.aten.sin.default, (x,))
+        a.name, a.meta[M.VAL], a.meta[M.CUSTOM] = "a", torch.randn(4), {M.AP_MUST_SAVE: True}
+        out = g.call_function(torch.ops.aten.cos.default, (a,))
+        grad = g.call_function(torch.ops.aten.mul.Tensor, (a, tan))
+        out.meta[M.VAL], grad.meta[M.VAL] = torch.randn(4), torch.randn(4)
+        g.output((out, grad)).meta[M.DESC] = [None, None]
+        return fx.GraphModule(torch.nn.Module(), g)
+
+    def saved(gm) -> list[str]:
+        _, bw = ReplaySavesPartitioner()(gm, [torch.randn(4), torch.randn(4)], num_fwd_outputs=1)
+        return [ph.name for ph in bw.graph.find_nodes(op="placeholder")]
+
+    expected = saved(joint())
+    monkeypatch.setattr(partitioners, "_extract_fwd_bwd_modules", extract_2_11)
+    assert saved(joint()) == expected == ["a", "tangents_1"]
