@@ -107,7 +107,7 @@ def hf_config(name: str, **overrides: Any):
         kw["num_labels"] = LABELS
     else:
         kw["vocab_size"] = VOCAB
-    config = cls(**kw, **overrides)
+    config = cls(**{**kw, **overrides})
     if hasattr(config, "use_cache"):
         config.use_cache = False
     return config
