@@ -54,7 +54,7 @@ from autoparallel import meta as M
 from autoparallel import patches, roles
 from autoparallel.aot_graph_text import PATCH as AOT_GRAPH_TEXT
 from autoparallel.aot_graph_text import aot_graph_text_only_when_logged
-from autoparallel.compile import OVERLAP_PATCH, SECOND_COMPILE, autoparallel_backend
+from autoparallel.compile import OVERLAP_PATCH, SECOND_COMPILE, Compiler, autoparallel_backend
 from autoparallel.compiling_flag import PATCH as TRACE_AS_COMPILING
 from autoparallel.fx_utils import copy_graph_module
 from autoparallel.mesh import MeshSpec, ParallelMesh, attach_group_dims, fake_world
@@ -98,7 +98,9 @@ class PipelineOptions:
     backend runs them with overlap scheduling on); ``enable_ac``: the second compile runs the
     joint AC pass; ``keep_compiled``: run the compiled module's forward and keep it (parity runs;
     otherwise the second compile stops once it has partitioned: graphs only, nothing executes);
-    ``alternatives``: also run each collective pass alone on ``second_compile``'s graphs (review:
+    ``compiler``: what the second compile's backend compiles the split graphs with (``"aot_eager"``:
+    they run as traced, bitwise with eager; ``"inductor"``: Inductor, Triton on CUDA, fused and
+    reordered, so not bitwise); ``alternatives``: also run each collective pass alone on ``second_compile``'s graphs (review:
     what one pass does by itself); ``snapshots``: each result holds its own copy of the graphs
     (off: results hold the live graphs, which later stages rewrite; observers still see each
     stage's graphs when it ends)."""
@@ -106,6 +108,7 @@ class PipelineOptions:
     collective: CollectivePassesConfig = field(default_factory=lambda: CollectivePassesConfig(schedule_overlap=True))
     enable_ac: bool = False
     keep_compiled: bool = False
+    compiler: Compiler = "aot_eager"
     alternatives: bool = False
     snapshots: bool = True
 
@@ -283,6 +286,7 @@ def second_compile(
     enable_ac: bool = False,
     keep_compiled: bool = False,
     collective_passes: CollectivePassesConfig | None = None,
+    compiler: Compiler = "aot_eager",
 ) -> SecondCompile:
     """``torch.compile(module, backend=autoparallel_backend(...))`` on the world ``mesh`` (entered),
     called once on ``local_inputs``; the split graphs its partitioner made.
@@ -322,6 +326,7 @@ def second_compile(
 
     backend = autoparallel_backend(
         enable_ac=enable_ac,
+        compiler=compiler,
         on_partition=on_partition,
         collective_passes=collective_passes,
         on_collective_passes=on_collective_passes,
@@ -413,6 +418,7 @@ def _second_compile(state: PipelineState) -> tuple[Graphs, Any]:
         enable_ac=state.options.enable_ac,
         keep_compiled=state.options.keep_compiled,
         collective_passes=_tag_only(state.options.collective),
+        compiler=state.options.compiler,
     )
     state.compiled = sc.compiled
     return (sc.fw, sc.bw), sc.metrics

@@ -99,7 +99,8 @@ def _transformers():
 
 
 def hf_config(name: str, **overrides: Any):
-    """The tiny config of architecture ``name`` (library defaults but sizes), with ``overrides``."""
+    """The tiny config of architecture ``name`` (library defaults but sizes), with ``overrides``
+    (sizes too: ``hf_config("gpt2", n_embd=256)``)."""
     arch = _arch(name)
     cls = getattr(_transformers(), arch.config)
     kw: dict[str, Any] = dict(arch.sizes)

@@ -17,6 +17,7 @@ from autoparallel.patches import disabled
 from autoparallel.trainer import run_traced
 from verify.graphs.memory import compare_peaks, peak_memory, ratio
 from verify.parity.launch import run_gated
+from verify.parity.sac_memory import EAGER_SAC, TRACED_SAC, hf_sac_peaks
 from verify.parity.trainer import (
     cross_entropy_loss,
     make_batches,
@@ -92,6 +93,25 @@ def test_cuda_no_grad_execution_lowers_peak(cuda_peaks, metric):
 def test_cuda_remat_lowers_traced_peak(cuda_peaks, metric):
     r = ratio(cuda_peaks["traced SAC+remat"], cuda_peaks["traced SAC, no remat"], metric)
     assert r <= MAX_REMAT_RATIO, compare_peaks(cuda_peaks, reference="traced SAC, no remat")
+
+
+@pytest.fixture(scope="module")
+def gpt2_cuda_peaks():
+    """GPT-2 from transformers at its library defaults (dropout on), 4 layers of 256, 256 tokens."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    peaks, losses = hf_sac_peaks("gpt2", batch=8, seq=256, device="cuda:0", n_embd=256, n_layer=4, n_head=4, n_positions=256)
+    print("\n" + compare_peaks(peaks, reference=EAGER_SAC))
+    assert torch.equal(losses[EAGER_SAC], losses[TRACED_SAC]), losses
+    return peaks
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("metric", ["reserved", "active"])
+def test_cuda_gpt2_traced_sac_peak_within_limit_of_eager_sac(gpt2_cuda_peaks, metric):
+    r = ratio(gpt2_cuda_peaks[TRACED_SAC], gpt2_cuda_peaks[EAGER_SAC], metric)
+    print(f"GPT-2 traced SAC / eager SAC {metric} peak on CUDA: {r:.3f} (limit {MAX_SAC_PEAK_RATIO})")
+    assert r <= MAX_SAC_PEAK_RATIO, compare_peaks(gpt2_cuda_peaks, reference=EAGER_SAC)
 
 
 @pytest.mark.multigpu(2)

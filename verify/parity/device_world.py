@@ -1,0 +1,283 @@
+"""Stage parity on one accelerator: every rank of a gloo world on the same device.
+
+One GPU answers the compile stack's questions about CUDA: do the second compile's graphs, run on
+CUDA tensors, still train bitwise like the eager parallel program, and how far do Inductor's
+(Triton) kernels move losses and gradients? Every rank of a gloo world binds the same device:
+gloo moves CUDA tensors through host memory, where NCCL refuses two ranks on one device. Each
+rank builds its own mesh (device type ``cuda``), traces and compiles for itself, in a process of
+its own (``spawn``: CUDA cannot be used in a process forked after the parent initialised it), and
+trains ``steps`` steps (AdamW between) from the same parameters with each executor:
+
+==================  ==============================================================================
+``eager``           the eager parallel program, the reference
+``eager again``     the same program once more: a device whose kernels are not deterministic
+                    would make nothing bitwise, and this says so before any verdict blames a pass
+``aot_eager``       the pipeline's second compile (``PipelineOptions.compiler="aot_eager"``): the
+                    graphs run as traced, bitwise with ``eager``
+``inductor``        the same pipeline with ``compiler="inductor"``: fused and reordered kernels,
+                    compared within a tolerance (:func:`tolerance_checks`), random ops falling
+                    back to ATen's (``fallback_random``) so that dropout draws eager's masks
+==================  ==============================================================================
+
+Ranks run with deterministic algorithms (``warn_only``) and cuBLAS's deterministic workspace.
+A compiler that fails is recorded with its error, and the other executors' results still come
+back. ``device="cpu"`` runs the same code on forked ranks: what CI, without a GPU, checks of it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+import traceback
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field, replace
+
+import torch
+import torch._dynamo
+import torch.distributed as dist
+
+from autoparallel.mesh import build_mesh
+from autoparallel.parallelize import ParallelProgram, split_batch
+from autoparallel.pipeline import run_pipeline
+from autoparallel.runtime.steps import (
+    StepTrace,
+    compiled_module_executor,
+    eager_program_executor,
+    train_steps,
+)
+from verify.parity.compare import (
+    OracleCheck,
+    ParityReport,
+    check_within,
+    compare_traces,
+    merge_reports,
+    module_scales,
+)
+from verify.parity.ordered_collectives import run_parity_world
+from verify.parity.runs import rank_seed
+from verify.stages.pipeline_run import pipeline_options
+from verify.stages.scenario import Scenario
+
+EAGER, EAGER_AGAIN = "eager", "eager again"
+COMPILERS = ("aot_eager", "inductor")
+HF_PREFIX = "hf:"
+# Inductor against eager: |diff| <= INDUCTOR_RTOL x the loss, or x the largest entry of any
+# gradient of the same module (verify.parity.compare.module_scales). Inductor on CPU reached 0.45
+# of 1e-4 (tiny LLaMA, fsdp dp=2, 2 steps); the README's GPU table gives what each CUDA cell reached.
+INDUCTOR_RTOL = 2e-4
+
+
+@dataclass(frozen=True)
+class DeviceCell:
+    """A model, plan and mesh to run on one device. ``model``: a LLaMA preset name, or
+    ``"hf:<arch>"`` for a ``verify.hf`` architecture at its library defaults. Plain strings, so the
+    cell crosses to spawned ranks (a ModelCase's factory is a closure)."""
+
+    model: str = "tiny"
+    plan: str = "fsdp"
+    mesh: str = "dp=2"
+    seed: int = 0
+
+    @property
+    def label(self) -> str:
+        return f"{self.model} {self.plan} {self.mesh}"
+
+    def scenario(self) -> Scenario:
+        if self.model.startswith(HF_PREFIX):
+            from verify.hf import hf_case
+
+            return Scenario(plan=self.plan, mesh=self.mesh, seed=self.seed, case=hf_case(self.model[len(HF_PREFIX):]))
+        return Scenario(preset=self.model, plan=self.plan, mesh=self.mesh, seed=self.seed)
+
+
+@dataclass
+class DeviceRank:
+    """One rank's results: its traces by executor (on CPU), wall seconds, peak memory in bytes
+    (``allocated``/``reserved`` per executor; CUDA only), the errors of compilers that failed,
+    and what ran it (process-group backend and device)."""
+
+    rank: int
+    backend: str
+    device: str
+    traces: dict[str, StepTrace]
+    seconds: dict[str, float] = field(default_factory=dict)
+    peaks: dict[str, dict[str, int]] = field(default_factory=dict)
+    errors: dict[str, str] = field(default_factory=dict)
+
+
+def run_device_parity(
+    cell: DeviceCell,
+    compilers: Sequence[str] = COMPILERS,
+    *,
+    device: str = "cuda",
+    steps: int = 2,
+    timeout_s: float = 900.0,
+) -> list[DeviceRank]:
+    """Train ``cell`` with ``eager``, ``eager again`` and each of ``compilers`` on a gloo world
+    whose ranks all use ``device`` (module docstring; ``"cuda"``: the current CUDA device); the
+    ranks' results, by rank."""
+    unknown = sorted(set(compilers) - set(COMPILERS))
+    if unknown:
+        raise ValueError(f"unknown compilers {unknown}; compilers: {list(COMPILERS)}")
+    if torch.device(device).type not in ("cpu", "cuda"):
+        raise ValueError(f"device {device!r}: expected cpu or cuda")
+    if torch.device(device).type == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError(f"device {device!r}: this torch ({torch.__version__}) sees no CUDA device")
+    if device == "cuda":
+        device = f"cuda:{torch.cuda.current_device()}"  # one device, named: every rank binds it
+    spec = cell.scenario().mesh_spec
+    start = "spawn" if torch.device(device).type == "cuda" else "fork"
+    return run_parity_world(_rank, spec.world_size, args=(cell, tuple(compilers), device, steps),
+                            timeout_s=timeout_s, start_method=start)
+
+
+@contextlib.contextmanager
+def deterministic_kernels() -> Iterator[None]:
+    """Deterministic algorithms (warnings only where an op has none) inside; the setting before is
+    restored after. cuBLAS reads its workspace setting once: set it before the first CUDA call."""
+    was, warn_only = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(was, warn_only=warn_only)
+
+
+def _rank(rank: int, world_size: int, cell: DeviceCell, compilers: tuple[str, ...], device: str, steps: int) -> DeviceRank:
+    on_cuda = torch.device(device).type == "cuda"
+    if on_cuda:
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # this rank's own process
+        torch.cuda.set_device(torch.device(device))
+    with deterministic_kernels():
+        return _train_every_executor(rank, cell, compilers, device, steps)
+
+
+def _train_every_executor(rank: int, cell: DeviceCell, compilers: tuple[str, ...], device: str, steps: int) -> DeviceRank:
+    scenario = cell.scenario()
+    spec, plan = scenario.mesh_spec, scenario.plan_obj()
+    device_type = torch.device(device).type
+    mesh = build_mesh(spec, device_type)
+    coord = mesh.coordinate()
+    program = ParallelProgram(scenario.model(device=device), plan, mesh, scenario.loss_fn)
+    batches = [tuple(t.to(device) for t in b) for b in scenario.batches(steps)]
+    local_batches = [split_batch(b, plan, spec, coord) for b in batches]
+    init = {k: v.detach().clone() for k, v in program.local_parameters().items()}
+    eager = eager_program_executor(program)
+    init_buffers = {k: b.detach().clone() for k, b in eager.buffers.items()}
+    seed = rank_seed(scenario, coord)
+    out = DeviceRank(rank, dist.get_backend(), device, {})
+
+    def train(name: str, executor) -> None:
+        with torch.no_grad():
+            for k, b in executor.buffers.items():
+                b.copy_(init_buffers[k])
+        if device_type == "cuda":
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+        t0 = time.perf_counter()
+        trace = train_steps(executor, {k: v.clone() for k, v in init.items()}, local_batches, seed=seed)
+        if device_type == "cuda":
+            torch.cuda.synchronize()
+            out.peaks[name] = {"allocated": torch.cuda.max_memory_allocated(), "reserved": torch.cuda.max_memory_reserved()}
+        out.seconds[name] = time.perf_counter() - t0
+        out.traces[name] = trace_on_cpu(trace)
+
+    train(EAGER, eager)
+    train(EAGER_AGAIN, eager)
+    loss_fn = None if scenario.model_case is None else scenario.loss_fn
+    example = tuple(t.to(device) for t in scenario.example_inputs())
+    for compiler in compilers:
+        torch._dynamo.reset()
+        options = replace(pipeline_options(keep_compiled=True, alternatives=False), compiler=compiler)
+        # Inductor replaces random ops by its own generator unless told to fall back to ATen's.
+        config = {"fallback_random": True} if compiler == "inductor" else {}
+        try:
+            with torch._inductor.config.patch(config):
+                t0 = time.perf_counter()
+                run = run_pipeline(scenario.model(device=device), loss_fn, example, plan, mesh, options, until="second_compile")
+                compile_s = time.perf_counter() - t0
+                train(compiler, compiled_module_executor(run.module, run.compiled))
+                out.seconds[f"{compiler} pipeline"] = compile_s
+        except Exception:  # the other compilers' verdicts still come back; the caller sees this one's error
+            out.errors[compiler] = traceback.format_exc()
+        finally:
+            torch._dynamo.reset()
+    return out
+
+
+def trace_on_cpu(trace: StepTrace) -> StepTrace:
+    """A copy of ``trace`` with every tensor on the CPU (results leave the rank by pickling)."""
+
+    def cpu(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return {k: t.detach().cpu() for k, t in tensors.items()}
+
+    out = StepTrace()
+    out.losses = [t.detach().cpu() for t in trace.losses]
+    out.grads = [cpu(g) for g in trace.grads]
+    out.buffers = [cpu(b) for b in trace.buffers]
+    out.params = cpu(trace.params)
+    out.optimizer_state = {k: cpu(s) for k, s in trace.optimizer_state.items()}
+    return out
+
+
+def bitwise_report(ranks: Sequence[DeviceRank], executor: str, reference: str = EAGER) -> ParityReport:
+    """``executor`` against ``reference``, bitwise, on every rank (names ``rank<i>/``)."""
+    missing = [r.rank for r in ranks if executor not in r.traces]
+    if missing:
+        errors = "; ".join(r.errors.get(executor, "no error recorded").strip().splitlines()[-1] for r in ranks if r.rank in missing)
+        raise AssertionError(f"{executor} did not run on rank(s) {missing}: {errors}")
+    return merge_reports([compare_traces(r.traces[reference], r.traces[executor], a_name=reference, b_name=executor) for r in ranks],
+                         [f"rank{r.rank}" for r in ranks])
+
+
+def tolerance_checks(reference: StepTrace, got: StepTrace, rtol: float = INDUCTOR_RTOL) -> list[OracleCheck]:
+    """Each step's loss and gradients of ``got`` against ``reference`` within ``rtol`` times the
+    loss's magnitude, or the largest entry of any gradient of the same module (a gradient that is
+    nearly zero everywhere is judged by its module's scale, not by its own)."""
+    if len(reference.losses) != len(got.losses):
+        raise ValueError(f"the reference ran {len(reference.losses)} steps, the other run {len(got.losses)}")
+    checks = []
+    for step, (la, lb, ga, gb) in enumerate(zip(reference.losses, got.losses, reference.grads, got.grads, strict=True)):
+        checks.append(check_within(f"step{step}/loss", la, lb, rtol))
+        scales = module_scales(ga)
+        for fqn in sorted(set(ga) | set(gb)):
+            checks.append(check_within(f"step{step}/grad:{fqn}", ga.get(fqn), gb.get(fqn), rtol, scales.get(fqn)))
+    return checks
+
+
+def worst_ratio(checks: Sequence[OracleCheck]) -> float:
+    """The largest |diff| / bound among ``checks`` (<= 1: every check passes; inf: a mismatch of shape, dtype or NaN)."""
+    return max((c.max_abs / c.bound if c.bound else (0.0 if c.max_abs == 0 else float("inf")) for c in checks), default=0.0)
+
+
+def peak_summary(ranks: Sequence[DeviceRank]) -> str:
+    """A line per rank and executor: peak allocated and reserved MiB (CUDA ranks only)."""
+    lines = []
+    for r in ranks:
+        for name, p in r.peaks.items():
+            lines.append(f"rank {r.rank} {name}: allocated {p['allocated'] / 2**20:.1f} MiB, reserved {p['reserved'] / 2**20:.1f} MiB")
+    return "\n".join(lines)
+
+
+def summary(cell: DeviceCell, ranks: Sequence[DeviceRank]) -> str:
+    """What a world of ``cell`` showed: backend and device per rank, each executor's verdict
+    against ``eager`` (bitwise, or Inductor's worst |diff| / bound), errors, seconds and peaks."""
+    lines = [f"{cell.label}: " + ", ".join(f"rank {r.rank} on {r.device} over {r.backend}" for r in ranks)]
+    for name in (EAGER_AGAIN, *COMPILERS):
+        if not all(name in r.traces for r in ranks):
+            errors = [r.errors[name].strip().splitlines()[-1] for r in ranks if name in r.errors]
+            if errors:
+                lines.append(f"  {name}: FAILED: {errors[0]}")
+            continue
+        report = bitwise_report(ranks, name)
+        verdict = "bitwise" if report.bitwise else f"NOT bitwise ({len(report.mismatches())} of {len(report.diffs)} tensors differ, max |diff| {report.max_abs:.3e})"
+        if name == "inductor":
+            worst = max(worst_ratio(tolerance_checks(r.traces[EAGER], r.traces[name])) for r in ranks)
+            verdict += f"; worst |diff| / ({INDUCTOR_RTOL:g} x scale) = {worst:.3f}"
+        seconds = ", ".join(f"{r.seconds.get(name, 0):.1f}" + (f" (+{r.seconds[name + ' pipeline']:.1f} pipeline)" if name + " pipeline" in r.seconds else "") for r in ranks)
+        lines.append(f"  {name}: {verdict}; seconds per rank {seconds}")
+    peaks = peak_summary(ranks)
+    if peaks:
+        lines.extend("  " + line for line in peaks.splitlines())
+    return "\n".join(lines)
