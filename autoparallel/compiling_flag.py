@@ -6,7 +6,8 @@ mask entry 1?", "are these packed sequences?"), which a trace on fake tensors ca
 torch.compile sets the flag for its whole session; ``aot_export_joint_with_descriptors`` and
 ``make_fx``, which this project traces with, do not, so every transformers decoder and encoder
 stopped with a data-dependent ``aten._local_scalar_dense``. Patch ``trace_as_compiling``: the
-traces set the flag (PyTorch's own ``torch.compiler._compile_session_context``) and restore it.
+traces set the flag (PyTorch's own ``torch.compiler._compile_session_context``, or on torch 2.11,
+which has none, the flag it sets) and restore it.
 """
 
 from __future__ import annotations
@@ -27,8 +28,18 @@ def tracing_as_compiling() -> Iterator[None]:
     if not patches.enabled(PATCH):
         yield
         return
-    with torch.compiler._compile_session_context():
+    session = getattr(torch.compiler, "_compile_session_context", None)
+    if session is not None:
+        with session():
+            yield
+        return
+    # torch before 2.12 (2.11 on the GPU machines) has no session context: the flag itself.
+    old = torch.compiler._is_compiling_flag
+    torch.compiler._is_compiling_flag = True
+    try:
         yield
+    finally:
+        torch.compiler._is_compiling_flag = old
 
 
 __all__ = ["PATCH", "tracing_as_compiling"]

@@ -150,11 +150,20 @@ def copy_graph_module(gm: fx.GraphModule) -> fx.GraphModule:
     return out
 
 
+def size_hint(x: int | torch.SymInt, fallback: int | None = None) -> int:
+    """``x`` as an int: a symbolic size's trace-time hint (``fallback`` where it has none)."""
+    if not isinstance(x, torch.SymInt):
+        return int(x)
+    try:
+        from torch.fx.experimental.symbolic_shapes import optimization_hint
+    except ImportError:  # torch 2.11 (the GPU machines' CUDA build) names it hint_int
+        from torch.fx.experimental.symbolic_shapes import hint_int as optimization_hint
+    return int(optimization_hint(x) if fallback is None else optimization_hint(x, fallback=fallback))
+
+
 def tensor_bytes(t: torch.Tensor) -> int:
     """``numel * element_size`` of a (fake) tensor; symbolic sizes use their trace-time hint."""
-    from torch.fx.experimental.symbolic_shapes import optimization_hint
-
-    return int(optimization_hint(t.numel(), fallback=0)) * t.element_size()
+    return size_hint(t.numel(), fallback=0) * t.element_size()
 
 
 def collective_bytes(node: fx.Node) -> int:

@@ -372,6 +372,22 @@ def _getitem_children(node: fx.Node) -> list[fx.Node]:
     return [u for u in node.users if u.op == "call_function" and u.target is operator.getitem]
 
 
+def _only_asserted(node: fx.Node) -> bool:
+    """A SymBool read only by ``_assert_scalar``: checked in the forward, nothing the backward needs
+    (what the stock partitioner leaves unsaved; torch 2.11, on the GPU machines, has no helper for it)."""
+    return (isinstance(node.meta.get(M.VAL), torch.SymBool) and len(node.users) > 0
+            and all(u.target is torch.ops.aten._assert_scalar.default for u in node.users))
+
+
+def _is_opaque(node: fx.Node) -> bool:
+    """An opaque (script-object) value, saved apart; a torch without opaque values (2.11) has none."""
+    try:
+        from torch._functorch.partitioners import is_opaque_node
+    except ImportError:
+        return False
+    return is_opaque_node(node)
+
+
 def choose_replay_saves(gm: fx.GraphModule, node_info) -> tuple[list[fx.Node], list[fx.Node], list[fx.Node]]:
     """(saved tensors, saved sym nodes, saved opaque nodes) for the replay partitioner.
 
@@ -398,7 +414,7 @@ def choose_replay_saves(gm: fx.GraphModule, node_info) -> tuple[list[fx.Node], l
     all-gathered weight kept alive across the step. Where nothing is gathered (DDP) such
     backward ops were saved too (5 extra values on tiny LLaMA-3 under DDP).
     """
-    from torch._functorch.partitioners import _is_assert_only_symbool, is_opaque_node, is_sym_node
+    from torch._functorch.partitioners import is_sym_node
 
     saved: list[fx.Node] = []
     saved_sym: list[fx.Node] = []
@@ -413,7 +429,7 @@ def choose_replay_saves(gm: fx.GraphModule, node_info) -> tuple[list[fx.Node], l
         if recompute == CheckpointPolicy.MUST_RECOMPUTE:
             continue
         if is_sym_node(node):
-            if not _is_assert_only_symbool(node):
+            if not _only_asserted(node):
                 saved_sym.append(node)
             continue
         custom = _custom(node)
@@ -433,7 +449,7 @@ def choose_replay_saves(gm: fx.GraphModule, node_info) -> tuple[list[fx.Node], l
                 indices = custom.get(M.AP_MUST_SAVE_GETITEM_INDICES)
                 saved.extend(c for c in children if indices is None or c.args[1] in indices)
             continue
-        if is_opaque_node(node):
+        if _is_opaque(node):
             saved_opaque.append(node)
             continue
         if node.op == "placeholder":
@@ -508,13 +524,15 @@ class ReplaySavesPartitioner(CustomPartitionerFn):
                 gm, joint_inputs, num_fwd_outputs=num_fwd_outputs, static_lifetime_input_indices=static_indices
             )
         saved, saved_sym, saved_opaque = choose_replay_saves(gm, node_info)
+        # torch 2.11 (the GPU machines' CUDA build) has no opaque values, nor the argument for them.
+        opaque = {"saved_opaque_nodes": saved_opaque} if saved_opaque else {}
         fw, bw = _extract_fwd_bwd_modules(
             gm,
             saved,
             saved_sym_nodes=saved_sym,
-            saved_opaque_nodes=saved_opaque,
             num_fwd_outputs=num_fwd_outputs,
             static_lifetime_input_nodes=node_info.static_lifetime_input_nodes,
+            **opaque,
         )
         if recomputable and has_recomputable_rng_ops(gm):
             fw, bw = functionalize_rng_ops(gm, fw, bw, len(saved_sym))

@@ -1,16 +1,23 @@
 """verify.parity.device_world on the CPU: the code that .ci/gpu runs on one GPU (tests/gpu/
 test_gpu_compile.py), run here on forked gloo ranks, so that CI without a GPU checks it.
 
-In the tier: the tiny LLaMA preset under FSDP, eager twice and the aot_eager second compile, all
-bitwise. In the slow step: the same graphs compiled by Inductor (C++ on the CPU), which must be
-within the stated tolerance and, since Inductor reorders sums, not bitwise (were the pipeline's
-``compiler`` option ignored, the run would be aot_eager's, and bitwise).
+In the tier: the host-staged collectives' kernels (what a one-GPU world runs instead of gloo's
+CUDA collectives), called on CPU tensors against gloo's own. In the slow step (the tier has the
+second compile's parity on the same world: test_compile_parity.py): the tiny LLaMA preset under
+FSDP, eager twice and the aot_eager second compile, all bitwise; and the same graphs compiled by
+Inductor (C++ on the CPU), which must be within the stated tolerance and, since Inductor reorders
+sums, not bitwise (were the pipeline's ``compiler`` option ignored, the run would be aot_eager's,
+and bitwise).
 """
 
 from __future__ import annotations
 
 import pytest
+import torch
+import torch.distributed as dist
 
+from autoparallel.runtime import run_on_world
+from verify.parity import device_world
 from verify.parity.device_world import (
     EAGER,
     EAGER_AGAIN,
@@ -25,6 +32,34 @@ from verify.parity.device_world import (
 CELL = DeviceCell("tiny", "fsdp", "dp=2")
 
 
+def _staged_against_gloo(rank: int, world_size: int) -> dict[str, bool]:
+    g, c = dist.group.WORLD.group_name, torch.ops._c10d_functional
+    x = torch.arange(4.0) + 10 * rank
+    gathered = c.wait_tensor(c.all_gather_into_tensor(x, 2, g))
+    out = torch.empty(8)
+    device_world._all_gather_out(x, 2, g, out=out)
+    bc = x.clone()
+    device_world._broadcast_inplace(bc, 1, g)
+    return {
+        "all_gather": torch.equal(device_world._all_gather(x, 2, g), gathered),
+        "all_gather out": torch.equal(out, gathered),
+        "all_gather coalesced": all(torch.equal(a, c.wait_tensor(b)) for a, b in zip(
+            device_world._all_gather_coalesced([x, 2 * x], 2, g), c.all_gather_into_tensor_coalesced([x, 2 * x], 2, g), strict=True)),
+        "all_to_all": torch.equal(device_world._all_to_all(x, [2, 2], [2, 2], g), c.wait_tensor(c.all_to_all_single(x, [2, 2], [2, 2], g))),
+        "broadcast": torch.equal(device_world._broadcast(x, 0, g), torch.arange(4.0)),
+        "broadcast in place": torch.equal(bc, torch.arange(4.0) + 10),
+        "gathered the ranks": torch.equal(gathered, torch.cat([torch.arange(4.0), torch.arange(4.0) + 10])),
+    }
+
+
+def test_the_host_staged_kernels_compute_what_gloo_does():
+    for rank, checks in enumerate(run_on_world(_staged_against_gloo, 2, timeout_s=60)):
+        assert all(checks.values()), (rank, checks)
+    assert set(device_world.STAGED_KERNELS) == {"all_gather_into_tensor", "all_gather_into_tensor_out", "all_gather_into_tensor_coalesced",
+                                                "all_to_all_single", "broadcast", "broadcast_"}
+
+
+@pytest.mark.slow
 def test_on_cpu_eager_repeats_and_the_aot_eager_second_compile_are_bitwise():
     ranks = run_device_parity(CELL, ("aot_eager",), device="cpu", steps=2, timeout_s=180)
     print(summary(CELL, ranks))

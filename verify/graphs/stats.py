@@ -65,6 +65,7 @@ from autoparallel.fx_utils import (
     max_consec_compute_between_rs,
     node_val,
     resolve_attr,
+    size_hint,
 )
 from autoparallel.mesh import dim_label, group_dims_of
 from verify.graphs.canon import canonical_names, graph_and_owner
@@ -185,11 +186,7 @@ def _hint(x: Any, node: fx.Node) -> int:
                 f"node {node.name!r}: size {x} is data-dependent (an unbacked symbol, no trace-time "
                 "hint); cannot count its bytes"
             )
-        # Imported here: torch 2.11 (the CUDA build on the GPU machines .ci/gpu runs on) has no
-        # optimization_hint, and a module-level import broke collection of 41 test modules there.
-        from torch.fx.experimental.symbolic_shapes import optimization_hint
-
-        return int(optimization_hint(x))
+        return size_hint(x)  # torch 2.11 (the GPU machines' CUDA build) has no optimization_hint
     return int(x)
 
 

@@ -2,8 +2,9 @@
 
 One GPU answers the compile stack's questions about CUDA: do the second compile's graphs, run on
 CUDA tensors, still train bitwise like the eager parallel program, and how far do Inductor's
-(Triton) kernels move losses and gradients? Every rank of a gloo world binds the same device:
-gloo moves CUDA tensors through host memory, where NCCL refuses two ranks on one device. Each
+(Triton) kernels move losses and gradients? Every rank of a gloo world binds the same device
+(NCCL refuses two ranks on one device); the collectives on CUDA tensors run on host copies
+(:func:`host_staged_collectives`), the reductions rank-ordered. Each
 rank builds its own mesh (device type ``cuda``), traces and compiles for itself, in a process of
 its own (``spawn``: CUDA cannot be used in a process forked after the parent initialised it), and
 trains ``steps`` steps (AdamW between) from the same parameters with each executor:
@@ -28,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import time
 import traceback
 from collections.abc import Iterator, Mapping, Sequence
@@ -46,6 +48,7 @@ from autoparallel.runtime.steps import (
     eager_program_executor,
     train_steps,
 )
+from verify.hf import hf_case
 from verify.parity.compare import (
     OracleCheck,
     ParityReport,
@@ -54,7 +57,7 @@ from verify.parity.compare import (
     merge_reports,
     module_scales,
 )
-from verify.parity.ordered_collectives import run_parity_world
+from verify.parity.ordered_collectives import RANK_ORDERED, run_parity_world
 from verify.parity.runs import rank_seed
 from verify.stages.pipeline_run import pipeline_options
 from verify.stages.scenario import Scenario
@@ -85,8 +88,6 @@ class DeviceCell:
 
     def scenario(self) -> Scenario:
         if self.model.startswith(HF_PREFIX):
-            from verify.hf import hf_case
-
             return Scenario(plan=self.plan, mesh=self.mesh, seed=self.seed, case=hf_case(self.model[len(HF_PREFIX):]))
         return Scenario(preset=self.model, plan=self.plan, mesh=self.mesh, seed=self.seed)
 
@@ -128,8 +129,9 @@ def run_device_parity(
         device = f"cuda:{torch.cuda.current_device()}"  # one device, named: every rank binds it
     spec = cell.scenario().mesh_spec
     start = "spawn" if torch.device(device).type == "cuda" else "fork"
+    # Rank-ordered reductions always: their all-gathers and all-to-alls are what the host stages.
     return run_parity_world(_rank, spec.world_size, args=(cell, tuple(compilers), device, steps),
-                            timeout_s=timeout_s, start_method=start)
+                            timeout_s=timeout_s, start_method=start, mode=RANK_ORDERED)
 
 
 @contextlib.contextmanager
@@ -144,12 +146,73 @@ def deterministic_kernels() -> Iterator[None]:
         torch.use_deterministic_algorithms(was, warn_only=warn_only)
 
 
+_c10d = torch.ops._c10d_functional
+
+
+def _on_host(op, input: torch.Tensor, *args) -> torch.Tensor:
+    """``op`` (a functional collective) run on a host copy of ``input``; the result, waited for,
+    back on ``input``'s device."""
+    return _c10d.wait_tensor(op(input.cpu(), *args)).to(input.device)
+
+
+def _all_gather(input, group_size, group_name):
+    return _on_host(_c10d.all_gather_into_tensor, input, group_size, group_name)
+
+
+def _all_gather_out(input, group_size, group_name, *, out):
+    return out.copy_(_all_gather(input, group_size, group_name))
+
+
+def _all_gather_coalesced(inputs, group_size, group_name):
+    return [_all_gather(t, group_size, group_name) for t in inputs]
+
+
+def _all_to_all(input, output_split_sizes, input_split_sizes, group_name):
+    return _on_host(_c10d.all_to_all_single, input, output_split_sizes, input_split_sizes, group_name)
+
+
+def _broadcast(input, src, group_name):
+    return _on_host(_c10d.broadcast, input, src, group_name)
+
+
+def _broadcast_inplace(input, src, group_name):
+    return input.copy_(_broadcast(input, src, group_name))
+
+
+# The collectives that move bytes and add nothing; the reductions are the rank-ordered mode's
+# (verify.parity.ordered_collectives), which exchanges contributions through these two.
+STAGED_KERNELS = {
+    "all_gather_into_tensor": _all_gather,
+    "all_gather_into_tensor_out": _all_gather_out,
+    "all_gather_into_tensor_coalesced": _all_gather_coalesced,
+    "all_to_all_single": _all_to_all,
+    "broadcast": _broadcast,
+    "broadcast_": _broadcast_inplace,
+}
+
+
+@contextlib.contextmanager
+def host_staged_collectives() -> Iterator[None]:
+    """Inside, the functional collectives on CUDA tensors run gloo's CPU path on host copies.
+    gloo's own CUDA all-gather crashed the rank (SIGSEGV in ``wait_tensor``, torch 2.11, two ranks
+    on one H100); staging through the host is what gloo does for CUDA tensors anyway. The kernels
+    go when the scope ends."""
+    lib = torch.library.Library("_c10d_functional", "IMPL")
+    try:
+        for name, kernel in STAGED_KERNELS.items():
+            if hasattr(_c10d, name):  # all of them since torch 2.6; a torch without one never calls it
+                lib.impl(name, kernel, "CUDA")
+        yield
+    finally:
+        lib._destroy()
+
+
 def _rank(rank: int, world_size: int, cell: DeviceCell, compilers: tuple[str, ...], device: str, steps: int) -> DeviceRank:
     on_cuda = torch.device(device).type == "cuda"
     if on_cuda:
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # this rank's own process
         torch.cuda.set_device(torch.device(device))
-    with deterministic_kernels():
+    with deterministic_kernels(), host_staged_collectives() if on_cuda else contextlib.nullcontext():
         return _train_every_executor(rank, cell, compilers, device, steps)
 
 
@@ -221,11 +284,20 @@ def trace_on_cpu(trace: StepTrace) -> StepTrace:
     return out
 
 
+def error_line(traceback_text: str) -> str:
+    """The line of a formatted traceback that names the exception (the last one that does: Dynamo
+    appends advice after it), else its last line."""
+    lines = [line.strip() for line in traceback_text.strip().splitlines() if line.strip()]
+    named = [line for line in lines if re.match(r"^[A-Za-z_][\w.]*(Error|Exception|Failed|Interrupt)\b.*:", line)]
+    return (named or lines or ["(empty traceback)"])[-1]
+
+
 def bitwise_report(ranks: Sequence[DeviceRank], executor: str, reference: str = EAGER) -> ParityReport:
     """``executor`` against ``reference``, bitwise, on every rank (names ``rank<i>/``)."""
     missing = [r.rank for r in ranks if executor not in r.traces]
     if missing:
-        errors = "; ".join(r.errors.get(executor, "no error recorded").strip().splitlines()[-1] for r in ranks if r.rank in missing)
+        errors = "; ".join(error_line(r.errors[executor]) if executor in r.errors else "no error recorded"
+                           for r in ranks if r.rank in missing)
         raise AssertionError(f"{executor} did not run on rank(s) {missing}: {errors}")
     return merge_reports([compare_traces(r.traces[reference], r.traces[executor], a_name=reference, b_name=executor) for r in ranks],
                          [f"rank{r.rank}" for r in ranks])
@@ -266,7 +338,7 @@ def summary(cell: DeviceCell, ranks: Sequence[DeviceRank]) -> str:
     lines = [f"{cell.label}: " + ", ".join(f"rank {r.rank} on {r.device} over {r.backend}" for r in ranks)]
     for name in (EAGER_AGAIN, *COMPILERS):
         if not all(name in r.traces for r in ranks):
-            errors = [r.errors[name].strip().splitlines()[-1] for r in ranks if name in r.errors]
+            errors = [error_line(r.errors[name]) for r in ranks if name in r.errors]
             if errors:
                 lines.append(f"  {name}: FAILED: {errors[0]}")
             continue

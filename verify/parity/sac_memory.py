@@ -31,6 +31,7 @@ from autoparallel.trainer.regions import annotate_ac_regions
 from autoparallel.trainer.sac import graph_sac
 from autoparallel.trainer.trace import trace_train_step
 from verify.graphs.memory import PeakMemory, peak_memory
+from verify.hf import ARCHS, VOCAB, hf_case
 
 EAGER_SAC, TRACED_SAC = "eager SAC", "traced SAC+remat"
 
@@ -119,8 +120,6 @@ def hf_sac_peaks(
 ) -> tuple[dict[str, PeakMemory], dict[str, torch.Tensor]]:
     """:func:`sac_peaks` for the ``verify.hf`` token-task architecture ``arch`` (causal or masked
     LM) on ``batch`` x ``seq`` random tokens; ``overrides`` go to its config (sizes, dropout)."""
-    from verify.hf import ARCHS, VOCAB, hf_case
-
     if arch not in ARCHS or ARCHS[arch].task not in ("causal", "masked"):
         raise ValueError(f"hf_sac_peaks: {arch!r} is not a causal or masked LM of verify.hf; "
                          f"those are {sorted(a for a, x in ARCHS.items() if x.task in ('causal', 'masked'))}")

@@ -10,9 +10,12 @@ from autoparallel.runtime.steps import StepTrace
 from verify.parity.device_world import (
     EAGER,
     INDUCTOR_RTOL,
+    STAGED_KERNELS,
     DeviceCell,
     DeviceRank,
     bitwise_report,
+    error_line,
+    host_staged_collectives,
     run_device_parity,
     tolerance_checks,
     trace_on_cpu,
@@ -119,3 +122,22 @@ def test_the_runner_refuses_unknown_compilers_devices_and_a_cuda_it_cannot_see()
     if not torch.cuda.is_available():
         with pytest.raises(RuntimeError, match="sees no CUDA device"):
             run_device_parity(DeviceCell(), device="cuda")
+
+
+def test_the_staged_kernels_are_the_cuda_ones_inside_the_scope_only():
+    def cuda_kernels() -> list[str]:
+        return [n for n in STAGED_KERNELS if torch._C._dispatch_has_kernel_for_dispatch_key(f"_c10d_functional::{n}", "CUDA")]
+
+    before = cuda_kernels()
+    with host_staged_collectives():
+        assert cuda_kernels() == list(STAGED_KERNELS)
+    assert cuda_kernels() == before
+
+
+def test_the_error_line_is_the_exception_not_dynamos_advice_after_it():
+    dynamo = ("Traceback (most recent call last):\n  File \"x.py\", line 1, in f\n"
+              "torch._dynamo.exc.BackendCompilerFailed: backend='backend' raised:\nTypeError: f() got an unexpected keyword\n\n"
+              "Set TORCHDYNAMO_VERBOSE=1 for the internal stack trace")
+    assert error_line(dynamo) == "TypeError: f() got an unexpected keyword"
+    assert error_line("Traceback\nRuntimeError: no Triton\n") == "RuntimeError: no Triton"
+    assert error_line("no exception named\nlast words") == "last words"

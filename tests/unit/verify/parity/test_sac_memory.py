@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from verify.graphs.memory import compare_peaks, peak_memory, ratio
+from verify.hf import hf_case, token_loss
 from verify.parity.sac_memory import (
     EAGER_SAC,
     TRACED_SAC,
@@ -33,8 +34,6 @@ NO_DROPOUT = dict(attn_pdrop=0.0, resid_pdrop=0.0, embd_pdrop=0.0)
 
 
 def _gpt2(**overrides):
-    from verify.hf import hf_case
-
     return hf_case("gpt2", **overrides).build()
 
 
@@ -44,8 +43,6 @@ def _tokens(n: int = 2, seq: int = 8):
 
 
 def test_the_block_list_is_the_largest_list_of_one_class():
-    from verify.hf import hf_case
-
     parent, name = block_list(_gpt2())
     assert name == "h" and type(parent).__name__ == "GPT2Model"
     parent, name = block_list(hf_case("bert").build())
@@ -59,8 +56,6 @@ def test_a_model_without_a_block_list_is_refused():
 
 
 def _step(model, inputs):
-    from verify.hf import token_loss
-
     model.zero_grad(set_to_none=True)
     loss = token_loss(model(*inputs[:2]), inputs[2])
     loss.backward()
