@@ -374,9 +374,13 @@ def _getitem_children(node: fx.Node) -> list[fx.Node]:
 
 def _only_asserted(node: fx.Node) -> bool:
     """A SymBool read only by ``_assert_scalar``: checked in the forward, nothing the backward needs
-    (what the stock partitioner leaves unsaved; torch 2.11, on the GPU machines, has no helper for it)."""
-    return (isinstance(node.meta.get(M.VAL), torch.SymBool) and len(node.users) > 0
-            and all(u.target is torch.ops.aten._assert_scalar.default for u in node.users))
+    (the stock partitioner's rule; torch 2.11, on the GPU machines, has no helper for it)."""
+    try:
+        from torch._functorch.partitioners import _is_assert_only_symbool
+    except ImportError:
+        return (isinstance(node.meta.get(M.VAL), torch.SymBool) and len(node.users) > 0
+                and all(u.target is torch.ops.aten._assert_scalar.default for u in node.users))
+    return _is_assert_only_symbool(node)
 
 
 def _is_opaque(node: fx.Node) -> bool:

@@ -326,7 +326,7 @@ class OracleReport:
     @property
     def worst_ratio(self) -> float:
         """The largest |diff| / bound (<= 1 passes)."""
-        return max((c.max_abs / c.bound if c.bound else (0.0 if c.max_abs == 0 else _INF) for c in self.checks), default=0.0)
+        return worst_ratio(self.checks)
 
     def summary(self, limit: int = 10) -> str:
         verdict = "PASS" if self.passed else f"FAIL: {len(self.failures())} of {len(self.checks)} beyond tolerance"
@@ -354,6 +354,12 @@ class OracleReport:
             "worst_ratio": self.worst_ratio,
             "tolerance": self.tolerance.to_dict(),
         }
+
+
+def worst_ratio(checks: Sequence[OracleCheck]) -> float:
+    """The largest |diff| / bound among ``checks`` (<= 1: every one passes; inf: a mismatch of
+    shape, dtype or a NaN, or a difference where the bound is 0)."""
+    return max((c.max_abs / c.bound if c.bound else (0.0 if c.max_abs == 0 else _INF) for c in checks), default=0.0)
 
 
 def check_within(

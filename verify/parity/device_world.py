@@ -53,12 +53,11 @@ from verify.parity.compare import (
     OracleCheck,
     ParityReport,
     check_within,
-    compare_traces,
-    merge_reports,
     module_scales,
+    worst_ratio,
 )
 from verify.parity.ordered_collectives import RANK_ORDERED, run_parity_world
-from verify.parity.runs import rank_seed
+from verify.parity.runs import compare_with_eager, rank_seed
 from verify.stages.pipeline_run import pipeline_options
 from verify.stages.scenario import Scenario
 
@@ -292,15 +291,15 @@ def error_line(traceback_text: str) -> str:
     return (named or lines or ["(empty traceback)"])[-1]
 
 
-def bitwise_report(ranks: Sequence[DeviceRank], executor: str, reference: str = EAGER) -> ParityReport:
-    """``executor`` against ``reference``, bitwise, on every rank (names ``rank<i>/``)."""
+def bitwise_report(ranks: Sequence[DeviceRank], executor: str) -> ParityReport:
+    """``executor`` against ``eager``, bitwise, on every rank; an executor that did not run is an
+    error quoting why."""
     missing = [r.rank for r in ranks if executor not in r.traces]
     if missing:
         errors = "; ".join(error_line(r.errors[executor]) if executor in r.errors else "no error recorded"
                            for r in ranks if r.rank in missing)
         raise AssertionError(f"{executor} did not run on rank(s) {missing}: {errors}")
-    return merge_reports([compare_traces(r.traces[reference], r.traces[executor], a_name=reference, b_name=executor) for r in ranks],
-                         [f"rank{r.rank}" for r in ranks])
+    return compare_with_eager(ranks, executor)
 
 
 def tolerance_checks(reference: StepTrace, got: StepTrace, rtol: float = INDUCTOR_RTOL) -> list[OracleCheck]:
@@ -316,11 +315,6 @@ def tolerance_checks(reference: StepTrace, got: StepTrace, rtol: float = INDUCTO
         for fqn in sorted(set(ga) | set(gb)):
             checks.append(check_within(f"step{step}/grad:{fqn}", ga.get(fqn), gb.get(fqn), rtol, scales.get(fqn)))
     return checks
-
-
-def worst_ratio(checks: Sequence[OracleCheck]) -> float:
-    """The largest |diff| / bound among ``checks`` (<= 1: every check passes; inf: a mismatch of shape, dtype or NaN)."""
-    return max((c.max_abs / c.bound if c.bound else (0.0 if c.max_abs == 0 else float("inf")) for c in checks), default=0.0)
 
 
 def peak_summary(ranks: Sequence[DeviceRank]) -> str:
