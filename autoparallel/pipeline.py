@@ -57,6 +57,7 @@ from autoparallel.aot_graph_text import aot_graph_text_only_when_logged
 from autoparallel.compile import OVERLAP_PATCH, SECOND_COMPILE, Compiler, autoparallel_backend
 from autoparallel.compiling_flag import PATCH as TRACE_AS_COMPILING
 from autoparallel.fx_utils import copy_graph_module
+from autoparallel.gc_pauses import fewer_collections
 from autoparallel.mesh import MeshSpec, ParallelMesh, attach_group_dims, fake_world
 from autoparallel.parallelize import JointGraph, ParallelPlan, build_joint_graph, split_batch
 from autoparallel.parallelize.program import LossFn
@@ -573,7 +574,7 @@ def run_pipeline(
     if len(set(names)) != len(names):
         raise ValueError(f"stage names repeat: {names}")
     alternatives: list[StageResult] = []
-    with _world(mesh) as world, contextlib.ExitStack() as cleanup:
+    with fewer_collections(), _world(mesh) as world, contextlib.ExitStack() as cleanup:
         state = PipelineState(model, loss_fn, tuple(example_inputs), plan, world, options)
         # The trace keeps its export context (a fake mode) entered until the first partition
         # compiles; a run that stops or fails before that must not leave it entered.

@@ -19,8 +19,9 @@ with the eager parallel program bitwise and the eager program with single-device
 the oracle's tolerance (``verify.parity.compare``). Dynamo's caches are reset when it returns.
 
 From pytest, the plugin's ``model_check`` fixture runs it and fails the test with the summary
-when something is off; ``goldens=True`` also compares each stage's canonical graph text with
-its golden file (``python -m verify goldens --update`` writes them). From the command line:
+when something is off; ``golden=golden`` (the ``golden`` fixture) also compares each stage's
+canonical graph text with its golden file (``python -m verify goldens --update`` writes them;
+``check_model(..., goldens=True)`` keeps what those texts need). From the command line:
 ``python -m verify report --model package.module:name`` (a ``ModelCase``).
 """
 
@@ -90,6 +91,8 @@ class ModelCheck:
 
     def golden_texts(self) -> dict[str, str]:
         """Per stage: the canonical golden text (header, stats, graphs) a golden file holds."""
+        if not self.run.alternatives:
+            raise ValueError("golden texts need each collective pass run alone: check_model(..., goldens=True)")
         return {
             stage: graph_golden_text(
                 f"{self.scenario.model_name} {stage}", header(self.scenario, stage), golden_result(self.run, stage).graphs
@@ -109,12 +112,12 @@ class ModelCheck:
         return "\n".join(lines)
 
 
-def _check_planned(scenario: Scenario, steps: int, *, parity: bool, native_collectives: bool) -> ModelCheck:
+def _check_planned(scenario: Scenario, steps: int, *, parity: bool, native_collectives: bool, goldens: bool) -> ModelCheck:
     """plan="auto": every stage of ``PLANNED_STAGES`` on a fake world (graphs, stats, goldens),
     then the planned parity world (``verify.parity.planned``: each rank lowers the solver's plan;
     the lowered joint graph, the first partition and the second compile against the plan's
     placements run eagerly, bitwise) and the oracle, all with the case's own loss."""
-    run = run_scenario(scenario)
+    run = run_scenario(scenario, alternatives=goldens)
     result = ModelCheck(scenario, run)
     if parity:
         case = planned_case(scenario)
@@ -160,6 +163,7 @@ def check_model(
     name: str | None = None,
     parity: bool = True,
     native_collectives: bool = False,
+    goldens: bool = False,
 ) -> ModelCheck:
     """Run the pipeline, parity and the oracle for a model; see the module docstring.
 
@@ -170,7 +174,9 @@ def check_model(
     ranks' contributions in rank order (``verify.parity.ordered_collectives``: a verdict that does not
     depend on how buckets fall); ``native_collectives=True`` runs gloo's own. Bad input (a plan that does not fit
     the model, a loss that is not a scalar, a parameter the loss does not use ...) raises
-    ValueError naming it."""
+    ValueError naming it. ``goldens=True``: the run also keeps each collective pass run alone on
+    the second compile's graphs, which the stage goldens of those passes show
+    (:meth:`ModelCheck.golden_texts`); off, it skips them (about a fifth of a small model's run)."""
     fields = _plan_fields(plan)
     if fields["plan"] == AUTO and (tp_rules or tp_regions):
         raise ValueError(
@@ -191,8 +197,8 @@ def check_model(
     scenario = Scenario(case=case, mesh=mesh, seed=seed, **fields)
     check_flags(scenario)
     if scenario.plan == AUTO:
-        return _check_planned(scenario, steps, parity=parity, native_collectives=native_collectives)
-    run = run_scenario(scenario, keep_compiled=parity)
+        return _check_planned(scenario, steps, parity=parity, native_collectives=native_collectives, goldens=goldens)
+    run = run_scenario(scenario, keep_compiled=parity, alternatives=goldens)
     result = ModelCheck(scenario, run)
     if parity:
         with ordered_collectives.native_collectives(native_collectives):

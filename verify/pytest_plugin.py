@@ -330,7 +330,7 @@ class VerifyPlugin:
         def check(*args, golden: GoldenChecker | None = None, **kwargs):
             from verify.check import check_model
 
-            result = check_model(*args, **kwargs)
+            result = check_model(*args, goldens=golden is not None, **kwargs)
             if not result.ok:
                 pytest.fail(f"{result.scenario.header()}:\n" + "\n".join(result.failures()), pytrace=False)
             if golden is not None:

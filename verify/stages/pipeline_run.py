@@ -80,7 +80,7 @@ def intra_op_threads(n: int = 1) -> Iterator[None]:
         torch.set_num_threads(old)
 
 
-_shared_runs: dict | None = None  # while reuse_pipeline_runs() is entered: arguments -> [(until, run)]
+_shared_runs: dict | None = None  # while reuse_pipeline_runs() is entered: arguments -> [(until, kept, alternatives, run)]
 
 
 @contextlib.contextmanager
@@ -106,6 +106,15 @@ def _covers(names: list[str], ran_until: str | None, until: str | None) -> bool:
     return until is not None and names.index(until) <= names.index(ran_until)
 
 
+def _serves(names: list[str], shared: tuple, until: str | None, keep_compiled: bool, alternatives: bool) -> bool:
+    """Whether a shared run ``(ran_until, kept, had_alternatives, run)`` answers this request."""
+    ran_until, kept, had_alternatives, run = shared
+    if not _covers(names, ran_until, until) or (alternatives and until is None and not had_alternatives):
+        return False
+    # A parity run consumes the compiled module (Dynamo's reset invalidates it).
+    return not (keep_compiled and (not kept or run.compiled is None))
+
+
 def run_scenario(
     scenario: Scenario,
     *,
@@ -113,6 +122,7 @@ def run_scenario(
     topo_span=None,
     until: str | None = None,
     keep_compiled: bool = False,
+    alternatives: bool = True,
 ) -> P.PipelineRun:
     """Every stage of ``autoparallel.pipeline.STAGES`` for ``scenario`` on one fake world (graphs
     of rank 0: bucketing is rank-specific), plus the alternatives, each stage's graphs copied.
@@ -121,19 +131,18 @@ def run_scenario(
     ``keep_compiled``: the run also keeps the second compile's compiled module (a parity run can
     use it; it runs one forward on the fake world, so keep it off for models too large to run); a
     shared run that kept it also serves requests without, until a parity run consumed its
-    compiled module."""
+    compiled module. ``alternatives=False``: without them (``check_model`` reads only the
+    stages; they cost about a fifth of a small model's run)."""
     names = [stage.name for stage in P.stages_for(scenario.plan_obj())]
     if until is not None and until not in names:
         raise ValueError(f"until={until!r} is no stage; stages: {names}")
     key = (scenario, bucket_cap_mb, topo_span)
     if _shared_runs is not None:
-        for ran_until, kept, run in _shared_runs.get(key, ()):
-            # A parity run consumes the compiled module (Dynamo's reset invalidates it).
-            if _covers(names, ran_until, until) and not (keep_compiled and (not kept or run.compiled is None)):
-                return run
-    options = pipeline_options(
-        bucket_cap_mb, topo_span, keep_compiled=keep_compiled, **({} if until is None else {"alternatives": False})
-    )
+        for shared in _shared_runs.get(key, ()):
+            if _serves(names, shared, until, keep_compiled, alternatives):
+                return shared[-1]
+    alternatives = alternatives and until is None
+    options = pipeline_options(bucket_cap_mb, topo_span, keep_compiled=keep_compiled, alternatives=alternatives)
     # A kept module is for gloo ranks with one intra-op thread each (Dynamo guards on it).
     with intra_op_threads(1) if keep_compiled else contextlib.nullcontext():
         # A kept module runs: its model is built with values (on meta it would run on memory
@@ -141,5 +150,5 @@ def run_scenario(
         run = P.run_pipeline(*scenario.pipeline_inputs("cpu" if keep_compiled else "meta"), options, until=until,
                              trace=stage_tracer)
     if _shared_runs is not None:
-        _shared_runs.setdefault(key, []).append((until, keep_compiled, run))
+        _shared_runs.setdefault(key, []).append((until, keep_compiled, alternatives, run))
     return run

@@ -1,0 +1,56 @@
+"""autoparallel.gc_pauses: the collector's thresholds raised inside, restored after, a caller's
+own choice kept; the pipeline builds its graphs inside."""
+
+from __future__ import annotations
+
+import gc
+
+import pytest
+import torch
+
+from autoparallel import pipeline as P
+from autoparallel.gc_pauses import GRAPH_BUILDING_THRESHOLDS, fewer_collections
+from autoparallel.parallelize import ParallelPlan
+
+
+@pytest.fixture
+def thresholds():
+    """The process's thresholds, put back whatever a test does."""
+    old = gc.get_threshold()
+    yield old
+    gc.set_threshold(*old)
+
+
+def test_raised_inside_and_restored_after_also_on_error(thresholds):
+    gc.set_threshold(700, 10, 10)
+    with fewer_collections():
+        assert gc.get_threshold() == GRAPH_BUILDING_THRESHOLDS
+    assert gc.get_threshold() == (700, 10, 10)
+    with pytest.raises(RuntimeError, match="boom"), fewer_collections():
+        raise RuntimeError("boom")
+    assert gc.get_threshold() == (700, 10, 10)
+
+
+def test_a_callers_higher_thresholds_and_a_switched_off_collector_are_kept(thresholds):
+    gc.set_threshold(50_000, 5, 1_000)
+    with fewer_collections():
+        assert gc.get_threshold() == (50_000, 10, 1_000)
+        with fewer_collections((1, 1, 1)):  # nests: never lowers
+            assert gc.get_threshold() == (50_000, 10, 1_000)
+    assert gc.get_threshold() == (50_000, 5, 1_000)
+    gc.set_threshold(0, 10, 10)  # threshold 0 switches automatic collection off
+    with fewer_collections():
+        assert gc.get_threshold()[0] == 0
+    assert gc.get_threshold() == (0, 10, 10)
+
+
+def test_the_pipeline_builds_every_stage_with_fewer_collections(thresholds, mlp):
+    gc.set_threshold(700, 10, 10)
+    make_model, loss = mlp
+    seen = []
+    g = torch.Generator().manual_seed(0)
+    P.run_pipeline(make_model(), loss, (torch.randn(4, 16, generator=g), torch.randn(4, 8, generator=g)),
+                   ParallelPlan.fsdp("dp"), "dp=2", until=P.STAGE_NAMES[1],
+                   observers=[lambda r: seen.append((r.name, gc.get_threshold()))])
+    assert seen == [(name, GRAPH_BUILDING_THRESHOLDS) for name in P.STAGE_NAMES[:2]]
+    assert gc.get_threshold() == (700, 10, 10)
