@@ -20,6 +20,7 @@ from torch import nn
 from torch.distributed.tensor.placement_types import Placement, Replicate, Shard
 
 from autoparallel import roles
+from autoparallel.gc_pauses import fewer_collections
 from autoparallel.mesh import MeshSpec, ParallelMesh
 from autoparallel.planner.blocks import (
     MIN_TRACE_BLOCKS,
@@ -91,8 +92,9 @@ def plan_model(
 ) -> Plan:
     """Plan ``loss_fn(model(*inputs[:-1]), inputs[-1])`` on ``mesh`` (a fake world is fine)."""
     config = config or PlannerConfig()
-    planner = Planner.for_config(model, mesh, example_inputs, loss_fn, config, description=description, progress=progress)
-    return planner.plan(mesh, config, progress=progress)
+    with fewer_collections():
+        planner = Planner.for_config(model, mesh, example_inputs, loss_fn, config, description=description, progress=progress)
+        return planner.plan(mesh, config, progress=progress)
 
 
 class Planner:

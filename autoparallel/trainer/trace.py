@@ -44,6 +44,7 @@ from torch.nn.utils.stateless import _reparametrize_module
 from autoparallel import meta as M
 from autoparallel import roles
 from autoparallel.compiling_flag import tracing_as_compiling
+from autoparallel.gc_pauses import fewer_collections
 from autoparallel.patches import enabled
 from autoparallel.validate import check_loss, data_dependent_ops_named
 
@@ -275,6 +276,7 @@ def trace_train_step(
         fx_traceback.preserve_node_meta(),
         torch.autograd.set_multithreading_enabled(False),
         torch.enable_grad(),
+        fewer_collections(),
     ):
         if record_module_stack:
             step._orig_mod = model  # type: ignore[attr-defined]  # the module stack's root

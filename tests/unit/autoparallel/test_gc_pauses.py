@@ -1,5 +1,5 @@
 """autoparallel.gc_pauses: the collector's thresholds raised inside, restored after, a caller's
-own choice kept; the pipeline builds its graphs inside."""
+own choice kept; the pipeline, the planner and the graph trainer build their graphs inside."""
 
 from __future__ import annotations
 
@@ -7,10 +7,15 @@ import gc
 
 import pytest
 import torch
+import torch.nn.functional as F
+from torch import nn
 
 from autoparallel import pipeline as P
 from autoparallel.gc_pauses import GRAPH_BUILDING_THRESHOLDS, fewer_collections
+from autoparallel.mesh import fake_world
 from autoparallel.parallelize import ParallelPlan
+from autoparallel.planner import plan_model
+from autoparallel.trainer import trace_train_step
 
 
 @pytest.fixture
@@ -53,4 +58,40 @@ def test_the_pipeline_builds_every_stage_with_fewer_collections(thresholds, mlp)
                    ParallelPlan.fsdp("dp"), "dp=2", until=P.STAGE_NAMES[1],
                    observers=[lambda r: seen.append((r.name, gc.get_threshold()))])
     assert seen == [(name, GRAPH_BUILDING_THRESHOLDS) for name in P.STAGE_NAMES[:2]]
+    assert gc.get_threshold() == (700, 10, 10)
+
+
+class _SeesThresholds(nn.Module):
+    """Records the collector's thresholds in ``seen`` each time its forward runs (tracing runs
+    it; the list is shared with the copies the planner traces)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 2)
+        self.seen = _Shared()
+
+    def forward(self, x):
+        self.seen.append(gc.get_threshold())
+        return self.lin(x)
+
+
+class _Shared(list):
+    def __deepcopy__(self, memo):
+        return self
+
+
+def test_the_graph_trainer_traces_with_fewer_collections(thresholds):
+    gc.set_threshold(700, 10, 10)
+    model = _SeesThresholds()
+    trace_train_step(model, F.mse_loss, (torch.randn(3, 4), torch.randn(3, 2)))
+    assert model.seen and set(model.seen) == {GRAPH_BUILDING_THRESHOLDS}
+    assert gc.get_threshold() == (700, 10, 10)
+
+
+def test_the_planner_traces_and_solves_with_fewer_collections(thresholds):
+    gc.set_threshold(700, 10, 10)
+    model = _SeesThresholds()
+    with fake_world("dp=2") as mesh:
+        plan_model(model, mesh, (torch.randn(4, 4), torch.randn(4, 2)), F.mse_loss)
+    assert model.seen and set(model.seen) == {GRAPH_BUILDING_THRESHOLDS}
     assert gc.get_threshold() == (700, 10, 10)
