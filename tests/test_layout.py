@@ -18,6 +18,7 @@ import ast
 import functools
 import os
 import re
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -233,17 +234,22 @@ LOCAL_IMPORTS_ALLOWED = {
 }
 
 
+def _imports_in_functions(node: ast.AST, inside: bool = False) -> Iterator[ast.Import | ast.ImportFrom]:
+    """Every import statement under a function body, each once (one walk: nested functions are
+    not walked again)."""
+    for child in ast.iter_child_nodes(node):
+        if inside and isinstance(child, ast.Import | ast.ImportFrom):
+            yield child
+        yield from _imports_in_functions(child, inside or isinstance(child, ast.FunctionDef | ast.AsyncFunctionDef))
+
+
 def local_first_party_imports(sources: dict[str, str]) -> list[str]:
     out = []
     for path, text in sources.items():
-        for fn in ast.walk(_parse(text)):
-            if not isinstance(fn, ast.FunctionDef | ast.AsyncFunctionDef):
-                continue
-            for n in ast.walk(fn):
-                if isinstance(n, ast.Import | ast.ImportFrom) and n is not fn:
-                    names = [a.name for a in n.names] if isinstance(n, ast.Import) else [n.module or ""]
-                    if any(name.split(".")[0] in PACKAGES for name in names):
-                        out.append(f"{path}:{n.lineno}")
+        for n in _imports_in_functions(_parse(text)):
+            names = [a.name for a in n.names] if isinstance(n, ast.Import) else [n.module or ""]
+            if any(name.split(".")[0] in PACKAGES for name in names):
+                out.append(f"{path}:{n.lineno}")
     return out
 
 
@@ -257,6 +263,8 @@ def test_first_party_imports_are_at_module_level_unless_a_module_says_why():
 def test_local_import_check_finds_one():
     assert local_first_party_imports({"m.py": "def f():\n    from autoparallel import meta\n"}) == ["m.py:2"]
     assert local_first_party_imports({"m.py": "def f():\n    import json\n"}) == []
+    nested = "import verify\ndef f():\n    def g():\n        import autoparallel.meta\n    return g\n"
+    assert local_first_party_imports({"m.py": nested}) == ["m.py:4"]  # once, not once per enclosing function
 
 
 # --- vocabularies: meta keys, role labels, AC policy names ---------------------------------------
