@@ -44,7 +44,9 @@ variables, no thread settings.
 from __future__ import annotations
 
 import contextlib
+import copy
 import ctypes
+import dataclasses
 import json
 import math
 import multiprocessing
@@ -121,21 +123,35 @@ def _atomic_write_bytes(path: str, data: bytes) -> None:
     os.replace(tmp, path)
 
 
-def _to_cpu(value: Any) -> Any:
-    """Detach and copy every tensor in (nested list/tuple/dict) ``value`` to CPU memory.
+def to_cpu(value: Any) -> Any:
+    """``value`` with every tensor detached and copied to CPU memory: tensors inside lists,
+    tuples, dicts and dataclasses (a rank's results, a ``StepTrace``), at any depth; a dataclass
+    comes back as a shallow copy of itself with its fields converted.
 
     Copying also drops the rest of a view's storage, which ``torch.save`` would otherwise write.
     Pending functional-collective results are waited on first.
     """
     from torch.distributed._functional_collectives import AsyncCollectiveTensor
-    from torch.utils._pytree import tree_map_only
 
-    def convert(t: torch.Tensor) -> torch.Tensor:
-        if isinstance(t, AsyncCollectiveTensor):
-            t = t.wait()
-        return t.detach().to("cpu", copy=True)
-
-    return tree_map_only(torch.Tensor, convert, value)
+    if isinstance(value, torch.Tensor):
+        if isinstance(value, AsyncCollectiveTensor):
+            value = value.wait()
+        return value.detach().to("cpu", copy=True)
+    if isinstance(value, dict | list):  # subclasses too (an OrderedDict, a defaultdict)
+        out = copy.copy(value)
+        for k in range(len(value)) if isinstance(value, list) else value:
+            out[k] = to_cpu(value[k])
+        return out
+    if isinstance(value, tuple) and hasattr(value, "_fields"):  # a namedtuple
+        return type(value)(*(to_cpu(v) for v in value))
+    if isinstance(value, tuple):
+        return tuple(to_cpu(v) for v in value)
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        out = copy.copy(value)
+        for f in dataclasses.fields(value):
+            object.__setattr__(out, f.name, to_cpu(getattr(value, f.name)))  # frozen ones too
+        return out
+    return value
 
 
 _PEER_LOSS_MARKERS = (
@@ -213,7 +229,7 @@ def _rank_main(
             timeout=timedelta(seconds=timeout_s),
         )
         stage = "fn"
-        result = _to_cpu(fn(rank, world_size, *args))
+        result = to_cpu(fn(rank, world_size, *args))
         stage = "save_result"
         tmp = _result_path(workdir, rank) + ".tmp"
         torch.save(result, tmp)
@@ -548,7 +564,7 @@ def run_on_world(
     (``None`` keeps the inherited setting), for ``"nccl"`` binds ``cuda:rank``, joins a default
     process group of ``backend`` via ``tcp://127.0.0.1:<free port>`` with ``timeout_s``, runs
     ``fn``, and destroys the group. Results may be any picklable value; tensors inside
-    lists/tuples/dicts are detached and copied to CPU.
+    lists/tuples/dicts/dataclasses are detached and copied to CPU (:func:`to_cpu`).
 
     With ``start_method="spawn"`` or ``"forkserver"``, ``fn`` and ``args`` must be picklable
     (e.g. a module-level function) and the ranks pay a fresh ``import torch`` (seconds); those

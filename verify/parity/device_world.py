@@ -32,7 +32,7 @@ import os
 import re
 import time
 import traceback
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -42,6 +42,7 @@ import torch.distributed as dist
 from autoparallel.mesh import build_mesh
 from autoparallel.parallelize import ParallelProgram, split_batch
 from autoparallel.pipeline import run_pipeline
+from autoparallel.runtime import to_cpu
 from autoparallel.runtime.steps import (
     StepTrace,
     compiled_module_executor,
@@ -243,7 +244,7 @@ def _train_every_executor(rank: int, cell: DeviceCell, compilers: tuple[str, ...
             torch.cuda.synchronize()
             out.peaks[name] = {"allocated": torch.cuda.max_memory_allocated(), "reserved": torch.cuda.max_memory_reserved()}
         out.seconds[name] = time.perf_counter() - t0
-        out.traces[name] = trace_on_cpu(trace)
+        out.traces[name] = to_cpu(trace)  # off the device before the next executor's peak
 
     train(EAGER, eager)
     train(EAGER_AGAIN, eager)
@@ -265,21 +266,6 @@ def _train_every_executor(rank: int, cell: DeviceCell, compilers: tuple[str, ...
             out.errors[compiler] = traceback.format_exc()
         finally:
             torch._dynamo.reset()
-    return out
-
-
-def trace_on_cpu(trace: StepTrace) -> StepTrace:
-    """A copy of ``trace`` with every tensor on the CPU (results leave the rank by pickling)."""
-
-    def cpu(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        return {k: t.detach().cpu() for k, t in tensors.items()}
-
-    out = StepTrace()
-    out.losses = [t.detach().cpu() for t in trace.losses]
-    out.grads = [cpu(g) for g in trace.grads]
-    out.buffers = [cpu(b) for b in trace.buffers]
-    out.params = cpu(trace.params)
-    out.optimizer_state = {k: cpu(s) for k, s in trace.optimizer_state.items()}
     return out
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import collections
+import dataclasses
 import os
 import signal
 import socket
@@ -11,7 +13,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from autoparallel.runtime import RankFailedError, WorldTimeoutError, launcher, run_on_world
+from autoparallel.runtime import RankFailedError, WorldTimeoutError, launcher, run_on_world, to_cpu
+from autoparallel.runtime.steps import StepTrace
 
 # Module-level rank functions (picklable, so the spawn test can use them too).
 
@@ -113,6 +116,31 @@ def test_tensors_detached_and_compact() -> None:
         assert view.untyped_storage().nbytes() == 3 * 4  # copied, not the 100-element storage
         assert res["items"][1:] == ["text", None]
         assert res["pair"][0] == rank and torch.equal(res["pair"][1], torch.ones(2, 2))
+
+
+@dataclasses.dataclass(frozen=True)
+class _Frozen:
+    inner: StepTrace
+    label: str
+
+
+def test_to_cpu_descends_into_dataclasses_and_keeps_container_types() -> None:
+    """A rank's result may be a dataclass holding dicts of tensors (``RankParity``, a device
+    world's ``DeviceRank`` with its ``StepTrace``s): every tensor in it leaves the rank detached
+    and compact, at any depth."""
+    w = torch.arange(10.0, requires_grad=True) * 2
+    trace = StepTrace(losses=[w.sum()], grads=[{"w": w[2:4]}], params={"w": w})
+    pair = collections.namedtuple("pair", "a b")(w[:1], 3)
+    value = {"trace": _Frozen(trace, "eager"), "order": collections.OrderedDict(w=w[:2]), "pair": pair,
+             "by": collections.defaultdict(list, {"x": [w[5:6]]})}
+    out = to_cpu(value)
+    got = out["trace"].inner
+    assert isinstance(out["trace"], _Frozen) and out["trace"].label == "eager" and got is not trace
+    assert got.grads[0]["w"].untyped_storage().nbytes() == 2 * 4 and not got.params["w"].requires_grad
+    assert torch.equal(got.losses[0], w.sum().detach()) and trace.grads[0]["w"].requires_grad  # the input is untouched
+    assert type(out["order"]) is collections.OrderedDict and type(out["by"]) is collections.defaultdict
+    assert out["by"]["missing"] == [] and type(out["pair"]) is type(pair) and out["pair"].b == 3
+    assert out["pair"].a.untyped_storage().nbytes() == 4
 
 
 def test_closure_with_fork() -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from autoparallel.runtime import to_cpu
 from autoparallel.runtime.steps import StepTrace
 from verify.parity.device_world import (
     EAGER,
@@ -18,7 +19,6 @@ from verify.parity.device_world import (
     host_staged_collectives,
     run_device_parity,
     tolerance_checks,
-    trace_on_cpu,
     worst_ratio,
 )
 
@@ -102,7 +102,7 @@ def test_a_trace_leaves_the_rank_on_the_cpu_with_every_field():
     t.buffers = [{"bn.mean": torch.ones(2)}]
     t.params = {"w": torch.zeros(1)}
     t.optimizer_state = {"w": {"exp_avg": torch.zeros(1)}}
-    out = trace_on_cpu(t)
+    out = to_cpu(t)
     assert out.losses[0] is not t.losses[0] and torch.equal(out.losses[0], t.losses[0])
     assert out.grads[0].keys() == t.grads[0].keys() and out.buffers[0].keys() == {"bn.mean"}
     assert out.params.keys() == {"w"} and out.optimizer_state == {"w": {"exp_avg": torch.zeros(1)}}
