@@ -20,7 +20,7 @@ updates, by FQN):
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -243,11 +243,19 @@ def step_seed(seed: int, step: int) -> int:
 
 
 @contextlib.contextmanager
-def seeded(seed: int) -> Iterator[None]:
-    """The CPU generator seeded ``seed`` inside; its state before is restored after."""
-    with torch.random.fork_rng(devices=[]):
+def seeded(seed: int, devices: Iterable[torch.device] = ()) -> Iterator[None]:
+    """Every generator seeded ``seed`` inside (``torch.manual_seed`` seeds the CUDA ones too);
+    after, the CPU generator's state and that of each CUDA device in ``devices`` are what they
+    were before."""
+    cuda = sorted({d.index if d.index is not None else torch.cuda.current_device()
+                   for d in map(torch.device, devices) if d.type == "cuda"})
+    with torch.random.fork_rng(devices=cuda):
         torch.manual_seed(seed)
         yield
+
+
+def _devices_of(batches: Sequence[Sequence[torch.Tensor]]) -> set[torch.device]:
+    return {t.device for b in batches for t in b if isinstance(t, torch.Tensor)}
 
 
 def train_steps(
@@ -260,14 +268,16 @@ def train_steps(
 ) -> StepTrace:
     """Run one step per batch with AdamW between steps; ``params`` are updated in place. The
     executor's ``buffers`` (if any) are recorded after each step. ``seed``: each step runs with the
-    CPU generator seeded ``step_seed(seed, step)`` (restored after), so every executor of a rank
-    draws the same random numbers (dropout masks) whatever ran before it."""
+    generators seeded ``step_seed(seed, step)`` (:func:`seeded`; the CPU one and those of the
+    batches' CUDA devices restored after), so every executor of a rank draws the same random
+    numbers (dropout masks) whatever ran before it."""
     leaves = {k: v if isinstance(v, torch.nn.Parameter) else torch.nn.Parameter(v) for k, v in params.items()}
     opt = torch.optim.AdamW(list(leaves.values()), lr=lr)
     buffers = getattr(executor, "buffers", None) or {}
     trace = StepTrace()
+    devices = _devices_of(batches)
     for step, inputs in enumerate(batches):
-        with seeded(step_seed(seed, step)) if seed is not None else contextlib.nullcontext():
+        with seeded(step_seed(seed, step), devices) if seed is not None else contextlib.nullcontext():
             loss, grads = executor(leaves, inputs)
         missing = set(leaves) - set(grads)
         if missing:

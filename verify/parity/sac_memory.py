@@ -17,15 +17,15 @@ the generator seeded alike, so dropout draws the same masks and the losses must 
 
 from __future__ import annotations
 
-import contextlib
 import types
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 from torch import nn
 
 from autoparallel import ac
+from autoparallel.runtime.steps import seeded
 from autoparallel.trainer import run_traced
 from autoparallel.trainer.regions import annotate_ac_regions
 from autoparallel.trainer.sac import graph_sac
@@ -69,14 +69,6 @@ def checkpoint_blocks(model: nn.Module) -> nn.Module:
     return model
 
 
-@contextlib.contextmanager
-def _seeded(seed: int, device: torch.device) -> Iterator[None]:
-    devices = [device] if device.type == "cuda" else []
-    with torch.random.fork_rng(devices=devices):
-        torch.manual_seed(seed)
-        yield
-
-
 def sac_peaks(
     build: Callable[[], nn.Module],
     loss_fn: Callable[..., torch.Tensor],
@@ -101,14 +93,14 @@ def sac_peaks(
 
     def eager_step() -> None:
         eager.zero_grad(set_to_none=True)
-        with _seeded(seed, device):
+        with seeded(seed, [device]):
             loss = loss_fn(eager(*model_in), *loss_in)
             loss.backward()
         losses[EAGER_SAC] = loss.detach()
 
     def traced_step() -> None:
         traced_model.zero_grad(set_to_none=True)
-        with _seeded(seed, device):
+        with seeded(seed, [device]):
             losses[TRACED_SAC] = run_traced(step, traced_model, inputs)
 
     peaks = {EAGER_SAC: peak_memory(eager_step, device=device), TRACED_SAC: peak_memory(traced_step, device=device)}

@@ -10,7 +10,13 @@ from torch import fx
 
 from autoparallel import meta as M
 from autoparallel import roles
-from autoparallel.runtime.steps import joint_graph_executor, split_graph_executor, train_steps
+from autoparallel.runtime import steps
+from autoparallel.runtime.steps import (
+    joint_graph_executor,
+    seeded,
+    split_graph_executor,
+    train_steps,
+)
 
 aten = torch.ops.aten
 
@@ -66,3 +72,34 @@ def test_joint_graph_executor_runs_a_flat_codegen_joint_graph():
     run = joint_graph_executor(gm, in_roles, [roles.LOSS, roles.grad("w"), None], {})
     loss, grads = run({"w": torch.full((2,), 2.0)}, (torch.tensor([1.0, 3.0]),))
     assert torch.equal(loss, torch.tensor(8.0)) and torch.equal(grads["w"], torch.tensor([1.0, 3.0]))
+
+
+def test_seeded_restores_the_cpu_generator_and_forks_the_cuda_ones_it_is_given(monkeypatch):
+    before = torch.rand(1)
+    state = torch.get_rng_state()
+    with seeded(7):
+        first = torch.rand(1)
+    assert torch.equal(torch.get_rng_state(), state) and not torch.equal(first, before)
+    with seeded(7):
+        assert torch.equal(torch.rand(1), first)
+    forked = []
+    real = torch.random.fork_rng
+    monkeypatch.setattr(torch.random, "fork_rng", lambda devices, **kw: forked.append(devices) or real(devices=[]))
+    with seeded(7, [torch.device("cuda", 1), "cpu", "cuda:0", torch.device("cuda", 1)]):
+        pass
+    assert forked == [[0, 1]]  # each CUDA device once: manual_seed reseeds them all
+
+
+def test_train_steps_seeds_on_the_batches_devices(monkeypatch):
+    """A device world's batches live on CUDA, where dropout draws: train_steps used to restore
+    only the CPU generator and left the device's reseeded. It now hands ``seeded`` the devices
+    its batches are on."""
+    calls = []
+    real = steps.seeded
+    monkeypatch.setattr(steps, "seeded", lambda seed, devices=(): calls.append((seed, set(devices))) or real(seed, devices))
+
+    def step(params, inputs):
+        return (params["w"] * inputs[0]).sum(), {"w": inputs[0].clone()}
+
+    train_steps(step, {"w": torch.ones(2)}, [(torch.ones(2),), (torch.ones(2),)], seed=3)
+    assert calls == [(steps.step_seed(3, 0), {torch.device("cpu")}), (steps.step_seed(3, 1), {torch.device("cpu")})]
