@@ -10,8 +10,8 @@ Most of these objects die by reference count, so fewer young collections also me
 objects promoted, and full collections become rare.
 
 Only the thresholds change, inside :func:`fewer_collections`, and they are restored on exit.
-What the collector frees it still frees, later: cyclic garbage waits for a collection a little
-longer (peak RSS of the 8-layer run was unchanged). Thread-safety: the thresholds are
+What the collector frees it still frees, later: cyclic garbage waits longer for a collection,
+so peak RSS grows (8B hand pipeline: 0.605 -> 0.654 GiB at 8 layers, 0.757 -> 0.866 GiB at 32). Thread-safety: the thresholds are
 process-wide, so a thread that changes them while another thread is inside gets them back as
 they were at entry.
 """

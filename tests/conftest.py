@@ -286,7 +286,8 @@ def _loadgroup_run(config) -> bool:
 def pytest_configure(config):
     if _loadgroup_run(config) and not hasattr(config, "workerinput") and config.getvalue("numprocesses"):
         config.stash[_GROUPS_KEY] = tempfile.mkdtemp(prefix="ap-xdist-groups-")
-    config.stash[_GC_KEY] = _fewer_gc_pauses()
+    config.stash[_GC_KEY] = stack = contextlib.ExitStack()
+    stack.enter_context(fewer_collections())
 
 
 def pytest_unconfigure(config):
@@ -304,15 +305,10 @@ def pytest_unconfigure(config):
 # of the README test line spent 12.8 and 10.7 s collecting (29 full collections each, 0.3-0.4 s
 # apiece). For the session: the pipeline's thresholds (autoparallel.gc_pauses), and what exists
 # once the tests are collected (imports, test items) frozen out of every later collection. The
-# line then took 160 CPU-s instead of 204 (both workers: 3.2-4.0 s collecting). Restored at exit.
+# line then took 166-167 CPU-s instead of 178-195 (interleaved A/B; the workers collected for
+# 4.6-6.4 s). Restored at exit.
 
 _GC_KEY = pytest.StashKey[contextlib.ExitStack]()
-
-
-def _fewer_gc_pauses() -> contextlib.ExitStack:
-    stack = contextlib.ExitStack()
-    stack.enter_context(fewer_collections())
-    return stack
 
 
 @pytest.hookimpl(trylast=True)
