@@ -287,6 +287,11 @@ def pytest_configure(config):
     if _loadgroup_run(config) and not hasattr(config, "workerinput") and config.getvalue("numprocesses"):
         config.stash[_GROUPS_KEY] = tempfile.mkdtemp(prefix="ap-xdist-groups-")
     config.stash[_GC_KEY] = stack = contextlib.ExitStack()
+    # A cleanup, not pytest_unconfigure: pytest's own closing collections (its unraisable-exception
+    # plugin collects in its unconfigure and again in its cleanup) then still find the heap frozen.
+    # Cleanups run last-in first-out and this configure hook runs before the built-in plugins' ones,
+    # so this restore is the session's last.
+    config.add_cleanup(stack.close)
     stack.enter_context(fewer_collections())
 
 
@@ -294,9 +299,6 @@ def pytest_unconfigure(config):
     path = config.stash.get(_GROUPS_KEY, None)
     if path is not None:
         shutil.rmtree(path, ignore_errors=True)
-    restore = config.stash.get(_GC_KEY, None)
-    if restore is not None:
-        restore.close()
 
 
 # --- the collector in a test process --------------------------------------------------------
@@ -306,7 +308,10 @@ def pytest_unconfigure(config):
 # apiece). For the session: the pipeline's thresholds (autoparallel.gc_pauses), and what exists
 # once the tests are collected (imports, test items) frozen out of every later collection. The
 # line then took 166-167 CPU-s instead of 178-195 (interleaved A/B; the workers collected for
-# 4.6-6.4 s). Restored at exit.
+# 4.6-6.4 s). Restored at the session's end, except in an xdist worker: its process ends with the
+# session, and there what the session built is frozen too, so pytest's closing collections and the
+# interpreter's last one skip it. Unfrozen, those walks kept the README line's controller waiting
+# about 7 s for its two workers to exit; frozen, about 1 s (tests/test_session_collector.py).
 
 _GC_KEY = pytest.StashKey[contextlib.ExitStack]()
 
@@ -316,7 +321,20 @@ def pytest_collection_finish(session):
     stack = session.config.stash.get(_GC_KEY, None)
     if stack is not None and gc.get_freeze_count() == 0:  # someone else's freeze is theirs to undo
         gc.freeze()
-        stack.callback(gc.unfreeze)
+        if not _process_ends_with_session(session.config):
+            stack.callback(gc.unfreeze)
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_sessionfinish(session):
+    if session.config.stash.get(_GC_KEY, None) is not None and _process_ends_with_session(session.config):
+        gc.freeze()  # what the session built, too: out of pytest's closing collections and the interpreter's last
+
+
+def _process_ends_with_session(config) -> bool:
+    """An xdist worker: its process exits when its session ends (xdist runs the session as the
+    worker's last act), so nothing runs after it that a frozen heap could leak on."""
+    return hasattr(config, "workerinput")
 
 
 @pytest.hookimpl(optionalhook=True)
