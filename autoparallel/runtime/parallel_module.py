@@ -88,6 +88,7 @@ class ParallelModule(nn.Module):
         self.model = _module_tree({k: params[k] for k in want_params}, {k: buffers[k] for k in want_buffers})
         self._compiled = compiled_fn
         self._roles = [roles.parse(r) for r in primal_roles]
+        self._slots = [_slot(kind, name) for kind, name in self._roles]
         self.num_inputs = sum(1 for kind, _ in self._roles if kind == roles.INPUT)
         self.first_partition = first_partition
         self.steps = tuple(steps)
@@ -104,11 +105,26 @@ class ParallelModule(nn.Module):
         if len(inputs) != self.num_inputs:
             raise TypeError(f"ParallelModule takes {self.num_inputs} inputs, got {len(inputs)}")
         args = []
-        for kind, name in self._roles:
-            if kind == roles.PARAM:
-                args.append(self.model.get_parameter(name))
-            elif kind == roles.BUFFER:
-                args.append(self.model.get_buffer(name))
-            else:
-                args.append(inputs[int(name)])
+        for store, path, key in self._slots:
+            if store is None:
+                args.append(inputs[key])
+                continue
+            mod = self.model
+            for part in path:
+                mod = mod._modules[part]
+            args.append(getattr(mod, store)[key])
         return self._compiled(*args)
+
+
+def _slot(kind: str, name: str) -> tuple[str | None, tuple[str, ...], Any]:
+    """Where ``forward`` finds a primal: (``"_parameters"`` or ``"_buffers"``, the owning
+    submodule's path, the attribute name), or (None, (), input index). The local tree is ours
+    (``_module_tree``: plain modules, no hooks), so these dict lookups are what ``get_parameter``
+    would find. They are for ``torch.compile``: Dynamo runs ``forward`` symbolically, bytecode by
+    bytecode, and ``get_parameter``'s string splitting and checks were half of its steps on a
+    small model; the sources it records stay ``._modules[...]._parameters[...]``, which
+    ``compile.dynamo_input_roles`` reads."""
+    if kind == roles.INPUT:
+        return None, (), int(name)
+    *path, attr = name.split(".")
+    return ("_parameters" if kind == roles.PARAM else "_buffers"), tuple(path), attr
