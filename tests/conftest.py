@@ -289,8 +289,8 @@ def pytest_configure(config):
     config.stash[_GC_KEY] = stack = contextlib.ExitStack()
     # A cleanup, not pytest_unconfigure: pytest's own closing collections (its unraisable-exception
     # plugin collects in its unconfigure and again in its cleanup) then still find the heap frozen.
-    # Cleanups run last-in first-out and this configure hook runs before the built-in plugins' ones,
-    # so this restore is the session's last.
+    # Cleanups run last-in first-out and this configure hook runs before those plugins' ones, so
+    # this restore runs after their collections.
     config.add_cleanup(stack.close)
     stack.enter_context(fewer_collections())
 
