@@ -20,6 +20,10 @@ Design choices, and why:
   (the Linux wheels): once the parent has run any parallel region (any sizeable tensor op with
   more than one thread), a forked child deadlocks in its first multi-threaded op. Fork with
   more than one thread per rank is therefore refused; use spawn/forkserver for that.
+* **The inherited heap is frozen in every rank** (``gc.freeze()`` first thing): a forked rank
+  holds a copy of the launcher's objects, its cyclic garbage included, and collecting that copy
+  would run the launcher's finalizers in the rank (a ``TemporaryDirectory`` deleting the
+  launcher's directory, a file flushed twice) and walk a heap the rank never uses.
 * **Files for results and errors.** Every rank ``torch.save``s its result (tensors detached and
   copied to CPU) to its own file in a temporary directory, and writes its formatted traceback to
   an error file when it raises. The parent reads them only after the ranks have exited, so a
@@ -47,6 +51,7 @@ import contextlib
 import copy
 import ctypes
 import dataclasses
+import gc
 import json
 import math
 import multiprocessing
@@ -214,6 +219,11 @@ def _rank_main(
 ) -> None:
     """Entry point of one rank process. Never returns: exits with 0 on success, 1 on error."""
     _set_parent_death_signal(parent_pid)
+    # Everything the rank inherited (with fork, the launcher's whole heap: its cyclic garbage
+    # too) leaves the rank's collections, so no finalizer of the launcher's objects runs here (a
+    # TemporaryDirectory's would delete the launcher's directory), and a collection walks only
+    # what the rank made.
+    gc.freeze()
     stage = "setup"
     try:
         if num_threads is not None:

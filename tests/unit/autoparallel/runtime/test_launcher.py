@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import gc
 import os
 import signal
 import socket
@@ -302,3 +303,37 @@ def test_spawn_start_method() -> None:
     torch.ones(1 << 20).add_(1)  # the parent has used its thread pool
     results = run_on_world(_world_info, 1, start_method="spawn", num_threads=2, timeout_s=60)
     assert results == [(0, 1, 2, "gloo")]
+
+
+class _FinalizedGarbage:
+    """A reference cycle whose finalizer records the process it ran in."""
+
+    def __init__(self, path):
+        self.path = path
+        self.me = self
+
+    def __del__(self):
+        with open(self.path, "a", encoding="utf-8") as f:
+            f.write(f"{os.getpid()}\n")
+
+
+def _collect_in_rank(rank: int, world_size: int) -> int:
+    gc.collect()
+    return os.getpid()
+
+
+def test_a_rank_never_runs_the_launchers_finalizers(tmp_path):
+    """A forked rank holds a copy of the launcher's cyclic garbage: collecting it there ran the
+    launcher's finalizers in every rank (a TemporaryDirectory's would delete the launcher's
+    directory). Ranks freeze what they inherit."""
+    path = tmp_path / "finalized"
+    enabled = gc.isenabled()
+    gc.disable()  # the cycle must still be uncollected garbage when the ranks fork
+    try:
+        _FinalizedGarbage(path)
+        rank_pids = run_on_world(_collect_in_rank, 2)
+    finally:
+        if enabled:
+            gc.enable()
+    gc.collect()
+    assert path.read_text(encoding="utf-8").split() == [str(os.getpid())], f"ranks were {rank_pids}"
