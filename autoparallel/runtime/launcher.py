@@ -219,11 +219,7 @@ def _rank_main(
 ) -> None:
     """Entry point of one rank process. Never returns: exits with 0 on success, 1 on error."""
     _set_parent_death_signal(parent_pid)
-    # Everything the rank inherited (with fork, the launcher's whole heap: its cyclic garbage
-    # too) leaves the rank's collections, so no finalizer of the launcher's objects runs here (a
-    # TemporaryDirectory's would delete the launcher's directory), and a collection walks only
-    # what the rank made.
-    gc.freeze()
+    gc.freeze()  # the inherited heap: no finalizer of the launcher's runs here (module docstring)
     stage = "setup"
     try:
         if num_threads is not None:

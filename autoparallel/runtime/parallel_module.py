@@ -87,9 +87,9 @@ class ParallelModule(nn.Module):
                 raise ValueError(f"ParallelModule: no local {kind} given for {missing}")
         self.model = _module_tree({k: params[k] for k in want_params}, {k: buffers[k] for k in want_buffers})
         self._compiled = compiled_fn
-        self._roles = [roles.parse(r) for r in primal_roles]
-        self._slots = [_slot(kind, name) for kind, name in self._roles]
-        self.num_inputs = sum(1 for kind, _ in self._roles if kind == roles.INPUT)
+        parsed = [roles.parse(r) for r in primal_roles]
+        self._slots = [_slot(kind, name) for kind, name in parsed]
+        self.num_inputs = sum(1 for kind, _ in parsed if kind == roles.INPUT)
         self.first_partition = first_partition
         self.steps = tuple(steps)
         self.group_dims = dict(group_dims or {})
