@@ -170,6 +170,17 @@ _register(
     ),
 )
 _register(
+    "reused_bucket_traces",
+    "the collective passes on a graph reuse a bucket merge's make_fx trace for every later bucket with "
+    "the same merge function and argument metadata, each reuse given fake values of its own (same "
+    "graphs; 174 of 188 traces on the 8B at 32 layers were repeats)",
+    "upstream bucketing traces every bucket's merge function with make_fx, one trace per bucket",
+    (
+        "tests/unit/autoparallel/passes/test_reused_bucket_traces.py::test_a_repeated_bucket_is_traced_once",
+        "tests/unit/autoparallel/passes/test_reused_bucket_traces.py::test_a_bucket_of_another_signature_is_traced",
+    ),
+)
+_register(
     "random_op_order",
     "after each collective pass, the graph's random ops (dropout, bernoulli, rand) are put back in "
     "the order they drew in before it (a stable topological sort with each random op after the "

@@ -14,7 +14,8 @@ runs it through :func:`bucket_fw_bw`, and ``autoparallel.pipeline`` makes one st
 
 Every pass runs under two wrappers. ``run_with_shared_provenance`` shares the nodes' histories.
 ``run_keeping_random_order`` (``random_order.py``) puts the random ops back in the order they
-drew in before the pass: on CPU that order decides which op gets which mask.
+drew in before the pass: on CPU that order decides which op gets which mask. The passes on one
+graph run inside ``reusing_bucket_traces``: a bucket like an earlier one reuses its merge's trace.
 
 Each returns per-graph collective counts before/after so stage counts can be reported. Graphs are
 mutated in place where the passes allow it (the overlap scheduler returns a new module). Merged
@@ -46,6 +47,7 @@ from autoparallel.passes.pre_overlap_bucketing import (
     tag_collectives_for_bucketing,
 )
 from autoparallel.passes.random_order import run_keeping_random_order
+from autoparallel.passes.reused_bucket_traces import reusing_bucket_traces
 from autoparallel.passes.shared_provenance import run_with_shared_provenance
 from autoparallel.passes.topo_span_bucketing import TopoSpanConfig
 
@@ -156,7 +158,8 @@ COLLECTIVE_PASSES: tuple[CollectivePass, ...] = (
         lambda c: c.pre_overlap_bucketing,
         _pre_overlap,
         "merge the collectives tagged on the joint graph into byte-capped buckets",
-        ("pre_overlap_bucketing", "contiguous_gathered_shards", "shared_provenance", "random_op_order"),
+        ("pre_overlap_bucketing", "contiguous_gathered_shards", "shared_provenance", "reused_bucket_traces",
+         "random_op_order"),
     ),
     CollectivePass(
         "topo_span_bucketing",
@@ -164,7 +167,7 @@ COLLECTIVE_PASSES: tuple[CollectivePass, ...] = (
         _schedule_overlap,
         "Inductor's overlap scheduler (CPU roofline) with topo-span-bounded FSDP bucketing",
         ("primary_fsdp_group", "topo_span_bucketing", "estimation_tables_only_when_traced",
-         "contiguous_gathered_shards", "shared_provenance", "random_op_order"),
+         "contiguous_gathered_shards", "shared_provenance", "reused_bucket_traces", "random_op_order"),
     ),
 )
 COLLECTIVE_PASS_NAMES: tuple[str, ...] = tuple(p.name for p in COLLECTIVE_PASSES)
@@ -218,10 +221,11 @@ def _run(
     name: str, gm: fx.GraphModule, config: CollectivePassesConfig, only: Sequence[str] | None = None
 ) -> tuple[fx.GraphModule, GraphPassMetrics]:
     m = GraphPassMetrics(before=collective_counts(gm))
-    for p in _selected(config, only):
-        with _upstream_quiet():
-            gm = run_keeping_random_order(
-                gm, lambda g, p=p: run_with_shared_provenance(g, lambda h: p.run(h, config, m)), f"{p.name} on {name}")
+    with reusing_bucket_traces():
+        for p in _selected(config, only):
+            with _upstream_quiet():
+                gm = run_keeping_random_order(
+                    gm, lambda g, p=p: run_with_shared_provenance(g, lambda h: p.run(h, config, m)), f"{p.name} on {name}")
     m.after = collective_counts(gm)
     log.info("collective passes on %s: %s", name, {k: (m.before[k], m.after[k]) for k in m.before})
     return gm, m

@@ -22,7 +22,7 @@ What the generated graphs contain (FSDP/TP style):
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -349,13 +349,17 @@ def synthetic_graphs(
     min_ops: int = 2,
     max_ops: int = 24,
     kinds: Sequence[str] = WEIGHTED_KINDS,
+    repeats: int = 1,
 ) -> st.SearchStrategy[SyntheticGraph]:
-    """Built graphs on ``mesh``'s groups (its world must be running when they are merged)."""
+    """Built graphs on ``mesh``'s groups (its world must be running when they are merged).
+    ``repeats``: the drawn ops run that many times in a row, as a model's blocks do."""
+    if repeats < 1:
+        raise ValueError(f"repeats must be >= 1, got {repeats}")
     groups = mesh_groups(mesh)
     hidden = max(8, max(size for _, size in groups.values()))
     labels = list(mesh.spec.names) + [lab for lab in groups if lab not in mesh.spec.names]
     return graph_specs(labels, min_ops=min_ops, max_ops=max_ops, hidden=hidden, kinds=kinds).map(
-        lambda spec: build_synthetic(spec, groups)
+        lambda spec: build_synthetic(replace(spec, ops=spec.ops * repeats), groups)
     )
 
 

@@ -28,6 +28,11 @@ Saved values
     it, shape, dtype), where a getitem of a multi-output op is ``(op, index)`` (LayerNorm's mean
     and rstd are ``native_layer_norm[1]`` and ``[2]``). The second compile must save exactly the
     first partition's (:func:`check_saved_equal`).
+
+Same graph, same values
+    :func:`check_same_graph_and_values`: two graphs equal node by node (name, target, arguments,
+    each fake value's shape, stride, offset and dtype) and in which values share a storage. For a
+    patch that must build exactly what upstream builds, only faster (``reused_bucket_traces``).
 """
 
 from __future__ import annotations
@@ -258,15 +263,56 @@ def check_saved_equal(first: Graphs, second: Graphs) -> list[str]:
             f"only in the second {sorted((b - a).items(), key=str)}"]
 
 
+# --- same graph, same values ----------------------------------------------------------------------
+
+
+def _value_text(v):
+    if isinstance(v, torch.Tensor):
+        return (tuple(v.shape), tuple(v.stride()), v.storage_offset(), v.dtype)
+    return v
+
+
+def node_values(gm: fx.GraphModule) -> list[tuple[str, str, str, str]]:
+    """Every node's name, target, arguments and fake value (shape, stride, offset, dtype)."""
+    return [(n.name, str(n.target), str(n.args), str(torch.utils._pytree.tree_map(_value_text, n.meta.get(M.VAL))))
+            for n in gm.graph.nodes]
+
+
+def value_aliasing(gm: fx.GraphModule) -> list[list[str]]:
+    """The nodes grouped by the storage their fake values use: which values alias which."""
+    groups: dict[int, set[str]] = {}
+    for n in gm.graph.nodes:
+        for v in torch.utils._pytree.tree_leaves(n.meta.get(M.VAL)):
+            if isinstance(v, torch.Tensor):
+                groups.setdefault(id(v.untyped_storage()), set()).add(n.name)
+    return sorted(sorted(g) for g in groups.values())
+
+
+def check_same_graph_and_values(want: fx.GraphModule, got: fx.GraphModule) -> list[str]:
+    """Where ``got`` differs from ``want``: the first node that differs, and the aliasing."""
+    problems = []
+    a, b = node_values(want), node_values(got)
+    if a != b:
+        i = next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
+        problems.append(f"node {i} differs: {a[i] if i < len(a) else 'none'} != {b[i] if i < len(b) else 'none'}")
+    if value_aliasing(want) != value_aliasing(got):
+        only = [g for g in value_aliasing(got) if g not in value_aliasing(want)]
+        problems.append(f"values alias otherwise: storages shared only in the second {only}")
+    return problems
+
+
 __all__ = [
+    "check_same_graph_and_values",
     "check_saved_equal",
     "gather_chains",
     "ledger",
     "merged",
     "multi_output_saves",
+    "node_values",
     "partitioned",
     "regrouped",
     "saved_values",
     "unchanged",
+    "value_aliasing",
 ]
 

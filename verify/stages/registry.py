@@ -116,7 +116,8 @@ _NOT_A_LINES_TARGET = "its code is outside autoparallel/passes and autoparallel/
 # The plan stage's code is a --lines target of its own, with its own tests: listed here, they would
 # join the passes' run (mutation_tests of every stage) and re-run the planner per pass mutant.
 _PLANNER_TARGET = "its code is autoparallel/planner: --target planner runs it against its own tests (lines.PLANNER_TESTS)"
-_BUCKETING_PATCHES = (f"{PASS_TESTS}/test_contiguous_gathered_shards.py", f"{PASS_TESTS}/test_shared_provenance.py")
+_BUCKETING_PATCHES = (f"{PASS_TESTS}/test_contiguous_gathered_shards.py", f"{PASS_TESTS}/test_shared_provenance.py",
+                      f"{PASS_TESTS}/test_reused_bucket_traces.py")
 
 _ENTRIES = (
     StageChecks(

@@ -128,3 +128,52 @@ def test_unknown_stage_and_wrong_graph_kinds_are_named(groups):
         check_conservation("first_partition", (g, g), (g, g))
     with pytest.raises(ValueError, match="stage 'cleanup': input and output are not the same kind of graphs"):
         check_conservation("cleanup", g, (g, g))
+
+
+# --- same graph, same values -------------------------------------------------------------------
+
+
+def _viewed(alias: bool = True, stride_of_t=None):
+    """x -> t(x) -> clone: the transpose's value aliases x's storage (or, ``alias=False``, has a
+    storage of its own); ``stride_of_t`` overrides its stride."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        x = torch.empty(4, 2)
+        t = (x if alias else torch.empty(4, 2)).t()
+        if stride_of_t is not None:
+            t = torch.empty_strided(t.shape, stride_of_t)
+        c = t.clone()
+    g = torch.fx.Graph()
+    nx = g.placeholder("x")
+    nt = g.call_function(aten.t.default, (nx,))
+    nc = g.call_function(aten.clone.default, (nt,))
+    g.output(nc)
+    for node, v in zip((nx, nt, nc), (x, t, c), strict=True):
+        node.meta[M.VAL] = v
+    return torch.fx.GraphModule(torch.nn.Module(), g)
+
+
+def test_same_graph_and_values_holds_for_equal_graphs():
+    assert I.check_same_graph_and_values(_viewed(), _viewed()) == []
+
+
+def test_a_value_with_another_stride_is_named():
+    problems = I.check_same_graph_and_values(_viewed(), _viewed(stride_of_t=(2, 1)))
+    assert len(problems) == 2 and problems[0].startswith("node 1 differs: ('t_default'")
+
+
+def test_values_that_alias_otherwise_are_named():
+    """Same shapes and strides; only the transpose's storage differs: a reused value (one storage
+    for two nodes) or a lost view shows only here."""
+    problems = I.check_same_graph_and_values(_viewed(alias=True), _viewed(alias=False))
+    assert problems == ["values alias otherwise: storages shared only in the second [['t_default'], ['x']]"]
+
+
+def test_a_node_missing_at_the_end_is_named():
+    short = _viewed()
+    out = short.graph.output_node()
+    out.args = (out.args[0].args[0],)
+    short.graph.erase_node(next(n for n in short.graph.nodes if n.target is aten.clone.default))
+    problems = I.check_same_graph_and_values(_viewed(), short)
+    assert problems and problems[0].startswith("node 2 differs")
