@@ -15,7 +15,7 @@ scheduler's memory estimate (which keys on storages) needs. A symbolic size, or 
 value cannot be compared (an opaque group object), is traced as upstream does. The graphs are
 the ones upstream builds, node by node.
 
-The swap is of the module attribute ``_trace`` (``process_collective_bucket`` looks it up at
+The swap is of the module attribute ``_trace`` (``_insert_fn_trace_before_node`` looks it up at
 call time), scoped and restored on exit, exceptions included; the reused traces go with it.
 """
 
@@ -79,8 +79,7 @@ class _FreshValues(fx.Interpreter):
 
 def _retrace_values(gm: fx.GraphModule, inps: Any) -> fx.GraphModule:
     fake_mode = detect_fake_mode(inps)
-    if fake_mode is None:
-        raise ValueError("reused_bucket_traces: a bucket's arguments carry no fake tensor")
+    assert fake_mode is not None, "a key matched a stored trace, whose arguments had one (upstream asserts it)"
     with fake_mode, enable_python_dispatcher():
         _FreshValues(gm).run(*pytree.tree_leaves(inps), enable_io_processing=False)
     return gm
