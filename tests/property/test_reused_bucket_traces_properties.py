@@ -1,7 +1,7 @@
 """reused_bucket_traces on generated graphs (verify.graphs.generators): the pre-overlap pass builds the
 graph upstream builds, node by node (targets, arguments, fake values' metadata, which values alias
-which), whether it reuses traces or traces every bucket. The drawn ops run twice, as two blocks of a
-model do, so buckets repeat."""
+which), and it traces each signature once: as many traces as the signatures upstream traced, the
+rest reused. The drawn ops run twice, as two blocks of a model do, so buckets can repeat."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import copy
 
 from hypothesis import given
 from hypothesis import strategies as st
+from torch._inductor.fx_passes import bucketing
 
 from autoparallel import patches
 from autoparallel.mesh import fake_world
@@ -17,7 +18,7 @@ from autoparallel.passes.pre_overlap_bucketing import (
     bucket_tagged_collectives,
     tag_collectives_for_bucketing,
 )
-from autoparallel.passes.reused_bucket_traces import PATCH, reusing_bucket_traces
+from autoparallel.passes.reused_bucket_traces import PATCH, reusing_bucket_traces, trace_key
 from verify.graphs.generators import synthetic_graphs
 from verify.graphs.invariants import check_same_graph_and_values
 
@@ -25,8 +26,26 @@ MESH = "dp=4,tp=2"
 caps_mb = st.sampled_from((2**20, 8192, 512, 256)).map(lambda b: b / 2**20)
 
 
-def test_pre_overlap_pass_builds_upstreams_graph_reusing_traces():
-    reused = []
+def _upstream_keys(gm, config) -> list:
+    """The pass with the patch disabled; the trace key of every bucket upstream traced."""
+    keys = []
+    upstream = bucketing._trace
+
+    def recording(fn, inps):
+        keys.append(trace_key(fn, inps))
+        return upstream(fn, inps)
+
+    bucketing._trace = recording
+    try:
+        with patches.disabled(PATCH):
+            bucket_tagged_collectives(gm, config)
+    finally:
+        bucketing._trace = upstream
+    return keys
+
+
+def test_pre_overlap_pass_builds_upstreams_graph_tracing_each_signature_once():
+    traced = []
     with fake_world(MESH) as mesh:
 
         @given(synthetic_graphs(mesh, min_ops=3, max_ops=8, repeats=2), caps_mb)
@@ -37,10 +56,11 @@ def test_pre_overlap_pass_builds_upstreams_graph_reusing_traces():
             config = PreOverlapConfig(bucket_cap_mb=cap_mb)
             with reusing_bucket_traces() as counts:
                 bucket_tagged_collectives(gm, config)
-            with patches.disabled(PATCH):
-                bucket_tagged_collectives(twin, config)
+            keys = _upstream_keys(twin, config)
             assert check_same_graph_and_values(twin, gm) == []
-            reused.append(counts["reused"])
+            keyed = [k for k in keys if k is not None]
+            assert counts == {"traced": len(keys) - len(keyed) + len(set(keyed)), "reused": len(keyed) - len(set(keyed))}
+            traced.append(len(keys))
 
         prop()
-    assert sum(reused) > 0, f"no generated graph repeated a bucket ({len(reused)} examples): the property checked no reuse"
+    assert sum(traced) > 0, f"no generated graph had a bucket to merge ({len(traced)} examples)"
