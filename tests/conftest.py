@@ -51,6 +51,28 @@ def _unwaited_collectives() -> int:
 
 
 @pytest.fixture
+def bucket_traces():
+    """The trace key of every make_fx trace upstream bucketing makes during the test (its
+    ``_trace``; a trace ``reused_bucket_traces`` reuses is none), in order."""
+    from torch._inductor.fx_passes import bucketing
+
+    from autoparallel.passes.reused_bucket_traces import trace_key
+
+    keys: list = []
+    upstream = bucketing._trace
+
+    def recording(fn, inps):
+        keys.append(trace_key(fn, inps))
+        return upstream(fn, inps)
+
+    bucketing._trace = recording
+    try:
+        yield keys
+    finally:
+        bucketing._trace = upstream
+
+
+@pytest.fixture
 def mesh(request):
     """A fake world (``autoparallel.mesh.fake_world``) of the test module's ``MESH`` string, else
     dp=4,tp=2; torn down after the test."""

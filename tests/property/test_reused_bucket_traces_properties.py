@@ -9,7 +9,6 @@ import copy
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from torch._inductor.fx_passes import bucketing
 
 from autoparallel import patches
 from autoparallel.mesh import fake_world
@@ -18,7 +17,7 @@ from autoparallel.passes.pre_overlap_bucketing import (
     bucket_tagged_collectives,
     tag_collectives_for_bucketing,
 )
-from autoparallel.passes.reused_bucket_traces import PATCH, reusing_bucket_traces, trace_key
+from autoparallel.passes.reused_bucket_traces import PATCH, reusing_bucket_traces
 from verify.graphs.generators import synthetic_graphs
 from verify.graphs.invariants import check_same_graph_and_values
 
@@ -29,25 +28,7 @@ EXAMPLES = max(4, settings.default.max_examples // 4)
 caps_mb = st.sampled_from((2**20, 8192, 512, 256)).map(lambda b: b / 2**20)
 
 
-def _upstream_keys(gm, config) -> list:
-    """The pass with the patch disabled; the trace key of every bucket upstream traced."""
-    keys = []
-    upstream = bucketing._trace
-
-    def recording(fn, inps):
-        keys.append(trace_key(fn, inps))
-        return upstream(fn, inps)
-
-    bucketing._trace = recording
-    try:
-        with patches.disabled(PATCH):
-            bucket_tagged_collectives(gm, config)
-    finally:
-        bucketing._trace = upstream
-    return keys
-
-
-def test_pre_overlap_pass_builds_upstreams_graph_tracing_each_signature_once():
+def test_pre_overlap_pass_builds_upstreams_graph_tracing_each_signature_once(bucket_traces):
     traced = []
     with fake_world(MESH) as mesh:
 
@@ -60,7 +41,10 @@ def test_pre_overlap_pass_builds_upstreams_graph_tracing_each_signature_once():
             config = PreOverlapConfig(bucket_cap_mb=cap_mb)
             with reusing_bucket_traces() as counts:
                 bucket_tagged_collectives(gm, config)
-            keys = _upstream_keys(twin, config)
+            bucket_traces.clear()
+            with patches.disabled(PATCH):
+                bucket_tagged_collectives(twin, config)
+            keys = list(bucket_traces)  # every bucket upstream traced
             assert check_same_graph_and_values(twin, gm) == []
             keyed = [k for k in keys if k is not None]
             assert counts == {"traced": len(keys) - len(keyed) + len(set(keyed)), "reused": len(keyed) - len(set(keyed))}

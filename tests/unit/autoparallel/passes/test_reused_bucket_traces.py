@@ -40,56 +40,46 @@ def _layers(mesh, widths=(H, H, H)):
     return b.output([b.call(aten.sum.default, acc), *grads], ["loss", *(f"grad:g{i}" for i in range(len(grads)))])
 
 
-def _bucketed(widths=(H, H, H), disable=False):
-    """The graph bucketed, and the trace key of every merge traced."""
+def _bucketed(traces, widths=(H, H, H), disable=False):
+    """The graph bucketed, and the trace key of every merge traced (``traces``: the fixture's list)."""
     config = CollectivePassesConfig(fuse_chained_allgathers=False, schedule_overlap=False,
                                     pre_overlap=PreOverlapConfig(bucket_cap_mb=2 * 4 * SHARD_BYTES / 2**20))
-    traced = []
-    upstream = bucketing._trace
-
-    def counting(fn, inps):
-        traced.append(trace_key(fn, inps))
-        return upstream(fn, inps)
-
+    traces.clear()
     with fake_world("dp=4,tp=2") as mesh:
         gm = _layers(mesh, widths)
-        bucketing._trace = counting
-        try:
-            with patches.disabled(PATCH) if disable else contextlib.nullcontext():
-                gm, metrics = bucket_joint(gm, config)
-        finally:
-            bucketing._trace = upstream
-    assert None not in traced, "every bucket's arguments have a key"
-    return gm, traced, metrics.graphs["joint"].after["all_gather"]
+        with patches.disabled(PATCH) if disable else contextlib.nullcontext():
+            gm, metrics = bucket_joint(gm, config)
+    assert None not in traces, "every bucket's arguments have a key"
+    return gm, list(traces), metrics.graphs["joint"].after["all_gather"]
 
 
-def test_a_repeated_bucket_is_traced_once():
-    _, traced, buckets = _bucketed()
+def test_a_repeated_bucket_is_traced_once(bucket_traces):
+    _, traced, buckets = _bucketed(bucket_traces)
     assert buckets == 3, "one all-gather bucket per block"
     assert len(traced) == len(set(traced)) == 1, "the three blocks' buckets are alike: one trace"
 
 
-def test_the_graph_is_the_one_upstream_builds():
-    reused, traced, _ = _bucketed()
-    upstream, upstream_traced, _ = _bucketed(disable=True)
+def test_the_graph_is_the_one_upstream_builds(bucket_traces):
+    reused, traced, _ = _bucketed(bucket_traces)
+    upstream, upstream_traced, _ = _bucketed(bucket_traces, disable=True)
     assert len(upstream_traced) == 3 and len(traced) == 1
     assert check_same_graph_and_values(upstream, reused) == []
 
 
-def test_reused_buckets_get_values_of_their_own():
+def test_reused_buckets_get_values_of_their_own(bucket_traces):
     """A value shared between two buckets' nodes would make them alias one storage (the overlap
     scheduler's memory estimate would count one buffer for both)."""
-    gm, _, _ = _bucketed()
+    gm, _, _ = _bucketed(bucket_traces)
     made = [n for n in gm.graph.nodes if n.target is torch.ops._c10d_functional.all_gather_into_tensor_out.default]
     assert len(made) == 3
     storages = {id(n.meta[M.VAL].untyped_storage()) for n in made}
     assert len(storages) == 3, "each bucket's all-gather output is a buffer of its own"
 
 
-def test_a_bucket_of_another_signature_is_traced():
+def test_a_bucket_of_another_signature_is_traced(bucket_traces):
     widths = (H, H // 2, H // 2, H)  # the two narrow blocks share a bucket of four shards
-    reused, traced, buckets = _bucketed(widths)
-    upstream, upstream_traced, _ = _bucketed(widths, disable=True)
+    reused, traced, buckets = _bucketed(bucket_traces, widths)
+    upstream, upstream_traced, _ = _bucketed(bucket_traces, widths, disable=True)
     assert buckets == 3 and len(upstream_traced) == 3 and upstream_traced[2] == upstream_traced[0]
     assert traced == upstream_traced[:2], "the four-shard bucket traced; the last block reuses the first's"
     assert check_same_graph_and_values(upstream, reused) == []
