@@ -273,6 +273,7 @@ def _first_partition(p: Placement) -> PartitionRecord:
         steps=[*p.done, STEP_FIRST_PARTITION],
         group_dims=jg.group_dims,
         uninitialised=uninitialised,
+        frozen=jg.frozen_params,
     )
     log.info("first partition saves %d values (%.2fs)", len(record.saved), time.perf_counter() - t0)
     return record

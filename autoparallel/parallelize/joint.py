@@ -37,8 +37,9 @@ class JointGraph:
     """A traced per-rank joint graph and what its inputs and outputs are.
 
     Call ``gm(primals, tangents)``; ``primals`` follow ``input_roles`` (params, buffers, inputs),
-    the outputs follow ``output_roles`` (``loss`` first, then ``grad:<fqn>``). Keeps the export's
-    context stack open until ``close()`` because a later compile of ``jd`` needs it.
+    the outputs follow ``output_roles`` (``loss`` first, then ``grad:<fqn>``; None for a parameter
+    without a gradient: ``params_without_grad``). Keeps the export's context stack open until
+    ``close()`` because a later compile of ``jd`` needs it.
     """
 
     gm: fx.GraphModule
@@ -55,6 +56,11 @@ class JointGraph:
     # traced model held, sharded by the plan); empty for a model on meta or fake tensors.
     local_params: dict[str, torch.Tensor] = field(default_factory=dict)
     local_buffers: dict[str, torch.Tensor] = field(default_factory=dict)
+    # Parameters the model holds with requires_grad=False (frozen), and every parameter whose
+    # gradient output is None: the frozen ones and those the loss does not reach. Eager PyTorch
+    # leaves their .grad None and AdamW skips them; the graph has no gradient collective for them.
+    frozen_params: tuple[str, ...] = ()
+    params_without_grad: tuple[str, ...] = ()
     _stack: contextlib.ExitStack = field(repr=False, default_factory=contextlib.ExitStack)
     # Holds the export's fake mode off the dispatch stack between the trace and the compile.
     _suspended: contextlib.ExitStack = field(repr=False, default_factory=contextlib.ExitStack)
@@ -107,6 +113,7 @@ def build_joint_graph(
     local = split_batch(tuple(example_inputs), plan, mesh.spec, {d: 0 for d in mesh.spec.names})
     program = ParallelProgram(model, plan, mesh, loss_fn, shardings=shardings)
     local_params, local_buffers = _real_local_values(program)
+    frozen = tuple(fqn for fqn, p in program.local_parameters().items() if not p.requires_grad)
     _to_fake(program, fake_mode)
     fake_inputs = tuple(_fake_like(t, fake_mode) for t in local)
 
@@ -123,13 +130,9 @@ def build_joint_graph(
     seconds = time.perf_counter() - t0
     gm = jd.graph_module
     input_roles, output_roles, num_fwd = label_roles(gm)
-    unused = _params_without_grad(gm, input_roles, output_roles)
-    if unused:
-        stack.close()
-        raise ValueError(
-            f"parameter(s) {unused} do not contribute to the loss, so they get no gradient; the parallel "
-            "program needs one for every parameter it shards. Remove them, or register them as buffers"
-        )
+    without_grad = tuple(params_without_grad(gm, input_roles, output_roles))
+    if without_grad:
+        log.info("parameters without a gradient (frozen: %s): %s", list(frozen), list(without_grad))
     suspended = contextlib.ExitStack()
     suspended.enter_context(unset_fake_temporarily())
     attach_group_dims(gm, mesh.group_dims)
@@ -148,6 +151,8 @@ def build_joint_graph(
         fake_mode=fake_mode,
         local_params=local_params,
         local_buffers=local_buffers,
+        frozen_params=frozen,
+        params_without_grad=without_grad,
         _stack=stack,
         _suspended=suspended,
     )
@@ -190,8 +195,8 @@ def _to_fake(root: nn.Module, fake_mode: FakeTensorMode) -> None:
                 store[name] = memo[id(t)]
 
 
-def _params_without_grad(gm: fx.GraphModule, input_roles: list[str], output_roles: list[str | None]) -> list[str]:
-    """Parameters whose gradient output is missing or None (the loss does not use them)."""
+def params_without_grad(gm: fx.GraphModule, input_roles: list[str], output_roles: list[str | None]) -> list[str]:
+    """Parameters whose gradient output is missing or None (frozen, or the loss does not reach them)."""
     values = list(gm.graph.output_node().args[0])
     grads = {roles.name(r): v for r, v in zip(output_roles, values, strict=True) if roles.is_grad(r)}
     return [fqn for fqn in roles.names_of(input_roles, roles.PARAM) if grads.get(fqn) is None]

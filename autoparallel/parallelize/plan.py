@@ -326,8 +326,6 @@ class ParallelPlan:
         rules, rowwise_biases = self._tp_layout(model) if self.tp_dim is not None else ({}, {})
         out = {}
         for fqn, p in params.items():
-            if not p.requires_grad:
-                raise ValueError(f"parameter {fqn!r} does not require grad; plans shard trainable parameters only")
             shape = tuple(p.shape)
             local = list(shape)
             rule = rules.get(fqn)

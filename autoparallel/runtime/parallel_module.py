@@ -37,7 +37,11 @@ class PartitionRecord:
         return len(self.saved)
 
 
-def _module_tree(params: Mapping[str, torch.Tensor], buffers: Mapping[str, torch.Tensor]) -> nn.Module:
+def _module_tree(
+    params: Mapping[str, torch.Tensor], buffers: Mapping[str, torch.Tensor], frozen: frozenset[str] = frozenset()
+) -> nn.Module:
+    """Plain modules holding ``params`` (``frozen`` ones with ``requires_grad=False``, so autograd
+    and a later ``torch.compile`` give them no gradient, as the traced program did) and ``buffers``."""
     root = nn.Module()
 
     def owner_of(fqn: str) -> tuple[nn.Module, str]:
@@ -51,7 +55,9 @@ def _module_tree(params: Mapping[str, torch.Tensor], buffers: Mapping[str, torch
 
     for fqn, t in params.items():
         mod, attr = owner_of(fqn)
-        mod.register_parameter(attr, t if isinstance(t, nn.Parameter) else nn.Parameter(t))
+        trainable = fqn not in frozen
+        keep = isinstance(t, nn.Parameter) and t.requires_grad == trainable
+        mod.register_parameter(attr, t if keep else nn.Parameter(t.detach(), requires_grad=trainable))
     for fqn, t in buffers.items():
         mod, attr = owner_of(fqn)
         mod.register_buffer(attr, t, persistent=False)
@@ -62,7 +68,8 @@ class ParallelModule(nn.Module):
     """``forward(*inputs) -> loss`` on one rank, over local shards, through compiled graphs.
 
     ``input_roles`` are the primal roles of the joint graph, in calling order (``param:<fqn>``,
-    ``buffer:<fqn>``, ``input:<i>``); ``inputs`` fill the ``input:<i>`` slots.
+    ``buffer:<fqn>``, ``input:<i>``); ``inputs`` fill the ``input:<i>`` slots. ``frozen``: the
+    parameters the model holds with ``requires_grad=False`` (they get no gradient).
     """
 
     def __init__(
@@ -76,6 +83,7 @@ class ParallelModule(nn.Module):
         steps: Sequence[str] = (),
         group_dims: Mapping[str, str] | None = None,
         uninitialised: Sequence[str] = (),
+        frozen: Sequence[str] = (),
     ):
         super().__init__()
         primal_roles = [r for r in input_roles if not roles.is_tangent(r)]
@@ -85,7 +93,9 @@ class ParallelModule(nn.Module):
             missing = sorted(set(want) - set(have))
             if missing:
                 raise ValueError(f"ParallelModule: no local {kind} given for {missing}")
-        self.model = _module_tree({k: params[k] for k in want_params}, {k: buffers[k] for k in want_buffers})
+        self.model = _module_tree(
+            {k: params[k] for k in want_params}, {k: buffers[k] for k in want_buffers}, frozenset(frozen)
+        )
         self._compiled = compiled_fn
         parsed = [roles.parse(r) for r in primal_roles]
         self._slots = [_slot(kind, name) for kind, name in parsed]

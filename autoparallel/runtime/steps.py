@@ -1,7 +1,9 @@
 """Training steps on one rank, the same way for every executor of the parallel program.
 
 An executor maps (parameter shards, local batch) -> (loss, gradients), and updates the rank's
-buffers in place where the model mutates them (BatchNorm's running stats). Running several
+buffers in place where the model mutates them (BatchNorm's running stats). A parameter without
+a gradient (frozen, or one the loss does not reach) has the gradient None, as eager PyTorch
+leaves its ``.grad``: ``train_steps`` records None and AdamW skips it. Running several
 executors through ``train_steps`` with the same optimizer lets parity tests compare eager, the
 joint graph, the split graphs and compiled modules step by step, optimizer updates and buffers
 included.
@@ -49,11 +51,12 @@ class Executor:
 @dataclass
 class StepTrace:
     """Losses, gradients and buffers (after the step) of each step (detached copies; ``buffers``
-    is empty for an executor without buffers), and the parameters and AdamW state after the last
-    step (``optimizer_state[fqn]``: ``exp_avg``, ``exp_avg_sq``)."""
+    is empty for an executor without buffers; a gradient is None where the parameter got none),
+    and the parameters and AdamW state after the last step (``optimizer_state[fqn]``:
+    ``exp_avg``, ``exp_avg_sq``; empty for a parameter AdamW never stepped)."""
 
     losses: list[torch.Tensor] = field(default_factory=list)
-    grads: list[dict[str, torch.Tensor]] = field(default_factory=list)
+    grads: list[dict[str, torch.Tensor | None]] = field(default_factory=list)
     buffers: list[dict[str, torch.Tensor]] = field(default_factory=list)
     params: dict[str, torch.Tensor] = field(default_factory=dict)
     optimizer_state: dict[str, dict[str, torch.Tensor]] = field(default_factory=dict)
@@ -136,15 +139,18 @@ def loss_and_updates(
     return loss
 
 
-def _named_grads(values: Sequence[object], output_roles: Sequence[str | None], where: str) -> dict[str, torch.Tensor]:
-    named = {}
+def _named_grads(
+    values: Sequence[object], output_roles: Sequence[str | None], where: str, input_roles: Sequence[str | None]
+) -> dict[str, torch.Tensor | None]:
+    """The ``grad:<fqn>`` outputs by FQN, one entry per ``param:<fqn>`` of ``input_roles``; None
+    where the graph returns None or no output at all (no gradient: frozen, or the loss does not
+    reach the parameter)."""
+    named = dict.fromkeys(roles.names_of([r for r in input_roles if roles.kind(r) is not None], roles.PARAM))
     if len(values) != len(output_roles):
         raise ValueError(f"{where}: {len(values)} outputs but {len(output_roles)} output roles")
     for value, role in zip(values, output_roles, strict=True):
         if not roles.is_grad(role):
             continue
-        if value is None:
-            raise ValueError(f"{where}: output {role} is None; a parameter the loss does not use has no gradient")
         named[roles.name(role)] = value
     return named
 
@@ -184,7 +190,7 @@ def joint_graph_executor(
             else:
                 outs = list(gm(*primals, *tangents))
         loss = loss_and_updates(outs, output_roles, buffers, "joint graph")
-        return loss.detach(), _named_grads(outs, output_roles, "joint graph")
+        return loss.detach(), _named_grads(outs, output_roles, "joint graph", input_roles)
 
     return Executor(run, buffers)
 
@@ -222,7 +228,7 @@ def split_graph_executor(fw: fx.GraphModule, bw: fx.GraphModule, buffers: Mappin
                 else:
                     bw_in.append(primals_by_role([r], params, buffers, inputs)[0])
             grads = bw(*bw_in)
-        return loss.detach(), _named_grads(grads, bw_out_roles, "backward graph")
+        return loss.detach(), _named_grads(grads, bw_out_roles, "backward graph", fw_roles)
 
     return Executor(run, buffers)
 
@@ -281,11 +287,11 @@ def train_steps(
             loss, grads = executor(leaves, inputs)
         missing = set(leaves) - set(grads)
         if missing:
-            raise RuntimeError(f"executor returned no gradient for {sorted(missing)}")
+            raise RuntimeError(f"executor returned no gradient entry for {sorted(missing)} (None says: no gradient)")
         for k, p in leaves.items():
-            p.grad = grads[k]
+            p.grad = grads[k]  # None: AdamW skips the parameter, as in eager PyTorch
         trace.losses.append(loss.detach().clone())
-        trace.grads.append({k: g.detach().clone() for k, g in grads.items()})
+        trace.grads.append({k: None if g is None else g.detach().clone() for k, g in grads.items()})
         if buffers:
             trace.buffers.append({k: b.detach().clone() for k, b in buffers.items()})
         opt.step()

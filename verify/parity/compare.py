@@ -15,7 +15,13 @@ and dtype and every element has the same bit pattern. So, unlike ``torch.equal``
 * ``-0.0`` differs from ``+0.0`` (``torch.equal`` calls them equal; a sign flip of a zero is
   a different computation and can change a later ``1/x`` or ``copysign``);
 * strides, device and ``requires_grad`` do not matter (values are compared on the CPU);
-* empty tensors of the same shape and dtype are equal.
+* empty tensors of the same shape and dtype are equal;
+* None equals None (a parameter without a gradient on both sides: frozen, or the loss does not
+  reach it) and differs from any tensor.
+
+A parameter that got no gradient on the reference side at any step must also end the run with
+the value it started with on both: :func:`compare_traces` compares its final value
+(``final/param:<fqn>``), so a frozen parameter that one form of the program changes fails.
 
 A mismatch says how many elements differ, how many of them are NaN-vs-number, NaN payload or
 signed-zero differences, and the first differing index with both values. ``max_abs`` is the
@@ -138,7 +144,9 @@ def _describe(x: torch.Tensor, y: torch.Tensor, differ: torch.Tensor) -> tuple[f
 
 
 def diff_tensors(name: str, x: torch.Tensor, y: torch.Tensor) -> TensorDiff:
-    """Bitwise comparison of two tensors (see the module docstring for NaN and signed zeros)."""
+    """Bitwise comparison of two tensors (see the module docstring for NaN, signed zeros, None)."""
+    if x is None and y is None:
+        return TensorDiff(name, True, 0.0, "no gradient on either side")
     for side, t in (("a", x), ("b", y)):
         if not isinstance(t, torch.Tensor):
             return TensorDiff(name, False, _INF, f"{side} is not a tensor: {type(t).__name__}")
@@ -192,7 +200,18 @@ def compare_traces(a: StepTrace, b: StepTrace, *, a_name: str = "a", b_name: str
             bb = b.buffers[step] if step < len(b.buffers) else {}
             sub = compare_tensors(ba, bb, a_name=a_name, b_name=b_name)
             report.diffs.extend(dataclasses.replace(d, name=f"step{step}/buffer:{d.name}") for d in sub.diffs)
+    for fqn in never_stepped(a):  # no gradient, no update: both must end where they started
+        report.diffs.append(diff_tensors(f"final/param:{fqn}", a.params.get(fqn), b.params.get(fqn)))
     return report
+
+
+def never_stepped(trace: StepTrace) -> list[str]:
+    """The parameters that got no gradient at any step of ``trace`` (frozen, or the loss does not
+    reach them), sorted: AdamW never updated them."""
+    if not trace.grads:
+        return []
+    names = set().union(*trace.grads)
+    return sorted(k for k in names if all(g.get(k) is None for g in trace.grads))
 
 
 def merge_reports(reports: Sequence[ParityReport], prefixes: Sequence[str]) -> ParityReport:
@@ -366,7 +385,9 @@ def check_within(
     name: str, reference: torch.Tensor | None, got: torch.Tensor | None, rtol: float, scale: float | None = None
 ) -> OracleCheck:
     """``got`` against ``reference`` within ``rtol * scale`` (``scale``: default max |reference|);
-    integer tensors exactly."""
+    integer tensors exactly. Both None (no gradient on either side) passes."""
+    if reference is None and got is None:
+        return OracleCheck(name, 0.0, 0.0, 0.0, "no gradient on either side")
     if reference is None or got is None:
         return OracleCheck(name, _INF, 0.0, 0.0, f"missing in the {'reference' if reference is None else 'parallel run'}")
     if reference.shape != got.shape or reference.dtype != got.dtype:
@@ -387,5 +408,6 @@ def module_scales(grads: Mapping[str, torch.Tensor]) -> dict[str, float]:
     by_module: dict[str, float] = {}
     for fqn, g in grads.items():
         owner = fqn.rpartition(".")[0]
-        by_module[owner] = max(by_module.get(owner, 0.0), float(g.detach().abs().max()) if g.numel() else 0.0)
+        size = float(g.detach().abs().max()) if g is not None and g.numel() else 0.0  # None: no gradient
+        by_module[owner] = max(by_module.get(owner, 0.0), size)
     return {fqn: by_module[fqn.rpartition(".")[0]] for fqn in grads}

@@ -69,6 +69,7 @@ from verify.parity.compare import (
     compare_traces,
     merge_reports,
     module_scales,
+    never_stepped,
     oracle_tolerance,
 )
 from verify.parity.ordered_collectives import run_parity_world
@@ -356,10 +357,22 @@ def single_device_reference(scenario: Scenario, *, dropout_off: bool = False) ->
             loss.backward()
         losses.append(loss.detach())
         for fqn, p in model.named_parameters():
-            grads[fqn] = grads[fqn] + p.grad if fqn in grads else p.grad.clone()
+            grads[fqn] = _add_grad(grads.get(fqn), p.grad, fqn, fqn in grads)
         buffers[tuple(coord[d] for d in plan.data_dims)] = {k: b.detach().clone() for k, b in model.named_buffers()}
     n = len(coords)
-    return SingleDeviceReference(torch.stack(losses).sum() / n, {k: g / n for k, g in grads.items()}, buffers)
+    return SingleDeviceReference(
+        torch.stack(losses).sum() / n, {k: None if g is None else g / n for k, g in grads.items()}, buffers
+    )
+
+
+def _add_grad(total: torch.Tensor | None, grad: torch.Tensor | None, fqn: str, seen: bool) -> torch.Tensor | None:
+    """One more slice's gradient into the sum; None stays None (no gradient: frozen, or the loss
+    does not reach it), and a parameter must get one on every slice or on none."""
+    if seen and (total is None) != (grad is None):
+        raise ValueError(f"parameter {fqn!r} gets a gradient on some data-parallel slices and none on others")
+    if grad is None:
+        return None
+    return grad.clone() if total is None else total + grad
 
 
 def single_device_step(scenario: Scenario) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
@@ -388,7 +401,33 @@ def gather_full_grads(scenario: Scenario, ranks: list[RankParity], executor: str
     out = {}
     for fqn, sharding in shardings.items():
         pieces = {r.coord: r.traces[executor].grads[step][fqn] for r in ranks}
-        out[fqn] = sharding.unshard(pieces, scenario.mesh_spec)
+        out[fqn] = _unshard_or_none(sharding, pieces, scenario.mesh_spec)
+    return out
+
+
+def _unshard_or_none(sharding, pieces: dict, spec) -> torch.Tensor | None:
+    """The full tensor from the ranks' pieces; None where every rank has None (no gradient). A
+    rank with None among ranks with a piece is a parallel program that disagrees with itself."""
+    nones = sorted(c for c, t in pieces.items() if t is None)
+    if len(nones) == len(pieces):
+        return None
+    if nones:
+        raise ValueError(f"{sharding.fqn}: ranks {nones} have no gradient but the others have one")
+    return sharding.unshard(pieces, spec)
+
+
+def unchanged_checks(scenario: Scenario, ranks: Sequence[RankParity], executor: str) -> list:
+    """Every parameter that got no gradient on any rank at any step (frozen, or the loss does not
+    reach it) must end the run bitwise where it started: its final value, reassembled from the
+    ranks' shards, against the model's initial one (one oracle check each, bound 0, named
+    ``unchanged:<fqn>``)."""
+    shardings = scenario.plan_obj().resolve(scenario.model(device="meta"), scenario.mesh_spec)
+    stale = set.intersection(*(set(never_stepped(r.traces[executor])) for r in ranks)) if ranks else set()
+    initial = dict(scenario.model().named_parameters())
+    out = []
+    for fqn in sorted(stale):
+        final = shardings[fqn].unshard({r.coord: r.traces[executor].params[fqn] for r in ranks}, scenario.mesh_spec)
+        out.append(check_within(f"unchanged:{fqn}", initial[fqn].detach(), final, 0.0, 0.0))
     return out
 
 
@@ -421,6 +460,7 @@ def oracle_check(
     scales = module_scales(ref.grads)
     for fqn in sorted(set(ref.grads) | set(grads)):
         report.checks.append(check_within(roles.grad(fqn), ref.grads.get(fqn), grads.get(fqn), tolerance.rtol, scales.get(fqn)))
+    report.checks.extend(unchanged_checks(scenario, ranks, executor))
     for i, r in enumerate(ranks):
         trace = r.traces[executor]
         got = trace.buffers[0] if trace.buffers else {}

@@ -1,5 +1,6 @@
 """build_joint_graph on what users bring: tied weights, buffers that the model updates, rowwise
-biases, and bad input that must be named (loss, dtypes, unused parameters, fake tensors).
+biases, and parameters without a gradient (frozen, or the loss does not reach them), and
+bad input that must be named (loss, dtypes, fake tensors).
 
 Small hand-written models on a fake world of two ranks; each trace takes about a second.
 """
@@ -154,19 +155,55 @@ def test_float64_inputs_to_a_float32_model_are_named_and_float64_models_work():
 
 
 class Unused(nn.Module):
+    """``pooled`` is computed and dropped (a pooler the LM loss skips); ``idle`` is never read."""
+
     def __init__(self):
         super().__init__()
         self.used = nn.Linear(4, 4)
-        self.unused = nn.Linear(4, 4)
+        self.pooled = nn.Linear(4, 4)
+        self.idle = nn.Linear(4, 4)
 
     def forward(self, x):
+        self.pooled(x)
         return self.used(x)
 
 
-def test_a_parameter_the_loss_does_not_use_is_named():
-    """It used to trace, then fail in the executor with a strict-zip error naming nothing."""
-    with fake_world("dp=2") as mesh, pytest.raises(ValueError, match=r"\['unused.weight', 'unused.bias'\] do not contribute to the loss"):
-        build_joint_graph(Unused(), ParallelPlan.fsdp(), mesh, DENSE, mse).close()
+class Frozen(nn.Module):
+    """A frozen base (requires_grad=False) under a trainable head."""
+
+    def __init__(self):
+        super().__init__()
+        self.base = nn.Linear(4, 4).requires_grad_(False)
+        self.head = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.head(torch.relu(self.base(x)))
+
+
+UNUSED = ["pooled.weight", "pooled.bias", "idle.weight", "idle.bias"]
+
+
+@pytest.mark.parametrize("plan, reduce", [(ParallelPlan.fsdp(), "reduce_scatter"), (ParallelPlan.ddp(), "all_reduce")])
+def test_a_parameter_the_loss_does_not_reach_gets_no_gradient_and_no_collective(plan, reduce):
+    """It used to be refused (and before that failed in the executor with a strict-zip error).
+    Now it is what eager gives: its gradient output is None and nothing reduces it."""
+    with fake_world("dp=2") as mesh, build_joint_graph(Unused(), plan, mesh, DENSE, mse) as jg:
+        assert sorted(jg.params_without_grad) == sorted(UNUSED) and jg.frozen_params == ()
+        grads = dict(zip(jg.output_roles, jg.gm.graph.output_node().args[0], strict=True))
+        assert all(grads.get(roles.grad(f)) is None for f in UNUSED)
+        assert all(grads[roles.grad(f)] is not None for f in ("used.weight", "used.bias"))
+        assert _collectives(jg)[(reduce, "dp")] == 2  # used.weight, used.bias only
+
+
+@pytest.mark.parametrize("plan, reduce", [(ParallelPlan.fsdp(), "reduce_scatter"), (ParallelPlan.ddp(), "all_reduce")])
+def test_a_frozen_parameter_is_sharded_and_gets_no_gradient(plan, reduce):
+    with fake_world("dp=2") as mesh, build_joint_graph(Frozen(), plan, mesh, DENSE, mse) as jg:
+        assert jg.frozen_params == ("base.weight", "base.bias") and jg.params_without_grad == jg.frozen_params
+        assert jg.shardings["base.weight"].local_shape == ((2, 4) if plan.fsdp_dim else (4, 4))
+        counts = _collectives(jg)
+        assert counts[(reduce, "dp")] == 2  # head.weight, head.bias only
+        if plan.fsdp_dim:
+            assert counts[("all_gather", "dp")] == 4  # the frozen base is gathered like the rest
 
 
 def test_tensors_made_between_trace_and_placement_are_real_and_fake_shards_are_named():

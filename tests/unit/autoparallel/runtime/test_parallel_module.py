@@ -79,3 +79,17 @@ def test_the_compiled_graph_names_its_inputs_by_the_users_fqns():
 def test_the_number_of_inputs_is_checked():
     with pytest.raises(TypeError, match="takes 2 inputs, got 1"):
         _module()(torch.randn(2))
+
+
+def test_frozen_parameters_are_held_without_requires_grad_and_share_the_given_storage():
+    """Without ``frozen`` every local parameter required grad, so a frozen one would get a
+    gradient from the compiled module and an AdamW update."""
+    params = {"blocks.0.attn.w": torch.ones(2, 3), "head": torch.full((3,), 2.0)}
+    given = nn.Parameter(torch.ones(2, 3))  # a caller's trainable Parameter, frozen in the model
+    mod = ParallelModule(lambda *a: sum(t.sum() for t in a), ROLES, {**params, "blocks.0.attn.w": given},
+                         {"blocks.0.norm.mean": torch.zeros(3)}, frozen=["blocks.0.attn.w"])
+    local = mod.local_parameters()
+    assert not local["blocks.0.attn.w"].requires_grad and local["head"].requires_grad
+    assert local["blocks.0.attn.w"].data_ptr() == given.data_ptr() and given.requires_grad  # the caller's is untouched
+    mod(torch.randn(2), torch.randn(4)).backward()
+    assert local["blocks.0.attn.w"].grad is None and local["head"].grad is not None

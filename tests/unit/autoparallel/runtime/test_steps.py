@@ -103,3 +103,39 @@ def test_train_steps_seeds_on_the_batches_devices(monkeypatch):
 
     train_steps(step, {"w": torch.ones(2)}, [(torch.ones(2),), (torch.ones(2),)], seed=3)
     assert calls == [(steps.step_seed(3, 0), {torch.device("cpu")}), (steps.step_seed(3, 1), {torch.device("cpu")})]
+
+
+def _frozen_fw_bw():
+    """loss = sum(w * x) + 0 * sum(f): ``f`` is a parameter the backward returns None for (frozen,
+    or not reached); ``u`` is a parameter with no gradient output at all."""
+    fw = fx.Graph()
+    x, w, f, u = (fw.placeholder(n) for n in ("x", "w", "f", "u"))
+    loss = fw.call_function(aten.sum.default, (fw.call_function(aten.mul.Tensor, (w, x)),))
+    fw_gm = _labelled(fw, [roles.input_(0), roles.param("w"), roles.param("f"), roles.param("u")], [loss, x],
+                      [roles.LOSS, roles.saved(0)])
+    bw = fx.Graph()
+    t, s = bw.placeholder("tangents_1"), bw.placeholder("x")
+    g = bw.call_function(aten.mul.Tensor, (s, t))
+    bw_gm = _labelled(bw, [roles.tangent(roles.LOSS), roles.saved(0)], [g, None], [roles.grad("w"), roles.grad("f")])
+    return fw_gm, bw_gm
+
+
+def test_a_parameter_without_a_gradient_gets_none_and_no_adamw_step():
+    """Eager PyTorch leaves .grad None for such a parameter and AdamW skips it (no weight decay
+    either). The executor used to raise on a None gradient output."""
+    fw, bw = _frozen_fw_bw()
+    x = torch.tensor([1.0, 2.0, 3.0])
+    init = {"w": torch.ones(3), "f": torch.full((3,), 5.0), "u": torch.full((2,), 7.0)}
+    trace = train_steps(split_graph_executor(fw, bw, {}), {k: v.clone() for k, v in init.items()}, [(x,), (x,)])
+    assert [g["f"] for g in trace.grads] == [None, None] and [g["u"] for g in trace.grads] == [None, None]
+    assert torch.equal(trace.params["f"], init["f"]) and torch.equal(trace.params["u"], init["u"])
+    assert not torch.equal(trace.params["w"], init["w"])  # the trained one moved
+    assert trace.optimizer_state["f"] == {} and set(trace.optimizer_state["w"]) == {"exp_avg", "exp_avg_sq"}
+
+
+def test_train_steps_still_refuses_an_executor_that_forgets_a_parameter():
+    def forgetful(params, inputs):
+        return torch.tensor(1.0), {"w": torch.ones(1)}  # no entry for "v" at all (None would say: no gradient)
+
+    with pytest.raises(RuntimeError, match=r"no gradient entry for \['v'\]"):
+        train_steps(forgetful, {"w": torch.ones(1), "v": torch.ones(1)}, [()])

@@ -379,3 +379,36 @@ def test_merge_reports_keeps_the_comparison_names_and_says_why_it_refuses():
     with pytest.raises(ValueError) as e:
         merge_reports([], [])
     assert str(e.value) == "no reports to merge"
+
+
+# --- parameters without a gradient (frozen, or the loss does not reach them) ---------------------
+
+
+def _gradless_trace(f_grads, f_final) -> StepTrace:
+    t = StepTrace([torch.tensor(1.0)] * len(f_grads),
+                  [{"w": torch.tensor([1.0]), "f": None if g is None else torch.tensor([g])} for g in f_grads])
+    t.params = {"w": torch.tensor([0.5]), "f": torch.tensor([f_final])}
+    return t
+
+
+def test_no_gradient_on_both_sides_is_equal_and_against_a_tensor_is_not():
+    assert diff_tensors("g", None, None).equal
+    assert not diff_tensors("g", None, torch.zeros(1)).equal and not diff_tensors("g", torch.zeros(1), None).equal
+    assert check_within("grad:f", None, None, 1e-6).passed
+    assert not check_within("grad:f", None, torch.zeros(1), 1e-6).passed
+    assert not check_within("grad:f", torch.zeros(1), None, 1e-6).passed
+    assert module_scales({"m.w": torch.tensor([2.0]), "m.f": None}) == {"m.w": 2.0, "m.f": 2.0}
+
+
+def test_a_parameter_without_a_gradient_must_end_where_the_reference_left_it():
+    """A frozen parameter that another form of the program changes (an in-place write, an update
+    without a recorded gradient) fails, though every loss and gradient matches."""
+    a = _gradless_trace([None, None], 3.0)
+    same = compare_traces(a, _gradless_trace([None, None], 3.0))
+    assert same.bitwise and "final/param:f" in [d.name for d in same.diffs]
+    assert "final/param:w" not in [d.name for d in same.diffs]  # trained parameters: their gradients say it
+    moved = compare_traces(a, _gradless_trace([None, None], 3.5), b_name="joint")
+    assert [d.name for d in moved.mismatches()] == ["final/param:f"]
+    got_one = compare_traces(a, _gradless_trace([None, 0.0], 3.0))  # the graph gives a gradient eager does not
+    assert [d.name for d in got_one.mismatches()] == ["step1/grad:f"]
+    assert [d.name for d in compare_traces(_gradless_trace([None, 0.0], 3.0), a).mismatches()] == ["step1/grad:f"]
