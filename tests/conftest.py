@@ -413,6 +413,7 @@ SLOW_GROUPS: dict[str, str] = {
     "zoo-convnet-fsdp-dp2": "convnet under FSDP (its DDP run stays in the tier)",
     "uneven-fsdp-dp=2": "uneven shards trained on gloo (their padding properties stay in the tier)",
     "uneven-fsdp-dp=4": "uneven shards on 4 ranks, ranks that hold only padding",
+    "gradless-parity": "frozen / unreached parameters on the other models and plans (two cells and the negative tests stay in the tier: gradless-parity-tier)",
     "planned-parity": "plan=auto trained on gloo (the tiny-auto-dp8 goldens and invariants stay in the tier)",
     "scale-benchmark": "python -m verify scale end to end (a benchmark; its table formatting stays in the tier)",
     "mutation-harness": "the patch-mutation harness on throwaway projects (CI also runs python -m verify mutate itself)",

@@ -51,7 +51,7 @@ from verify.parity.runs import (
     oracle_check,
     run_stage_parity,
 )
-from verify.stages.pipeline_run import run_scenario
+from verify.stages.pipeline_run import params_without_grad, run_scenario, without_grad_lines
 from verify.stages.scenario import Scenario, check_flags, dtype_name
 
 __all__ = ["ModelCase", "ModelCheck", "check_model"]
@@ -100,8 +100,15 @@ class ModelCheck:
             for stage in STAGE_NAMES
         }
 
+    def params_without_grad(self) -> dict[str, str]:
+        """The parameters that get no gradient, by FQN: ``"frozen"`` (``requires_grad=False``) or
+        ``"unreached"`` (the loss does not reach them). Every stage and the oracle check that they
+        get none and end the run unchanged, as in eager PyTorch."""
+        return params_without_grad(self.run)
+
     def summary(self) -> str:
         lines = [self.scenario.header()]
+        lines.extend(f"  {line}" for line in without_grad_lines(self.params_without_grad()))
         for label, st in self.stats().items():
             coll = ", ".join(f"{k}[{d}] {c['count']}" for k, per in st["collectives"].items() for d, c in per.items())
             lines.append(f"  {label:<28} {st['num_nodes']:>5} nodes  {coll or 'no collectives'}")

@@ -53,7 +53,7 @@ from torch.utils import _pytree as pytree
 from autoparallel import meta as M
 from autoparallel import roles
 from autoparallel.mesh import ParallelMesh, attach_group_dims
-from autoparallel.parallelize.joint import JointGraph, label_roles
+from autoparallel.parallelize.joint import JointGraph, label_roles, params_without_grad
 from autoparallel.parallelize.plan import ParallelPlan
 from autoparallel.planner.graph import ALIAS, PlanningGraph
 from autoparallel.planner.plan import Plan, parse_placement
@@ -426,6 +426,8 @@ def lower_plan(pg: PlanningGraph, plan: Plan, parallel_plan: ParallelPlan) -> tu
         num_fwd_outputs=num_fwd,
         trace_seconds=pg.trace_seconds + interp.report.seconds,
         fake_mode=fake_mode,
+        frozen_params=jg.frozen_params,
+        params_without_grad=tuple(params_without_grad(gm, input_roles, output_roles)),
         _stack=jg._stack,
     )
     pg.joint = None  # the export now belongs to the lowered graph

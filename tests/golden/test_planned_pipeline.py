@@ -144,6 +144,6 @@ def test_report_shows_the_plan_stage(sid, capsys, shared_pipeline_runs):
     assert planning["objective_us"] == round(rep.objective_us, 3) and planning["proven_optimal"]
     assert set(planning["seconds"]) >= {"trace", "solve"} and planning["alias_round_trips"]["removed"] == rep.aliases.removed
     assert planning["chained_all_gathers"] == {"found": 0, "fused": 0}  # a 1-D mesh has no chains
-    assert report["params"] == {"count": 21, "fsdp_sharded": 21}
+    assert report["params"] == {"count": 21, "fsdp_sharded": 21, "without_grad": {}}
     assert set(report["goldens"].values()) == {"matches"} and PLAN in report["goldens"]
     assert report["stages"][0]["name"] == "joint"  # the plan stage has no graph row

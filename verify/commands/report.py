@@ -37,7 +37,7 @@ from verify.parity.runs import (
     oracle_check,
     run_stage_parity,
 )
-from verify.stages.pipeline_run import params_summary, pipeline_options, run_scenario
+from verify.stages.pipeline_run import params_summary, pipeline_options, run_scenario, without_grad_lines
 from verify.stages.scenario import Scenario, check_flags, parameter_count
 
 COLLECTIVE_KINDS = ("all_gather", "reduce_scatter", "all_reduce")
@@ -249,6 +249,7 @@ def format_report(report: dict) -> str:
         f"autoparallel report: {model} mesh={report['mesh']}",
         f"plan: {report['plan']}",
         f"params: {report['params']['count']} ({report['params']['fsdp_sharded']} FSDP-sharded)",
+        *without_grad_lines(report["params"].get("without_grad") or {}),
         "",
     ]
     planning = report.get("planning")

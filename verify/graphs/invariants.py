@@ -15,6 +15,9 @@ Collectives: no collective lost or duplicated
       backward's is the joint backward region's plus the forward all-gathers it recomputes (each
       tagged MUST_RECOMPUTE, each the twin of a forward all-gather of the same mesh dim and bytes,
       at most one per forward all-gather: a parameter is gathered again once, not per use).
+      Collectives no output of the joint graph depends on are left out of the joint's ledgers:
+      the partitioner keeps only what its outputs need (a parameter whose use the loss drops,
+      e.g. a pooler an LM head skips, is gathered in the joint graph and not in the forward).
     * ``second_compile``: each graph's ledger equals the first partition's.
     * ``fuse_chained_allgathers`` re-groups all-gathers over the flat group: every kind but the
       all-gather keeps its ledger, and all-gathers keep their *end-to-end chains*: the multiset
@@ -131,13 +134,27 @@ def _recomputed(n: fx.Node) -> bool:
     return n.meta.get(M.RECOMPUTE) == CheckpointPolicy.MUST_RECOMPUTE
 
 
+def _live_nodes(gm: fx.GraphModule) -> set[fx.Node]:
+    """The nodes some output of ``gm`` depends on."""
+    live: set[fx.Node] = set()
+    todo = [gm.graph.output_node()]
+    while todo:
+        n = todo.pop()
+        if n in live:
+            continue
+        live.add(n)
+        todo.extend(n.all_input_nodes)
+    return live
+
+
 def partitioned(stage: str, before: Graphs, after: Graphs) -> list[str]:
     """Joint -> (forward, backward): the regions split, recomputed all-gathers twin forward ones."""
     joint = _single(before, stage)
     fw, bw = _pair(after, stage)
-    problems = _compare(f"{stage} forward", ledger(joint, lambda n: not _is_backward(n)), ledger(fw))
+    live = _live_nodes(joint)
+    problems = _compare(f"{stage} forward", ledger(joint, lambda n: n in live and not _is_backward(n)), ledger(fw))
     recomputed = ledger(bw, lambda n: collective_kind(n) == "all_gather" and _recomputed(n))
-    want_bw = _add(ledger(joint, _is_backward), recomputed)
+    want_bw = _add(ledger(joint, lambda n: n in live and _is_backward(n)), recomputed)
     problems += _compare(f"{stage} backward (joint backward region + recomputed all-gathers)", want_bw, ledger(bw))
     fw_gathers = Counter(_gather_signature(n, fw) for n in fw.graph.nodes if collective_kind(n) == "all_gather")
     bw_gathers = Counter(_gather_signature(n, bw) for n in bw.graph.nodes

@@ -60,7 +60,7 @@ from autoparallel.runtime.steps import (
     split_graph_executor,
     train_steps,
 )
-from verify.parity.compare import OracleReport, check_within, module_scales, oracle_tolerance
+from verify.parity.compare import OracleReport, check_within, module_scales, never_stepped, oracle_tolerance
 from verify.parity.ordered_collectives import run_parity_world
 from verify.parity.random_ops import (
     DROPOUT_OFF,
@@ -152,6 +152,7 @@ def eager_executor(planned, mesh, buffers, gm: fx.GraphModule | None = None) -> 
         by_name = {n.name: pl for n, pl in placed.items()}
         placed = {n: by_name[n.name] for n in gm.graph.nodes if n.name in by_name}
     grad_fqns = [(i, roles.name(r)) for i, r in enumerate(pg.output_roles) if roles.is_grad(r)]
+    param_fqns = roles.names_of(pg.input_roles, roles.PARAM)
 
     def run(params, inputs):
         with torch.no_grad():
@@ -159,7 +160,8 @@ def eager_executor(planned, mesh, buffers, gm: fx.GraphModule | None = None) -> 
         # By role: a model that updates buffers (BatchNorm) returns their new values ahead of the
         # loss; they are copied into ``buffers``, as every stage's executor does.
         loss = loss_and_updates(outs, pg.output_roles, buffers, "the plan's eager placements")
-        return loss.detach(), {fqn: outs[i] for i, fqn in grad_fqns}
+        # None (or no output) for a parameter without a gradient: frozen, or the loss does not reach it
+        return loss.detach(), {**dict.fromkeys(param_fqns), **{fqn: outs[i] for i, fqn in grad_fqns}}
 
     return Executor(run, buffers)
 
@@ -251,14 +253,30 @@ def run_planned_parity(
     return [(solved[i], [ranks[i] for ranks in per_rank]) for i in range(len(cases))]
 
 
-def full_grads(case: PlannedCase, ranks: Sequence[PlannedRank], executor: str, step: int) -> dict[str, torch.Tensor]:
-    """Each parameter's full gradient at ``step``, reassembled from the ranks' pieces."""
+def full_grads(case: PlannedCase, ranks: Sequence[PlannedRank], executor: str, step: int) -> dict[str, torch.Tensor | None]:
+    """Each parameter's full gradient at ``step``, reassembled from the ranks' pieces; None for a
+    parameter no rank has a gradient for (a rank without one among ranks with one is an error)."""
+    return _assemble(case, ranks, lambda r: r.traces[executor].grads[step], "gradient")
+
+
+def full_params(case: PlannedCase, ranks: Sequence[PlannedRank], executor: str) -> dict[str, torch.Tensor]:
+    """Each parameter's final value after ``executor``'s run, reassembled from the ranks' pieces."""
+    return _assemble(case, ranks, lambda r: r.traces[executor].params, "final value")
+
+
+def _assemble(case: PlannedCase, ranks: Sequence[PlannedRank], pieces_of, what: str) -> dict[str, torch.Tensor | None]:
     model = case.model("meta")
     out = {}
     for fqn, p in model.named_parameters():
+        pieces = [(r, pieces_of(r)[fqn]) for r in ranks]
+        nones = [i for i, (_, piece) in enumerate(pieces) if piece is None]
+        if len(nones) == len(pieces):
+            out[fqn] = None
+            continue
+        if nones:
+            raise ValueError(f"{fqn}: ranks {nones} have no {what} but the others have one")
         full = torch.zeros(p.shape, dtype=p.dtype)
-        for r in ranks:
-            piece = r.traces[executor].grads[step][fqn]
+        for r, piece in pieces:
             index = tuple(slice(o, o + s) for o, s in zip(r.offsets[fqn], piece.shape, strict=True))
             full[index] = piece
         out[fqn] = full
@@ -294,9 +312,9 @@ def single_device_replay(case: PlannedCase, ranks: Sequence[PlannedRank], execut
             loss = loss_fn(model(*xs), target)
             loss.backward()
         out.losses.append(loss.detach().clone())
-        out.grads.append({fqn: p.grad.detach().clone() for fqn, p in named.items()})
+        out.grads.append({fqn: None if p.grad is None else p.grad.detach().clone() for fqn, p in named.items()})
         for fqn, g in full_grads(case, ranks, executor, step).items():
-            leaves[fqn].grad = g
+            leaves[fqn].grad = g  # None: AdamW skips it, as train_steps does
         opt.step()
         opt.zero_grad(set_to_none=True)
     return out
@@ -320,6 +338,13 @@ def planned_oracle(case: PlannedCase, ranks: Sequence[PlannedRank], reference: S
     scales = module_scales(single.grads[0])
     for fqn in sorted(set(single.grads[0]) | set(grads)):
         report.checks.append(check_within(roles.grad(fqn), single.grads[0].get(fqn), grads.get(fqn), tolerance.rtol, scales.get(fqn)))
+    # Every parameter without a gradient (single-device eager gives it none, or no rank stepped it)
+    # ends bitwise where it started.
+    stale = set(never_stepped(single)) | set.intersection(*(set(never_stepped(r.traces[executor])) for r in ranks))
+    if stale:
+        final, initial = full_params(case, ranks, executor), dict(case.model("cpu").named_parameters())
+        for fqn in sorted(stale):
+            report.checks.append(check_within(f"unchanged:{fqn}", initial[fqn].detach(), final[fqn], 0.0, 0.0))
     return report
 
 
@@ -331,6 +356,7 @@ __all__ = [
     "PlannedCase",
     "PlannedRank",
     "full_grads",
+    "full_params",
     "planned_case",
     "planned_oracle",
     "run_planned_parity",

@@ -416,13 +416,17 @@ def _unshard_or_none(sharding, pieces: dict, spec) -> torch.Tensor | None:
     return sharding.unshard(pieces, spec)
 
 
-def unchanged_checks(scenario: Scenario, ranks: Sequence[RankParity], executor: str) -> list:
-    """Every parameter that got no gradient on any rank at any step (frozen, or the loss does not
-    reach it) must end the run bitwise where it started: its final value, reassembled from the
-    ranks' shards, against the model's initial one (one oracle check each, bound 0, named
-    ``unchanged:<fqn>``)."""
+def unchanged_checks(
+    scenario: Scenario, ranks: Sequence[RankParity], executor: str, reference: SingleDeviceReference
+) -> list:
+    """Every parameter without a gradient (single-device eager gives it none, or no rank stepped
+    it at any step: frozen, or the loss does not reach it) must end the run bitwise where it
+    started: its final value, reassembled from the ranks' shards, against the model's initial one
+    (one oracle check each, bound 0, named ``unchanged:<fqn>``)."""
     shardings = scenario.plan_obj().resolve(scenario.model(device="meta"), scenario.mesh_spec)
-    stale = set.intersection(*(set(never_stepped(r.traces[executor])) for r in ranks)) if ranks else set()
+    stale = {fqn for fqn, g in reference.grads.items() if g is None}
+    if ranks:
+        stale |= set.intersection(*(set(never_stepped(r.traces[executor])) for r in ranks))
     initial = dict(scenario.model().named_parameters())
     out = []
     for fqn in sorted(stale):
@@ -460,7 +464,7 @@ def oracle_check(
     scales = module_scales(ref.grads)
     for fqn in sorted(set(ref.grads) | set(grads)):
         report.checks.append(check_within(roles.grad(fqn), ref.grads.get(fqn), grads.get(fqn), tolerance.rtol, scales.get(fqn)))
-    report.checks.extend(unchanged_checks(scenario, ranks, executor))
+    report.checks.extend(unchanged_checks(scenario, ranks, executor, ref))
     for i, r in enumerate(ranks):
         trace = r.traces[executor]
         got = trace.buffers[0] if trace.buffers else {}

@@ -39,14 +39,38 @@ def pipeline_options(bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB, topo_span=Non
     return P.PipelineOptions(**{"collective": collective, "alternatives": True, **kw})
 
 
-def params_summary(run: P.PipelineRun) -> dict[str, int]:
+def params_summary(run: P.PipelineRun) -> dict:
     """How many parameters the plan resolved, and how many of them FSDP shards (plan="auto": how
-    many the plan shards over some mesh dim)."""
+    many the plan shards over some mesh dim); ``without_grad``: those whose gradient is None, each
+    ``frozen`` (requires_grad=False) or ``unreached`` (the loss does not reach it)."""
     if run.planned is not None:
         params = run.planned.plan.params
-        return {"count": len(params), "fsdp_sharded": sum(1 for p in params.values() if any(v != "R" for v in p.values()))}
-    shardings = run.joint.shardings
-    return {"count": len(shardings), "fsdp_sharded": sum(1 for s in shardings.values() if s.fsdp_dim is not None)}
+        out = {"count": len(params), "fsdp_sharded": sum(1 for p in params.values() if any(v != "R" for v in p.values()))}
+    else:
+        shardings = run.joint.shardings
+        out = {"count": len(shardings), "fsdp_sharded": sum(1 for s in shardings.values() if s.fsdp_dim is not None)}
+    return {**out, "without_grad": params_without_grad(run)}
+
+
+def params_without_grad(run: P.PipelineRun) -> dict[str, str]:
+    """The parameters the traced joint graph gives no gradient, by FQN (sorted): ``"frozen"``
+    (``requires_grad=False``) or ``"unreached"`` (the loss does not reach it); eager PyTorch
+    leaves their ``.grad`` None and AdamW skips them, and so does every stage."""
+    jg = run.joint
+    if jg is None:
+        return {}
+    frozen = set(jg.frozen_params)
+    return {fqn: "frozen" if fqn in frozen else "unreached" for fqn in sorted(jg.params_without_grad)}
+
+
+def without_grad_lines(without_grad: dict[str, str]) -> list[str]:
+    """One line per kind of parameter without a gradient (none: no line)."""
+    lines = []
+    for kind, why in (("frozen", "requires_grad=False"), ("unreached", "the loss does not reach them")):
+        names = [fqn for fqn, k in without_grad.items() if k == kind]
+        if names:
+            lines.append(f"no gradient ({why}): {', '.join(names)}")
+    return lines
 
 
 def _canonical_text(gm) -> str:

@@ -65,7 +65,7 @@ def test_readme_command_line_runs_the_same_model(readme_module, capsys, shared_p
     assert main([*argv, "--no-parity", "--json"]) == 0  # parity: the fixture test above
     report = json.loads(capsys.readouterr().out)
     assert report["model"] == "tiny_convnet" and report["preset"] is None and report["mesh"] == "dp=2"
-    assert report["params"] == {"count": 6, "fsdp_sharded": 6}
+    assert report["params"] == {"count": 6, "fsdp_sharded": 6, "without_grad": {}}
     assert [s["name"] for s in report["stages"]][:3] == ["joint", "cleanup", "fsdp_tagging"]
 
 

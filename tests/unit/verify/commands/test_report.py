@@ -27,7 +27,7 @@ def _report_and_sections(capsys, tmp_path, *flags: str) -> tuple[dict, str, dict
 def _check_schema_goldens_and_page(report: dict, secs: dict[str, str]) -> None:
     assert set(report) >= {"preset", "plan", "mesh", "params", "stages", "parity", "goldens"}
     assert report["preset"] == "tiny" and report["mesh"] == "dp=8"
-    assert report["params"] == {"count": 21, "fsdp_sharded": 21}
+    assert report["params"] == {"count": 21, "fsdp_sharded": 21, "without_grad": {}}
     names = [s["name"] for s in report["stages"]]
     sequence = [s["name"] for s in report["stages"] if not s["alternative"]]
     assert sequence[:3] == ["joint", "cleanup", "fsdp_tagging"]
@@ -121,3 +121,15 @@ def test_golden_status_says_why_it_is_not_checked_without_goldens(tmp_path):
     text = format_report({"preset": "tiny", "mesh": "dp=8", "plan": "fsdp", "params": {"count": 1, "fsdp_sharded": 1},
                           "stages": [], "goldens": GOLDENS_NOT_CHECKED, "parity": None})
     assert "goldens: not checked (no goldens/ directory here: run from a source checkout" in text
+
+
+def test_report_names_the_parameters_without_a_gradient_and_says_why():
+    report = {"preset": None, "model": "m", "mesh": "dp=2", "plan": "fsdp", "stages": [], "goldens": None, "parity": None,
+              "params": {"count": 5, "fsdp_sharded": 5,
+                         "without_grad": {"base.bias": "frozen", "base.weight": "frozen", "pool.weight": "unreached"}}}
+    lines = format_report(report).splitlines()
+    i = lines.index("params: 5 (5 FSDP-sharded)")
+    assert lines[i + 1:i + 3] == ["no gradient (requires_grad=False): base.bias, base.weight",
+                                  "no gradient (the loss does not reach them): pool.weight"]
+    report["params"]["without_grad"] = {}
+    assert "no gradient" not in format_report(report)

@@ -97,6 +97,19 @@ def test_partitioned_allows_one_backward_regather_per_forward_gather(groups):
     assert problem.startswith("first_partition backward (joint backward region + recomputed all-gathers): ")
 
 
+def test_partitioned_lets_a_dead_gather_go_but_not_a_live_one(groups):
+    """A parameter whose use the loss drops (a pooler an LM head skips) is gathered in the joint
+    graph, and the partitioner keeps only what its outputs need."""
+    b = GraphBuilder(groups)
+    live = b.call(aten.sum.default, b.all_gather(b.param((1, 8)), "dp"))
+    b.all_gather(b.param((1, 8)), "dp")  # nothing reads it
+    joint = b.output([live], [roles.LOSS])
+    one = _gathers(groups, rows=(1,))
+    assert I.partitioned("first_partition", joint, (one, _gathers(groups, rows=()))) == []
+    (problem,) = I.partitioned("first_partition", _gathers(groups), (one, _gathers(groups, rows=())))
+    assert problem == "first_partition forward: collectives (count, bytes) changed: all_gather/dp (2, 256) -> (1, 128)"
+
+
 def test_saved_values_compare_per_op_index_shape_and_dtype(groups):
     def pair(index):
         fb = GraphBuilder(groups)
