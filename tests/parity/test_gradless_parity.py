@@ -3,9 +3,11 @@ does not reach, through every stage (``verify.check.check_model``), as eager PyT
 gradient None, no AdamW step, the value bitwise unchanged after every step, no gradient
 collective in the graph; and the checker failing each way a program could get that wrong.
 
-Three small models of our own: an MLP with a frozen first layer, one with a pooler whose output
-the loss drops and a layer it never calls, and a low-rank adapter on a frozen base (LoRA). The
-gloo worlds beyond the two in the tier are in CI's slow step (``tests/conftest.py`` SLOW_GROUPS).
+Small models of our own: an MLP with a frozen first layer, one with a pooler whose output the
+loss drops and a layer it never calls, a low-rank adapter on a frozen base (LoRA; also under
+plan="auto"), a TP region with a frozen colwise layer (fsdp_tp); and Hugging Face's Marian, whose
+sinusoidal position tables are frozen. The gloo worlds beyond the two cells and the negative
+tests in the tier are in CI's slow step (``tests/conftest.py`` SLOW_GROUPS).
 """
 
 from __future__ import annotations
@@ -141,6 +143,46 @@ def test_lora_under_auto():
         f"unchanged:{fqn}" for fqn in WITHOUT_GRAD["lora"]}
 
 
+class TPBlock(nn.Module):
+    """A TP region with a frozen colwise ``up``, a trainable rowwise ``down`` and a ``pool`` the
+    region computes and drops."""
+
+    def __init__(self):
+        super().__init__()
+        self.up = nn.Linear(8, 16).requires_grad_(False)
+        self.down = nn.Linear(16, 8)
+        self.pool = nn.Linear(8, 8)
+
+    def forward(self, x):
+        self.pool(x)
+        return self.down(torch.relu(self.up(x)))
+
+
+class TPNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.mlp = TPBlock()
+        self.head = nn.Linear(8, 8)
+
+    def forward(self, x):
+        return self.head(self.mlp(x))
+
+
+TP_CASE = ModelCase("tp_frozen", TPNet, mse, batch, batch_per_rank=2, tp_regions=("mlp",),
+                    tp_rules={"mlp.up.weight": "colwise", "mlp.down.weight": "rowwise", "mlp.pool.weight": "colwise"})
+
+
+@pytest.mark.xdist_group("gradless-parity")
+def test_fsdp_tp_with_a_frozen_colwise_layer_and_a_dropped_one():
+    result = check_model(TP_CASE, plan="fsdp_tp", mesh="dp=1,tp=2")
+    result.assert_ok()
+    assert result.params_without_grad() == {"mlp.pool.bias": "unreached", "mlp.pool.weight": "unreached",
+                                            "mlp.up.bias": "frozen", "mlp.up.weight": "frozen"}
+    collectives = result.stats()["joint"]["collectives"]
+    assert collectives["reduce_scatter"]["dp"]["count"] == 4  # down.weight, down.bias, head.weight, head.bias
+    assert len([c for c in result.oracle.checks if c.name.startswith("unchanged:")]) == 4
+
+
 # --- the checker fails each way a program could get it wrong ---------------------------------------
 
 FROZEN_FSDP = Scenario(case=FROZEN, plan="fsdp", mesh="dp=2")
@@ -204,3 +246,36 @@ def test_a_frozen_parameter_changed_without_any_gradient_fails_parity(monkeypatc
     ranks = run_stage_parity(FROZEN_FSDP, 1, executors=(EAGER, JOINT))
     assert {d.name for d in compare_with_eager(ranks, JOINT).mismatches()} == {"rank0/final/param:base.bias",
                                                                                "rank1/final/param:base.bias"}
+
+
+# --- a Hugging Face model with frozen parameters ----------------------------------------------------
+
+
+def _marian():
+    """Marian (encoder-decoder): its sinusoidal position tables are frozen Embedding weights."""
+    transformers = pytest.importorskip("transformers")
+    from verify.hf import KeywordInputs
+
+    config = transformers.MarianConfig(
+        vocab_size=64, d_model=32, encoder_layers=1, decoder_layers=1, encoder_attention_heads=2,
+        decoder_attention_heads=2, encoder_ffn_dim=64, decoder_ffn_dim=64, max_position_embeddings=32,
+        pad_token_id=0, decoder_start_token_id=0, use_cache=False)
+    return KeywordInputs(transformers.MarianMTModel(config), ("input_ids", "attention_mask", "decoder_input_ids"))
+
+
+def _seq2seq_batch(n: int):
+    tokens = lambda: torch.randint(3, 64, (n, 8))  # noqa: E731
+    return tokens(), torch.ones(n, 8, dtype=torch.long), tokens(), tokens()
+
+
+@pytest.mark.xdist_group("gradless-parity")
+def test_marian_with_frozen_sinusoidal_position_tables_passes_every_stage():
+    """Refused before ('does not require grad; plans shard trainable parameters only')."""
+    from verify.hf import token_loss
+
+    case = ModelCase("hf-marian", _marian, token_loss, _seq2seq_batch, batch_per_rank=2)
+    result = check_model(case, plan="fsdp", mesh="dp=2")
+    result.assert_ok()
+    tables = {f"model.model.{side}.embed_positions.weight": "frozen" for side in ("encoder", "decoder")}
+    assert result.params_without_grad() == tables
+    assert {c.name for c in result.oracle.checks if c.name.startswith("unchanged:")} == {f"unchanged:{f}" for f in tables}
