@@ -180,8 +180,9 @@ def check_model(
     is a process). ``parity=False``: graphs and stats only. The gloo world's reductions add the
     ranks' contributions in rank order (``verify.parity.ordered_collectives``: a verdict that does not
     depend on how buckets fall); ``native_collectives=True`` runs gloo's own. Bad input (a plan that does not fit
-    the model, a loss that is not a scalar, a parameter the loss does not use ...) raises
-    ValueError naming it. ``goldens=True``: the run also keeps each collective pass run alone on
+    the model, a loss that is not a scalar) raises ValueError naming it; a
+    parameter without a gradient (frozen, or the loss does not reach it) trains as in eager
+    PyTorch (:meth:`ModelCheck.params_without_grad`). ``goldens=True``: the run also keeps each collective pass run alone on
     the second compile's graphs, which the stage goldens of those passes show
     (:meth:`ModelCheck.golden_texts`); off, it skips them (about a fifth of a small model's run)."""
     fields = _plan_fields(plan)

@@ -19,6 +19,7 @@ from torch import nn
 from autoparallel import roles
 from autoparallel.runtime import steps
 from verify.check import check_model
+from verify.hf import KeywordInputs, token_loss
 from verify.model_case import ModelCase
 from verify.parity import runs
 from verify.parity.runs import EAGER, JOINT, compare_with_eager, oracle_check, run_stage_parity
@@ -254,7 +255,6 @@ def test_a_frozen_parameter_changed_without_any_gradient_fails_parity(monkeypatc
 def _marian():
     """Marian (encoder-decoder): its sinusoidal position tables are frozen Embedding weights."""
     transformers = pytest.importorskip("transformers")
-    from verify.hf import KeywordInputs
 
     config = transformers.MarianConfig(
         vocab_size=64, d_model=32, encoder_layers=1, decoder_layers=1, encoder_attention_heads=2,
@@ -271,8 +271,6 @@ def _seq2seq_batch(n: int):
 @pytest.mark.xdist_group("gradless-parity")
 def test_marian_with_frozen_sinusoidal_position_tables_passes_every_stage():
     """Refused before ('does not require grad; plans shard trainable parameters only')."""
-    from verify.hf import token_loss
-
     case = ModelCase("hf-marian", _marian, token_loss, _seq2seq_batch, batch_per_rank=2)
     result = check_model(case, plan="fsdp", mesh="dp=2")
     result.assert_ok()
