@@ -17,7 +17,8 @@ Labels:
 ``tangent:<out>``  the tangent of output ``<out>`` (``tangent:loss``)
 ``loss``           the loss, the first user output
 ``output:<i>``     another user output
-``grad:<fqn>``     the gradient of parameter ``<fqn>``
+``grad:<fqn>``     the gradient of parameter ``<fqn>`` (the output is None, or absent, for a
+                   parameter without one: frozen, or the loss does not reach it)
 ``mutated:<fqn>``  the new value of buffer ``<fqn>`` (an in-place update, e.g. BatchNorm's
                    running stats, that the graph returns for the caller to apply)
 ``saved:<k>``      the k-th value a forward graph saves for its backward (and the
