@@ -34,6 +34,7 @@ from autoparallel.planner.graph import PlanningGraph, find_block_container, trac
 from autoparallel.planner.ilp import Solution, solve
 from autoparallel.planner.plan import NodePlacement, Plan, by_dim, natural_key, parse_placement
 from autoparallel.planner.problem import (
+    CONSTANT,
     GETITEM,
     OUTPUT,
     PLACEHOLDER,
@@ -344,6 +345,8 @@ def make_plan(graph: Graph, costs: CostModel, choice: np.ndarray, solution: Solu
         node_names={pn.name: pn.key for pn in nodes if pn.name and pn.kind != OUTPUT},
         comm={k: dict(sorted(v.items())) for k, v in sorted(comm.items())},
         stats=stats,
+        fallbacks={pn.key: pn.fallback for pn in nodes if pn.fallback},
+        constants={pn.key: pn.op.removeprefix("constant ") for pn in nodes if pn.kind == CONSTANT},
     )
 
 
