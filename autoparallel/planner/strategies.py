@@ -451,7 +451,8 @@ def _meta_args(node: fx.Node):
     def conv(a):
         if isinstance(a, fx.Node):
             return tensor_meta(a.meta[M.VAL])
-        if isinstance(a, list | tuple) and a and all(isinstance(x, fx.Node) for x in a):
+        # a list of tensors, or of optional ones (aten.index's [None, idx]: the dims not indexed)
+        if isinstance(a, list | tuple) and any(isinstance(x, fx.Node) for x in a) and all(x is None or isinstance(x, fx.Node) for x in a):
             return type(a)(conv(x) for x in a)
         return a
 

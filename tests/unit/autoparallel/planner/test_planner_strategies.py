@@ -169,3 +169,17 @@ def test_a_runtime_strategy_that_is_not_an_op_strategy_is_named():
         with pytest.raises(NoStrategyError, match=r"^op aten\.mm\.default at node 'mm': DTensor's strategy failed: "
                            r"op aten\.mm\.default at node 'mm': DTensor returned str, not an OpStrategy$"):
             en._full_strategy(mm, lambda schema: "no strategy", [[(R,)], [(R,)]], (tensor_meta(mm.meta["val"]),), metas_in)
+
+
+def test_an_index_with_a_dim_not_indexed_gets_its_index_metas():
+    """x[:, i] is aten.index(x, [None, i]): the strategy gets None for the dim not indexed and a
+    TensorMeta for the index (falcon's alibi slopes); it used to get the FX node, and DTensor's
+    rule refused it ("Expected all index metas to be TensorMeta")."""
+    gm = make_fx(lambda x, i: x[:, i], tracing_mode="fake")(torch.empty(4, 8), torch.zeros(4, dtype=torch.long))
+    index = _node(gm, aten.index.Tensor)
+    assert index.args[1][0] is None
+    with fake_world("dp=2") as mesh:
+        en = StrategyEnumerator(mesh.device_mesh)
+        cands = en.op_candidates(index, [_all_placements(a, en.sizes) for a in tensor_args(index)])
+    assert en.fallbacks == {}
+    assert ((S0,), ((S0,), (R,))) in {(c.outs[0], c.ins) for c in cands}  # x's rows, not indexed, shard
