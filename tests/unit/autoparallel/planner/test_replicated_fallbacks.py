@@ -201,3 +201,11 @@ def test_a_fallback_planned_on_a_shard_is_refused():
 
         with pytest.raises(LoweringError, match=r"a replicated fallback, aten\._cdist_forward\.default .*input 0"):
             check_replicated_fallbacks(planned.pg, _tampered(planned.solved, shard))
+
+
+def test_the_plan_checker_reads_the_constant_and_names_one_the_plan_leaves_out():
+    plan = _plan(MaskFromPythonData, out=16)
+    (key,) = plan.constants
+    assert not _checked(plan).violations
+    bad = _checked(_tampered(plan, lambda p: p.nodes.pop(key)))
+    assert any(v.group == "structure" and v.where == key for v in bad.violations), bad
