@@ -435,6 +435,10 @@ class PlanContext:
         return "\n".join(lines) + "\n"
 
     def _why(self, pn: PNode, chosen: int, totals: list[float]) -> str:
+        if pn.fallback is not None:
+            return f"its only candidate, the replicated fallback: {pn.fallback}"
+        if pn.kind == CONSTANT:
+            return "its only candidate: a tensor constant lifted from forward, whole on every rank"
         best = min(totals)
         if totals[chosen] <= best + 1e-9 * max(1.0, abs(best)):
             ties = [j for j, t in enumerate(totals) if t <= best + 1e-9 * max(1.0, abs(best))]

@@ -110,6 +110,7 @@ def test_a_lifted_constant_is_placed_replicated_costed_and_shown_in_the_plan():
     graph = plan._context.graph
     (pn,) = [n for n in graph.nodes if n.kind == CONSTANT]
     assert pn.compute_us.tolist() == [0.0]  # held, not computed; its consumers pay any move
+    assert "a tensor constant lifted from forward" in plan.explain(key)
     assert not _checked(plan).violations
 
 
@@ -139,6 +140,7 @@ def test_an_op_with_no_strategy_takes_the_fallback_whose_cost_is_the_whole_op_pl
     ctx = plan._context
     pn = next(n for n in ctx.graph.nodes if n.key == fwd)
     assert pn.kind == OP and pn.fallback == NO_STRATEGY
+    assert f"the replicated fallback: {NO_STRATEGY}" in plan.explain(fwd)
     (node,) = traced_graph(plan)[0].graph.find_nodes(op="call_function", target=torch.ops.aten._cdist_forward.default)
     assert pn.compute_us.tolist() == [ctx.costs.global_compute_us(node)]  # the whole op on every rank: no split
     # The gather into it is priced: from a batch-sharded activation, Replicate costs an all-gather.
