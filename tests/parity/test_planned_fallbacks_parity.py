@@ -1,7 +1,7 @@
 """plan="auto" on what users' models make, trained on a dp=2,tp=2 gloo world: a mask built in
 forward from Python data (a lifted constant), an op with no DTensor strategy (the replicated
 fallback), drop paths (random ops that are not dropout, which the plan replicates so every rank
-draws the single-device numbers), and a Hugging Face LLaMA called with tokens only.
+draws the single-device numbers), and Hugging Face LLaMA and falcon called with tokens only.
 
 Every stage bitwise against the plan's placements run eagerly, and the oracle passing; for the
 random ops the oracle compares with them drawing on both sides (dropout off on both), and fails
@@ -106,14 +106,17 @@ def test_drop_paths_draw_the_single_device_numbers_and_the_oracle_sees_them():
 
 
 @pytest.mark.skipif(importlib.util.find_spec("transformers") is None, reason="needs the hf extra")
-def test_a_hugging_face_llama_called_with_tokens_only(model_check):
-    """transformers builds the causal mask itself when the model gets no attention mask."""
+@pytest.mark.parametrize(("arch", "makes_constants"), [("llama", False), ("falcon", True)])
+def test_a_hugging_face_model_called_with_tokens_only(arch, makes_constants, model_check):
+    """transformers builds the mask itself when the model gets no attention mask: LLaMA (5.24)
+    from ops alone, falcon with tensors made from Python data in forward (lifted constants)."""
     import transformers
 
     def tokens(n):
         return torch.randint(3, VOCAB, (n, SEQ))
 
-    config, cls = hf_config("llama"), getattr(transformers, ARCHS["llama"].model)
-    case = ModelCase("hf-llama-tokens-only", lambda: KeywordInputs(cls(config), ("input_ids",)), token_loss,
+    config, cls = hf_config(arch), getattr(transformers, ARCHS[arch].model)
+    case = ModelCase(f"hf-{arch}-tokens-only", lambda: KeywordInputs(cls(config), ("input_ids",)), token_loss,
                      lambda n: (tokens(n), tokens(n)), batch_per_rank=2)
-    model_check(case, plan="auto", mesh=MESH)
+    result = model_check(case, plan="auto", mesh=MESH)
+    assert bool(result.run.planned.plan.constants) == makes_constants
