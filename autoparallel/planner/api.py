@@ -34,6 +34,7 @@ from autoparallel.planner.graph import PlanningGraph, find_block_container, trac
 from autoparallel.planner.ilp import Solution, solve
 from autoparallel.planner.plan import NodePlacement, Plan, by_dim, natural_key, parse_placement
 from autoparallel.planner.problem import (
+    CONSTANT,
     GETITEM,
     OUTPUT,
     PLACEHOLDER,
@@ -344,6 +345,8 @@ def make_plan(graph: Graph, costs: CostModel, choice: np.ndarray, solution: Solu
         node_names={pn.name: pn.key for pn in nodes if pn.name and pn.kind != OUTPUT},
         comm={k: dict(sorted(v.items())) for k, v in sorted(comm.items())},
         stats=stats,
+        fallbacks={pn.key: pn.fallback for pn in nodes if pn.fallback},
+        constants={pn.key: pn.op.removeprefix("constant ") for pn in nodes if pn.kind == CONSTANT},
     )
 
 
@@ -432,6 +435,10 @@ class PlanContext:
         return "\n".join(lines) + "\n"
 
     def _why(self, pn: PNode, chosen: int, totals: list[float]) -> str:
+        if pn.fallback is not None:
+            return f"its only candidate, the replicated fallback: {pn.fallback}"
+        if pn.kind == CONSTANT:
+            return "its only candidate: a tensor constant lifted from forward, whole on every rank"
         best = min(totals)
         if totals[chosen] <= best + 1e-9 * max(1.0, abs(best)):
             ties = [j for j, t in enumerate(totals) if t <= best + 1e-9 * max(1.0, abs(best))]

@@ -262,12 +262,13 @@ def canonical_keys(graph: fx.Graph, blocks: dict[str, str]) -> dict[str, str]:
     for node in graph.nodes:
         if node.op == "placeholder":
             keys[node.name] = str(node.meta.get(M.ROLE) or node.name)
-        elif node.op == "call_function":
+        elif node.op in ("call_function", "get_attr"):
             if node.target is ALIAS:
                 keys[node.name] = f"{keys[node.args[0].name]}/alias"
                 continue
             block = blocks.get(node.name, NO_BLOCK)
-            slot = (block, phase_of(node), op_name(node))
+            # a lifted tensor constant: "constant", numbered like ops (its attribute name is FX's counter)
+            slot = (block, phase_of(node), op_name(node) if node.op == "call_function" else "constant")
             k = counters.get(slot, 0)
             counters[slot] = k + 1
             keys[node.name] = f"{block}/{slot[1]}/{slot[2]}#{k}"

@@ -14,8 +14,13 @@ module makes it:
   ``fuse_chained_allgathers`` fuses later and that the plan's predicted bytes count per dim).
   The op then runs through DTensor's dispatch on the redistributed inputs, so shape arguments of
   views and reductions are localized by DTensor's own rules; ops with no DTensor strategy (the
-  planner's own rules: CPU SDPA) run on the local tensors directly. An output whose DTensor
-  placement is not the planned one is redistributed to the plan and reported.
+  planner's own rules: CPU SDPA) run on the local tensors directly. So do the plan's replicated
+  fallbacks (``Plan.fallbacks``: an op with no strategy, a random op that is not a dropout) on
+  inputs gathered to ``Replicate``: the whole op on every rank, its output then split to the
+  plan's placement; a plan that feeds one a sharded input is refused (a random op would draw on a
+  shard, no slice of the single-device draw). A lifted tensor constant (``get_attr``) is whole on
+  every rank. An output whose DTensor placement is not the planned one is redistributed to the
+  plan and reported.
 * :func:`lower_plan` traces that interpreter with ``make_fx`` (under ``preserve_node_meta``, so
   every new node carries its unsharded node's phase and module path, and a redistribution the
   phase of the op that needed it), gives the placeholders the export's names and descriptors,
@@ -38,7 +43,7 @@ import logging
 import operator
 import time
 import warnings
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -57,7 +62,7 @@ from autoparallel.parallelize.joint import JointGraph, label_roles, params_witho
 from autoparallel.parallelize.plan import ParallelPlan
 from autoparallel.planner.graph import ALIAS, PlanningGraph
 from autoparallel.planner.plan import Plan, parse_placement
-from autoparallel.planner.strategies import PLANNER_RULES
+from autoparallel.planner.strategies import PLANNER_RULES, is_undroppable_random
 
 log = logging.getLogger(__name__)
 
@@ -162,11 +167,13 @@ class PlacedInterpreter(fx.Interpreter):
     outputs as local tensors in their planned placements.
     """
 
-    def __init__(self, gm: fx.GraphModule, placed: Mapping[fx.Node, NodePlacements], mesh: ParallelMesh, keys: Mapping[str, str]):
+    def __init__(self, gm: fx.GraphModule, placed: Mapping[fx.Node, NodePlacements], mesh: ParallelMesh, keys: Mapping[str, str],
+                 fallbacks: Collection[str] = ()):
         super().__init__(gm, garbage_collect_values=True)
         self.placed = placed
         self.mesh = mesh
         self.keys = keys
+        self.fallbacks = frozenset(fallbacks)  # canonical keys of the plan's replicated fallbacks
         self.report = LoweringReport(nodes_before=len(gm.graph.nodes))
         self._node: fx.Node | None = None
 
@@ -244,7 +251,31 @@ class PlacedInterpreter(fx.Interpreter):
         if target in PLANNER_RULES:
             # No DTensor strategy: the planner's rule shards dims the op treats independently.
             return super().call_function(target, args, kwargs)
+        if self.keys.get(node.name) in self.fallbacks or is_undroppable_random(target):
+            return self._replicated(node, target, args, kwargs, tensors, planned)
         return self._via_dtensor(node, target, args, kwargs, planned)
+
+    def get_attr(self, target, args, kwargs):
+        # A lifted tensor constant: every rank holds the whole of it (the planner replicates it).
+        value = super().get_attr(target, args, kwargs)
+        node = self._node
+        if not isinstance(value, torch.Tensor):
+            return value
+        rep = tuple(Replicate() for _ in self.mesh.spec.names)
+        return self.move(value, node.meta[M.VAL], rep, self.placed[node].out[0])
+
+    def _replicated(self, node, target, args, kwargs, tensors, planned):
+        """The replicated fallback: the unsharded op on inputs gathered to Replicate (local is
+        global), its outputs split to the plan's placements."""
+        refuse_sharded_inputs(node, self.keys.get(node.name), [pl for _, _, pl in tensors])
+        out = super().call_function(target, args, kwargs)
+        rep = tuple(Replicate() for _ in self.mesh.spec.names)
+        vals = node.meta[M.VAL]
+        if isinstance(out, torch.Tensor):
+            return self.move(out, vals, rep, planned[0])
+        return type(out)(
+            self.move(o, vals[i], rep, planned[i]) if isinstance(o, torch.Tensor) and planned[i] is not None else o
+            for i, o in enumerate(out))
 
     def _via_dtensor(self, node, target, args, kwargs, planned):
         dm = self.mesh.device_mesh
@@ -290,6 +321,39 @@ class PlacedInterpreter(fx.Interpreter):
             if isinstance(src, fx.Node) and planned[i] is not None:
                 values[i] = self.move(value, src.meta[M.VAL], self._out_of(src), planned[i])
         return values
+
+
+def refuse_sharded_inputs(node: fx.Node, key: str | None, ins: Sequence[Placements]) -> None:
+    """LoweringError naming the module and the op when a replicated fallback (an op with no
+    strategy, a random op that is not a dropout) is planned with an input that is not Replicate."""
+    for i, pl in enumerate(ins):
+        if any(not p.is_replicate() for p in pl):
+            random = is_undroppable_random(node.target)
+            what = "a random op that is not a dropout" if random else "a replicated fallback"
+            raise LoweringError(
+                f"{what}, {node.target} at node {node.name!r} ({key}) in module {module_of(node)}, is planned with "
+                f"input {i} {pl}: a rank would run it on its shard"
+                + (", drawing numbers that are no slice of what the single-device model draws" if random else "")
+                + ". Its inputs must be Replicate (the planner's replicated fallback); plan again instead of editing the plan")
+
+
+def check_replicated_fallbacks(pg: PlanningGraph, plan: Plan) -> None:
+    """Before any rank runs: every replicated fallback of ``plan`` (and every random op that is
+    not a dropout) takes its inputs Replicate (:func:`refuse_sharded_inputs`)."""
+    placed = node_placements(pg, plan)
+    for node in pg.graph.nodes:
+        if node.op != "call_function" or node not in placed:
+            continue
+        key = pg.keys.get(node.name)
+        if key in plan.fallbacks or is_undroppable_random(node.target):
+            refuse_sharded_inputs(node, key, placed[node].ins)
+
+
+def module_of(node: fx.Node) -> str:
+    """The module whose forward made the node (``custom[MODULE_PATH]``, written while tracing;
+    backward nodes inherit their forward node's), or ``the model`` at the top level."""
+    path = (node.meta.get(M.CUSTOM) or {}).get(M.MODULE_PATH)
+    return repr(path) if path else "the model"
 
 
 def _dim_order(t: torch.Tensor) -> list[int]:
@@ -388,6 +452,7 @@ def lower_plan(pg: PlanningGraph, plan: Plan, parallel_plan: ParallelPlan) -> tu
         raise ValueError("lower_plan needs the planning trace's export: trace with trace_planning_graph(..., keep_joint=True)")
     t0 = time.perf_counter()
     placed = node_placements(pg, plan)
+    check_replicated_fallbacks(pg, plan)
     fake_mode = jg.fake_mode
 
     def fake_local(ph: fx.Node, shape: tuple[int, ...]) -> torch.Tensor:
@@ -398,7 +463,7 @@ def lower_plan(pg: PlanningGraph, plan: Plan, parallel_plan: ParallelPlan) -> tu
     args = local_placeholders(pg, placed, fake_local)
     sink_placeholder_aliases(pg.graph)
     _mark_planned_nodes(pg)
-    interp = PlacedInterpreter(pg.gm, placed, pg.mesh, pg.keys)
+    interp = PlacedInterpreter(pg.gm, placed, pg.mesh, pg.keys, plan.fallbacks)
 
     def run(*a):
         return interp.run(*a, enable_io_processing=False)
@@ -490,6 +555,8 @@ def _drop_block_labels(gm: fx.GraphModule) -> None:
 __all__ = [
     "OUTPUT_KEY",
     "LoweringError",
+    "check_replicated_fallbacks",
+    "refuse_sharded_inputs",
     "LoweringReport",
     "NodePlacements",
     "PlacedInterpreter",

@@ -24,6 +24,9 @@ JSON schema (``Plan.to_json`` / ``Plan.from_json``, ``"schema": "autoparallel.pl
       "node_names": {fx node name: key},   # the traced graph's names (may cover a subset of
                                            # blocks when the plan was made on fewer blocks)
       "comm": {kind: {mesh dim: {"count": int, "bytes": int}}},     # predicted per step
+      "fallbacks": {key: why},             # ops that took the replicated fallback (no sharding
+                                           # strategy; a random op that is not a dropout)
+      "constants": {key: attribute},       # tensor constants lifted from forward (get_attr)
       "stats": {...}                       # solve statistics (not part of the plan's identity)
     }
 
@@ -126,6 +129,8 @@ class Plan:
     node_names: dict[str, str]
     comm: dict[str, dict[str, dict[str, int]]]
     stats: dict[str, Any] = field(default_factory=dict)
+    fallbacks: dict[str, str] = field(default_factory=dict)  # key -> why it is replicated (strategies.NO_STRATEGY ...)
+    constants: dict[str, str] = field(default_factory=dict)  # key -> the get_attr's attribute
     _context: Any = field(default=None, repr=False, compare=False)
 
     @property
@@ -165,6 +170,12 @@ class Plan:
             for dim in sorted(self.comm[kind]):
                 c = self.comm[kind][dim]
                 lines.append(f"{kind} {dim}: {c['count']} collectives, {c['bytes']} bytes")
+        if self.fallbacks:  # absent when empty: plans without any keep their text
+            lines += ["", "## replicated fallbacks"]
+            lines += [f"{key}  {self.fallbacks[key]}" for key in sorted(self.fallbacks, key=natural_key)]
+        if self.constants:
+            lines += ["", "## constants (lifted from forward, replicated)"]
+            lines += [f"{key}  {self.constants[key]}" for key in sorted(self.constants, key=natural_key)]
         lines += ["", "## nodes"]
         for key in sorted(self.nodes, key=natural_key):
             np_ = self.nodes[key]
@@ -194,6 +205,8 @@ class Plan:
             "node_names": self.node_names,
             "comm": self.comm,
             "stats": self.stats,
+            "fallbacks": self.fallbacks,
+            "constants": self.constants,
         }
 
     @classmethod
@@ -218,6 +231,8 @@ class Plan:
                 node_names=dict(data["node_names"]),
                 comm={k: {d: dict(c) for d, c in v.items()} for k, v in data["comm"].items()},
                 stats=dict(data.get("stats") or {}),
+                fallbacks=dict(data.get("fallbacks") or {}),
+                constants=dict(data.get("constants") or {}),
             )
         except (KeyError, TypeError, ValueError) as e:
             raise ValueError(f"{source}: malformed plan JSON ({type(e).__name__}: {e})") from None
@@ -284,6 +299,12 @@ class Plan:
             for dim in sorted(self.comm[kind]):
                 c = self.comm[kind][dim]
                 lines.append(f"  {kind:<14} {dim:<8} {c['count']:>6} x  {c['bytes'] / gib:10.4f} GiB")
+        if self.fallbacks:
+            lines.append(f"replicated fallback ({len(self.fallbacks)} node(s), the whole op on every rank):")
+            lines += [f"  {key}: {self.fallbacks[key]}" for key in sorted(self.fallbacks, key=natural_key)]
+        if self.constants:
+            lines.append(f"tensor constants ({len(self.constants)}, replicated): " + ", ".join(
+                f"{key} ({self.constants[key]})" for key in sorted(self.constants, key=natural_key)))
         return "\n".join(lines)
 
 

@@ -35,6 +35,7 @@ from autoparallel.planner.strategies import (
     StrategyEnumerator,
     alias_candidates,
     all_placements,
+    constant_candidates,
     divides,
     getitem_candidates,
     is_alias,
@@ -46,6 +47,7 @@ from autoparallel.planner.strategies import (
 
 # Node kinds (placeholder / call_function / output as FX names them; getitem and alias apart).
 PLACEHOLDER, OP, GETITEM, ALIAS_KIND, OUTPUT = "placeholder", "call_function", "getitem", "alias", "output"
+CONSTANT = "get_attr"  # a tensor constant lifted into the graph
 LOSS_ROLE = "loss"
 
 
@@ -67,6 +69,7 @@ class PNode:
     compute_us: np.ndarray
     static: tuple = ()
     locked_inputs: frozenset[int] = frozenset()
+    fallback: str | None = None  # why the node took the replicated fallback (strategies.NO_STRATEGY, RANDOM_OP)
 
     @property
     def meta(self):
@@ -118,11 +121,6 @@ def build_nodes(pg: PlanningGraph, costs: CostModel, enumerator: StrategyEnumera
     for node in pg.graph.nodes:
         if node.op == "output":
             continue
-        if node.op == "get_attr":
-            raise NoStrategyError(
-                f"the planner cannot place the tensor constant {node.target!r} (a tensor the model creates from "
-                f"Python data in forward, lifted into the graph as get_attr); plan='auto' does not "
-                "support lifted constants yet: make it a buffer (register_buffer in __init__), or use a hand plan")
         inputs = tuple(index[a] for a in tensor_args(node))
         metas = out_metas(node)
         common = dict(
@@ -143,6 +141,11 @@ def build_nodes(pg: PlanningGraph, costs: CostModel, enumerator: StrategyEnumera
             if desc is not None:
                 by_desc[desc] = pn.index
             by_role[role] = pn.index
+        elif node.op == CONSTANT:
+            if not isinstance(node.meta.get(M.VAL), torch.Tensor):
+                raise NoStrategyError(f"get_attr node {node.name!r} ({node.target!r}) is not a tensor constant: the planner places only tensors")
+            cands = constant_candidates(sizes)
+            pn = PNode(kind=CONSTANT, op=f"constant {node.target}", candidates=cands, compute_us=np.zeros(1), **common)
         elif is_getitem(node):
             cands = getitem_candidates(nodes[index[node.args[0]]].candidates, node.args[1])
             common["inputs"] = (index[node.args[0]],)
@@ -161,7 +164,8 @@ def build_nodes(pg: PlanningGraph, costs: CostModel, enumerator: StrategyEnumera
                 cands = cands + extra
             g = costs.global_compute_us(node)
             comp = np.array([costs.compute_us(g, c) for c in cands], dtype=np.float64)
-            pn = PNode(kind=OP, op=op_name(node), candidates=cands, compute_us=comp, static=static_args(node), **common)
+            pn = PNode(kind=OP, op=op_name(node), candidates=cands, compute_us=comp, static=static_args(node),
+                       fallback=enumerator.fallbacks.get(node.name), **common)
         else:
             raise ValueError(f"node {node.name!r}: the planner does not handle {node.op!r} nodes")
         index[node] = pn.index

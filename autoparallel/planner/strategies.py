@@ -10,7 +10,14 @@ outputs and the placements it needs its tensor inputs in), in a deterministic or
   called with every distinct placement of each producer; DTensor's decomposition strategies.
   Ops DTensor has no strategy for get a rule from :data:`PLANNER_RULES` (the CPU SDPA ops);
   an op with no tensor input that DTensor does not cover (a factory: ``arange`` for a model's
-  positions) is replicated; any other op with neither is an error that names the op and the node.
+  positions) is replicated; any other op with neither takes the *replicated fallback*: its one
+  candidate gathers every input to ``Replicate`` and replicates its outputs (always correct:
+  every rank runs the unsharded op; the edges into it price the gathers, the op's compute is
+  the whole op's). So does a random op that is not a dropout (``torch.rand``, ``bernoulli`` of
+  a drop path): every rank draws the whole tensor, the single-device draw, and keeps its piece.
+  :attr:`StrategyEnumerator.fallbacks` names every node that took it, and why.
+* Tensor constants (``get_attr``: a tensor the model makes from Python data in forward, lifted
+  into the graph): replicated, as every rank holds the whole constant.
 * Placeholders: every tuple of ``Replicate``/``Shard(d)`` over the mesh. Parameters also get
   *padded* ``Shard(0)`` where dim 0 does not divide (FSDP2 pads dim 0 to a multiple of the mesh
   dim), priced by its real, padded bytes.
@@ -41,6 +48,7 @@ from torch.distributed.tensor.placement_types import (
 )
 
 from autoparallel import meta as M
+from autoparallel.ac import is_random
 from autoparallel.planner.graph import ALIAS, tensor_args
 
 log = logging.getLogger(__name__)
@@ -60,6 +68,32 @@ class Candidate:
 
 class NoStrategyError(ValueError):
     """An op that neither DTensor nor the planner knows how to shard."""
+
+
+class _NoRule(NoStrategyError):
+    """Neither DTensor's registry nor PLANNER_RULES lists the op (the replicated fallback's case)."""
+
+
+# Why a node took the replicated fallback (``StrategyEnumerator.fallbacks``, ``Plan.fallbacks``).
+NO_STRATEGY = "no sharding strategy: inputs gathered to Replicate, the whole op on every rank"
+RANDOM_OP = "random op, not a dropout: every rank draws the whole tensor (the single-device draw)"
+
+
+def is_dropout(op) -> bool:
+    """A dropout: ``native_dropout`` or an op with a ``dropout_p`` argument (the attention kernels)."""
+    if op is aten.native_dropout.default:
+        return True
+    return isinstance(op, torch._ops.OpOverload) and any(a.name == "dropout_p" for a in op._schema.arguments)
+
+
+def is_undroppable_random(op) -> bool:
+    """A random op that is not a dropout: nothing switches it off, so a rank must draw exactly what
+    the unsharded program draws (the replicated fallback; the lowering refuses any other placement)."""
+    return is_random(op) and not is_dropout(op)
+
+
+def replicated(n: int) -> Placements:
+    return tuple(Replicate() for _ in range(n))
 
 
 def tensor_meta(t: torch.Tensor) -> TensorMeta:
@@ -162,9 +196,10 @@ class StrategyEnumerator:
         self.mesh = device_mesh
         self.sizes = tuple(int(s) for s in device_mesh.shape)
         self.prop = DTensor._op_dispatcher.sharding_propagator
-        self._cache: dict[object, list[Candidate]] = {}
+        self._cache: dict[object, tuple[list[Candidate], str | None]] = {}
         self.calls = 0
         self.hits = 0
+        self.fallbacks: dict[str, str] = {}  # node name -> why it took the replicated fallback
 
     # The expansion of single-mesh-dim rules (DTensor's ``expand_to_full_mesh_op_strategy``
     # without its redistribute-cost bookkeeping, which the planner prices itself).
@@ -213,15 +248,34 @@ class StrategyEnumerator:
         cached = self._cache.get(key)
         if cached is not None:
             self.hits += 1
-            return cached
-        cands = [c for c in self._op_candidates(node, producer_placements, metas_out, metas_in) if _partials_reachable(c, partials)]
+        else:
+            cached = self._candidates_or_fallback(node, producer_placements, metas_out, metas_in, partials)
+            self._cache[key] = cached
+        cands, why = cached
+        if why is not None:
+            self.fallbacks[node.name] = why
+        return cands
+
+    def _candidates_or_fallback(self, node, producer_placements, metas_out, metas_in, partials) -> tuple[list[Candidate], str | None]:
+        op = node.target
+        if is_undroppable_random(op):
+            return [self.replicated_fallback(metas_out, metas_in)], RANDOM_OP
+        try:
+            cands = self._op_candidates(node, producer_placements, metas_out, metas_in)
+        except _NoRule:  # an op with tensor inputs (factories are replicated above)
+            return [self.replicated_fallback(metas_out, metas_in)], NO_STRATEGY
+        cands = [c for c in cands if _partials_reachable(c, partials)]
         if not cands:
             raise NoStrategyError(
                 f"op {op} at node {node.name!r} has no sharding candidate that divides its shapes "
                 f"{[tuple(m.shape) for m in metas_in]} on mesh {self.sizes}"
             )
-        self._cache[key] = cands
-        return cands
+        return cands, None
+
+    def replicated_fallback(self, metas_out, metas_in) -> Candidate:
+        """Every input gathered to Replicate, every tensor output Replicate: the unsharded op on every rank."""
+        rep = replicated(len(self.sizes))
+        return Candidate(tuple(rep if m is not None else None for m in metas_out), tuple(rep for _ in metas_in))
 
     def _op_candidates(self, node, producer_placements, metas_out, metas_in) -> list[Candidate]:
         op = node.target
@@ -243,7 +297,7 @@ class StrategyEnumerator:
                 return cands
         if num_ins == 0:  # a factory (arange, zeros, full, ...): every rank makes the whole tensor
             return self._expand([[Replicate()] * len(metas_out)], len(metas_out), metas_out, metas_in)
-        raise NoStrategyError(
+        raise _NoRule(
             f"op {op} at node {node.name!r} ({node.format_node()}) has no sharding strategy: DTensor's "
             "registry has none and the planner has no rule for it. Add a rule to "
             "autoparallel.planner.strategies.PLANNER_RULES (or register a DTensor strategy)."
@@ -397,11 +451,17 @@ def _meta_args(node: fx.Node):
     def conv(a):
         if isinstance(a, fx.Node):
             return tensor_meta(a.meta[M.VAL])
-        if isinstance(a, list | tuple) and a and all(isinstance(x, fx.Node) for x in a):
+        # a list of tensors, or of optional ones (aten.index's [None, idx]: the dims not indexed)
+        if isinstance(a, list | tuple) and any(isinstance(x, fx.Node) for x in a) and all(x is None or isinstance(x, fx.Node) for x in a):
             return type(a)(conv(x) for x in a)
         return a
 
     return tuple(conv(a) for a in node.args), {k: conv(v) for k, v in node.kwargs.items()}
+
+
+def constant_candidates(sizes: Sequence[int]) -> list[Candidate]:
+    """A lifted tensor constant: every rank holds all of it (its consumers split it locally, for free)."""
+    return [Candidate((replicated(len(sizes)),), ())]
 
 
 def placeholder_candidates(meta: TensorMeta, sizes: Sequence[int], *, padded_dim0: bool) -> list[Candidate]:

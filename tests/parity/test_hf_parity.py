@@ -21,14 +21,7 @@ if importlib.util.find_spec("transformers") is None:
 # Why an architecture cannot pass a plan yet (measured with transformers 5.24.0); absent: it passes.
 NOT_YET: dict[str, dict[str, str]] = {
     "fsdp dp=2": {},
-    "auto dp=2,tp=2": {
-        **dict.fromkeys(("gpt_neo", "falcon"), (
-            "the planner cannot place a lifted tensor constant (get_attr '_tensor_constant0': a tensor the model "
-            "builds from Python data in forward)")),
-        **dict.fromkeys(("mixtral", "qwen2_moe"), (
-            "the planner has no sharding strategy for transformers.grouped_mm_fallback (the MoE experts' custom op)")),
-        "swin": "the planner has no sharding strategy for aten.as_strided",
-    },
+    "auto dp=2,tp=2": {},
 }
 # In the tier: a decoder LM through transformers' mask code with its default dropout on (the cheapest
 # such: opt, bert, distilbert cost more), and a BatchNorm image model; each with the config

@@ -179,7 +179,7 @@ class _Checker:
     # structure, then divisibility of every placement
     def read(self) -> None:
         for node in self.gm.graph.nodes:
-            if node.op not in ("placeholder", "call_function"):
+            if node.op not in ("placeholder", "call_function", "get_attr"):  # get_attr: a lifted tensor constant
                 continue
             key = self.keys.get(node.name)
             entry = self.plan.nodes.get(key) if key is not None else None
@@ -199,7 +199,7 @@ class _Checker:
             for i, (pl, m) in enumerate(zip(outs, metas, strict=True)):
                 if (pl is None) != (m is None) and not (pl is None and node.target is operator.getitem):
                     self.bad("structure", key, f"output {i}: placement {pl} for {'a tensor' if m is not None else 'no tensor'}")
-            n_in = 0 if node.target is operator.getitem or node.op == "placeholder" else len(tensor_inputs(node))
+            n_in = 0 if node.target is operator.getitem or node.op != "call_function" else len(tensor_inputs(node))
             if len(ins) != n_in:
                 self.bad("structure", key, f"{len(ins)} input placements for {n_in} tensor inputs")
                 continue

@@ -34,7 +34,6 @@ from dataclasses import dataclass, field
 
 import torch
 import torch._dynamo
-import torch.distributed as dist
 from torch import fx, nn
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
@@ -47,7 +46,13 @@ from autoparallel.partition import STEP_FIRST_PARTITION
 from autoparallel.passes.collective import bucket_fw_bw
 from autoparallel.pipeline import PLANNED_STAGES, run_pipeline
 from autoparallel.planner.auto import local_inputs, local_params, plan_for_pipeline
-from autoparallel.planner.lower import PlacedInterpreter, decode, node_placements, shard_tensor
+from autoparallel.planner.lower import (
+    PlacedInterpreter,
+    check_replicated_fallbacks,
+    decode,
+    node_placements,
+    shard_tensor,
+)
 from autoparallel.planner.plan import Plan
 from autoparallel.runtime.steps import (
     Executor,
@@ -57,7 +62,9 @@ from autoparallel.runtime.steps import (
     loss_and_updates,
     parallel_module_executor,
     primals_by_role,
+    seeded,
     split_graph_executor,
+    step_seed,
     train_steps,
 )
 from verify.parity.compare import OracleReport, check_within, module_scales, never_stepped, oracle_tolerance
@@ -72,7 +79,10 @@ from verify.parity.runs import COLLECTIVE, JOINT_EXECUTORS, no_recompile, oracle
 from verify.stages.pipeline_run import pipeline_options
 from verify.stages.registry import EAGER, planned_executors
 
-PLANNED_RNG_SEED = 20_261_127  # base of the ranks' generator seeds (each executor draws alike)
+# Every rank's generator seed (each executor draws alike). One seed for the whole world: a random op
+# that is not a dropout is replicated (every rank draws the whole tensor), so every rank, and the
+# single-device replay seeded the same per step, draws exactly the same numbers.
+PLANNED_RNG_SEED = 20_261_127
 TRAIN_LR = 1e-2  # train_steps' AdamW learning rate (the replay uses the same)
 EXECUTORS = planned_executors(PLANNED_STAGES)  # eager (the plan stage's), then one per stage after it
 
@@ -124,13 +134,12 @@ def planned_case(scenario) -> PlannedCase:
 
 def solve(case: PlannedCase) -> Plan:
     """The solver's plan for ``case``, made on a fake world of its mesh (what every rank lowers).
-    A random op the oracle cannot switch off (verify.parity.random_ops) is an error here, before any rank
-    starts."""
+    A random op that is not a dropout placed on a shard (each rank would draw its own numbers, no
+    slice of the single-device draw) is an error here, before any rank starts."""
     with fake_world(case.spec) as mesh:
         planned = plan_for_pipeline(case.model("meta"), case.loss_fn, case.batches(1)[0], mesh, ParallelPlan.auto())
         planned.pg.joint.close()
-    if random_nodes(planned.pg.gm):
-        graph_without_random_ops(planned.pg.gm)
+    check_replicated_fallbacks(planned.pg, planned.solved)
     return planned.solved
 
 
@@ -156,7 +165,7 @@ def eager_executor(planned, mesh, buffers, gm: fx.GraphModule | None = None) -> 
 
     def run(params, inputs):
         with torch.no_grad():
-            outs = PlacedInterpreter(graph, placed, mesh, pg.keys).run(*_primals(pg, params, buffers, inputs), enable_io_processing=False)
+            outs = PlacedInterpreter(graph, placed, mesh, pg.keys, plan.fallbacks).run(*_primals(pg, params, buffers, inputs), enable_io_processing=False)
         # By role: a model that updates buffers (BatchNorm) returns their new values ahead of the
         # loss; they are copied into ``buffers``, as every stage's executor does.
         loss = loss_and_updates(outs, pg.output_roles, buffers, "the plan's eager placements")
@@ -204,7 +213,7 @@ def _rank_case(case: PlannedCase, solved: Plan, batches, executors, mesh) -> Pla
         SECOND_COMPILE: lambda: compiled_module_executor(mod, run.compiled),
         COLLECTIVE: collective_passes,
         DROPOUT_OFF: lambda: eager_executor(
-            run.planned, mesh, fresh_buffers(), graph_without_random_ops(run.planned.pg.gm)),
+            run.planned, mesh, fresh_buffers(), graph_without_random_ops(run.planned.pg.gm, keep_others=True)),
     }
     if EAGER in executors and random_nodes(run.planned.pg.gm):
         executors = (*executors, DROPOUT_OFF)
@@ -216,7 +225,7 @@ def _rank_case(case: PlannedCase, solved: Plan, batches, executors, mesh) -> Pla
                 if fqn in buffers:
                     b.copy_(buffers[fqn])
         with no_recompile("the graphs the pipeline's second compile made") if name == SECOND_COMPILE else contextlib.nullcontext():
-            traces[name] = train_steps(executor, fresh(), local_batches, seed=PLANNED_RNG_SEED + dist.get_rank())
+            traces[name] = train_steps(executor, fresh(), local_batches, seed=PLANNED_RNG_SEED)
     torch._dynamo.reset()
     coord = mesh.coordinate()
     offsets = {}
@@ -291,10 +300,12 @@ def single_device_replay(case: PlannedCase, ranks: Sequence[PlannedRank], execut
     the ranks' reassembled gradients. Comparing from the same parameters keeps the comparison at
     one step's rounding: a free-running single-device run drifts apart through AdamW, which
     turns a last-bit difference of a near-zero gradient into a step of ``lr``. ``executor``:
-    :func:`oracle_executor` by default; its dropout-off form runs the model with dropout off.
+    :func:`oracle_executor` by default; its dropout-off form runs the model with dropout off. Each
+    step runs with the generator seeded as the ranks' (``PLANNED_RNG_SEED``): a random op that is
+    not a dropout, which the plan replicates, draws here what every rank draws.
     """
     executor = executor if executor is not None else oracle_executor(ranks)
-    random_off = random_ops_disabled if executor == DROPOUT_OFF else contextlib.nullcontext
+    random_off = (lambda: random_ops_disabled(keep_others=True)) if executor == DROPOUT_OFF else contextlib.nullcontext
     model = case.model("cpu")
     loss_fn = case.loss_fn or cross_entropy_loss
     named = dict(model.named_parameters())
@@ -308,7 +319,7 @@ def single_device_replay(case: PlannedCase, ranks: Sequence[PlannedRank], execut
             with torch.no_grad():
                 p.copy_(leaves[fqn])
         *xs, target = inputs
-        with random_off():
+        with seeded(step_seed(PLANNED_RNG_SEED, step)), random_off():
             loss = loss_fn(model(*xs), target)
             loss.backward()
         out.losses.append(loss.detach().clone())
@@ -327,7 +338,8 @@ def planned_oracle(case: PlannedCase, ranks: Sequence[PlannedRank], reference: S
     the dtype and reduction depth give (every rank counted as a slice: the widest sum the plan
     may reorder). A graph that draws random numbers is compared with dropout off on both sides
     (:func:`oracle_executor`; the report says so): a rank's mask of its shard of an activation is
-    no slice of any mask the unsharded model draws."""
+    no slice of any mask the unsharded model draws. A random op that is not a dropout stays on on
+    both sides: the plan replicates it, so every rank draws the single-device numbers."""
     executor = oracle_executor(ranks)
     single = reference if reference is not None else single_device_replay(case, ranks, executor)
     inputs = case.batches(1)[0]

@@ -8,9 +8,13 @@ shard of an activation (a plan that shards activations, ``plan="auto"`` or TP) i
 any mask the unsharded model draws. There the oracle runs both sides with dropout at p=0: the
 parallel side as its graph with every dropout's probability set to 0 (``graph_without_random_ops``),
 the single-device side under ``random_ops_disabled`` (dropout called with p=0). Dropout at p=0 is
-the identity on both sides, bitwise, so what remains is what the oracle is for: the placements'
-arithmetic. A random op that is not a dropout cannot be switched off that way, and is an error
-naming it and the model's line.
+the identity on both sides, bitwise, and draws nothing on either (the graph's ``native_dropout``
+also runs with ``train=False``: at p=0 in training it would still draw a mask), so what remains
+is what the oracle is for: the placements' arithmetic. A random op that is not a dropout cannot
+be switched off that way, and is an error naming it and the model's line; unless the program
+draws it exactly as the single-device model does (``keep_others=True``: ``plan="auto"``
+replicates such an op, every rank drawing the whole tensor from one seed), where it stays on,
+on both sides, drawing in the same order from the same generator state.
 """
 
 from __future__ import annotations
@@ -93,11 +97,12 @@ def _model_line(node: fx.Node) -> str:
     return f" ({files[-1]})" if files else ""
 
 
-def graph_without_random_ops(gm: fx.GraphModule) -> fx.GraphModule:
-    """A copy of ``gm`` with every dropout at p=0 (forward and backward); the same node names, so
-    a plan's placements per node still apply. RandomOpError names any other random op."""
+def graph_without_random_ops(gm: fx.GraphModule, *, keep_others: bool = False) -> fx.GraphModule:
+    """A copy of ``gm`` with every dropout at p=0 (forward and backward), drawing nothing; the same
+    node names, so a plan's placements per node still apply. RandomOpError names any other random
+    op, unless ``keep_others`` (the program draws it as the single-device model does: it stays)."""
     others = [n for n in random_nodes(gm) if _switch(n.target) is None]
-    if others:
+    if others and not keep_others:
         n = others[0]
         raise RandomOpError(
             f"random op {n.target} (node {n.name}{_model_line(n)}) is not a dropout: the oracle cannot switch it "
@@ -114,6 +119,11 @@ def graph_without_random_ops(gm: fx.GraphModule) -> fx.GraphModule:
             n.update_kwarg(name, value)
         elif index < len(n.args):  # else left at its default, 0
             n.update_arg(index, value)
+        if n.target is aten.native_dropout.default:  # (input, p, train): at p=0 in training it still draws
+            if "train" in n.kwargs:
+                n.update_kwarg("train", False)
+            else:
+                n.update_arg(2, False)
     out.recompile()
     return out
 
@@ -142,10 +152,11 @@ class _NoOtherRandomOps(TorchDispatchMode):
 
 
 @contextlib.contextmanager
-def random_ops_disabled() -> Iterator[None]:
+def random_ops_disabled(*, keep_others: bool = False) -> Iterator[None]:
     """Inside, every dropout runs at p=0 (the identity), and any other random op raises
-    RandomOpError: the single-device side of ``graph_without_random_ops``."""
-    with _DropoutAtZero(), _NoOtherRandomOps():
+    RandomOpError (or, ``keep_others``, draws as usual): the single-device side of
+    ``graph_without_random_ops``."""
+    with _DropoutAtZero(), _NoOtherRandomOps() if not keep_others else contextlib.nullcontext():
         yield
 
 

@@ -12,7 +12,11 @@ from autoparallel.mesh import fake_world
 from autoparallel.planner import NoStrategyError
 from autoparallel.planner.graph import tensor_args
 from autoparallel.planner.strategies import (
+    NO_STRATEGY,
+    RANDOM_OP,
     StrategyEnumerator,
+    is_dropout,
+    is_undroppable_random,
     alias_candidates,
     placeholder_candidates,
     tensor_meta,
@@ -47,13 +51,52 @@ def test_cpu_sdpa_has_the_planners_rule_batch_and_heads_shard_sequence_does_not(
         assert c.ins == (c.outs[0],) * 3  # q, k, v shard alike
 
 
-def test_an_op_with_no_strategy_names_the_op_and_the_node():
+def test_an_op_with_no_strategy_takes_the_replicated_fallback_and_is_named():
+    """aten.searchsorted has no DTensor strategy and no planner rule: its one candidate gathers
+    every input to Replicate and replicates its output, and the enumerator says why."""
     gm = _graph(lambda s, v: torch.searchsorted(s, v), (4, 16), (4, 3))
     node = _node(gm, aten.searchsorted.Tensor)
+    with fake_world("dp=2,tp=2") as mesh:
+        en = StrategyEnumerator(mesh.device_mesh)
+        cands = en.op_candidates(node, [_all_placements(a, en.sizes) for a in tensor_args(node)])
+    assert [(c.outs, c.ins) for c in cands] == [(((R, R),), ((R, R), (R, R)))]
+    assert en.fallbacks == {"searchsorted": NO_STRATEGY}
+
+
+def test_an_op_with_a_strategy_takes_no_fallback():
+    gm = _graph(torch.mm, (8, 6), (6, 4))
+    mm = _node(gm, aten.mm.default)
     with fake_world("dp=2") as mesh:
         en = StrategyEnumerator(mesh.device_mesh)
-        with pytest.raises(NoStrategyError, match=r"aten\.searchsorted\.Tensor at node 'searchsorted'.*PLANNER_RULES"):
-            en.op_candidates(node, [_all_placements(a, en.sizes) for a in tensor_args(node)])
+        en.op_candidates(mm, [_all_placements(a, en.sizes) for a in tensor_args(mm)])
+    assert en.fallbacks == {}
+
+
+@pytest.mark.parametrize(("f", "target"), [
+    (lambda x: x * torch.rand(x.shape[0], 1), aten.rand.default),  # a drop path's keep draw
+    (lambda x: x * torch.bernoulli(torch.full_like(x, 0.5)), aten.bernoulli.default),  # DTensor has a strategy for it
+])
+def test_a_random_op_that_is_not_dropout_is_replicated_whatever_dtensor_offers(f, target):
+    gm = _graph(f, (8, 4))
+    node = _node(gm, target)
+    with fake_world("dp=2") as mesh:
+        en = StrategyEnumerator(mesh.device_mesh)
+        cands = en.op_candidates(node, [_all_placements(a, en.sizes) for a in tensor_args(node)])
+    assert [c.outs for c in cands] == [((R,),)] and all(i == (R,) for c in cands for i in c.ins)
+    assert en.fallbacks == {node.name: RANDOM_OP}
+
+
+def test_dropout_is_not_taken_for_a_random_op_that_must_be_replicated():
+    gm = _graph(lambda x: aten.native_dropout.default(x, 0.5, True)[0], (8, 4))
+    node = _node(gm, aten.native_dropout.default)
+    assert is_dropout(node.target) and not is_undroppable_random(node.target)
+    assert is_dropout(aten._scaled_dot_product_flash_attention_for_cpu.default)
+    assert is_undroppable_random(aten.rand.default) and is_undroppable_random(aten.bernoulli.p)
+    with fake_world("dp=2") as mesh:
+        en = StrategyEnumerator(mesh.device_mesh)
+        cands = en.op_candidates(node, [_all_placements(a, en.sizes) for a in tensor_args(node)])
+    assert (S0,) in {c.outs[0] for c in cands}  # sharded like its input: DTensor's own strategy
+    assert en.fallbacks == {}
 
 
 def test_mm_candidates_come_from_dtensor_and_only_divide():
@@ -126,3 +169,17 @@ def test_a_runtime_strategy_that_is_not_an_op_strategy_is_named():
         with pytest.raises(NoStrategyError, match=r"^op aten\.mm\.default at node 'mm': DTensor's strategy failed: "
                            r"op aten\.mm\.default at node 'mm': DTensor returned str, not an OpStrategy$"):
             en._full_strategy(mm, lambda schema: "no strategy", [[(R,)], [(R,)]], (tensor_meta(mm.meta["val"]),), metas_in)
+
+
+def test_an_index_with_a_dim_not_indexed_gets_its_index_metas():
+    """x[:, i] is aten.index(x, [None, i]): the strategy gets None for the dim not indexed and a
+    TensorMeta for the index (falcon's alibi slopes); it used to get the FX node, and DTensor's
+    rule refused it ("Expected all index metas to be TensorMeta")."""
+    gm = make_fx(lambda x, i: x[:, i], tracing_mode="fake")(torch.empty(4, 8), torch.zeros(4, dtype=torch.long))
+    index = _node(gm, aten.index.Tensor)
+    assert index.args[1][0] is None
+    with fake_world("dp=2") as mesh:
+        en = StrategyEnumerator(mesh.device_mesh)
+        cands = en.op_candidates(index, [_all_placements(a, en.sizes) for a in tensor_args(index)])
+    assert en.fallbacks == {}
+    assert ((S0,), ((S0,), (R,))) in {(c.outs[0], c.ins) for c in cands}  # x's rows, not indexed, shard

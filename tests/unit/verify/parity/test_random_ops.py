@@ -119,3 +119,33 @@ def test_both_sides_agree_on_a_traced_model():
     with random_ops_disabled():
         want, want_grads = step(params, x)
     assert torch.equal(out, want) and all(torch.equal(a, b) for a, b in zip(grads, want_grads, strict=True))
+
+
+def test_the_graph_sides_dropout_draws_nothing_so_a_later_draw_is_the_single_device_ones():
+    """native_dropout at p=0 in training still draws a mask (F.dropout at p=0 does not): the
+    rewritten graph runs it with train=False, so a random op after it draws what the model at p=0
+    draws from the same seed."""
+    def f(x):
+        return aten.native_dropout.default(x, 0.5, True)[0] + torch.rand(4, 8)
+
+    gm = make_fx(f)(torch.randn(4, 8))
+    off = graph_without_random_ops(gm, keep_others=True)
+    drop = next(n for n in off.graph.nodes if n.target is aten.native_dropout.default)
+    assert drop.args[1:] == (0.0, False)
+    x = torch.randn(4, 8)
+    torch.manual_seed(7)
+    got = off(x)
+    torch.manual_seed(7)
+    with random_ops_disabled(keep_others=True):
+        want = nn.functional.dropout(x, 0.5, True) + torch.rand(4, 8)
+    assert torch.equal(got, want)
+
+
+def test_random_ops_kept_on_both_sides_only_when_asked():
+    gm = make_fx(lambda x: x + torch.rand_like(x))(torch.randn(3))
+    with pytest.raises(RandomOpError):
+        graph_without_random_ops(gm)
+    kept = graph_without_random_ops(gm, keep_others=True)
+    assert [n.target for n in random_nodes(kept)] == [aten.rand_like.default]
+    with random_ops_disabled(keep_others=True):
+        torch.bernoulli(torch.full((3,), 0.5))  # draws: not an error
