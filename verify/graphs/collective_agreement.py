@@ -10,11 +10,15 @@ dim, so the mesh dim stands for it). :func:`check_agreement` compares the ranks'
 raises :class:`CollectiveMismatchError` naming the first collective that differs, with its node
 and module path on each side. ``verify.parity.collective_check`` exchanges the sequences inside a
 parity world (every rank raises the same error, the world ends cleanly); on a fake world, the
-planner's per-rank lowerings can be compared directly (``tests/property``).
+planner's per-rank lowerings can be compared directly (``tests/property``), and there
+:func:`structure_disagreement` asks more: that the ranks' graphs are one program up to the piece
+a local split keeps (a pad only some ranks have leaves the collectives' sizes equal, and then a
+pass decides differently per rank: how the padded shards of ``plan="auto"`` broke).
 """
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -25,6 +29,9 @@ from autoparallel import meta as M
 from autoparallel.fx_utils import GROUP_ARG, group_arg, group_arg_name, schema_group_index
 from autoparallel.mesh import group_dims_of
 from verify.graphs.stats import collective_kind
+
+
+_SPLITS = (torch.ops.aten.split, torch.ops.aten.split_with_sizes, torch.ops.aten.chunk, torch.ops.aten.tensor_split)
 
 
 class CollectiveMismatchError(RuntimeError):
@@ -110,6 +117,55 @@ def first_disagreement(per_rank: Sequence[Mapping[str, Sequence[CollectiveCall]]
     return None
 
 
+def program_structure(gm: fx.GraphModule) -> list[tuple]:
+    """``gm``'s nodes as the ranks must share them for every later pass to decide alike: per
+    node its op, target, output shapes and dtypes, and arguments (nodes by position), with the
+    two things that legitimately differ per rank left out: group names (the mesh dim stands for
+    them) and which piece a local split keeps (a ``getitem`` of a ``split``: its index, and
+    users reading "a piece of that split"). A pad or narrow only some ranks have (DTensor's
+    uneven shards) shows up here even where the collectives' sizes still agree."""
+    dims = group_dims_of(gm)
+    pos: dict[fx.Node, object] = {}
+    out = []
+    for i, node in enumerate(gm.graph.nodes):
+        piece = node.target is operator.getitem and isinstance(node.args[0], fx.Node) and \
+            getattr(node.args[0].target, "overloadpacket", None) in _SPLITS
+        pos[node] = ("piece of", pos[node.args[0]]) if piece else i
+        if piece:
+            continue  # its own line would carry the rank's index
+        at = schema_group_index(node.target) if node.op == "call_function" else None
+
+        def arg(a, j=None):
+            if j is not None and j == at:
+                return ("group", dims.get(group_arg_name(a), "?"))
+            if isinstance(a, fx.Node):
+                return pos[a]
+            if isinstance(a, list | tuple):
+                return tuple(arg(x) for x in a)
+            return _static(a)
+
+        args = tuple(arg(a, j) for j, a in enumerate(node.args))
+        kwargs = tuple(sorted((k, ("group", dims.get(group_arg_name(v), "?")) if k == GROUP_ARG else arg(v))
+                              for k, v in node.kwargs.items()))
+        out.append((node.op, str(node.target), tuple(_tensor_sig(node.meta.get(M.VAL))), args, kwargs, node.name))
+    return out
+
+
+def structure_disagreement(per_rank: Sequence[fx.GraphModule]) -> str | None:
+    """The first node where a rank's graph differs from rank 0's (:func:`program_structure`,
+    node names aside), described; None if they are the same program."""
+    ref = program_structure(per_rank[0])
+    for rank, gm in enumerate(per_rank[1:], start=1):
+        got = program_structure(gm)
+        for i in range(max(len(ref), len(got))):
+            a = ref[i] if i < len(ref) else None
+            b = got[i] if i < len(got) else None
+            if a is not None and b is not None and a[:5] == b[:5]:
+                continue
+            return f"node #{i}: rank 0 has {a[5] if a else 'nothing'} {a[:5] if a else ''}; rank {rank} has {b[5] if b else 'nothing'} {b[:5] if b else ''}"
+    return None
+
+
 def check_agreement(per_rank: Sequence[Mapping[str, Sequence[CollectiveCall]]]) -> None:
     """CollectiveMismatchError naming the first collective the ranks disagree on."""
     diff = first_disagreement(per_rank)
@@ -127,5 +183,7 @@ __all__ = [
     "check_agreement",
     "collective_calls",
     "first_disagreement",
+    "program_structure",
     "rank_calls",
+    "structure_disagreement",
 ]

@@ -2,6 +2,8 @@
 match in op, mesh dim, sizes, dtypes and arguments (group names may differ: they are per rank);
 any one of those differing, or a missing collective, is named with its node and module path."""
 
+import operator
+
 import pytest
 import torch
 from torch import fx
@@ -13,6 +15,7 @@ from verify.graphs.collective_agreement import (
     collective_calls,
     first_disagreement,
     rank_calls,
+    structure_disagreement,
 )
 
 _c10d = torch.ops._c10d_functional
@@ -82,3 +85,37 @@ def test_a_graph_only_one_rank_has_is_named():
     a = rank_calls([("joint", _graph(2))])
     b = rank_calls([("joint", _graph(2)), ("extra", _graph(2))])
     assert "rank 1 has ['extra', 'joint']" in first_disagreement([a, b])
+
+
+def _piece_graph(rank: int, pad: bool = False, group: str = "3") -> fx.GraphModule:
+    """A local split keeping piece ``rank``, then an all-gather (a zero pad before it if ``pad``)."""
+    aten = torch.ops.aten
+    g = fx.Graph()
+    x = g.placeholder("x")
+    x.meta[M.VAL] = torch.empty(4, 4)
+    sp = g.call_function(aten.split.Tensor, (x, 2))
+    sp.meta[M.VAL] = (torch.empty(2, 4), torch.empty(2, 4))
+    pieces = [g.call_function(operator.getitem, (sp, i)) for i in range(2)]
+    for p in pieces:
+        p.meta[M.VAL] = torch.empty(2, 4)
+    mine = pieces[rank]
+    if pad:
+        mine = g.call_function(aten.constant_pad_nd.default, (mine, [0, 0, 0, 0], 0.0))
+        mine.meta[M.VAL] = torch.empty(2, 4)
+    ag = g.call_function(_c10d.all_gather_into_tensor.default, (mine, 2, group))
+    ag.meta[M.VAL] = torch.empty(4, 4)
+    g.output((ag,))
+    gm = fx.GraphModule(torch.nn.Module(), g)
+    gm.meta[M.GM_GROUP_DIMS] = {group: "tp"}
+    return gm
+
+
+def test_ranks_keeping_different_pieces_of_a_split_are_one_program():
+    assert structure_disagreement([_piece_graph(0), _piece_graph(1, group="4")]) is None
+
+
+def test_a_pad_only_one_rank_has_is_named_though_the_collectives_agree():
+    graphs = [_piece_graph(0), _piece_graph(1, pad=True)]
+    assert first_disagreement([rank_calls([("g", gm)]) for gm in graphs]) is None  # same sizes
+    diff = structure_disagreement(graphs)
+    assert diff is not None and "rank 1 has constant_pad_nd" in diff, diff
