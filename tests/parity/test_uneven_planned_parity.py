@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from verify.check import check_model
+from verify.hf import KeywordInputs, hf_config, token_loss
 from verify.model_case import ModelCase
 
 pytestmark = pytest.mark.xdist_group("planned-parity")
@@ -49,8 +50,6 @@ MLP3 = ModelCase("mlp-head3", _Head3, _token_loss, _mlp_batch, batch_per_rank=2)
 
 def _bert_token3():
     transformers = pytest.importorskip("transformers")
-    from verify.hf import KeywordInputs, hf_config, token_loss
-
     config = hf_config("bert", num_labels=LABELS)
 
     def model():

@@ -19,10 +19,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
 
+import autoparallel.planner.api as api
+import autoparallel.planner.lower as lower
 from autoparallel.mesh import MeshSpec, fake_world
 from autoparallel.parallelize import ParallelPlan
 from autoparallel.pipeline import run_pipeline
 from autoparallel.planner.auto import plan_for_pipeline
+from autoparallel.planner.problem import min_param_bytes
 from verify.graphs.collective_agreement import check_agreement, rank_calls, structure_disagreement
 
 MESHES = ("tp=2", "dp=2", "dp=2,tp=2")
@@ -74,10 +77,6 @@ def test_every_rank_lowers_the_same_collectives_and_program(rows, d_in, hidden, 
 def test_uneven_shards_put_back_lower_a_different_program_per_rank(monkeypatch):
     """The check fails where the planner may pad: padded Shard(0) allowed again (and the
     lowering's refusal of it switched off), the 3-entry head bias is sharded unevenly."""
-    import autoparallel.planner.api as api
-    import autoparallel.planner.lower as lower
-    from autoparallel.planner.problem import min_param_bytes
-
     monkeypatch.setattr(api, "with_even_shards", lambda graph, pins: pins)
     monkeypatch.setattr(api, "param_bytes_floor", lambda graph, pins: min_param_bytes(graph))
     monkeypatch.setattr(lower, "_check_even", lambda *a: None)

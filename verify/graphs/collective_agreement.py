@@ -134,21 +134,23 @@ def program_structure(gm: fx.GraphModule) -> list[tuple]:
         if piece:
             continue  # its own line would carry the rank's index
         at = schema_group_index(node.target) if node.op == "call_function" else None
-
-        def arg(a, j=None):
-            if j is not None and j == at:
-                return ("group", dims.get(group_arg_name(a), "?"))
-            if isinstance(a, fx.Node):
-                return pos[a]
-            if isinstance(a, list | tuple):
-                return tuple(arg(x) for x in a)
-            return _static(a)
-
-        args = tuple(arg(a, j) for j, a in enumerate(node.args))
-        kwargs = tuple(sorted((k, ("group", dims.get(group_arg_name(v), "?")) if k == GROUP_ARG else arg(v))
+        args = tuple(_structure_arg(a, pos, dims) if j != at else _group(a, dims) for j, a in enumerate(node.args))
+        kwargs = tuple(sorted((k, _group(v, dims) if k == GROUP_ARG else _structure_arg(v, pos, dims))
                               for k, v in node.kwargs.items()))
         out.append((node.op, str(node.target), tuple(_tensor_sig(node.meta.get(M.VAL))), args, kwargs, node.name))
     return out
+
+
+def _group(a, dims: Mapping[str, str]) -> tuple:
+    return ("group", dims.get(group_arg_name(a), "?"))
+
+
+def _structure_arg(a, pos: Mapping[fx.Node, object], dims: Mapping[str, str]):
+    if isinstance(a, fx.Node):
+        return pos[a]
+    if isinstance(a, list | tuple):
+        return tuple(_structure_arg(x, pos, dims) for x in a)
+    return _static(a)
 
 
 def structure_disagreement(per_rank: Sequence[fx.GraphModule]) -> str | None:
