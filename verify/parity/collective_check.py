@@ -7,7 +7,10 @@ mismatch), and every rank compares all of them. A mismatch raises
 collective's position, and each side's node and module path, on *every* rank, before the first
 collective reaches the backend: the world ends with that error (``RankFailedError`` from the
 launcher) instead of gloo aborting every rank with "Received data size doesn't match expected
-size". One exchange per world and model, a few kB.
+size". One exchange per world and model, a few kB. Both parity worlds call it before training:
+the planned one (``verify.parity.planned``: every stage's graphs and the rank's collective passes)
+and the hand plans' (``verify.parity.runs``: every stage's graphs, the rank's own where it re-ran
+the pipeline).
 """
 
 from __future__ import annotations
