@@ -5,11 +5,12 @@ pads, priced at its padded bytes; :mod:`autoparallel.planner.strategies`), and t
 aliases, gradients and ``getitem`` s follow. A plan that runs is lowered through DTensor's own
 redistributions (:mod:`autoparallel.planner.lower`), and DTensor pads *only the short pieces*:
 the rank holding a full chunk gathers directly, the one holding a short chunk pads, gathers and
-narrows. Lowered graphs then differ between ranks in structure, not only in values, and on a
-2-D mesh the per-step chunk sizes differ between groups as well: ``fuse_chained_allgathers``
-fuses a tp -> dp chain on the rank whose chain is direct and not on the rank whose chain has a
-pad in between, and the world issues a flattened-mesh all-gather on some ranks against a tp
-all-gather on others (gloo aborts every rank: "Received data size doesn't match expected size").
+narrows. Lowered graphs then differ between ranks in structure, not only in values (on a 2-D
+mesh the per-step chunk sizes differ between groups as well), and the collective passes decide
+per rank: ``fuse_chained_allgathers`` fuses a tp -> dp chain where it is direct and not where a
+pad sits in between, bucketing merges other gathers, and one rank issues a bucket of 25 floats
+where its peer issues 24 (gloo aborts every rank: "Received data size doesn't match expected
+size"; a 3-label BERT token classifier on dp=2,tp=2).
 
 So a plan made to run keeps only candidates whose every output divides evenly over the mesh dims
 that shard it (:func:`even_masks`, applied like pins): every rank's lowered graph then has the
