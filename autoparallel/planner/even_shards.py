@@ -32,22 +32,40 @@ from autoparallel.planner.problem import param_local_bytes
 from autoparallel.planner.strategies import Candidate, divides
 
 
-def even_candidate(cand: Candidate, metas, sizes) -> bool:
+def even_candidate(cand: Candidate, metas, sizes, cache: dict | None = None) -> bool:
     """Whether every tensor output of ``cand`` divides evenly over the mesh (no padding).
 
     Outputs suffice: an op's own candidates already require even inputs (``divides`` without
-    padding), and every other input is some producer's output."""
+    padding), and every other input is some producer's output. ``cache``: verdicts by (shape,
+    placements), which repeat across a model's blocks."""
+    cache = {} if cache is None else cache
     for pl, meta in zip(cand.outs, metas, strict=False):
-        if pl is not None and meta is not None and not divides(pl, meta.shape, sizes):
+        if pl is None or meta is None:
+            continue
+        key = (tuple(meta.shape), pl)
+        ok = cache.get(key)
+        if ok is None:
+            ok = cache[key] = divides(pl, meta.shape, sizes)
+        if not ok:
             return False
     return True
 
 
 def even_masks(graph) -> dict[int, np.ndarray]:
-    """Per node (index) with an uneven candidate: the mask of its even candidates."""
+    """Per node (index) with an uneven candidate: the mask of its even candidates.
+
+    Uneven candidates all descend from a parameter's padded ``Shard(0)`` (ops, inputs and free
+    outputs are listed only where they divide; casts, aliases, getitems and gradients follow their
+    producer or parameter), so a model whose parameters all divide is not scanned further (the
+    8B preset's 9,805 nodes: 8 ms, against 0.5 s for the whole scan). Should a strategy ever
+    list an uneven candidate of its own, the lowering still refuses it, naming the node."""
     out: dict[int, np.ndarray] = {}
+    cache: dict = {}
+    params = graph.params()
+    if all(even_candidate(c, pn.metas, graph.mesh_sizes, cache) for pn in params for c in pn.candidates):
+        return out
     for pn in graph.nodes:
-        mask = np.array([even_candidate(c, pn.metas, graph.mesh_sizes) for c in pn.candidates], dtype=bool)
+        mask = np.array([even_candidate(c, pn.metas, graph.mesh_sizes, cache) for c in pn.candidates], dtype=bool)
         if not mask.all():
             out[pn.index] = mask
     return out
