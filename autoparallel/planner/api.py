@@ -30,6 +30,7 @@ from autoparallel.planner.blocks import (
     truncated,
 )
 from autoparallel.planner.costs import CostModel
+from autoparallel.planner.even_shards import param_bytes_floor, with_even_shards
 from autoparallel.planner.graph import PlanningGraph, find_block_container, trace_planning_graph
 from autoparallel.planner.ilp import Solution, solve
 from autoparallel.planner.plan import NodePlacement, Plan, by_dim, natural_key, parse_placement
@@ -76,6 +77,9 @@ class PlannerConfig:
     # Trace only this many blocks of a deep model and expand (autoparallel.planner.blocks):
     # None = 4 when the model has at least AUTO_TRACE_BLOCKS_FROM blocks, 0 = trace every block.
     trace_blocks: int | None = None
+    # Only candidates whose shards divide evenly (autoparallel.planner.even_shards): a plan that
+    # runs. False: padded Shard(0) of parameters too (pricing a hand FSDP plan, never lowered).
+    even_shards: bool = True
 
 
 AUTO_TRACE_BLOCKS_FROM = 8
@@ -200,7 +204,10 @@ class Planner:
         graph, costs, strat_s = self.graph(mesh, profile, say)
         t1 = time.perf_counter()
         pins = resolve_pins(graph, config.pins)
-        budget = float(config.memory_budget) if config.memory_budget is not None else float(min_param_bytes(graph))
+        if config.even_shards:
+            pins = with_even_shards(graph, pins)
+        floor = param_bytes_floor(graph, pins) if config.even_shards else min_param_bytes(graph)
+        budget = float(config.memory_budget) if config.memory_budget is not None else float(floor)
         if not budget >= 0:
             raise ValueError(f"memory budget must be >= 0 bytes, got {config.memory_budget!r}")
         bounded = budget if np.isfinite(budget) else None
@@ -523,7 +530,7 @@ def evaluate_hand_plan(
     for i, _ in enumerate(example_inputs):
         pins[roles.input_(i)] = tuple(Shard(0) if n in hand.data_dims else Replicate() for n in names)
     pins.update(config.pins)
-    hand_config = replace(config, pins=pins, memory_budget=float("inf") if config.memory_budget is None else config.memory_budget)
+    hand_config = replace(config, pins=pins, even_shards=False, memory_budget=float("inf") if config.memory_budget is None else config.memory_budget)
     if planner is None:
         planner = Planner.for_config(model, mesh, example_inputs, loss_fn, config, progress=progress)
     plan = planner.plan(mesh, hand_config, progress=progress)

@@ -62,7 +62,7 @@ from autoparallel.parallelize.joint import JointGraph, label_roles, params_witho
 from autoparallel.parallelize.plan import ParallelPlan
 from autoparallel.planner.graph import ALIAS, PlanningGraph
 from autoparallel.planner.plan import Plan, parse_placement
-from autoparallel.planner.strategies import PLANNER_RULES, is_undroppable_random
+from autoparallel.planner.strategies import PLANNER_RULES, divides, is_undroppable_random
 
 log = logging.getLogger(__name__)
 
@@ -121,6 +121,7 @@ def node_placements(pg: PlanningGraph, plan: Plan) -> dict[fx.Node, NodePlacemen
                 "plan the same model with the same inputs (canonical keys must match)"
             )
         out[node] = NodePlacements([decode(o, names) for o in got.out], [decode(i, names) for i in got.ins])
+        _check_even(node, key, out[node].out, pg.mesh)
     output = pg.graph.output_node()
     outs: list[Placements | None] = []
     for i, (arg, role) in enumerate(zip(output.args[0], pg.output_roles, strict=True)):
@@ -133,6 +134,23 @@ def node_placements(pg: PlanningGraph, plan: Plan) -> dict[fx.Node, NodePlacemen
         outs.append(decode(plan.nodes[key].out[0], names))
     out[output] = NodePlacements(outs, [])
     return out
+
+
+def _check_even(node: fx.Node, key: str, outs: Sequence[Placements | None], mesh: ParallelMesh) -> None:
+    """LoweringError naming ``node`` if a planned output does not divide its shape evenly: DTensor
+    pads only the short pieces, so the ranks' lowered graphs would issue different collectives
+    (``autoparallel.planner.even_shards`` says why; the planner keeps such candidates out)."""
+    val = node.meta.get(M.VAL)
+    vals = val if isinstance(val, list | tuple) else [val]
+    sizes = tuple(int(s) for s in mesh.device_mesh.shape)
+    for pl, v in zip(outs, vals, strict=False):
+        if pl is not None and isinstance(v, torch.Tensor) and not divides(pl, v.shape, sizes):
+            raise LoweringError(
+                f"node {node.name!r} ({key}): placement {pl} does not divide its shape {tuple(v.shape)} evenly "
+                f"on mesh {dict(zip(mesh.spec.names, sizes, strict=True))}; uneven shards lower to different "
+                "collectives on different ranks. Plan with PlannerConfig(even_shards=True) (the default) or pin "
+                "an even placement"
+            )
 
 
 def _meta(val: torch.Tensor) -> TensorMeta:

@@ -67,6 +67,7 @@ from autoparallel.runtime.steps import (
     step_seed,
     train_steps,
 )
+from verify.parity.collective_check import agree_on_collectives
 from verify.parity.compare import OracleReport, check_within, module_scales, never_stepped, oracle_tolerance
 from verify.parity.ordered_collectives import run_parity_world
 from verify.parity.random_ops import (
@@ -198,11 +199,17 @@ def _rank_case(case: PlannedCase, solved: Plan, batches, executors, mesh) -> Pla
     fresh = lambda: {k: v.clone() for k, v in init.items()}  # noqa: E731
     fresh_buffers = lambda: {k: v.clone() for k, v in buffers.items()}  # noqa: E731
     mod = run.module
+    graphs = [row for r in run.results for row in r.graph_rows()]
+    bucketed = None
+    if COLLECTIVE in executors:  # the rank's own second-compile graphs through every collective pass
+        fw, bw = (copy_graph_module(g) for g in run.stage(SECOND_COMPILE).graphs)
+        bucketed = bucket_fw_bw(fw, bw, options.collective)[:2]
+        graphs += [(f"{COLLECTIVE} fwd", bucketed[0]), (f"{COLLECTIVE} bwd", bucketed[1])]
+    # Lowered graphs are rank-specific: every rank's collectives must agree before any runs.
+    agree_on_collectives(graphs)
 
     def collective_passes() -> Executor:
-        fw, bw = (copy_graph_module(g) for g in run.stage(SECOND_COMPILE).graphs)
-        fw, bw, _ = bucket_fw_bw(fw, bw, options.collective)
-        return split_graph_executor(fw, bw, fresh_buffers())
+        return split_graph_executor(*bucketed, fresh_buffers())
 
     runs: dict[str, Callable[[], Executor]] = {
         EAGER: lambda: eager_executor(run.planned, mesh, fresh_buffers()),

@@ -62,6 +62,7 @@ from autoparallel.runtime.steps import (
     step_seed,
     train_steps,
 )
+from verify.parity.collective_check import agree_on_collectives
 from verify.parity.compare import (
     OracleReport,
     ParityReport,
@@ -166,6 +167,9 @@ def _rank_stages(rank, world_size, scenario: Scenario, batches, run: PipelineRun
         torch._dynamo.reset()
         run = _pipeline(scenario, mesh, enable_ac, collective, _last_stage(executors))
     joint = run.joint
+    # Every rank's graphs must issue the same collectives before any runs (a rank that re-ran
+    # the pipeline made its own): a mismatch is a named error on every rank, not a gloo abort.
+    agree_on_collectives([row for r in run.results for row in r.graph_rows()])
 
     def fresh_buffers() -> dict[str, torch.Tensor]:
         return {k: b.clone() for k, b in init_buffers.items()}
