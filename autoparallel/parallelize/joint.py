@@ -27,6 +27,7 @@ from autoparallel.parallelize.module_paths import annotate_module_paths
 from autoparallel.parallelize.plan import ParallelPlan, ParamSharding
 from autoparallel.parallelize.program import LossFn, ParallelProgram, clean_fqn, split_batch
 from autoparallel.patches import disabled_from_env
+from autoparallel.eager_dropout import dropout_as_eager
 from autoparallel.validate import check_input_dtypes, data_dependent_ops_named
 
 log = logging.getLogger(__name__)
@@ -115,7 +116,7 @@ def build_joint_graph(
     try:
         from torch._functorch.aot_autograd import aot_export_joint_with_descriptors
 
-        with annotate_module_paths(program.model), tracing_as_compiling(), data_dependent_ops_named():
+        with annotate_module_paths(program.model), tracing_as_compiling(), data_dependent_ops_named(), dropout_as_eager():
             jd = aot_export_joint_with_descriptors(stack, program, fake_inputs)
     except BaseException:
         stack.close()

@@ -40,6 +40,7 @@ from torch._dynamo.utils import counters
 from autoparallel import roles
 from autoparallel.mesh import build_mesh, fake_world
 from autoparallel.parallelize import ParallelProgram, split_batch
+from autoparallel.parallelize.program import cast_forward_inputs
 from autoparallel.passes.collective import CollectivePassesConfig, bucket_fw_bw
 from autoparallel.pipeline import (
     JOINT,
@@ -88,7 +89,7 @@ from verify.stages.registry import (
     SPLIT_GRAPHS,
     parity_executors,
 )
-from verify.stages.scenario import Scenario
+from verify.stages.scenario import Scenario, dtype_name
 
 # The executors, one per stage (the collective passes composed share one), from the stage registry.
 _EXECUTORS = {e.name: e for e in parity_executors(STAGES)}
@@ -334,6 +335,19 @@ def data_coordinates(scenario: Scenario) -> list[dict[str, int]]:
     return coords
 
 
+def rounded_like_the_program(inputs, param_dtype: torch.dtype | None):
+    """The model inputs as the parallel program sees them, in their own dtype: a floating input it
+    casts to ``param_dtype`` (``cast_forward_inputs``, FSDP2's ``MixedPrecisionPolicy``) rounded
+    through that dtype and back, so the unsharded reference computes in its own precision on the
+    same input values (the cast is the program's semantics, not parallelism's rounding)."""
+    from torch.utils import _pytree as pytree
+
+    def rounded(x):
+        return cast_forward_inputs(x, param_dtype).to(x.dtype) if isinstance(x, torch.Tensor) else x
+
+    return pytree.tree_map(rounded, list(inputs))
+
+
 def single_device_reference(scenario: Scenario, *, dropout_off: bool = False) -> SingleDeviceReference:
     """:class:`SingleDeviceReference` for ``scenario``: each slice draws its rank's masks, or with
     ``dropout_off`` every dropout is off (``verify.parity.random_ops``)."""
@@ -350,6 +364,7 @@ def single_device_reference(scenario: Scenario, *, dropout_off: bool = False) ->
                 b.copy_(initial[k])
         model.zero_grad(set_to_none=True)
         *inputs, target = split_batch(batch, plan, spec, {d: coord.get(d, 0) for d in spec.names})
+        inputs = rounded_like_the_program(inputs, plan.param_dtype)
         # the slice's rank draws these masks (or none, dropout off)
         with random_ops_disabled() if dropout_off else seeded(step_seed(rank_seed(scenario, coord), 0)):
             loss = scenario.loss_fn(model(*inputs), target)
@@ -392,6 +407,16 @@ def gather_full_grads(scenario: Scenario, ranks: list[RankParity], executor: str
     return out
 
 
+def _loss_in_reference_dtype(loss: torch.Tensor, ref: torch.Tensor, param_dtype: torch.dtype | None) -> tuple:
+    """``(check name, reference, loss)``: a loss the parallel program computed in the plan's
+    ``param_dtype`` (a bf16 model's loss under mixed precision, as FSDP2 leaves it: no output cast)
+    is compared in the single-device reference's dtype, and the check's name says so. Any other
+    dtype difference is left for ``check_within`` to fail."""
+    if param_dtype is not None and loss.dtype == param_dtype and ref.dtype != param_dtype and ref.is_floating_point():
+        return f"loss ({dtype_name(param_dtype)} under param_dtype, compared in {dtype_name(ref.dtype)})", ref, loss.to(ref.dtype)
+    return "loss", ref, loss
+
+
 def oracle_check(
     scenario: Scenario, ranks: list[RankParity], executor: str | None = None, reference: SingleDeviceReference | None = None
 ) -> OracleReport:
@@ -416,7 +441,7 @@ def oracle_check(
     for r in ranks:
         per_slice.setdefault(slice_of(r), r.traces[executor].losses[0])
     loss = torch.stack([per_slice[k] for k in sorted(per_slice)]).sum() / len(per_slice)
-    report.checks.append(check_within("loss", ref.loss, loss, tolerance.rtol))
+    report.checks.append(check_within(*_loss_in_reference_dtype(loss, ref.loss, plan.param_dtype), tolerance.rtol))
     grads = gather_full_grads(scenario, ranks, executor)
     scales = module_scales(ref.grads)
     for fqn in sorted(set(ref.grads) | set(grads)):
