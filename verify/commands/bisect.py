@@ -155,6 +155,52 @@ def bisect_runs(run_a: P.PipelineRun, run_b: P.PipelineRun, mesh: MeshSpec | str
     return bisect_steps(steps, mesh, mode=TWO_RUNS, a=a, b=b, seed=seed, progress=progress)
 
 
+# --- explaining a parity verdict ------------------------------------------------------------------
+
+
+def explain_not_bitwise(run: P.PipelineRun, mesh: MeshSpec | str, stages: Iterable[str], *, seed: int = 0,
+                        as_traced: dict[str, ParityReport] | None = None, compiling_queries: tuple[str, ...] = ()
+                        ) -> tuple[dict[str, str], BisectResult | None]:
+    """Why each of ``stages`` (parity verdicts: the joint graph, a pass's stage, ``collective_passes``)
+    is not bitwise with the eager parallel program, one line each, and the differential run.
+
+    A stage bitwise with the eager program run as traced (``as_traced``: ``torch.compiler.is_compiling()``
+    true) differs because the model branches on that flag (``compiling_queries`` names where): another
+    program, not a pass. Otherwise every pass up to the stage runs against its input on the mesh's
+    ranks, simulated (:func:`bisect_run`); the first that computes other values is named with its first
+    differing node (op, module path, size of the difference) and output. No pass differing: the
+    difference is in the trace (eager program -> joint graph), which no graph-vs-graph run can see."""
+    as_traced = as_traced or {}
+    out: dict[str, str] = {}
+    for stage in stages:
+        rep = as_traced.get(stage)
+        if rep is not None and rep.bitwise:
+            sites = ", ".join(compiling_queries[:3]) + (f" and {len(compiling_queries) - 3} more" if len(compiling_queries) > 3 else "")
+            out[stage] = ("bitwise with the eager program run as traced (torch.compiler.is_compiling() true, patch "
+                          f"trace_as_compiling): the model branches on that flag ({sites}), so the trace recorded the "
+                          "compiled branch and the eager program ran the other; another program, not a pass")
+    rest = [s for s in stages if s not in out]
+    if not rest:
+        return out, None
+    result = bisect_run(run, mesh, seed=seed)
+    order = [c.name for c in result.checks]
+    for stage in rest:
+        upto = order[: order.index(stage) + 1] if stage in order else order if stage != P.JOINT else []
+        first = next((c for c in result.checks if c.name in upto and not c.equal), None)
+        if first is not None:
+            node = first.first_node.describe() if first.first_node is not None else "none located"
+            bad = first.first_output()
+            out[stage] = (f"differential execution ({result.ranks} simulated ranks): pass {first.name} computes other "
+                          f"values than its input; first differing node: {node}; first differing output: "
+                          f"{bad.name}: {bad.note}")
+            continue
+        traced = as_traced.get(stage)
+        tail = "" if traced is None else f" (and not bitwise with the eager program run as traced either: {traced.summary(limit=0).splitlines()[0]})"
+        passes = f"every pass up to {stage} computes what its input computes ({result.ranks} simulated ranks), so " if upto else ""
+        out[stage] = f"{passes}the difference is in the trace (eager program -> joint graph){tail}"
+    return out, result
+
+
 # --- the command ----------------------------------------------------------------------------------
 
 
@@ -206,6 +252,7 @@ __all__ = [
     "bisect_run",
     "bisect_runs",
     "bisect_steps",
+    "explain_not_bitwise",
     "main",
     "run_steps",
     "same_code",

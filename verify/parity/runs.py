@@ -38,6 +38,7 @@ import torch.distributed as dist
 from torch._dynamo.utils import counters
 
 from autoparallel import roles
+from autoparallel.compiling_flag import tracing_as_compiling
 from autoparallel.mesh import build_mesh, fake_world
 from autoparallel.parallelize import ParallelProgram, split_batch
 from autoparallel.parallelize.program import cast_forward_inputs
@@ -100,6 +101,11 @@ STAGE_EXECUTORS = (EAGER, *_EXECUTORS)
 FORMS_BUILT = (JOINT_GRAPH, MODULE, COMPILED, SPLIT_GRAPHS)  # the forms _rank_stages' build() makes
 _MODULE_EXECUTORS = frozenset(COMPILE_EXECUTORS[1:])  # they run the pipeline's module (kept compiled)
 _RANK_THREADS = 1
+#: The eager program run with ``torch.compiler.is_compiling()`` true, as the joint trace runs the
+#: model (patch ``trace_as_compiling``). A rank runs it where the model's code asked the flag during
+#: the trace (``JointGraph.compiling_queries``): a stage bitwise with it but not with eager differs
+#: because the model branches on the flag (another program), not because of a pass.
+AS_TRACED = "eager as traced (is_compiling() true)"
 RNG_SEED = 20_261_126  # base of the ranks' generator seeds (rank_seed)
 
 
@@ -172,12 +178,16 @@ def _rank_stages(rank, world_size, scenario: Scenario, batches, run: PipelineRun
 
     if EAGER in executors and dropout_off_in_oracle(scenario, run):
         executors = (*executors, DROPOUT_OFF)
+    if EAGER in executors and joint is not None and joint.compiling_queries:
+        executors = (*executors, AS_TRACED)
 
     def build(name: str) -> Executor:
         if name == EAGER:
             return eager_program_executor(program)
         if name == DROPOUT_OFF:
             return executor_without_random_ops(eager_program_executor(program))
+        if name == AS_TRACED:
+            return executor_as_traced(eager_program_executor(program))
         form = _EXECUTORS[name].form if name in _EXECUTORS else None
         if form == JOINT_GRAPH:
             gm = rebind_groups(run.stage(_EXECUTORS[name].needs).graphs, mesh.group_dims)
@@ -205,6 +215,17 @@ def _rank_stages(rank, world_size, scenario: Scenario, batches, run: PipelineRun
                                        seed=rank_seed(scenario, coord))
         seconds[name] = time.perf_counter() - t0
     return RankParity(tuple(coord[d] for d in spec.names), traces, seconds)
+
+
+def executor_as_traced(executor: Executor) -> Executor:
+    """``executor`` (the eager program's) with every step run as the trace ran the model:
+    ``torch.compiler.is_compiling()`` true (``autoparallel.compiling_flag``)."""
+
+    def run(params, inputs):
+        with tracing_as_compiling():
+            return executor.step(params, inputs)
+
+    return Executor(run, executor.buffers)
 
 
 @contextlib.contextmanager
@@ -289,11 +310,12 @@ def run_stage_parity(
         run.compiled = None  # consumed: the reset invalidates it (a later parity run recompiles)
 
 
-def compare_with_eager(ranks: Sequence[RankParity], executor: str) -> ParityReport:
-    """``executor`` against the eager parallel program, bitwise, every rank (names ``rank<i>/``).
-    Planned ranks (``verify.parity.planned.PlannedRank``, whose reference is also ``eager``) too."""
+def compare_with_eager(ranks: Sequence[RankParity], executor: str, reference: str = EAGER) -> ParityReport:
+    """``executor`` against the eager parallel program (or another ``reference`` executor, e.g.
+    :data:`AS_TRACED`), bitwise, every rank (names ``rank<i>/``). Planned ranks
+    (``verify.parity.planned.PlannedRank``, whose reference is also ``eager``) too."""
     return merge_reports(
-        [compare_traces(r.traces[EAGER], r.traces[executor], a_name=EAGER, b_name=executor) for r in ranks],
+        [compare_traces(r.traces[reference], r.traces[executor], a_name=reference, b_name=executor) for r in ranks],
         [f"rank{i}" for i in range(len(ranks))],
     )
 
