@@ -446,7 +446,7 @@ def first_differing_node(a: Mapping[str, Any], b: Mapping[str, Any]) -> NodeDiff
     same values in another floating dtype. A counterpart computed by another op is named with
     both ops (a flipped op)."""
     for key, (node, values) in b.items():
-        if key not in a:
+        if key not in a or node.target in _UNINITIALISED:
             continue
         other_node, others = a[key]
         for r, (v, o) in enumerate(zip(values, others, strict=True)):
@@ -463,6 +463,14 @@ def first_differing_node(a: Mapping[str, Any], b: Mapping[str, Any]) -> NodeDiff
                         op = f"{_op_name(other_node)} -> {op}"
                     return NodeDiff(graph, name, op, r, d.note, own_scope(node) or own_scope(other_node), d.max_abs)
     return None
+
+
+# Ops whose result is memory nobody wrote (what a later op fills in, e.g. dropout's
+# ``empty_like(x).bernoulli_(1 - p)``): two runs hold different garbage, which is no difference.
+_UNINITIALISED = frozenset({
+    aten.empty.memory_format, aten.empty_like.default, aten.empty_strided.default,
+    aten.new_empty.default, aten.new_empty_strided.default,
+})
 
 
 def _dtype_diff(key: str, x: torch.Tensor, y: torch.Tensor) -> TensorDiff:
