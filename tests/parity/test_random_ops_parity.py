@@ -14,10 +14,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from autoparallel import ac, roles
+from autoparallel import ac, partition, roles
 from autoparallel import meta as M
 from autoparallel.parallelize import ParallelPlan
 from verify.check import check_model
+from verify.graphs.canon import own_scope
 from verify.model_case import ModelCase
 from verify.parity import runs as parity_runs
 from verify.parity.planned import EXECUTORS as PLANNED_EXECUTORS
@@ -255,9 +256,6 @@ def _planted_fp32_dropout(monkeypatch) -> list[str]:
     """The clean-up pass, planted: the forward dropout's mask scaled in fp32 (by the unrounded
     1 / (1 - p), as native_dropout's backward does) and its product computed in fp32 and cast back,
     where eager scales the mask in bf16. Returns the planted node's name once the pass ran."""
-    from autoparallel import partition
-    from verify.graphs.canon import own_scope
-
     real, planted = partition.cleanup_graph, []
 
     def cleanup_graph(gm):

@@ -40,8 +40,11 @@ from autoparallel.passes.collective import (
 )
 from autoparallel.passes.pre_overlap_bucketing import tag_collectives_for_bucketing
 from autoparallel.pipeline import run_pipeline
+from verify import zoo
 from verify.__main__ import main as verify_main
+from verify.check import check_model
 from verify.commands import bisect as B
+from verify.graphs.canon import own_scope
 from verify.graphs.generators import GraphSpec, OpSpec, build_synthetic, mesh_groups
 from verify.stages.pipeline_run import pipeline_options
 
@@ -285,10 +288,6 @@ def test_check_model_explains_a_planted_node(monkeypatch):
     verdict names, by itself, the pass, the node, its op (both ops: a flipped one), its module path
     and the size of the difference, for that stage and every later stage; earlier stages stay
     bitwise and get no explanation."""
-    from verify import zoo
-    from verify.check import check_model
-    from verify.graphs.canon import own_scope
-
     real, planted = partition.mark_fsdp_all_gather_recomputation, []
 
     def tagging(graph, reshard_after_forward):
