@@ -46,9 +46,9 @@ def tracing_as_compiling() -> Iterator[None]:
 
 def _caller_site(frame) -> str | None:
     """Where a model asked ``is_compiling()``: the first caller that is no wrapper of it (a
-    function named ``*compiling*`` / ``*exporting*``, e.g. transformers' ``is_torchdynamo_compiling``);
+    predicate, ``is_*`` / ``*compiling*`` / ``*exporting*``, e.g. transformers' ``is_torchdynamo_compiling``);
     None when that caller is PyTorch's own code (``nn.Module``, a higher-order op)."""
-    while frame is not None and ("compiling" in frame.f_code.co_name or "exporting" in frame.f_code.co_name):
+    while frame is not None and _is_predicate(frame.f_code.co_name):
         frame = frame.f_back
     if frame is None:
         return None
@@ -60,6 +60,12 @@ def _caller_site(frame) -> str | None:
 
 
 _TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
+
+
+def _is_predicate(name: str) -> bool:
+    """A function that only passes the flag on (transformers' ``is_torchdynamo_compiling``,
+    ``is_tracing``): its caller is the branch."""
+    return name.startswith("is_") or "compiling" in name or "exporting" in name
 
 
 @contextlib.contextmanager
