@@ -52,6 +52,7 @@ from verify.parity.runs import (
     STAGE_EXECUTORS,
     compare_with_eager,
     oracle_check,
+    rank_inputs,
     run_stage_parity,
 )
 from verify.stages.pipeline_run import run_scenario
@@ -166,8 +167,10 @@ def _explain(result: ModelCheck, ranks) -> None:
     if AS_TRACED in ranks[0].traces:
         result.as_traced = {stage: compare_with_eager(ranks, stage, AS_TRACED) for stage in bad}
     queries = result.run.joint.compiling_queries if result.run.joint is not None else ()
+    given = None if result.scenario.plan == AUTO else rank_inputs(result.scenario)
     result.explanations, _ = explain_not_bitwise(result.run, result.scenario.mesh, bad, seed=result.scenario.seed,
-                                                 as_traced=result.as_traced, compiling_queries=queries)
+                                                 as_traced=result.as_traced, compiling_queries=queries, given=given)
+
 
 
 def _check_planned(scenario: Scenario, steps: int, *, parity: bool, native_collectives: bool, goldens: bool) -> ModelCheck:
@@ -183,6 +186,7 @@ def _check_planned(scenario: Scenario, steps: int, *, parity: bool, native_colle
             ((_, ranks),) = run_planned_parity(case, steps)
         result.parity = {ex: compare_with_eager(ranks, ex) for ex in PLANNED_EXECUTORS if ex != PLANNED_EAGER}
         result.oracle = planned_oracle(case, ranks)
+        _explain(result, ranks)
     return result
 
 

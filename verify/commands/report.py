@@ -37,6 +37,7 @@ from verify.parity.runs import (
     STAGE_EXECUTORS,
     compare_with_eager,
     oracle_check,
+    rank_inputs,
     run_stage_parity,
 )
 from verify.stages.pipeline_run import params_summary, pipeline_options, run_scenario
@@ -154,7 +155,8 @@ def explain_parity(small: Scenario, ranks, comparisons: dict, run: PipelineRun |
     run = run if run is not None else run_scenario(small)
     progress(f"explaining {len(bad)} stage(s) that are not bitwise (differential execution) ...")
     explanations, _ = explain_not_bitwise(run, small.mesh, bad, seed=small.seed, as_traced=as_traced,
-                                          compiling_queries=run.joint.compiling_queries if run.joint is not None else ())
+                                          compiling_queries=run.joint.compiling_queries if run.joint is not None else (),
+                                          given=rank_inputs(small))
     return {"explanations": explanations, "model_branch": [s for s, rep in as_traced.items() if rep.bitwise]}
 
 

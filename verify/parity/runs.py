@@ -370,6 +370,15 @@ def rounded_like_the_program(inputs, param_dtype: torch.dtype | None):
     return pytree.tree_map(rounded, list(inputs))
 
 
+def rank_inputs(scenario: Scenario) -> dict[str, tuple]:
+    """Per input role (``input:0`` ...), each rank's slice of the scenario's first batch, rank
+    order: what the differential run feeds the graphs (token ids and masks keep their range)."""
+    plan, spec = scenario.plan_obj(), scenario.mesh_spec
+    batch = scenario.batches(1)[0]
+    per_rank = [split_batch(batch, plan, spec, spec.coordinate(r)) for r in range(spec.world_size)]
+    return {roles.input_(i): tuple(pieces[i] for pieces in per_rank) for i in range(len(batch))}
+
+
 def single_device_reference(scenario: Scenario, *, dropout_off: bool = False) -> SingleDeviceReference:
     """:class:`SingleDeviceReference` for ``scenario``: each slice draws its rank's masks, or with
     ``dropout_off`` every dropout is off (``verify.parity.random_ops``)."""
