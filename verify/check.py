@@ -152,11 +152,7 @@ def input_cast_line(scenario: Scenario) -> str | None:
     inputs = scenario.batches(1)[0][:-1]
     if not any(isinstance(t, torch.Tensor) and t.is_floating_point() and t.dtype != dtype for t in pytree.tree_leaves(list(inputs))):
         return None
-    return f"floating inputs cast to {dtype_name_long(dtype)} as FSDP2's MixedPrecisionPolicy(cast_forward_inputs=True) does"
-
-
-def dtype_name_long(dtype) -> str:
-    return str(dtype).removeprefix("torch.")
+    return f"floating inputs cast to {str(dtype).removeprefix('torch.')} as FSDP2's MixedPrecisionPolicy(cast_forward_inputs=True) does"
 
 
 def _explain(result: ModelCheck, ranks) -> None:
@@ -170,7 +166,6 @@ def _explain(result: ModelCheck, ranks) -> None:
     given = None if result.scenario.plan == AUTO else rank_inputs(result.scenario)
     result.explanations, _ = explain_not_bitwise(result.run, result.scenario.mesh, bad, seed=result.scenario.seed,
                                                  as_traced=result.as_traced, compiling_queries=queries, given=given)
-
 
 
 def _check_planned(scenario: Scenario, steps: int, *, parity: bool, native_collectives: bool, goldens: bool) -> ModelCheck:
