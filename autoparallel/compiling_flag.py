@@ -13,6 +13,8 @@ which has none, the flag it sets) and restore it.
 from __future__ import annotations
 
 import contextlib
+import os
+import sys
 from collections.abc import Iterator
 
 import torch
@@ -42,4 +44,53 @@ def tracing_as_compiling() -> Iterator[None]:
         torch.compiler._is_compiling_flag = old
 
 
-__all__ = ["PATCH", "tracing_as_compiling"]
+def _caller_site(frame) -> str | None:
+    """Where a model asked ``is_compiling()``: the first caller that is no wrapper of it (a
+    predicate, ``is_*`` / ``*compiling*`` / ``*exporting*``, e.g. transformers' ``is_torchdynamo_compiling``);
+    None when that caller is PyTorch's own code (``nn.Module``, a higher-order op)."""
+    while frame is not None and _is_predicate(frame.f_code.co_name):
+        frame = frame.f_back
+    if frame is None:
+        return None
+    path = frame.f_code.co_filename
+    if path.startswith(_TORCH_DIR):
+        return None
+    short = path.split("site-packages/")[-1]
+    return f"{short}:{frame.f_lineno} ({frame.f_code.co_name})"
+
+
+_TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
+
+
+def _is_predicate(name: str) -> bool:
+    """A function that only passes the flag on (transformers' ``is_torchdynamo_compiling``,
+    ``is_tracing``): its caller is the branch."""
+    return name.startswith("is_") or "compiling" in name or "exporting" in name
+
+
+@contextlib.contextmanager
+def compiling_queries() -> Iterator[list[str]]:
+    """Within: every call of ``torch.compiler.is_compiling()`` from a model's code (not PyTorch's)
+    records its site, once, in the yielded list (in call order). A model that branches on the flag
+    runs another program when traced than eagerly (transformers' Mamba: a parallel
+    ``associative_scan`` under compile, a Python loop over the sequence in eager), which parity
+    must name rather than blame on a pass. The attribute is restored on exit."""
+    sites: list[str] = []
+    seen: set[str] = set()
+    original = torch.compiler.is_compiling
+
+    def is_compiling() -> bool:
+        site = _caller_site(sys._getframe(1))
+        if site is not None and site not in seen:
+            seen.add(site)
+            sites.append(site)
+        return original()
+
+    torch.compiler.is_compiling = is_compiling
+    try:
+        yield sites
+    finally:
+        torch.compiler.is_compiling = original
+
+
+__all__ = ["PATCH", "compiling_queries", "tracing_as_compiling"]

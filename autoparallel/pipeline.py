@@ -56,6 +56,7 @@ from autoparallel.aot_graph_text import PATCH as AOT_GRAPH_TEXT
 from autoparallel.aot_graph_text import aot_graph_text_only_when_logged
 from autoparallel.compile import OVERLAP_PATCH, SECOND_COMPILE, Compiler, autoparallel_backend
 from autoparallel.compiling_flag import PATCH as TRACE_AS_COMPILING
+from autoparallel.eager_dropout import PATCH as EAGER_DROPOUT
 from autoparallel.fx_utils import copy_graph_module
 from autoparallel.gc_pauses import fewer_collections
 from autoparallel.mesh import MeshSpec, ParallelMesh, attach_group_dims, fake_world
@@ -449,7 +450,8 @@ def _collective_stage(p: CollectivePass) -> Stage:
 
 #: The stage list, in order (see the module docstring).
 STAGES: tuple[Stage, ...] = (
-    Stage(JOINT, _joint, "trace the per-rank joint graph (model, loss, plan, mesh)", patches=(TRACE_AS_COMPILING,)),
+    Stage(JOINT, _joint, "trace the per-rank joint graph (model, loss, plan, mesh)",
+          patches=(TRACE_AS_COMPILING, EAGER_DROPOUT)),
     *(_placement_stage(s) for s in PLACEMENT_STEPS),
     Stage(
         SECOND_COMPILE,

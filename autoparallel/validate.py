@@ -39,12 +39,16 @@ def check_loss(loss: Any, *, needs_grad: bool = True) -> None:
 
 
 def check_input_dtypes(model: torch.nn.Module, model_inputs: Sequence[torch.Tensor], compute_dtype: torch.dtype | None = None) -> None:
-    """Floating model inputs must have the dtype the parameters compute in (``compute_dtype``, a
-    mixed-precision plan's param dtype, else the parameters' own). Eager PyTorch rejects a
-    float64 input to a float32 Linear; a trace on fake tensors may not, and would describe a
-    program that cannot run. Integer inputs (token ids) and the loss target are not checked."""
+    """Floating model inputs must have the dtype the parameters compute in. Eager PyTorch rejects
+    a float64 input to a float32 Linear; a trace on fake tensors may not, and would describe a
+    program that cannot run. Integer inputs (token ids) and the loss target are not checked.
+    Under a mixed-precision plan (``compute_dtype``, its param dtype) nothing is refused: the
+    parallel program casts floating inputs to it, as FSDP2's ``MixedPrecisionPolicy`` does
+    (``autoparallel.parallelize.program.cast_forward_inputs``)."""
+    if compute_dtype is not None:
+        return
     dtypes = {p.dtype for p in model.parameters() if p.is_floating_point()}
-    want = compute_dtype or (dtypes.pop() if len(dtypes) == 1 else None)
+    want = dtypes.pop() if len(dtypes) == 1 else None
     if want is None:
         return
     for i, t in enumerate(model_inputs):

@@ -30,11 +30,13 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
+import torch
 from torch import nn
 
 from autoparallel.defaults import AUTO
 from autoparallel.parallelize import ParallelPlan
 from autoparallel.pipeline import STAGE_NAMES, PipelineRun
+from verify.commands.bisect import explain_not_bitwise
 from verify.goldens.catalog import golden_result, header
 from verify.goldens.text import graph_golden_text
 from verify.graphs.stats import graph_stats
@@ -45,10 +47,12 @@ from verify.parity.planned import EAGER as PLANNED_EAGER
 from verify.parity.planned import EXECUTORS as PLANNED_EXECUTORS
 from verify.parity.planned import planned_case, planned_oracle, run_planned_parity
 from verify.parity.runs import (
+    AS_TRACED,
     EAGER,
     STAGE_EXECUTORS,
     compare_with_eager,
     oracle_check,
+    rank_inputs,
     run_stage_parity,
 )
 from verify.stages.pipeline_run import params_without_grad, run_scenario, without_grad_lines
@@ -68,10 +72,28 @@ class ModelCheck:
     run: PipelineRun
     parity: dict[str, ParityReport] = field(default_factory=dict)
     oracle: OracleReport | None = None
+    # Per stage that is not bitwise: why (verify.commands.bisect.explain_not_bitwise: differential
+    # execution's first differing pass and node, or the model's branch on is_compiling()).
+    explanations: dict[str, str] = field(default_factory=dict)
+    # Per stage: against the eager program run as traced (is_compiling() true), where ranks ran it.
+    as_traced: dict[str, ParityReport] = field(default_factory=dict)
+
+    def model_branch(self, stage: str) -> bool:
+        """``stage`` differs from the eager program only because the model branches on
+        ``torch.compiler.is_compiling()``: bitwise with the eager program run as traced."""
+        rep = self.as_traced.get(stage)
+        return not self.parity[stage].bitwise and rep is not None and rep.bitwise
 
     def failures(self) -> list[str]:
-        """One line per problem: a stage that is not bitwise, the oracle beyond tolerance."""
-        out = [f"{stage}: {rep.summary(limit=3)}" for stage, rep in self.parity.items() if not rep.bitwise]
+        """One line per problem: a stage that is not bitwise (with why), the oracle beyond
+        tolerance. A stage bitwise with the eager program run as traced is no failure: the model
+        itself computes another program when compiled (its summary line says so)."""
+        out = []
+        for stage, rep in self.parity.items():
+            if rep.bitwise or self.model_branch(stage):
+                continue
+            why = self.explanations.get(stage)
+            out.append(f"{stage}: {rep.summary(limit=3)}" + (f"\n  why: {why}" if why else ""))
         if self.oracle is not None and not self.oracle.passed:
             out.append(self.oracle.summary(limit=5))
         return out
@@ -109,14 +131,48 @@ class ModelCheck:
     def summary(self) -> str:
         lines = [self.scenario.header()]
         lines.extend(f"  {line}" for line in without_grad_lines(self.params_without_grad()))
+        cast = input_cast_line(self.scenario)
+        if cast:
+            lines.append(f"  {cast}")
         for label, st in self.stats().items():
             coll = ", ".join(f"{k}[{d}] {c['count']}" for k, per in st["collectives"].items() for d, c in per.items())
             lines.append(f"  {label:<28} {st['num_nodes']:>5} nodes  {coll or 'no collectives'}")
         for stage, rep in self.parity.items():
-            lines.append(f"  parity {stage:<18} {'bitwise equal' if rep.bitwise else 'NOT bitwise'} ({len(rep.diffs)} tensors)")
+            verdict = "bitwise equal" if rep.bitwise else "NOT bitwise"
+            if self.model_branch(stage):
+                verdict = "NOT bitwise with eager; bitwise with eager as traced (the model's own branch)"
+            lines.append(f"  parity {stage:<18} {verdict} ({len(rep.diffs)} tensors)")
+            if stage in self.explanations:
+                lines.append(f"    why: {self.explanations[stage]}")
         if self.oracle is not None:
             lines.append("  " + self.oracle.summary(limit=5).replace("\n", "\n  "))
         return "\n".join(lines)
+
+
+def input_cast_line(scenario: Scenario) -> str | None:
+    """The summary's line for floating model inputs a mixed-precision plan casts (None: none)."""
+    dtype = scenario.plan_obj().param_dtype
+    if dtype is None:
+        return None
+    from torch.utils import _pytree as pytree
+
+    inputs = scenario.batches(1)[0][:-1]
+    if not any(isinstance(t, torch.Tensor) and t.is_floating_point() and t.dtype != dtype for t in pytree.tree_leaves(list(inputs))):
+        return None
+    return f"floating inputs cast to {str(dtype).removeprefix('torch.')} as FSDP2's MixedPrecisionPolicy(cast_forward_inputs=True) does"
+
+
+def _explain(result: ModelCheck, ranks) -> None:
+    """Fill ``result.as_traced`` and ``result.explanations`` for the stages that are not bitwise."""
+    bad = [stage for stage, rep in result.parity.items() if not rep.bitwise]
+    if not bad:
+        return
+    if AS_TRACED in ranks[0].traces:
+        result.as_traced = {stage: compare_with_eager(ranks, stage, AS_TRACED) for stage in bad}
+    queries = result.run.joint.compiling_queries if result.run.joint is not None else ()
+    given = None if result.scenario.plan == AUTO else rank_inputs(result.scenario)
+    result.explanations, _ = explain_not_bitwise(result.run, result.scenario.mesh, bad, seed=result.scenario.seed,
+                                                 as_traced=result.as_traced, compiling_queries=queries, given=given)
 
 
 def _check_planned(scenario: Scenario, steps: int, *, parity: bool, native_collectives: bool, goldens: bool) -> ModelCheck:
@@ -132,6 +188,7 @@ def _check_planned(scenario: Scenario, steps: int, *, parity: bool, native_colle
             ((_, ranks),) = run_planned_parity(case, steps)
         result.parity = {ex: compare_with_eager(ranks, ex) for ex in PLANNED_EXECUTORS if ex != PLANNED_EAGER}
         result.oracle = planned_oracle(case, ranks)
+        _explain(result, ranks)
     return result
 
 
@@ -213,4 +270,5 @@ def check_model(
             ranks = run_stage_parity(scenario, steps, run=run)
         result.parity = {stage: compare_with_eager(ranks, stage) for stage in STAGE_EXECUTORS if stage != EAGER}
         result.oracle = oracle_check(scenario, ranks)
+        _explain(result, ranks)
     return result

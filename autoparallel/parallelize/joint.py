@@ -21,7 +21,8 @@ from torch._subclasses.fake_tensor import FakeTensorMode, is_fake, unset_fake_te
 
 from autoparallel import meta as M
 from autoparallel import roles
-from autoparallel.compiling_flag import tracing_as_compiling
+from autoparallel.compiling_flag import compiling_queries, tracing_as_compiling
+from autoparallel.eager_dropout import dropout_as_eager
 from autoparallel.mesh import ParallelMesh, attach_group_dims
 from autoparallel.parallelize.module_paths import annotate_module_paths
 from autoparallel.parallelize.plan import ParallelPlan, ParamSharding
@@ -61,6 +62,9 @@ class JointGraph:
     # leaves their .grad None and AdamW skips them; the graph has no gradient collective for them.
     frozen_params: tuple[str, ...] = ()
     params_without_grad: tuple[str, ...] = ()
+    # Where the model's code asked torch.compiler.is_compiling() during the trace (file:line
+    # (function)); the trace answered True (patch trace_as_compiling), an eager run answers False.
+    compiling_queries: tuple[str, ...] = ()
     _stack: contextlib.ExitStack = field(repr=False, default_factory=contextlib.ExitStack)
     # Holds the export's fake mode off the dispatch stack between the trace and the compile.
     _suspended: contextlib.ExitStack = field(repr=False, default_factory=contextlib.ExitStack)
@@ -122,7 +126,8 @@ def build_joint_graph(
     try:
         from torch._functorch.aot_autograd import aot_export_joint_with_descriptors
 
-        with annotate_module_paths(program.model), tracing_as_compiling(), data_dependent_ops_named():
+        with (annotate_module_paths(program.model), tracing_as_compiling(), compiling_queries() as queried,
+              data_dependent_ops_named(), dropout_as_eager()):
             jd = aot_export_joint_with_descriptors(stack, program, fake_inputs)
     except BaseException:
         stack.close()
@@ -153,6 +158,7 @@ def build_joint_graph(
         local_buffers=local_buffers,
         frozen_params=frozen,
         params_without_grad=without_grad,
+        compiling_queries=tuple(queried),
         _stack=stack,
         _suspended=suspended,
     )

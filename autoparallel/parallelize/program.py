@@ -143,12 +143,28 @@ class ParallelProgram(nn.Module):
 
     def forward(self, *inputs: torch.Tensor) -> torch.Tensor:
         *model_inputs, target = inputs
+        model_inputs = cast_forward_inputs(model_inputs, self.plan.param_dtype)
         # A parametrized (gathered) tensor read twice in one forward, e.g. a tied weight, is
         # gathered once.
         with parametrize.cached():
             loss = self.loss_fn(self.model(*model_inputs), target)
         check_loss(loss, needs_grad=False)
         return loss
+
+
+def cast_forward_inputs(inputs, param_dtype: torch.dtype | None):
+    """Floating tensors among ``inputs`` (nested lists, tuples, dicts) cast to ``param_dtype``, as
+    FSDP2's ``MixedPrecisionPolicy(cast_forward_inputs=True)`` casts the root module's forward
+    inputs (an image model's pixels); integer inputs (token ids, masks) and the loss target are
+    left alone. ``param_dtype`` None: ``inputs`` unchanged."""
+    if param_dtype is None:
+        return inputs
+    from torch.utils import _pytree as pytree
+
+    def cast(x):
+        return x.to(param_dtype) if isinstance(x, torch.Tensor) and x.is_floating_point() and x.dtype != param_dtype else x
+
+    return pytree.tree_map(cast, inputs)
 
 
 class _LinearWithoutBias:

@@ -9,8 +9,10 @@ from __future__ import annotations
 import importlib.util
 
 import pytest
+import torch
 from torch import nn
 
+from autoparallel.parallelize import ParallelPlan
 from verify.hf import ARCHS, hf_case
 
 # Looked up, not imported: importing transformers costs each xdist worker ~0.5 s of collection,
@@ -69,3 +71,23 @@ def test_a_size_override_replaces_the_tiny_configs_own():
     model = hf_case("gpt2", n_layer=1).build()
     assert model.model.config.n_layer == 1 and len(model.model.transformer.h) == 1
     assert hf_case("gpt2").build().model.config.n_layer == ARCHS["gpt2"].sizes["n_layer"] == 2
+
+
+BF16 = ParallelPlan.fsdp(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("arch, overrides", [
+    pytest.param("gpt2", {"n_layer": 1}, marks=pytest.mark.xdist_group(TIER_GROUP), id="gpt2-n_layer=1"),
+    *(pytest.param(a, {}, marks=[pytest.mark.xdist_group(f"hf-{a}"), pytest.mark.slow], id=a) for a in ("gpt2", "bert", "t5")),
+])
+def test_bf16_params_with_dropout_at_its_defaults_pass(arch, overrides, model_check):
+    """Mixed precision as FSDP2 does it, dropout on: every stage was NOT bitwise (the trace's dropout
+    backward scaled by the unrounded 1 / (1 - p), patch eager_dropout). T5 differs from eager only
+    where transformers skips an all-ones mask in eager and materialises it when compiling
+    (masking_utils' _ignore_bidirectional_mask_sdpa, a data-dependent fast path): its stages are
+    bitwise with the eager program run as traced, and the verdict names that line."""
+    result = model_check(hf_case(arch, **overrides), plan=BF16, mesh="dp=2")
+    for stage, rep in result.parity.items():
+        if not rep.bitwise:
+            assert result.model_branch(stage) and "masking_utils.py" in result.explanations[stage], (stage, result.summary())

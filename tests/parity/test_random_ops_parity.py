@@ -14,7 +14,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from autoparallel import ac
+from autoparallel import ac, partition, roles
+from autoparallel import meta as M
+from autoparallel.parallelize import ParallelPlan
+from verify.check import check_model
+from verify.graphs.canon import own_scope
 from verify.model_case import ModelCase
 from verify.parity import runs as parity_runs
 from verify.parity.planned import EXECUTORS as PLANNED_EXECUTORS
@@ -90,8 +94,8 @@ def test_dropout_is_bitwise_at_every_stage_and_matches_the_oracle(model_check):
     result = model_check(CASE, plan="fsdp", mesh="dp=2")
     assert set(result.parity) == {"joint", "cleanup", "fsdp_tagging", "first_partition", "second_compile",
                                   "collective_passes"}
-    # dropout really ran: the joint graph draws masks
-    assert any(n.target is aten.native_dropout.default for n in result.run.stage("joint").graphs.graph.nodes)
+    # dropout really ran: the joint graph draws masks, as eager's CPU dropout draws them (patch eager_dropout)
+    assert any(n.target is aten.bernoulli.p for n in result.run.stage("joint").graphs.graph.nodes)
 
 
 @pytest.mark.slow  # 9 s; in the tier, test_random_order.py guards the pass on a hand-built graph
@@ -198,3 +202,97 @@ def test_dropout_on_tp_shards_is_bitwise_and_its_oracle_switches_dropout_off_on_
     assert oracle_executor(ranks) == DROPOUT_OFF
     on = parity_runs.oracle_check(Scenario(case=TP_CASE, plan="fsdp_tp", mesh="dp=1,tp=2"), ranks, EAGER)
     assert not on.passed, on.summary()
+
+
+# --- mixed precision (FSDP2's MixedPrecisionPolicy): bf16 parameters, fp32 gradient reduction -------
+
+BF16 = ParallelPlan.fsdp(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+
+
+class TokenDropoutMLP(nn.Module):
+    """Token ids in (nothing to cast), an nn.Dropout module between two Linears."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(32, 16)
+        self.up = nn.Linear(16, 32)
+        self.drop = nn.Dropout(0.1)
+        self.down = nn.Linear(32, 4)
+
+    def forward(self, tokens):
+        return self.down(self.drop(torch.relu(self.up(self.emb(tokens))))).mean(1)
+
+
+def _token_batch(n):
+    return torch.randint(0, 32, (n, 8)), torch.randint(0, 4, (n,))
+
+
+TOKEN_CASE = ModelCase("token_dropout_mlp", TokenDropoutMLP, nn.functional.cross_entropy, _token_batch, batch_per_rank=2)
+
+
+def test_bf16_params_dropout_bitwise_at_every_stage(model_check):
+    """Every stage was NOT bitwise: the trace's native_dropout backward scaled by the unrounded
+    1 / (1 - p), eager's CPU dropout multiplies by the noise rounded to bf16 (patch eager_dropout).
+    The loss is bf16 (FSDP2 casts no output); the oracle compares it in the reference's fp32."""
+    result = model_check(TOKEN_CASE, plan=BF16, mesh="dp=2")
+    assert all(rep.bitwise for rep in result.parity.values()) and result.oracle.passed
+    assert any(c.name.startswith("loss (bf16 under param_dtype, compared in fp32)") for c in result.oracle.checks)
+    assert "floating inputs cast" not in result.summary()  # token ids: nothing cast
+
+
+def test_bf16_params_float_inputs_are_cast_as_fsdp2_does(model_check):
+    """Float inputs under bf16 parameters were refused ("Cast the input"). The parallel program
+    casts them to bf16 (MixedPrecisionPolicy(cast_forward_inputs=True)), the trace records the cast,
+    and the oracle's reference reads the same rounded values in fp32."""
+    result = model_check(CASE, plan=BF16, mesh="dp=2")
+    assert "floating inputs cast to bfloat16 as FSDP2's MixedPrecisionPolicy(cast_forward_inputs=True) does" in result.summary()
+    joint = result.run.stage("joint").graphs
+    x = next(n for n in joint.graph.find_nodes(op="placeholder") if n.meta.get(M.ROLE) == roles.input_(0))
+    assert x.meta[M.VAL].dtype is torch.float32
+    assert [(u.target, u.kwargs.get("dtype")) for u in x.users] == [(aten._to_copy.default, torch.bfloat16)]
+
+
+def _planted_fp32_dropout(monkeypatch) -> list[str]:
+    """The clean-up pass, planted: the forward dropout's mask scaled in fp32 (by the unrounded
+    1 / (1 - p), as native_dropout's backward does) and its product computed in fp32 and cast back,
+    where eager scales the mask in bf16. Returns the planted node's name once the pass ran."""
+    real, planted = partition.cleanup_graph, []
+
+    def cleanup_graph(gm):
+        report = real(gm)
+        mul = next(n for n in gm.graph.nodes if n.target is aten.mul.Tensor and own_scope(n) == "drop")
+        def cast(node, dtype):
+            out = gm.graph.call_function(aten._to_copy.default, (node,), {"dtype": dtype})
+            out.meta[M.VAL] = node.meta[M.VAL].to(dtype)  # the partitioner reads every node's value
+            return out
+
+        x, noise = mul.args  # noise = bernoulli(...) / (1 - p), in bf16 (eager's)
+        with gm.graph.inserting_before(mul):
+            noise32 = gm.graph.call_function(aten.div.Tensor, (cast(noise.args[0], torch.float32), *noise.args[1:]))
+            noise32.meta[M.VAL] = noise.meta[M.VAL].to(torch.float32)
+            mul.args = (cast(x, torch.float32), noise32)
+        bf16 = mul.meta[M.VAL]
+        mul.meta[M.VAL] = bf16.to(torch.float32)
+        with gm.graph.inserting_after(mul):
+            back = cast(mul, torch.bfloat16)
+        mul.replace_all_uses_with(back, delete_user_cb=lambda u: u is not back)
+        gm.recompile()
+        planted.append(mul.name)
+        return report
+
+    monkeypatch.setattr(partition, "cleanup_graph", cleanup_graph)
+    return planted
+
+
+def test_a_dropout_applied_in_another_dtype_fails_and_its_node_is_named(monkeypatch):
+    """The negative side of the two above: the planted stage and every stage after it are NOT
+    bitwise, and check_model's differential execution names the clean-up pass and the dropout's
+    product (its op, its module, the dtype it computed in, the size of the difference)."""
+    planted = _planted_fp32_dropout(monkeypatch)
+    result = check_model(TOKEN_CASE, plan=BF16, mesh="dp=2", steps=1)
+    assert result.parity["joint"].bitwise and not result.parity["cleanup"].bitwise and not result.ok
+    why = result.explanations["cleanup"]
+    assert f"pass cleanup computes other values than its input; first differing node: node '{planted[0]}' (aten.mul) in module 'drop'" in why
+    assert "computed in torch.float32, not torch.bfloat16" in why and "max |diff|" in why
+    assert result.explanations["collective_passes"] == why  # a later stage: the same first pass
+    assert f"why: {why}" in "\n".join(result.failures())

@@ -26,7 +26,7 @@ from __future__ import annotations
 import json
 import sys
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -113,12 +113,14 @@ def same_code(a: Graphs, b: Graphs) -> bool:
 
 
 def bisect_steps(steps: Iterable[Step], mesh: MeshSpec | str, *, mode: str = ONE_RUN, a: str = "before",
-                 b: str = "after", seed: int = 0, progress: Callable[[str], None] = lambda msg: None) -> BisectResult:
-    """Compare each step's two programs on N = mesh size simulated ranks, in order."""
+                 b: str = "after", seed: int = 0, progress: Callable[[str], None] = lambda msg: None,
+                 given: Mapping[str, tuple] | None = None) -> BisectResult:
+    """Compare each step's two programs on N = mesh size simulated ranks, in order. ``given``:
+    per input key (``input:0``), one tensor per rank (the batch's slices); other inputs random."""
     spec = MeshSpec.parse(mesh)
     result = BisectResult(mode, a, b, ranks=spec.world_size)
     with D.simulated_world(spec) as world:
-        feeds = D.Feeds(spec.world_size, seed)
+        feeds = D.Feeds(spec.world_size, seed, given=dict(given or {}))
         cache: dict = {}
         for name, before, after in steps:
             t0 = time.perf_counter()
@@ -153,6 +155,59 @@ def bisect_runs(run_a: P.PipelineRun, run_b: P.PipelineRun, mesh: MeshSpec | str
         progress(f"stages only B ran (not compared): {missing}")
     steps = [(r.name, in_a[r.name].graphs, r.graphs) for r in run_b.results if r.graphs is not None and r.name in in_a]
     return bisect_steps(steps, mesh, mode=TWO_RUNS, a=a, b=b, seed=seed, progress=progress)
+
+
+# --- explaining a parity verdict ------------------------------------------------------------------
+
+
+def explain_not_bitwise(run: P.PipelineRun, mesh: MeshSpec | str, stages: Iterable[str], *, seed: int = 0,
+                        as_traced: dict[str, ParityReport] | None = None, compiling_queries: tuple[str, ...] = (),
+                        given: Mapping[str, tuple] | None = None) -> tuple[dict[str, str], BisectResult | None]:
+    """Why each of ``stages`` (parity verdicts: the joint graph, a pass's stage, ``collective_passes``)
+    is not bitwise with the eager parallel program, one line each, and the differential run.
+
+    A stage bitwise with the eager program run as traced (``as_traced``: ``torch.compiler.is_compiling()``
+    true) differs because the model branches on that flag (``compiling_queries`` names where): another
+    program, not a pass. Otherwise every pass up to the stage runs against its input on the mesh's
+    ranks, simulated (:func:`bisect_run`); the first that computes other values is named with its first
+    differing node (op, module path, size of the difference) and output. No pass differing: the
+    difference is in the trace (eager program -> joint graph), which no graph-vs-graph run can see.
+    ``given``: the ranks' inputs by key (token ids and masks whose range no use tells); a
+    differential run that cannot run says why in each line instead of failing the check."""
+    as_traced = as_traced or {}
+    out: dict[str, str] = {}
+    for stage in stages:
+        rep = as_traced.get(stage)
+        if rep is not None and rep.bitwise:
+            sites = ", ".join(compiling_queries[:3]) + (f" and {len(compiling_queries) - 3} more" if len(compiling_queries) > 3 else "")
+            out[stage] = ("bitwise with the eager program run as traced (torch.compiler.is_compiling() true, patch "
+                          f"trace_as_compiling): the model branches on that flag ({sites}), so the trace recorded the "
+                          "compiled branch and the eager program ran the other; another program, not a pass")
+    rest = [s for s in stages if s not in out]
+    if not rest:
+        return out, None
+    # the passes only: under plan="auto" the joint stage's input is the plan stage's unsharded trace
+    try:
+        result = bisect_steps([step for step in run_steps(run) if step[0] != P.JOINT], mesh, seed=seed, given=given)
+    except (ValueError, NotImplementedError, RuntimeError) as e:
+        out.update({s: f"differential execution could not run: {type(e).__name__}: {e}" for s in rest})
+        return out, None
+    order = [c.name for c in result.checks]
+    for stage in rest:
+        upto = order[: order.index(stage) + 1] if stage in order else order if stage != P.JOINT else []
+        first = next((c for c in result.checks if c.name in upto and not c.equal), None)
+        if first is not None:
+            node = first.first_node.describe() if first.first_node is not None else "none located"
+            bad = first.first_output()
+            out[stage] = (f"differential execution ({result.ranks} simulated ranks): pass {first.name} computes other "
+                          f"values than its input; first differing node: {node}; first differing output: "
+                          f"{bad.name}: {bad.note}")
+            continue
+        traced = as_traced.get(stage)
+        tail = "" if traced is None else f" (and not bitwise with the eager program run as traced either: {traced.summary(limit=0).splitlines()[0]})"
+        passes = f"every pass up to {stage} computes what its input computes ({result.ranks} simulated ranks), so " if upto else ""
+        out[stage] = f"{passes}the difference is in the trace (eager program -> joint graph){tail}"
+    return out, result
 
 
 # --- the command ----------------------------------------------------------------------------------
@@ -206,6 +261,7 @@ __all__ = [
     "bisect_run",
     "bisect_runs",
     "bisect_steps",
+    "explain_not_bitwise",
     "main",
     "run_steps",
     "same_code",

@@ -22,6 +22,7 @@ from pathlib import Path
 from autoparallel.mesh import MeshSpec
 from autoparallel.passes.collective import upstream_info_logs
 from autoparallel.pipeline import PLAN, PipelineRun, StageResult
+from verify.commands.bisect import explain_not_bitwise
 from verify.commands.html import write_report
 from verify.commands.html.records import records_from_pipeline_run
 from verify.goldens import catalog as golden_catalog
@@ -31,10 +32,12 @@ from verify.parity.planned import EAGER as PLANNED_EAGER
 from verify.parity.planned import EXECUTORS as PLANNED_EXECUTORS
 from verify.parity.planned import planned_case, planned_oracle, run_planned_parity
 from verify.parity.runs import (
+    AS_TRACED,
     EAGER,
     STAGE_EXECUTORS,
     compare_with_eager,
     oracle_check,
+    rank_inputs,
     run_stage_parity,
 )
 from verify.stages.pipeline_run import params_summary, pipeline_options, run_scenario, without_grad_lines
@@ -131,12 +134,30 @@ def run_parity(scenario: Scenario, steps: int = 2, *, run: PipelineRun | None = 
     ranks = run_stage_parity(small, steps=steps, run=run if small == scenario else None, collective=collective)
     comparisons = {stage: compare_with_eager(ranks, stage) for stage in STAGE_EXECUTORS if stage != EAGER}
     oracle = oracle_check(small, ranks)
+    explained = explain_parity(small, ranks, comparisons, run if small == scenario else None)
     return {
         **_parity_summary(small, steps, comparisons, t0),
+        **explained,
         "oracle": oracle.to_dict(),
         "oracle_summary": oracle.summary(),
         "single_device_max_abs_diff": oracle.max_abs,
     }
+
+
+def explain_parity(small: Scenario, ranks, comparisons: dict, run: PipelineRun | None) -> dict:
+    """``explanations`` (stage -> why it is not bitwise: ``verify.commands.bisect.explain_not_bitwise``)
+    and ``model_branch`` (the stages bitwise with the eager program run as traced: the model's own
+    branch on ``is_compiling()``, no failure), for the stages that are not bitwise."""
+    bad = [stage for stage, rep in comparisons.items() if not rep.bitwise]
+    if not bad:
+        return {"explanations": {}, "model_branch": []}
+    as_traced = {stage: compare_with_eager(ranks, stage, AS_TRACED) for stage in bad} if AS_TRACED in ranks[0].traces else {}
+    run = run if run is not None else run_scenario(small)
+    progress(f"explaining {len(bad)} stage(s) that are not bitwise (differential execution) ...")
+    explanations, _ = explain_not_bitwise(run, small.mesh, bad, seed=small.seed, as_traced=as_traced,
+                                          compiling_queries=run.joint.compiling_queries if run.joint is not None else (),
+                                          given=rank_inputs(small))
+    return {"explanations": explanations, "model_branch": [s for s, rep in as_traced.items() if rep.bitwise]}
 
 
 def _parity_summary(small: Scenario, steps: int, comparisons: dict, t0: float) -> dict:
@@ -171,7 +192,8 @@ def parity_passed(parity: dict | None) -> bool:
     """Every stage bitwise and the oracle passed (True when parity was skipped)."""
     if parity is None:
         return True
-    return all(r["bitwise"] for r in parity["vs_eager"].values()) and bool(parity["oracle"]["passed"])
+    branch = set(parity.get("model_branch", ()))
+    return all(r["bitwise"] or s in branch for s, r in parity["vs_eager"].items()) and bool(parity["oracle"]["passed"])
 
 
 def build_report(scenario: Scenario, *, parity: bool = True, steps: int = 2) -> dict:
@@ -316,9 +338,13 @@ def parity_lines(p: dict | None, heading: str, *, width: int = 16, versus: bool 
     if p is None:
         return ["parity: skipped (--no-parity)"]
     out = [heading]
+    why, branch = p.get("explanations", {}), set(p.get("model_branch", ()))
     for stage, r in p["vs_eager"].items():
         vs = f" vs {r['a']}:" if versus else ""
-        out.append(f"  {stage:<{width}}{vs} {parity_verdict(r)} ({r['tensors']} tensors)")
+        verdict = parity_verdict(r) + ("; bitwise with eager as traced (the model's own branch)" if stage in branch else "")
+        out.append(f"  {stage:<{width}}{vs} {verdict} ({r['tensors']} tensors)")
+        if stage in why:
+            out.append(f"    why: {why[stage]}")
     return out
 
 

@@ -61,6 +61,7 @@ from autoparallel import roles
 from autoparallel.fx_utils import ALL_GATHER_OUT, group_of, schema_arg
 from autoparallel.mesh import MeshSpec, ParallelMesh, fake_world, group_dims_of
 from autoparallel.runtime.rebind import rebind_groups
+from verify.graphs.canon import own_scope
 from verify.parity.compare import ParityReport, TensorDiff, diff_tensors
 from verify.stages.pipeline_run import intra_op_threads
 
@@ -341,7 +342,15 @@ def _signature(values: Mapping[str, PerRank]) -> tuple:
 
 
 def run_program(graphs: Graphs, feeds: Feeds, *, record: dict[str, Any] | None = None, engine: str = LOCKSTEP) -> ProgramResult:
-    """Run one graph, or a (forward, backward) pair composed as AOT composes it."""
+    """Run one graph, or a (forward, backward) pair composed as AOT composes it. The CPU
+    generator is seeded with ``feeds.seed`` for the run (and restored after), so two programs
+    whose random ops draw in the same order draw the same masks."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(feeds.seed)
+        return _run_program(graphs, feeds, record=record, engine=engine)
+
+
+def _run_program(graphs: Graphs, feeds: Feeds, *, record: dict[str, Any] | None, engine: str) -> ProgramResult:
     if not isinstance(graphs, tuple):
         return ProgramResult(run_graph(graphs, feeds, record=record, engine=engine))
     fw, bw = graphs
@@ -418,10 +427,13 @@ class NodeDiff:
     op: str
     rank: int
     note: str
+    module: str | None = None  # the module path that created the node (verify.graphs.canon.own_scope)
+    max_abs: float = 0.0  # the largest |difference| of its values on that rank
 
     def describe(self) -> str:
         where = f"{self.graph} " if self.graph else ""
-        return f"{where}node {self.node!r} ({self.op}) on rank {self.rank}: {self.note}"
+        module = f" in module {self.module!r}" if self.module else " (no module path)"
+        return f"{where}node {self.node!r} ({self.op}){module} on rank {self.rank}, max |diff| {self.max_abs:.3e}: {self.note}"
 
 
 def _tensor_leaves(value: Any) -> list[Any]:
@@ -430,26 +442,43 @@ def _tensor_leaves(value: Any) -> list[Any]:
 
 def first_differing_node(a: Mapping[str, Any], b: Mapping[str, Any]) -> NodeDiff | None:
     """Walk ``b``'s recorded nodes in execution order; the first whose counterpart in ``a`` (same
-    graph side and name) holds a tensor of the same shape and dtype with other bits on some
-    rank. A counterpart computed by another op is named with both ops (a flipped op)."""
+    graph side and name) holds a tensor of the same shape with other bits on some rank, or the
+    same values in another floating dtype. A counterpart computed by another op is named with
+    both ops (a flipped op)."""
     for key, (node, values) in b.items():
-        if key not in a:
+        if key not in a or node.target in _UNINITIALISED:
             continue
         other_node, others = a[key]
         for r, (v, o) in enumerate(zip(values, others, strict=True)):
             for x, y in zip(_tensor_leaves(o), _tensor_leaves(v), strict=False):
                 if not (isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor)):
                     continue
-                if x.shape != y.shape or x.dtype != y.dtype or x.layout != torch.strided:
+                if x.shape != y.shape or x.layout != torch.strided or x.dtype.is_floating_point != y.dtype.is_floating_point:
                     continue
-                d = diff_tensors(key, x, y)
+                d = diff_tensors(key, x, y) if x.dtype == y.dtype else _dtype_diff(key, x, y)
                 if not d.equal:
                     graph, _, name = key.rpartition("/")
                     op = _op_name(node)
                     if other_node.target != node.target:
                         op = f"{_op_name(other_node)} -> {op}"
-                    return NodeDiff(graph, name, op, r, d.note)
+                    return NodeDiff(graph, name, op, r, d.note, own_scope(node) or own_scope(other_node), d.max_abs)
     return None
+
+
+# Ops whose result is memory nobody wrote (what a later op fills in, e.g. dropout's
+# ``empty_like(x).bernoulli_(1 - p)``): two runs hold different garbage, which is no difference.
+_UNINITIALISED = frozenset({
+    aten.empty.memory_format, aten.empty_like.default, aten.empty_strided.default,
+    aten.new_empty.default, aten.new_empty_strided.default,
+})
+
+
+def _dtype_diff(key: str, x: torch.Tensor, y: torch.Tensor) -> TensorDiff:
+    """A node of the same name and op computing in another floating dtype (a cast moved or
+    dropped): a difference, its size measured in float64."""
+    d = diff_tensors(key, x.double(), y.double())
+    return TensorDiff(key, False, d.max_abs, f"computed in {y.dtype}, not {x.dtype}; {d.note or 'values equal in float64'}",
+                      d.differing, d.numel)
 
 
 def _op_name(node: fx.Node) -> str:

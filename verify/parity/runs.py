@@ -38,8 +38,10 @@ import torch.distributed as dist
 from torch._dynamo.utils import counters
 
 from autoparallel import roles
+from autoparallel.compiling_flag import tracing_as_compiling
 from autoparallel.mesh import build_mesh, fake_world
 from autoparallel.parallelize import ParallelProgram, split_batch
+from autoparallel.parallelize.program import cast_forward_inputs
 from autoparallel.passes.collective import CollectivePassesConfig, bucket_fw_bw
 from autoparallel.pipeline import (
     JOINT,
@@ -90,7 +92,7 @@ from verify.stages.registry import (
     SPLIT_GRAPHS,
     parity_executors,
 )
-from verify.stages.scenario import Scenario
+from verify.stages.scenario import Scenario, dtype_name
 
 # The executors, one per stage (the collective passes composed share one), from the stage registry.
 _EXECUTORS = {e.name: e for e in parity_executors(STAGES)}
@@ -101,6 +103,11 @@ STAGE_EXECUTORS = (EAGER, *_EXECUTORS)
 FORMS_BUILT = (JOINT_GRAPH, MODULE, COMPILED, SPLIT_GRAPHS)  # the forms _rank_stages' build() makes
 _MODULE_EXECUTORS = frozenset(COMPILE_EXECUTORS[1:])  # they run the pipeline's module (kept compiled)
 _RANK_THREADS = 1
+#: The eager program run with ``torch.compiler.is_compiling()`` true, as the joint trace runs the
+#: model (patch ``trace_as_compiling``). A rank runs it where the model's code asked the flag during
+#: the trace (``JointGraph.compiling_queries``): a stage bitwise with it but not with eager differs
+#: because the model branches on the flag (another program), not because of a pass.
+AS_TRACED = "eager as traced (is_compiling() true)"
 RNG_SEED = 20_261_126  # base of the ranks' generator seeds (rank_seed)
 
 
@@ -176,12 +183,16 @@ def _rank_stages(rank, world_size, scenario: Scenario, batches, run: PipelineRun
 
     if EAGER in executors and dropout_off_in_oracle(scenario, run):
         executors = (*executors, DROPOUT_OFF)
+    if EAGER in executors and joint is not None and joint.compiling_queries:
+        executors = (*executors, AS_TRACED)
 
     def build(name: str) -> Executor:
         if name == EAGER:
             return eager_program_executor(program)
         if name == DROPOUT_OFF:
             return executor_without_random_ops(eager_program_executor(program))
+        if name == AS_TRACED:
+            return executor_as_traced(eager_program_executor(program))
         form = _EXECUTORS[name].form if name in _EXECUTORS else None
         if form == JOINT_GRAPH:
             gm = rebind_groups(run.stage(_EXECUTORS[name].needs).graphs, mesh.group_dims)
@@ -209,6 +220,17 @@ def _rank_stages(rank, world_size, scenario: Scenario, batches, run: PipelineRun
                                        seed=rank_seed(scenario, coord))
         seconds[name] = time.perf_counter() - t0
     return RankParity(tuple(coord[d] for d in spec.names), traces, seconds)
+
+
+def executor_as_traced(executor: Executor) -> Executor:
+    """``executor`` (the eager program's) with every step run as the trace ran the model:
+    ``torch.compiler.is_compiling()`` true (``autoparallel.compiling_flag``)."""
+
+    def run(params, inputs):
+        with tracing_as_compiling():
+            return executor.step(params, inputs)
+
+    return Executor(run, executor.buffers)
 
 
 @contextlib.contextmanager
@@ -293,11 +315,12 @@ def run_stage_parity(
         run.compiled = None  # consumed: the reset invalidates it (a later parity run recompiles)
 
 
-def compare_with_eager(ranks: Sequence[RankParity], executor: str) -> ParityReport:
-    """``executor`` against the eager parallel program, bitwise, every rank (names ``rank<i>/``).
-    Planned ranks (``verify.parity.planned.PlannedRank``, whose reference is also ``eager``) too."""
+def compare_with_eager(ranks: Sequence[RankParity], executor: str, reference: str = EAGER) -> ParityReport:
+    """``executor`` against the eager parallel program (or another ``reference`` executor, e.g.
+    :data:`AS_TRACED`), bitwise, every rank (names ``rank<i>/``). Planned ranks
+    (``verify.parity.planned.PlannedRank``, whose reference is also ``eager``) too."""
     return merge_reports(
-        [compare_traces(r.traces[EAGER], r.traces[executor], a_name=EAGER, b_name=executor) for r in ranks],
+        [compare_traces(r.traces[reference], r.traces[executor], a_name=reference, b_name=executor) for r in ranks],
         [f"rank{i}" for i in range(len(ranks))],
     )
 
@@ -339,6 +362,28 @@ def data_coordinates(scenario: Scenario) -> list[dict[str, int]]:
     return coords
 
 
+def rounded_like_the_program(inputs, param_dtype: torch.dtype | None):
+    """The model inputs as the parallel program sees them, in their own dtype: a floating input it
+    casts to ``param_dtype`` (``cast_forward_inputs``, FSDP2's ``MixedPrecisionPolicy``) rounded
+    through that dtype and back, so the unsharded reference computes in its own precision on the
+    same input values (the cast is the program's semantics, not parallelism's rounding)."""
+    from torch.utils import _pytree as pytree
+
+    def rounded(x):
+        return cast_forward_inputs(x, param_dtype).to(x.dtype) if isinstance(x, torch.Tensor) else x
+
+    return pytree.tree_map(rounded, list(inputs))
+
+
+def rank_inputs(scenario: Scenario) -> dict[str, tuple]:
+    """Per input role (``input:0`` ...), each rank's slice of the scenario's first batch, rank
+    order: what the differential run feeds the graphs (token ids and masks keep their range)."""
+    plan, spec = scenario.plan_obj(), scenario.mesh_spec
+    batch = scenario.batches(1)[0]
+    per_rank = [split_batch(batch, plan, spec, spec.coordinate(r)) for r in range(spec.world_size)]
+    return {roles.input_(i): tuple(pieces[i] for pieces in per_rank) for i in range(len(batch))}
+
+
 def single_device_reference(scenario: Scenario, *, dropout_off: bool = False) -> SingleDeviceReference:
     """:class:`SingleDeviceReference` for ``scenario``: each slice draws its rank's masks, or with
     ``dropout_off`` every dropout is off (``verify.parity.random_ops``)."""
@@ -355,6 +400,7 @@ def single_device_reference(scenario: Scenario, *, dropout_off: bool = False) ->
                 b.copy_(initial[k])
         model.zero_grad(set_to_none=True)
         *inputs, target = split_batch(batch, plan, spec, {d: coord.get(d, 0) for d in spec.names})
+        inputs = rounded_like_the_program(inputs, plan.param_dtype)
         # the slice's rank draws these masks (or none, dropout off)
         with random_ops_disabled() if dropout_off else seeded(step_seed(rank_seed(scenario, coord), 0)):
             loss = scenario.loss_fn(model(*inputs), target)
@@ -439,6 +485,16 @@ def unchanged_checks(
     return out
 
 
+def _loss_in_reference_dtype(loss: torch.Tensor, ref: torch.Tensor, param_dtype: torch.dtype | None) -> tuple:
+    """``(check name, reference, loss)``: a loss the parallel program computed in the plan's
+    ``param_dtype`` (a bf16 model's loss under mixed precision, as FSDP2 leaves it: no output cast)
+    is compared in the single-device reference's dtype, and the check's name says so. Any other
+    dtype difference is left for ``check_within`` to fail."""
+    if param_dtype is not None and loss.dtype == param_dtype and ref.dtype != param_dtype and ref.is_floating_point():
+        return f"loss ({dtype_name(param_dtype)} under param_dtype, compared in {dtype_name(ref.dtype)})", ref, loss.to(ref.dtype)
+    return "loss", ref, loss
+
+
 def oracle_check(
     scenario: Scenario, ranks: list[RankParity], executor: str | None = None, reference: SingleDeviceReference | None = None
 ) -> OracleReport:
@@ -463,7 +519,7 @@ def oracle_check(
     for r in ranks:
         per_slice.setdefault(slice_of(r), r.traces[executor].losses[0])
     loss = torch.stack([per_slice[k] for k in sorted(per_slice)]).sum() / len(per_slice)
-    report.checks.append(check_within("loss", ref.loss, loss, tolerance.rtol))
+    report.checks.append(check_within(*_loss_in_reference_dtype(loss, ref.loss, plan.param_dtype), tolerance.rtol))
     grads = gather_full_grads(scenario, ranks, executor)
     scales = module_scales(ref.grads)
     for fqn in sorted(set(ref.grads) | set(grads)):

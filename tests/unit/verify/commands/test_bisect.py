@@ -40,8 +40,11 @@ from autoparallel.passes.collective import (
 )
 from autoparallel.passes.pre_overlap_bucketing import tag_collectives_for_bucketing
 from autoparallel.pipeline import run_pipeline
+from verify import zoo
 from verify.__main__ import main as verify_main
+from verify.check import check_model
 from verify.commands import bisect as B
+from verify.graphs.canon import own_scope
 from verify.graphs.generators import GraphSpec, OpSpec, build_synthetic, mesh_groups
 from verify.stages.pipeline_run import pipeline_options
 
@@ -278,3 +281,28 @@ def test_flags_that_do_not_fit_together_are_one_line(capsys):
     # (dp=3 fits since FSDP pads uneven shards; TP does not pad: 64 rows do not split 3 ways)
     assert verify_main(["bisect", "--plan", "fsdp_tp", "--mesh", "dp=2,tp=3"]) == 2
     assert capsys.readouterr().err.startswith("error: --plan fsdp_tp --mesh dp=2,tp=3 --preset tiny:")
+
+
+def test_check_model_explains_a_planted_node(monkeypatch):
+    """A stage corrupted on purpose (fsdp_tagging turns block 1's GELU into a ReLU): check_model's
+    verdict names, by itself, the pass, the node, its op (both ops: a flipped one), its module path
+    and the size of the difference, for that stage and every later stage; earlier stages stay
+    bitwise and get no explanation."""
+    real, planted = partition.mark_fsdp_all_gather_recomputation, []
+
+    def tagging(graph, reshard_after_forward):
+        report = real(graph, reshard_after_forward)
+        node = next(n for n in graph.nodes if n.target is aten.gelu.default and own_scope(n) == "blocks.1")
+        node.target, node.args, node.kwargs = aten.relu.default, node.args[:1], {}
+        planted.append(node.name)
+        return report
+
+    monkeypatch.setattr(partition, "mark_fsdp_all_gather_recomputation", tagging)
+    result = check_model(zoo.ln_mlp, plan="fsdp", mesh="dp=2", steps=1)
+    assert [s for s, rep in result.parity.items() if rep.bitwise] == ["joint", "cleanup"]
+    assert set(result.explanations) == {"fsdp_tagging", "first_partition", "second_compile", "collective_passes"}
+    why = result.explanations["fsdp_tagging"]
+    assert (f"pass fsdp_tagging computes other values than its input; first differing node: node '{planted[0]}' "
+            "(aten.gelu -> aten.relu) in module 'blocks.1' on rank 0, max |diff| ") in why, why
+    assert all(result.explanations[s] == why for s in result.explanations)
+    assert sum(f"why: {why}" in f for f in result.failures()) == 4

@@ -111,6 +111,15 @@ def test_report_text_format():
     oracle["passed"] = True
     assert parity_passed(report["parity"]) and parity_passed(None)
     assert text.endswith("html report: out/index.html")
+    # a stage that is not bitwise says why; the model's own is_compiling() branch is no failure
+    report["parity"]["vs_eager"]["joint"]["bitwise"] = False
+    report["parity"]["explanations"] = {"joint": "the model branches on that flag (m.py:3 (forward))"}
+    assert not parity_passed(report["parity"])
+    text = format_report(report)
+    assert "    why: the model branches on that flag (m.py:3 (forward))" in text.splitlines()
+    report["parity"]["model_branch"] = ["joint"]
+    assert parity_passed(report["parity"])
+    assert "bitwise with eager as traced (the model's own branch)" in format_report(report)
 
 
 def test_golden_status_says_why_it_is_not_checked_without_goldens(tmp_path):
