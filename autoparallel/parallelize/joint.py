@@ -102,8 +102,14 @@ def build_joint_graph(
     mesh: ParallelMesh,
     example_inputs: Sequence[torch.Tensor],
     loss_fn: LossFn | None = None,
+    *,
+    eager_dropout: bool = True,
 ) -> JointGraph:
     """Trace ``loss_fn(model(*inputs[:-1]), inputs[-1])`` as run by one rank under ``plan``.
+
+    ``eager_dropout=False`` keeps upstream's one-op ``native_dropout`` (the planner's trace: it
+    places a dropout's mask with its input and switches it off for the oracle, and its parity
+    reference runs that same graph, so eager's CPU arithmetic is not what it must match).
 
     ``model`` may live on ``meta``, on cpu, or on fake tensors; ``example_inputs`` are the
     global batch (only shapes and dtypes are used); each rank sees its data-parallel slice.
@@ -127,7 +133,8 @@ def build_joint_graph(
         from torch._functorch.aot_autograd import aot_export_joint_with_descriptors
 
         with (annotate_module_paths(program.model), tracing_as_compiling(), compiling_queries() as queried,
-              data_dependent_ops_named(), dropout_as_eager()):
+              data_dependent_ops_named(),
+              dropout_as_eager() if eager_dropout else contextlib.nullcontext()):
             jd = aot_export_joint_with_descriptors(stack, program, fake_inputs)
     except BaseException:
         stack.close()
