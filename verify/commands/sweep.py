@@ -101,9 +101,10 @@ def subprocess_runner(cell: Cell, timeout: float, argv: Sequence[str] | None = N
 
 
 def run_sweep(cells: Sequence[Cell], runner: Runner = subprocess_runner, *, jobs: int = 1, timeout: float = 600.0,
-              progress=None) -> list[CellResult]:
+              progress=None, on_result: Callable[[list[CellResult]], None] | None = None) -> list[CellResult]:
     """Every cell through ``runner``, ``jobs`` at once; a line per finished cell on ``progress``
-    (``n/total type plan verdict seconds``). Results in the order of ``cells``."""
+    (``n/total type plan verdict seconds``), and ``on_result(results so far)`` (in the order of
+    ``cells``). Results in the order of ``cells``."""
     progress = sys.stderr if progress is None else progress
 
     def one(cell: Cell) -> CellResult:
@@ -120,6 +121,8 @@ def run_sweep(cells: Sequence[Cell], runner: Runner = subprocess_runner, *, jobs
             done[futures[future]] = r
             why = f"  {r.reason}" if r.reason else ""
             print(f"{len(done)}/{len(cells)} {r.model_type} {r.plan} {r.verdict} {r.seconds:.1f}s{why}", file=progress, flush=True)
+            if on_result is not None:
+                on_result([done[c] for c in cells if c in done])
     return [done[c] for c in cells]
 
 
@@ -146,8 +149,9 @@ def render_markdown(results: Sequence[CellResult], meta: dict) -> str:
     lines = ["# Hugging Face coverage", "",
              f"transformers {meta['transformers']}, commit {meta['commit']}, {meta['date']}.", "",
              f"Command: `{meta['command']}`", ""]
-    if meta.get("note"):
-        lines += [meta["note"], ""]
+    for key in ("partial", "note"):
+        if meta.get(key):
+            lines += [f"{'Partial: ' if key == 'partial' else ''}{meta[key]}.".replace("..", "."), ""]
     tot = totals(results)
     lines += ["| plan | cells | " + " | ".join(VERDICTS) + " | seconds |",
               "|---|---:|" + "---:|" * len(VERDICTS) + "---:|"]
@@ -208,12 +212,18 @@ def main(args, runner: Runner = subprocess_runner) -> int:
         return 0
     cells = select_cells(args.types, args.plans, known)
     print(f"sweep: {len(cells)} cells, -j {args.jobs}, timeout {args.timeout:g} s", file=sys.stderr, flush=True)
-    results = run_sweep(cells, runner, jobs=args.jobs, timeout=args.timeout)
     info = meta(args.argv, args.note)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".md").write_text(render_markdown(results, info))
-    out.with_suffix(".json").write_text(render_json(results, info))
+
+    def write(results: list[CellResult]) -> None:
+        """The table so far (a long sweep's page is readable while it runs, and kept if it is stopped)."""
+        part = {} if len(results) == len(cells) else {"partial": f"{len(results)} of {len(cells)} cells finished"}
+        out.with_suffix(".md").write_text(render_markdown(results, {**info, **part}))
+        out.with_suffix(".json").write_text(render_json(results, {**info, **part}))
+
+    results = run_sweep(cells, runner, jobs=args.jobs, timeout=args.timeout, on_result=write)
+    write(results)
     for plan, t in totals(results).items():
         print(f"{plan}: " + ", ".join(f"{v} {n}" for v, n in t["verdicts"].items()) + f" of {t['cells']}", file=sys.stderr)
     print(f"wrote {out.with_suffix('.md')} and {out.with_suffix('.json')}", file=sys.stderr)

@@ -16,8 +16,12 @@ import sys
 
 
 def first_line(e: BaseException) -> str:
-    text = str(e).strip()
-    return text.splitlines()[0] if text else ""
+    """The message's first line; a line that ends in ':' is joined with the next (a wrapper's
+    heading, like a strict dataclass's ``Class validation error ...:``, names nothing alone)."""
+    lines = [line.strip() for line in str(e).strip().splitlines() if line.strip()]
+    if not lines:
+        return ""
+    return f"{lines[0]} {lines[1]}" if lines[0].endswith(":") and len(lines) > 1 else lines[0]
 
 
 def build_step(model_type: str, *, attention_mask: bool = False):
