@@ -10,6 +10,7 @@ seconds; totals per plan and per reason class (:data:`REASON_CLASSES`) say what 
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import os
 import re
@@ -23,6 +24,8 @@ from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from verify.hf import model_types
+
 PLANS: dict[str, tuple[str, str]] = {"fsdp": ("fsdp", "dp=2"), "auto": ("auto", "dp=2,tp=2"), "build": ("build", "-")}
 DEFAULT_PLANS = ("fsdp", "auto")
 VERDICTS = ("PASS", "REFUSED", "FAIL", "NOT BUILT")
@@ -33,7 +36,7 @@ VERDICTS = ("PASS", "REFUSED", "FAIL", "NOT BUILT")
 REASON_CLASSES: tuple[tuple[str, str], ...] = (
     ("timeout", r"^timeout\b"),
     ("NOT bitwise", r"^NOT bitwise\b"),
-    ("frozen parameter", r"requires_grad=False|\bfrozen\b"),
+    ("frozen parameter", r"does not require grad|requires_grad=False|\bfrozen\b"),
     ("unused parameter", r"do(es)? not contribute to the loss|loss does not use|get no gradient|has no gradient"),
     ("lifted constant", r"lifted (tensor )?constant|_tensor_constant\d*"),
     ("no strategy", r"no sharding strategy|no strategy"),
@@ -184,9 +187,7 @@ def _commit() -> str:
 
 
 def meta(argv: Sequence[str], note: str = "") -> dict:
-    import transformers
-
-    return {"transformers": transformers.__version__, "commit": _commit(),
+    return {"transformers": importlib.metadata.version("transformers"), "commit": _commit(),
             "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
             "command": "python -m verify sweep " + " ".join(argv), "note": note}
 
@@ -203,9 +204,24 @@ def select_cells(types: Sequence[str] | None, plans: Sequence[str], known: Seque
     return [Cell(t, p) for p in plans for t in (types or known)]
 
 
-def main(args, runner: Runner = subprocess_runner) -> int:
-    from verify.hf import model_types
+def results_from_json(text: str) -> tuple[list[CellResult], dict]:
+    """A sweep's cells and its run's facts from its JSON, each cell classified anew (the
+    classes may have grown since it ran)."""
+    data = json.loads(text)
+    cells = [CellResult(c["model_type"], c["plan"], c["verdict"], c["reason"], classify(c["verdict"], c["reason"]), c["seconds"])
+             for c in data["cells"]]
+    info = {k: data.get(k, "") for k in ("transformers", "commit", "date", "command", "note", "partial")}
+    return cells, info
 
+
+def main(args, runner: Runner = subprocess_runner) -> int:
+    if args.from_json:
+        results, info = results_from_json(Path(args.from_json).read_text())
+        out = Path(args.out)
+        out.with_suffix(".md").write_text(render_markdown(results, info))
+        out.with_suffix(".json").write_text(render_json(results, info))
+        print(f"wrote {out.with_suffix('.md')} and {out.with_suffix('.json')} from {args.from_json}", file=sys.stderr)
+        return 0
     known = model_types()
     if args.list:
         print("\n".join(known))

@@ -13,6 +13,10 @@ from __future__ import annotations
 
 import json
 import sys
+import warnings
+
+from verify.check import check_model
+from verify.hf import hf_case
 
 
 def first_line(e: BaseException) -> str:
@@ -27,8 +31,6 @@ def first_line(e: BaseException) -> str:
 def build_step(model_type: str, *, attention_mask: bool = False):
     """The cell's case after one eager training step of its tiny model on its own batch (the
     model builds, runs forward and backward): raises what stops it."""
-    from verify.hf import hf_case
-
     case = hf_case(model_type, attention_mask=attention_mask)
     model = case.build()
     batch = case.batches(2 * case.batch_per_rank, 1)[0]
@@ -38,17 +40,13 @@ def build_step(model_type: str, *, attention_mask: bool = False):
 
 def run_cell(model_type: str, plan: str, mesh: str, *, attention_mask: bool = False) -> dict[str, str]:
     """The cell's verdict and reason (see the module docstring)."""
-    import warnings
-
-    warnings.filterwarnings("ignore")
+    warnings.filterwarnings("ignore")  # the library's config notices, one per cell, are not the verdict
     try:
         case = build_step(model_type, attention_mask=attention_mask)
     except Exception as e:  # noqa: BLE001 - any failure to build is the verdict
         return {"verdict": "NOT BUILT", "reason": f"{type(e).__name__}: {first_line(e)}"}
     if plan == "build":
         return {"verdict": "PASS", "reason": ""}
-    from verify.check import check_model
-
     try:
         result = check_model(case, plan=plan, mesh=mesh)
     except ValueError as e:

@@ -22,6 +22,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from verify.hf.sizes import IMAGE as GENERIC_IMAGE
+from verify.hf.sizes import shrink_config
 from verify.model_case import ModelCase
 
 VOCAB = 64
@@ -97,12 +99,14 @@ def _transformers():
         raise ValueError("verify.hf needs transformers: pip install -c constraints.txt -e '.[hf]'") from None
 
 
-# The auto-class tables a model type is looked up in, by task (first match wins: a type with a
-# causal LM head trains as a causal LM).
+# The auto-class tables a model type is looked up in, by task; the first match wins, in the
+# order a type is trained: an encoder-decoder as seq2seq (bart also has a decoder-only causal
+# head), an encoder as a masked LM (bert, roberta ... also have a causal head that needs
+# is_decoder=True), the rest as causal LMs, image classifiers last.
 TASK_MAPPINGS: dict[str, str] = {
-    "causal": "MODEL_FOR_CAUSAL_LM_MAPPING_NAMES",
-    "masked": "MODEL_FOR_MASKED_LM_MAPPING_NAMES",
     "seq2seq": "MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES",
+    "masked": "MODEL_FOR_MASKED_LM_MAPPING_NAMES",
+    "causal": "MODEL_FOR_CAUSAL_LM_MAPPING_NAMES",
     "image": "MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING_NAMES",
 }
 
@@ -139,7 +143,7 @@ def _arch(name: str) -> Arch:
 def hf_config(name: str, **overrides: Any):
     """The tiny config of architecture ``name`` (library defaults but sizes), with ``overrides``
     (sizes too: ``hf_config("gpt2", n_embd=256)``). A name of :data:`ARCHS` takes its hand-written
-    sizes; any other model type, the generic rule (:func:`verify.hf_sizes.shrink_config`)."""
+    sizes; any other model type, the generic rule (:func:`verify.hf.sizes.shrink_config`)."""
     if name not in ARCHS:
         return tiny_config(name, **overrides)
     arch = _arch(name)
@@ -179,8 +183,6 @@ def tiny_config(model, **overrides: Any):
     """The test-size config of ``model`` (a model type name, a ``PretrainedConfig`` or a path to a
     ``config.json``) by the generic rule of :mod:`verify.hf_sizes`, then ``overrides``; an image
     classifier gets :data:`LABELS` classes."""
-    from verify.hf_sizes import shrink_config
-
     config = _load_config(model)
     task, _ = task_of(config.model_type)
     if task == "image":
@@ -237,9 +239,7 @@ def _batch(task: str, attention_mask: bool, image: tuple[int, int, int] = (3, IM
 
 def _image_shape(config) -> tuple[int, int, int]:
     """(channels, height, width) of an image model's ``pixel_values``: the config's (or its vision
-    config's) image size and channels, :data:`verify.hf_sizes.IMAGE` where it names none."""
-    from verify.hf_sizes import IMAGE as GENERIC_IMAGE
-
+    config's) image size and channels, :data:`verify.hf.sizes.IMAGE` where it names none."""
     for c in (config, getattr(config, "vision_config", None), getattr(config, "backbone_config", None)):
         if c is None:
             continue
@@ -269,7 +269,7 @@ class KeywordInputs(nn.Module):
 def hf_case(model, *, batch_per_rank: int = 2, attention_mask: bool = False, **overrides: Any) -> ModelCase:
     """A ModelCase of a Hugging Face architecture: a name of :data:`ARCHS` (hand-written sizes),
     any other model type of :func:`model_types`, a ``PretrainedConfig`` or a path to a
-    ``config.json`` (shrunk by the generic rule, :func:`tiny_config`); config overrides allowed
+    ``config.json`` (shrunk by the generic rule of :mod:`verify.hf.sizes`); config overrides allowed
     (``hf_case("gpt2", resid_pdrop=0.0)``). Inputs are what a training loop passes: the tokens
     (an image model: the pixels); ``attention_mask=True`` adds a tokenizer's all-ones mask."""
     if isinstance(model, str) and model in ARCHS:
