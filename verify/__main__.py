@@ -233,8 +233,9 @@ def _parser() -> argparse.ArgumentParser:
                     "(default: docs/hf-coverage)")
     sw.add_argument("--note", default="", help="a line for the page saying what this run covered")
     sw.add_argument("--list", action="store_true", help="print the model types and exit")
-    sw.add_argument("--from-json", default=None, metavar="PATH",
-                    help="run nothing: write the table again from a sweep's JSON, its reasons classified anew")
+    sw.add_argument("--from-json", default=None, metavar="PATH", action="append",
+                    help="run nothing: write the table again from a sweep's JSON, its reasons classified anew "
+                         "(repeatable: one table of several sweeps' cells)")
     return p
 
 

@@ -2,7 +2,7 @@
 
 Each cell (a model type on a plan: ``fsdp`` on dp=2, ``auto`` on dp=2,tp=2; ``build``: only the
 tiny model's eager training step) runs in its own process (``verify.commands.sweep_cell``),
-``-j`` at once, each within ``--timeout`` seconds; one line per finished cell goes to stderr. The
+``-j`` at once, each within ``--timeout`` seconds (``build`` cells run in this process); one line per finished cell goes to stderr. The
 table (``docs/hf-coverage.md`` and its JSON) says per cell PASS, REFUSED with the stack's one-line
 reason, FAIL with a named reason, or NOT BUILT (these count in the denominator), and the
 seconds; totals per plan and per reason class (:data:`REASON_CLASSES`) say what to fix next.
@@ -24,6 +24,7 @@ from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from verify.commands import sweep_cell
 from verify.hf import model_types
 
 PLANS: dict[str, tuple[str, str]] = {"fsdp": ("fsdp", "dp=2"), "auto": ("auto", "dp=2,tp=2"), "build": ("build", "-")}
@@ -103,7 +104,19 @@ def subprocess_runner(cell: Cell, timeout: float, argv: Sequence[str] | None = N
     return verdict["verdict"], verdict.get("reason", "")
 
 
-def run_sweep(cells: Sequence[Cell], runner: Runner = subprocess_runner, *, jobs: int = 1, timeout: float = 600.0,
+def in_process_runner(cell: Cell, timeout: float) -> tuple[str, str]:
+    """Run ``cell`` in this process (the ``build`` plan: a tiny model's eager step, a fraction of
+    a second once transformers is imported, against seconds to start a process). No timeout."""
+    out = sweep_cell.run_cell(cell.model_type, *PLANS[cell.plan])
+    return out["verdict"], out["reason"]
+
+
+def default_runner(cell: Cell, timeout: float) -> tuple[str, str]:
+    """``build`` cells in this process, the plans' cells each in its own (:func:`subprocess_runner`)."""
+    return (in_process_runner if cell.plan == "build" else subprocess_runner)(cell, timeout)
+
+
+def run_sweep(cells: Sequence[Cell], runner: Runner = default_runner, *, jobs: int = 1, timeout: float = 600.0,
               progress=None, on_result: Callable[[list[CellResult]], None] | None = None) -> list[CellResult]:
     """Every cell through ``runner``, ``jobs`` at once; a line per finished cell on ``progress``
     (``n/total type plan verdict seconds``), and ``on_result(results so far)`` (in the order of
@@ -214,13 +227,16 @@ def results_from_json(text: str) -> tuple[list[CellResult], dict]:
     return cells, info
 
 
-def main(args, runner: Runner = subprocess_runner) -> int:
+def main(args, runner: Runner = default_runner) -> int:
     if args.from_json:
-        results, info = results_from_json(Path(args.from_json).read_text())
+        parts = [results_from_json(Path(p).read_text()) for p in args.from_json]
+        results = [r for rs, _ in parts for r in rs]
+        info = {**parts[0][1], "command": "; ".join(i["command"] for _, i in parts),
+                "note": " ".join(i["note"] for _, i in parts if i["note"]), "partial": ", ".join(i["partial"] for _, i in parts if i["partial"])}
         out = Path(args.out)
         out.with_suffix(".md").write_text(render_markdown(results, info))
         out.with_suffix(".json").write_text(render_json(results, info))
-        print(f"wrote {out.with_suffix('.md')} and {out.with_suffix('.json')} from {args.from_json}", file=sys.stderr)
+        print(f"wrote {out.with_suffix('.md')} and {out.with_suffix('.json')} from {', '.join(args.from_json)}", file=sys.stderr)
         return 0
     known = model_types()
     if args.list:
