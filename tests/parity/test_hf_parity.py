@@ -65,6 +65,23 @@ def test_architecture_is_bitwise_at_every_stage_and_passes_the_oracle(arch, over
     model_check(hf_case(arch, attention_mask=True, **overrides), plan=plan, mesh=mesh)
 
 
+# Tokens only, what a training loop passes (hf_case's default): one architecture per task family
+# (bert, t5: their own masks from the tokens; gpt2, llama: the causal mask) and llama planned by auto.
+# Every other type: python -m verify sweep (docs/hf-coverage.md).
+TOKENS_ONLY = [("gpt2", "fsdp", "dp=2"), ("llama", "fsdp", "dp=2"), ("bert", "fsdp", "dp=2"), ("t5", "fsdp", "dp=2"),
+               ("llama", "auto", "dp=2,tp=2")]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize(("arch", "plan", "mesh"), [pytest.param(*c, marks=pytest.mark.xdist_group(f"hf-{c[0]}"), id="-".join(c))
+                                                    for c in TOKENS_ONLY])
+def test_tokens_only_is_bitwise_at_every_stage_and_passes_the_oracle(arch, plan, mesh, model_check):
+    case = hf_case(arch)
+    assert case.build().names == (("input_ids", "decoder_input_ids") if arch == "t5" else ("input_ids",))
+    model_check(case, plan=plan, mesh=mesh)
+
+
 @pytest.mark.xdist_group(TIER_GROUP)
 def test_the_tier_trains_an_architecture_that_draws_dropout_at_its_defaults():
     """The models users bring train with dropout on; so does one of the tier's cells (falcon and

@@ -21,10 +21,13 @@ from verify.hf import hf_case
 
 def first_line(e: BaseException) -> str:
     """The message's first line; a line that ends in ':' is joined with the next (a wrapper's
-    heading, like a strict dataclass's ``Class validation error ...:``, names nothing alone)."""
+    heading, like a strict dataclass's ``Class validation error ...:``, names nothing alone), a
+    rank's traceback with its last line (the exception)."""
     lines = [line.strip() for line in str(e).strip().splitlines() if line.strip()]
     if not lines:
         return ""
+    if lines[0].endswith("Traceback (most recent call last):"):  # a rank's error: the exception is the last line
+        return f"{lines[0].removesuffix('Traceback (most recent call last):').strip()} {lines[-1]}"
     return f"{lines[0]} {lines[1]}" if lines[0].endswith(":") and len(lines) > 1 else lines[0]
 
 

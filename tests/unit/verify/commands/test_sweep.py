@@ -197,6 +197,9 @@ def _result(bitwise=True, oracle_ok=True):
     (_check(_result()), {"verdict": "PASS", "reason": ""}),
     (_check(error=ValueError("parameter 'w' does not require grad\nmore")), {"verdict": "REFUSED", "reason": "parameter 'w' does not require grad"}),
     (_check(error=RuntimeError("Class validation error:\n  ValueError: bad\n")), {"verdict": "FAIL", "reason": "RuntimeError: Class validation error: ValueError: bad"}),
+    (_check(error=RuntimeError("rank 0 of the world raised RuntimeError during fn: Traceback (most recent call last):\n"
+                                "  File x, line 1\nRuntimeError: shapes differ\n")),
+     {"verdict": "FAIL", "reason": "RuntimeError: rank 0 of the world raised RuntimeError during fn: RuntimeError: shapes differ"}),
     (_check(_result(bitwise=False)), {"verdict": "FAIL", "reason": "NOT bitwise: first_partition: 3 of 40 tensors differ"}),
     (_check(_result(oracle_ok=False)), {"verdict": "FAIL", "reason": "oracle: loss beyond 1e-4"}),
 ])
