@@ -235,7 +235,7 @@ def _parser() -> argparse.ArgumentParser:
     sw.add_argument("--list", action="store_true", help="print the model types and exit")
     sw.add_argument("--from-json", default=None, metavar="PATH", action="append",
                     help="run nothing: write the table again from a sweep's JSON, its reasons classified anew "
-                         "(repeatable: one table of several sweeps' cells)")
+                         "(repeatable: one table of several sweeps' cells; a later sweep's cell replaces an earlier one's)")
     return p
 
 

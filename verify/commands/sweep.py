@@ -43,6 +43,7 @@ REASON_CLASSES: tuple[tuple[str, str], ...] = (
     ("no strategy", r"no sharding strategy|no strategy"),
     ("random op", r"\brandom ops?\b"),
     ("undivisible dim", r"not divisible|divisible by"),
+    ("data-dependent", r"not traceable|reads a tensor's value"),  # .item() / a branch on a tensor in forward
 )
 OTHER = "other"
 CLASS_NAMES = tuple(name for name, _ in REASON_CLASSES) + (OTHER,)
@@ -230,9 +231,12 @@ def results_from_json(text: str) -> tuple[list[CellResult], dict]:
 def main(args, runner: Runner = default_runner) -> int:
     if args.from_json:
         parts = [results_from_json(Path(p).read_text()) for p in args.from_json]
-        results = [r for rs, _ in parts for r in rs]
-        info = {**parts[0][1], "command": "; ".join(i["command"] for _, i in parts),
-                "note": " ".join(i["note"] for _, i in parts if i["note"]), "partial": ", ".join(i["partial"] for _, i in parts if i["partial"])}
+        merged: dict[tuple[str, str], CellResult] = {}
+        for rs, _ in parts:
+            merged.update({(r.model_type, r.plan): r for r in rs})  # a later sweep's cell replaces an earlier one
+        results = list(merged.values())
+        infos = [i for _, i in parts]
+        info = {**infos[0], **{k: "; ".join(dict.fromkeys(i[k] for i in infos if i[k])) for k in ("commit", "date", "command", "note", "partial")}}
         out = Path(args.out)
         out.with_suffix(".md").write_text(render_markdown(results, info))
         out.with_suffix(".json").write_text(render_json(results, info))

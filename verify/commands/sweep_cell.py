@@ -19,6 +19,9 @@ from verify.check import check_model
 from verify.hf import hf_case
 
 
+TRACEBACK = "Traceback (most recent call last):"
+
+
 def first_line(e: BaseException) -> str:
     """The message's first line; a line that ends in ':' is joined with the next (a wrapper's
     heading, like a strict dataclass's ``Class validation error ...:``, names nothing alone), a
@@ -26,8 +29,9 @@ def first_line(e: BaseException) -> str:
     lines = [line.strip() for line in str(e).strip().splitlines() if line.strip()]
     if not lines:
         return ""
-    if lines[0].endswith("Traceback (most recent call last):"):  # a rank's error: the exception is the last line
-        return f"{lines[0].removesuffix('Traceback (most recent call last):').strip()} {lines[-1]}"
+    if any(line.endswith(TRACEBACK) for line in lines):  # a rank's error: the exception is the last line
+        head = lines[0].removesuffix(TRACEBACK).strip()
+        return f"{head} {lines[-1]}".strip()
     return f"{lines[0]} {lines[1]}" if lines[0].endswith(":") and len(lines) > 1 else lines[0]
 
 

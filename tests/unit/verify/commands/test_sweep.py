@@ -38,6 +38,7 @@ REASONS = {
     "no strategy": "NoStrategyError: op aten.as_strided.default at node 'as_strided' (...) has no sharding strategy: DTensor's",
     "random op": "RandomOpError: random op aten.randperm.default (node randperm) is not a dropout: the oracle cannot switch it",
     "undivisible dim": "parameter 'model.lm_head.weight': dim 0 of size 7 is not divisible by mesh dim 'tp' of size 2",
+    "data-dependent": "the model is not traceable: aten._local_scalar_dense.default at m.py:579 (if p < self.layerdrop:) reads a tensor's value",
     "other": "RuntimeError: something nobody foresaw",
 }
 META = {"transformers": "5.24.0", "commit": "abc123", "date": "2026-11-28 00:00 UTC", "command": "python -m verify sweep", "note": ""}
@@ -170,6 +171,19 @@ def test_the_command_writes_the_page_and_its_json(tmp_path, monkeypatch, capsys)
     assert "4/4 " in err and "fsdp: PASS 1, REFUSED 0, FAIL 1, NOT BUILT 0 of 2" in err
 
 
+def test_from_json_merges_sweeps_and_a_later_cell_replaces_an_earlier_one(tmp_path, capsys):
+    first, later = tmp_path / "a.json", tmp_path / "b.json"
+    first.write_text(render_json(_results(), META))
+    later.write_text(render_json([CellResult("b", "fsdp", "PASS", "", None, 9.0)], {**META, "commit": "def456", "command": "again"}))
+    out = tmp_path / "merged"
+    args = _parser().parse_args(["sweep", "--from-json", str(first), "--from-json", str(later), "--out", str(out)])
+    assert sweep.main(args, runner=None) == 0
+    data = json.loads(out.with_suffix(".json").read_text())
+    cells = {(c["model_type"], c["plan"]): c["verdict"] for c in data["cells"]}
+    assert len(cells) == len(data["cells"]) == 5 and cells[("b", "fsdp")] == "PASS"
+    assert data["commit"] == "abc123; def456" and data["command"] == "python -m verify sweep; again"
+
+
 @pytest.mark.parametrize("flag", [["--plans", ""], ["-j", "0"], ["--timeout", "-1"]])
 def test_bad_flags_are_one_line_errors(flag, capsys):
     with pytest.raises(SystemExit):
@@ -197,7 +211,7 @@ def _result(bitwise=True, oracle_ok=True):
     (_check(_result()), {"verdict": "PASS", "reason": ""}),
     (_check(error=ValueError("parameter 'w' does not require grad\nmore")), {"verdict": "REFUSED", "reason": "parameter 'w' does not require grad"}),
     (_check(error=RuntimeError("Class validation error:\n  ValueError: bad\n")), {"verdict": "FAIL", "reason": "RuntimeError: Class validation error: ValueError: bad"}),
-    (_check(error=RuntimeError("rank 0 of the world raised RuntimeError during fn: Traceback (most recent call last):\n"
+    (_check(error=RuntimeError("rank 0 of the world raised RuntimeError during fn:\n\nTraceback (most recent call last):\n"
                                 "  File x, line 1\nRuntimeError: shapes differ\n")),
      {"verdict": "FAIL", "reason": "RuntimeError: rank 0 of the world raised RuntimeError during fn: RuntimeError: shapes differ"}),
     (_check(_result(bitwise=False)), {"verdict": "FAIL", "reason": "NOT bitwise: first_partition: 3 of 40 tensors differ"}),
