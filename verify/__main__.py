@@ -1,4 +1,4 @@
-"""``python -m verify {report, plan, goldens, mutate, scale, bisect}``: the equivalence layer's command line.
+"""``python -m verify {report, plan, goldens, mutate, scale, bisect, sweep}``: the equivalence layer's command line.
 
 Every flag is checked where it is parsed, so a bad value is one line that names the flag
 (``argument --layers: ...``), never a traceback or a bare ``int()`` message. ``$AUTOPARALLEL_DISABLE``
@@ -77,7 +77,7 @@ def _model_case(text: str) -> str:
 def _hf_case(text: str):
     from verify.hf import hf_case
 
-    return hf_case(text)  # ValueError naming the known architectures, or the missing hf extra
+    return hf_case(text)  # ValueError naming the known model types, or the missing hf extra
 
 
 def _mesh(text: str) -> str:
@@ -138,8 +138,9 @@ def _parser() -> argparse.ArgumentParser:
                        help="your model instead of a preset: package.module:name naming a verify.ModelCase "
                             "(or a function returning one), or a verify.zoo name (gpt2, convnet, ln_mlp)")
     which.add_argument("--hf", dest="model", default=None, type=_flag_type(_hf_case, "architecture"),
-                       help="a Hugging Face transformers architecture from a tiny config with the library's "
-                            "defaults (verify.hf: gpt2, bert, llama, t5, vit, ...; needs the hf extra)")
+                       help="a Hugging Face transformers model type (any with a causal-LM, masked-LM, seq2seq-LM or "
+                            "image-classification auto class: gpt2, bert, llama, t5, vit, ...) or a config.json path, "
+                            "from a tiny config with the library's defaults (verify.hf; needs the hf extra)")
     r.add_argument("--plan", default=None, choices=PLANS,
                    help="parallel plan; auto: the ILP planner places everything (default: fsdp)")
     r.add_argument("--mesh", default=None, type=mesh, help="mesh, e.g. dp=8 or dp=4,tp=2 (default: dp=8)")
@@ -219,7 +220,30 @@ def _parser() -> argparse.ArgumentParser:
     sc.add_argument("--param-dtype", default=None, type=dtype, help="FSDP mixed-precision param dtype, e.g. bf16 (default: none)")
     sc.add_argument("--reduce-dtype", default=None, type=dtype, help="FSDP gradient reduce dtype, e.g. fp32 (default: none)")
     sc.add_argument("--json", action="store_true", help="print one JSON object")
+    sw = sub.add_parser("sweep", help="every Hugging Face model type through check_model: docs/hf-coverage.md")
+    sw.add_argument("--types", default=None, type=_flag_type(_name_list, "type list"),
+                    help="only these model types, comma list (default: every one with a causal-LM, masked-LM, "
+                         "seq2seq-LM or image-classification auto class)")
+    sw.add_argument("--plans", default=["fsdp", "auto"], type=_flag_type(_name_list, "plan list"),
+                    help="comma list of fsdp (dp=2), auto (dp=2,tp=2), build (the tiny model's eager step only) "
+                         "(default: fsdp,auto)")
+    sw.add_argument("-j", "--jobs", type=_positive(int), default=1, help="cells at once, each its own process (default: 1)")
+    sw.add_argument("--timeout", type=_positive(float), default=600.0, help="seconds allowed per cell (default: 600)")
+    sw.add_argument("--out", default="docs/hf-coverage", help="output path without suffix: OUT.md and OUT.json "
+                    "(default: docs/hf-coverage)")
+    sw.add_argument("--note", default="", help="a line for the page saying what this run covered")
+    sw.add_argument("--list", action="store_true", help="print the model types and exit")
+    sw.add_argument("--from-json", default=None, metavar="PATH", action="append",
+                    help="run nothing: write the table again from a sweep's JSON, its reasons classified anew "
+                         "(repeatable: one table of several sweeps' cells; a later sweep's cell replaces an earlier one's)")
     return p
+
+
+def _name_list(text: str) -> list[str]:
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    if not names:
+        raise ValueError(f"takes a comma list of names, got {text!r}")
+    return names
 
 
 REPORT_DEFAULTS = {"preset": PRESET, "plan": PLAN, "mesh": MESH}
@@ -275,6 +299,11 @@ def main(argv: list[str] | None = None) -> int:
             from verify.commands.bisect import main as bisect_main
 
             return bisect_main(args)
+        if args.command == "sweep":
+            from verify.commands.sweep import main as sweep_main
+
+            args.argv = list(argv if argv is not None else sys.argv[1:])[1:]
+            return sweep_main(args)
         if args.command == "goldens":
             from verify.goldens.cli import main as goldens_main
 

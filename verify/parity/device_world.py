@@ -74,7 +74,7 @@ INDUCTOR_RTOL = 2e-4
 @dataclass(frozen=True)
 class DeviceCell:
     """A model, plan and mesh to run on one device. ``model``: a LLaMA preset name, or
-    ``"hf:<arch>"`` for a ``verify.hf`` architecture at its library defaults. Plain strings, so the
+    ``"hf:<arch>"`` for a ``verify.hf`` architecture at its library defaults (tokens and their mask). Plain strings, so the
     cell crosses to spawned ranks (a ModelCase's factory is a closure)."""
 
     model: str = "tiny"
@@ -88,7 +88,7 @@ class DeviceCell:
 
     def scenario(self) -> Scenario:
         if self.model.startswith(HF_PREFIX):
-            return Scenario(plan=self.plan, mesh=self.mesh, seed=self.seed, case=hf_case(self.model[len(HF_PREFIX):]))
+            return Scenario(plan=self.plan, mesh=self.mesh, seed=self.seed, case=hf_case(self.model[len(HF_PREFIX):], attention_mask=True))
         return Scenario(preset=self.model, plan=self.plan, mesh=self.mesh, seed=self.seed)
 
 

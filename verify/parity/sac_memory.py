@@ -115,7 +115,7 @@ def hf_sac_peaks(
     if arch not in ARCHS or ARCHS[arch].task not in ("causal", "masked"):
         raise ValueError(f"hf_sac_peaks: {arch!r} is not a causal or masked LM of verify.hf; "
                          f"those are {sorted(a for a, x in ARCHS.items() if x.task in ('causal', 'masked'))}")
-    case = hf_case(arch, **overrides)
+    case = hf_case(arch, attention_mask=True, **overrides)
     g = torch.Generator().manual_seed(seed)
     tokens = torch.randint(3, VOCAB, (batch, seq), generator=g).to(device)
     targets = torch.randint(3, VOCAB, (batch, seq), generator=g).to(device)

@@ -92,3 +92,12 @@ def test_parser_and_scenario_defaults_come_from_their_homes():
     assert (report.preset, report.plan, report.mesh) == (defaults.PRESET, defaults.PLAN, defaults.MESH)
     with pytest.raises(SystemExit):
         p.parse_args(["bisect", "--plan", PLANS[-1]])  # auto: not a hand plan
+
+
+def test_report_hf_takes_any_model_type_and_names_an_unknown_one(capsys):
+    pytest.importorskip("transformers")
+    args = _parser().parse_args(["report", "--hf", "mistral"])  # not one of verify.hf.ARCHS: the generic rule
+    assert args.model.name == "hf-mistral"
+    with pytest.raises(SystemExit):
+        _parser().parse_args(["report", "--hf", "gpt3"])
+    assert "argument --hf: unknown Hugging Face model type 'gpt3'" in capsys.readouterr().err

@@ -15,7 +15,6 @@ matrix is ``tests/parity/test_hf_parity.py``.
 from __future__ import annotations
 
 import importlib
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -23,6 +22,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from verify.hf.sizes import IMAGE as GENERIC_IMAGE
+from verify.hf.sizes import shrink_config
 from verify.model_case import ModelCase
 
 VOCAB = 64
@@ -98,9 +99,53 @@ def _transformers():
         raise ValueError("verify.hf needs transformers: pip install -c constraints.txt -e '.[hf]'") from None
 
 
+# The auto-class tables a model type is looked up in, by task; the first match wins, in the
+# order a type is trained: an encoder-decoder as seq2seq (bart also has a decoder-only causal
+# head), an encoder as a masked LM (bert, roberta ... also have a causal head that needs
+# is_decoder=True), the rest as causal LMs, image classifiers last.
+TASK_MAPPINGS: dict[str, str] = {
+    "seq2seq": "MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES",
+    "masked": "MODEL_FOR_MASKED_LM_MAPPING_NAMES",
+    "causal": "MODEL_FOR_CAUSAL_LM_MAPPING_NAMES",
+    "image": "MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING_NAMES",
+}
+
+
+def _mappings() -> dict[str, dict[str, Any]]:
+    _transformers()
+    auto = importlib.import_module("transformers.models.auto.modeling_auto")
+    return {task: getattr(auto, table) for task, table in TASK_MAPPINGS.items()}
+
+
+def model_types() -> list[str]:
+    """Every model type the installed transformers has a causal-LM, masked-LM, seq2seq-LM or
+    image-classification auto class for (what ``hf_case`` takes by name), sorted."""
+    return sorted({t for table in _mappings().values() for t in table})
+
+
+def task_of(model_type: str) -> tuple[str, str]:
+    """``(task, model class name)`` of ``model_type``: the first auto table (:data:`TASK_MAPPINGS`)
+    that has it; ValueError naming the known types."""
+    for task, table in _mappings().items():
+        if model_type in table:
+            cls = table[model_type]
+            return task, cls if isinstance(cls, str) else cls[0]  # several heads: the first, the plain one
+    raise ValueError(f"unknown Hugging Face model type {model_type!r}: no causal-LM, masked-LM, seq2seq-LM or "
+                     f"image-classification auto class in transformers; known: {', '.join(model_types())}")
+
+
+def _arch(name: str) -> Arch:
+    if name not in ARCHS:
+        raise ValueError(f"unknown Hugging Face architecture {name!r}; known: {sorted(ARCHS)}")
+    return ARCHS[name]
+
+
 def hf_config(name: str, **overrides: Any):
     """The tiny config of architecture ``name`` (library defaults but sizes), with ``overrides``
-    (sizes too: ``hf_config("gpt2", n_embd=256)``)."""
+    (sizes too: ``hf_config("gpt2", n_embd=256)``). A name of :data:`ARCHS` takes its hand-written
+    sizes; any other model type, the generic rule (:func:`verify.hf.sizes.shrink_config`)."""
+    if name not in ARCHS:
+        return tiny_config(name, **overrides)
     arch = _arch(name)
     cls = getattr(_transformers(), arch.config)
     kw: dict[str, Any] = dict(arch.sizes)
@@ -114,10 +159,35 @@ def hf_config(name: str, **overrides: Any):
     return config
 
 
-def _arch(name: str) -> Arch:
-    if name not in ARCHS:
-        raise ValueError(f"unknown Hugging Face architecture {name!r}; known: {sorted(ARCHS)}")
-    return ARCHS[name]
+def _load_config(model):
+    """A ``PretrainedConfig`` from a model type name, a config, or a path to a ``config.json``."""
+    import json
+    from pathlib import Path
+
+    transformers = _transformers()
+    if isinstance(model, transformers.PretrainedConfig):
+        return model
+    text = str(model)
+    if text.endswith(".json") or Path(text).is_file():
+        d = json.loads(Path(text).read_text())
+        if "model_type" not in d:
+            raise ValueError(f"{text}: a config.json needs its model_type (the transformers model type it configures)")
+        model_type = d.pop("model_type")
+        task_of(model_type)
+        return transformers.AutoConfig.for_model(model_type, **d)
+    task_of(text)  # ValueError naming the known types
+    return transformers.AutoConfig.for_model(text)
+
+
+def tiny_config(model, **overrides: Any):
+    """The test-size config of ``model`` (a model type name, a ``PretrainedConfig`` or a path to a
+    ``config.json``) by the generic rule of :mod:`verify.hf_sizes`, then ``overrides``; an image
+    classifier gets :data:`LABELS` classes."""
+    config = _load_config(model)
+    task, _ = task_of(config.model_type)
+    if task == "image":
+        overrides = {"num_labels": LABELS, **overrides}
+    return shrink_config(config, **overrides)
 
 
 def _logits(out) -> torch.Tensor:
@@ -141,20 +211,43 @@ def _mask(n: int) -> torch.Tensor:
     return torch.ones(n, SEQ, dtype=torch.long)
 
 
-# The model's keyword inputs (a tokenizer's output: tokens and their attention mask; without a
-# mask, transformers looks for packed sequences with a data-dependent branch), then the target.
-_INPUTS: dict[str, tuple[str, ...]] = {
-    "causal": ("input_ids", "attention_mask"),
-    "masked": ("input_ids", "attention_mask"),
-    "seq2seq": ("input_ids", "attention_mask", "decoder_input_ids"),
-    "image": ("pixel_values",),
-}
-_BATCHES: dict[str, Callable[[int], tuple[torch.Tensor, ...]]] = {
-    "causal": lambda n: (_tokens(n), _mask(n), _tokens(n)),
-    "masked": lambda n: (_tokens(n), _mask(n), _tokens(n)),
-    "seq2seq": lambda n: (_tokens(n), _mask(n), _tokens(n), _tokens(n)),
-    "image": lambda n: (torch.randn(n, 3, IMAGE, IMAGE), torch.randint(0, LABELS, (n,))),
-}
+def _inputs(task: str, attention_mask: bool) -> tuple[str, ...]:
+    """The model's keyword inputs: what a training loop passes, tokens only by default; with
+    ``attention_mask`` also a tokenizer's mask (all ones: without one, transformers looks for
+    packed sequences with a data-dependent branch)."""
+    mask = ("attention_mask",) if attention_mask else ()
+    return {
+        "causal": ("input_ids", *mask),
+        "masked": ("input_ids", *mask),
+        "seq2seq": ("input_ids", *mask, "decoder_input_ids"),
+        "image": ("pixel_values",),
+    }[task]
+
+
+def _batch(task: str, attention_mask: bool, image: tuple[int, int, int] = (3, IMAGE, IMAGE)):
+    """``batch(n)``: the inputs of :func:`_inputs`, then the target (tokens, or a class)."""
+    if task == "image":
+        return lambda n: (torch.randn(n, *image), torch.randint(0, LABELS, (n,)))
+    seq2seq = task == "seq2seq"
+
+    def batch(n: int) -> tuple[torch.Tensor, ...]:
+        tokens = (_tokens(n), *((_mask(n),) if attention_mask else ()), *((_tokens(n),) if seq2seq else ()))
+        return (*tokens, _tokens(n))
+
+    return batch
+
+
+def _image_shape(config) -> tuple[int, int, int]:
+    """(channels, height, width) of an image model's ``pixel_values``: the config's (or its vision
+    config's) image size and channels, :data:`verify.hf.sizes.IMAGE` where it names none."""
+    for c in (config, getattr(config, "vision_config", None), getattr(config, "backbone_config", None)):
+        if c is None:
+            continue
+        size = getattr(c, "image_size", None) or getattr(c, "img_size", None)
+        if size is not None:
+            h, w = (size, size) if isinstance(size, int) else tuple(size)[-2:]
+            return getattr(c, "num_channels", 3), h, w
+    return getattr(config, "num_channels", 3), GENERIC_IMAGE, GENERIC_IMAGE
 
 
 class KeywordInputs(nn.Module):
@@ -173,16 +266,28 @@ class KeywordInputs(nn.Module):
         return self.model(**dict(zip(self.names, inputs, strict=True)))
 
 
-def hf_case(name: str, *, batch_per_rank: int = 2, **overrides: Any) -> ModelCase:
-    """A ModelCase of Hugging Face architecture ``name`` (see :data:`ARCHS`), config overrides
-    allowed (``hf_case("gpt2", resid_pdrop=0.0)``)."""
-    arch = _arch(name)
-    config = hf_config(name, **overrides)
-    model_cls = getattr(_transformers(), arch.model)
-    loss = class_loss if arch.task == "image" else token_loss
-    names = _INPUTS[arch.task]
-    return ModelCase(f"hf-{name}", lambda: KeywordInputs(model_cls(config), names), loss, _BATCHES[arch.task],
-                     batch_per_rank=batch_per_rank)
+def hf_case(model, *, batch_per_rank: int = 2, attention_mask: bool = False, **overrides: Any) -> ModelCase:
+    """A ModelCase of a Hugging Face architecture: a name of :data:`ARCHS` (hand-written sizes),
+    any other model type of :func:`model_types`, a ``PretrainedConfig`` or a path to a
+    ``config.json`` (shrunk by the generic rule of :mod:`verify.hf.sizes`); config overrides allowed
+    (``hf_case("gpt2", resid_pdrop=0.0)``). Inputs are what a training loop passes: the tokens
+    (an image model: the pixels); ``attention_mask=True`` adds a tokenizer's all-ones mask."""
+    if isinstance(model, str) and model in ARCHS:
+        arch = _arch(model)
+        config, task, model_cls_name, label = hf_config(model, **overrides), arch.task, arch.model, model
+        image = (3, IMAGE, IMAGE)
+    else:
+        config = tiny_config(model, **overrides)
+        task, model_cls_name = task_of(config.model_type)
+        label = model if isinstance(model, str) and "/" not in model and not model.endswith(".json") else config.model_type
+        image = _image_shape(config)
+    model_cls = getattr(_transformers(), model_cls_name)
+    loss = class_loss if task == "image" else token_loss
+    names = _inputs(task, attention_mask)
+    suffix = "+mask" if attention_mask and task != "image" else ""
+    return ModelCase(f"hf-{label}{suffix}", lambda: KeywordInputs(model_cls(config), names), loss,
+                     _batch(task, attention_mask, image), batch_per_rank=batch_per_rank)
 
 
-__all__ = ["ARCHS", "Arch", "KeywordInputs", "class_loss", "hf_case", "hf_config", "token_loss"]
+__all__ = ["ARCHS", "Arch", "KeywordInputs", "class_loss", "hf_case", "hf_config", "model_types", "task_of",
+           "tiny_config", "token_loss"]

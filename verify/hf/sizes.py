@@ -1,0 +1,155 @@
+"""The generic rule that shrinks any transformers config to test size (``verify.hf``'s any-type cases).
+
+A config's sizes are recognised by the name of the field that holds them (``hidden_size``,
+``d_model``, ``n_embd`` ... are one family), in the config and, recursively, in its sub-configs
+(``text_config``, ``vision_config``, ``audio_config``, ``encoder``/``decoder`` ...): hidden sizes, layers,
+heads (key/value heads and head dims too), experts, intermediate sizes, vocabulary, positions,
+image and audio sizes. Everything else keeps the library's default (dropout on). What the rule
+also has to keep consistent, found by building every type of transformers 5.24:
+
+* token ids (pad, bos, eos, decoder start, a multimodal placeholder ...) must lie inside the shrunk
+  vocabulary: an id beyond it is mapped onto 0, 1 or 2 (the batches draw tokens from 3 up, so a
+  placeholder id never occurs in them);
+* per-layer lists (``layer_types``, ``mlp_only_layers``, per-layer windows ...) as long as the old
+  layer count are cut to the new one, and dicts keyed by layer index keep the layers left;
+* per-stage lists of vision backbones (``depths``, ``hidden_sizes``, ``num_heads`` per stage) keep
+  their length (other fields count stages) and shrink their values;
+* a backbone's ``out_features`` / ``out_indices`` name stages by index: reset to the default (the last);
+* derived fields are recomputed: the shrunk config is built anew from its ``to_dict()`` with the
+  sizes replaced, so ``__post_init__`` runs on the new sizes.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+VOCAB = 64
+HIDDEN = 32
+FFN = 64
+LAYERS = 2
+HEADS = 2
+HEAD_DIM = HIDDEN // HEADS
+EXPERTS = 4
+EXPERTS_PER_TOKEN = 2
+POSITIONS = 64
+IMAGE = 32
+PATCH = 4
+STAGE_WIDTH = 16  # a vision backbone's first stage; later stages double it
+SPECIAL_IDS = 3  # ids 0, 1, 2 are kept for special tokens; batches draw 3 ..
+
+# (pattern over a field's name, the family it belongs to); the first match wins.
+_RULES: tuple[tuple[str, str], ...] = (
+    (r"(.*_)?vocab_size(_.*)?", "vocab"),
+    (r"(.*_)?(token_id|token_ids|token_index)", "token"),
+    (r"num_experts_per_tok(en)?|moe_topk|num_selected_experts|top_k|moe_k", "top_k"),
+    (r"num_(local_|routed_)?experts|n_routed_experts|moe_num_experts|num_experts_total", "experts"),
+    (r"n_group|topk_group|num_expert_groups?", "one"),
+    (r"(.*_)?head_dim|d_kv|d_head|kv_channels|attention_head_size|qk_(nope|rope)_head_dim|v_head_dim", "head_dim"),
+    (r"(.*_)?lora_rank", "head_dim"),
+    (r"rotary_dim|rotary_emb_dim", "rotary"),
+    (r"depths?", "depths"),
+    (r"(.*_)?(num_)?(hidden_|encoder_|decoder_|text_|vision_)?layers|n_layers?|num_(decoder|encoder)_layers", "layers"),
+    (r"(.*_)?(attention_heads|num_heads|n_heads?|key_value_heads|kv_heads)", "heads"),
+    (r"hidden_sizes|embed_dims|dims|widths|embedding_sizes|channels_list", "widths"),
+    (r"(.*_)?(intermediate_size|ffn_dim|d_ff|hidden_dim|mlp_dim|inner_dim|n_inner|ffn_hidden_size)", "ffn"),
+    (r"(.*_)?(hidden_size|d_model|n_embd|embed_dim|embedding_size|embedding_dim|word_embed_proj_dim|projection_dim|dim|d_embed|width)|(.*_)?hidden_size(_.*)?", "hidden"),
+    (r"(.*_)?(max_position_embeddings|n_positions|max_seq_len|max_sequence_length|n_ctx)", "positions"),
+    (r"image_size|img_size", "image"),
+    (r"patch_size", "patch"),
+    (r"out_features|out_indices", "stages"),
+    (r"num_mel_bins|feature_size", "none"),  # audio inputs: sized by the batch, left at the default
+)
+_COMPILED = tuple((re.compile(pattern), family) for pattern, family in _RULES)
+
+
+def family(key: str) -> str | None:
+    """The size family of the config field ``key`` (``"hidden"``, ``"layers"`` ...), or None."""
+    for pattern, fam in _COMPILED:
+        if pattern.fullmatch(key):
+            return fam
+    return None
+
+
+def _int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _token(v: Any, vocab: int) -> Any:
+    if _int(v):
+        return v % SPECIAL_IDS if v >= vocab else v
+    if isinstance(v, list) and all(_int(x) for x in v):
+        return [x % SPECIAL_IDS if x >= vocab else x for x in v]
+    return v
+
+
+def _layer_index(key: Any) -> int | None:
+    if _int(key):
+        return key
+    return int(key) if isinstance(key, str) and key.isdigit() else None
+
+
+def _scalar(fam: str, v: Any) -> Any:
+    """The shrunk value of an int field of family ``fam`` (never above the default)."""
+    new = {"vocab": VOCAB, "top_k": EXPERTS_PER_TOKEN, "experts": EXPERTS, "one": 1, "head_dim": HEAD_DIM,
+           "rotary": HEAD_DIM // 2, "layers": LAYERS, "depths": LAYERS, "heads": HEADS, "ffn": FFN, "hidden": HIDDEN,
+           "positions": POSITIONS, "image": IMAGE, "patch": PATCH}.get(fam)
+    return v if new is None or v <= 0 else min(v, new)
+
+
+def _list(fam: str, v: list) -> list:
+    """The shrunk value of a per-stage list: its length kept, its values shrunk."""
+    if fam == "depths":
+        return [min(x, 1) for x in v]
+    if fam in ("widths", "hidden"):
+        return [min(x, STAGE_WIDTH * 2**i) for i, x in enumerate(v)]
+    if fam == "ffn":
+        return [min(x, 2 * STAGE_WIDTH * 2**i) for i, x in enumerate(v)]
+    if fam == "heads":
+        return [min(x, HEADS) for x in v]
+    if fam in ("image", "patch"):
+        return [_scalar(fam, x) for x in v]
+    return v
+
+
+def shrink_dict(d: dict[str, Any], is_sub_config=lambda key, value: False) -> dict[str, Any]:
+    """``d`` (a config's ``to_dict()``) with every size replaced by its test size; nested
+    configs (dicts that carry a ``model_type``, or keys ``is_sub_config`` names) shrunk too."""
+    out = dict(d)
+    layers_before = {v for k, v in d.items() if family(k) == "layers" and _int(v) and v > LAYERS}
+    for key, value in d.items():
+        fam = family(key)
+        if fam == "stages" and value is not None and layers_before:
+            out[key] = None  # a backbone's output stages name stages that may be gone: its default, the last
+        elif isinstance(value, dict) and ("model_type" in value or is_sub_config(key, value)):
+            out[key] = shrink_dict(value)
+        elif isinstance(value, dict) and layers_before and value and all(_layer_index(k) is not None for k in value):
+            out[key] = {k: v for k, v in value.items() if _layer_index(k) < LAYERS}  # keyed by layer: those left
+        elif fam == "token":
+            out[key] = _token(value, VOCAB)
+        elif fam is not None and _int(value):
+            out[key] = _scalar(fam, value)
+        elif fam is not None and isinstance(value, list) and value and all(_int(x) for x in value):
+            out[key] = _list(fam, value)
+        if isinstance(out[key], (list, tuple)) and len(out[key]) in layers_before and fam not in ("widths", "depths"):
+            out[key] = type(out[key])(out[key][:LAYERS])  # one entry per layer: as many as layers now
+    if "use_cache" in out:
+        out["use_cache"] = False  # a training step keeps no cache
+    return out
+
+
+def shrink_config(config, **overrides: Any):
+    """A new config of ``config``'s class with the test sizes (:func:`shrink_dict`), then
+    ``overrides`` (top-level fields), built from its dict so derived fields follow the sizes."""
+    cls = type(config)
+    subs = set(getattr(cls, "sub_configs", {}) or {})
+    d = shrink_dict(config.to_dict(), lambda key, value: key in subs)
+    d.update(overrides)
+    return cls.from_dict(d)
+
+
+def num_parameters(model) -> int:
+    return sum(p.numel() for p in model.parameters())
+
+
+__all__ = ["VOCAB", "family", "num_parameters", "shrink_config", "shrink_dict"]
