@@ -1,15 +1,19 @@
 """Hugging Face transformers architectures as ``ModelCase`` s (the ``[hf]`` extra).
 
-``hf_case("gpt2")`` builds ``GPT2LMHeadModel`` from a tiny config that keeps the library's
+``hf_case(X)`` takes any model type of the installed transformers with a causal-LM, masked-LM,
+seq2seq-LM or image-classification auto class (:func:`model_types`), a ``PretrainedConfig`` or a
+path to a ``config.json``, and builds the model from a tiny config that keeps the library's
 defaults (dropout included: a model trains as users train it) and overrides only sizes, and
-``use_cache=False`` (a training step keeps no cache). Nothing is downloaded: configs are built in
-code, weights are the library's random initialisation under the case's seed.
+``use_cache=False`` (a training step keeps no cache): the 27 names of :data:`ARCHS` by their
+hand-written sizes, every other config by the generic rule of :mod:`verify.hf.sizes`. Nothing is
+downloaded: weights are the library's random initialisation under the case's seed.
 
-Each family gets its task's loss and batches: token cross-entropy for causal and masked LMs
-(targets random tokens), the same on the decoder for sequence-to-sequence models (inputs: the
-encoder's and the decoder's tokens), class cross-entropy for image classifiers.
-``python -m verify report --hf NAME`` and ``check_model(hf_case(NAME), ...)`` run them; the CI
-matrix is ``tests/parity/test_hf_parity.py``.
+Each family gets its task's loss and batches, tokens only by default (``attention_mask=True``
+adds a tokenizer's mask): token cross-entropy for causal and masked LMs (targets random tokens),
+the same on the decoder for sequence-to-sequence models (inputs: the encoder's and the decoder's
+tokens), class cross-entropy for image classifiers. ``python -m verify report --hf NAME`` and
+``check_model(hf_case(NAME), ...)`` run them; the CI matrix is ``tests/parity/test_hf_parity.py``,
+every type: ``python -m verify sweep`` (``docs/hf-coverage.md``).
 """
 
 from __future__ import annotations

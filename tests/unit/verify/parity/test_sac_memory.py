@@ -34,7 +34,7 @@ NO_DROPOUT = dict(attn_pdrop=0.0, resid_pdrop=0.0, embd_pdrop=0.0)
 
 
 def _gpt2(**overrides):
-    return hf_case("gpt2", **overrides).build()
+    return hf_case("gpt2", attention_mask=True, **overrides).build()  # _tokens gives tokens and their mask
 
 
 def _tokens(n: int = 2, seq: int = 8):
