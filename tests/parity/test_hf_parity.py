@@ -54,9 +54,8 @@ def _cases():
 @pytest.mark.parametrize(("arch", "overrides", "plan", "mesh"), list(_cases()))
 def test_architecture_is_bitwise_at_every_stage_and_passes_the_oracle(arch, overrides, plan, mesh, model_check):
     # With a tokenizer's mask, as this matrix ran before hf_case's default became tokens only (what a
-    # training loop passes): without it, LLaMA-likes build their causal mask from a constant in forward,
-    # which plan="auto" refuses today (a lifted constant). Tokens only: test_tokens_only_* below and
-    # python -m verify sweep (docs/hf-coverage.md).
+    # training loop passes), so each cell keeps checking what it checked. Tokens only:
+    # test_tokens_only_* below and python -m verify sweep (docs/hf-coverage.md).
     model_check(hf_case(arch, attention_mask=True, **overrides), plan=plan, mesh=mesh)
 
 
@@ -108,7 +107,7 @@ def test_bf16_params_with_dropout_at_its_defaults_pass(arch, overrides, model_ch
     where transformers skips an all-ones mask in eager and materialises it when compiling
     (masking_utils' _ignore_bidirectional_mask_sdpa, a data-dependent fast path): its stages are
     bitwise with the eager program run as traced, and the verdict names that line."""
-    result = model_check(hf_case(arch, **overrides), plan=BF16, mesh="dp=2")
+    result = model_check(hf_case(arch, attention_mask=True, **overrides), plan=BF16, mesh="dp=2")
     for stage, rep in result.parity.items():
         if not rep.bitwise:
             assert result.model_branch(stage) and "masking_utils.py" in result.explanations[stage], (stage, result.summary())
