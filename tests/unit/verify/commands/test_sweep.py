@@ -201,10 +201,14 @@ def _check(result=None, error=None):
     return check_model
 
 
-def _result(bitwise=True, oracle_ok=True):
+def _result(bitwise=True, oracle_ok=True, model_branch=False):
+    """A ModelCheck's outline: ``model_branch`` is a stage not bitwise with eager but bitwise with
+    eager run as traced (the model's own is_compiling() branch), which failures() leaves out."""
     rep = types.SimpleNamespace(bitwise=bitwise)
-    failures = ([] if bitwise else ["first_partition: 3 of 40 tensors differ"]) + ([] if oracle_ok else ["oracle: loss beyond 1e-4"])
-    return types.SimpleNamespace(parity={"first_partition": rep}, failures=lambda: failures)
+    failing = not bitwise and not model_branch
+    failures = (["first_partition: 3 of 40 tensors differ"] if failing else []) + ([] if oracle_ok else ["oracle: loss beyond 1e-4"])
+    return types.SimpleNamespace(parity={"first_partition": rep}, failures=lambda: failures,
+                                 model_branch=lambda stage: not bitwise and model_branch)
 
 
 @pytest.mark.parametrize(("check", "expected"), [
@@ -216,6 +220,9 @@ def _result(bitwise=True, oracle_ok=True):
      {"verdict": "FAIL", "reason": "RuntimeError: rank 0 of the world raised RuntimeError during fn: RuntimeError: shapes differ"}),
     (_check(_result(bitwise=False)), {"verdict": "FAIL", "reason": "NOT bitwise: first_partition: 3 of 40 tensors differ"}),
     (_check(_result(oracle_ok=False)), {"verdict": "FAIL", "reason": "oracle: loss beyond 1e-4"}),
+    # the model's own branch passes as in check_model (it crashed the cell: failures() was empty)
+    (_check(_result(bitwise=False, model_branch=True)), {"verdict": "PASS", "reason": ""}),
+    (_check(_result(bitwise=False, model_branch=True, oracle_ok=False)), {"verdict": "FAIL", "reason": "oracle: loss beyond 1e-4"}),
 ])
 def test_the_cell_turns_check_models_outcome_into_a_verdict(check, expected, monkeypatch):
     monkeypatch.setattr(sweep_cell, "check_model", check)
