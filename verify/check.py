@@ -36,7 +36,7 @@ from torch import nn
 from autoparallel.defaults import AUTO
 from autoparallel.parallelize import ParallelPlan
 from autoparallel.pipeline import STAGE_NAMES, PipelineRun
-from verify.commands.bisect import explain_not_bitwise
+from verify.parity.bisection import explain_not_bitwise
 from verify.goldens.catalog import golden_result, header
 from verify.goldens.text import graph_golden_text
 from verify.graphs.stats import graph_stats
@@ -72,7 +72,7 @@ class ModelCheck:
     run: PipelineRun
     parity: dict[str, ParityReport] = field(default_factory=dict)
     oracle: OracleReport | None = None
-    # Per stage that is not bitwise: why (verify.commands.bisect.explain_not_bitwise: differential
+    # Per stage that is not bitwise: why (verify.parity.bisection.explain_not_bitwise: differential
     # execution's first differing pass and node, or the model's branch on is_compiling()).
     explanations: dict[str, str] = field(default_factory=dict)
     # Per stage: against the eager program run as traced (is_compiling() true), where ranks ran it.

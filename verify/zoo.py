@@ -28,7 +28,7 @@ from torch import nn
 from autoparallel.parallelize.plan import TPRule
 from verify.model_case import ModelCase
 
-__all__ = ["ZOO", "convnet", "gpt2", "ln_mlp"]
+__all__ = ["ZOO", "DropPath", "MaskFromPythonData", "Prototypes", "convnet", "gpt2", "ln_mlp"]
 
 
 # --- GPT-2 style -------------------------------------------------------------------------------
@@ -205,3 +205,46 @@ ln_mlp = ModelCase(
 
 #: name -> case, for command lines and parametrized tests.
 ZOO: dict[str, ModelCase] = {c.name: c for c in (gpt2, convnet, ln_mlp)}
+
+
+# --- What plan="auto" places by itself ----------------------------------------------------------
+# (tests/unit/autoparallel/planner/test_replicated_fallbacks.py, tests/parity/test_planned_fallbacks_parity.py)
+
+
+class MaskFromPythonData(nn.Module):
+    """A mask made in forward from Python data (``torch.tensor``: a lifted constant) and
+    positions from ``torch.arange`` (a factory)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(16, 16)
+
+    def forward(self, x):
+        mask = torch.tensor([1.0, 0.0, 1.0, 1.0] * 4)
+        return self.lin(x * mask + torch.arange(16, dtype=x.dtype))
+
+
+class Prototypes(nn.Module):
+    """Distances to learned prototypes: ``torch.cdist`` (aten._cdist_forward / _cdist_backward
+    have no DTensor strategy on torch 2.13), whose gradient reaches a parameter."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(16, 16)
+        self.protos = nn.Parameter(torch.randn(4, 16))
+        self.head = nn.Linear(4, 8)
+
+    def forward(self, x):
+        return self.head(torch.cdist(self.lin(x), self.protos))
+
+
+class DropPath(nn.Module):
+    """Stochastic depth: one keep draw per example, from ``torch.bernoulli`` of a made tensor."""
+
+    def __init__(self, p: float):
+        super().__init__()
+        self.p = p
+
+    def forward(self, x):
+        keep = torch.bernoulli(torch.full((x.shape[0], 1), 1 - self.p, dtype=x.dtype))
+        return x * keep / (1 - self.p)

@@ -19,13 +19,14 @@ from torch import nn
 
 import verify.parity.planned as planned_parity
 from autoparallel.planner.strategies import NO_STRATEGY, RANDOM_OP
-from tests.unit.autoparallel.planner.test_replicated_fallbacks import DropPath, MaskFromPythonData, Prototypes, mse
 from verify.hf import ARCHS, SEQ, VOCAB, KeywordInputs, hf_config, token_loss
 from verify.model_case import ModelCase
 from verify.parity.planned import EXECUTORS, planned_case, planned_oracle, run_planned_parity, single_device_replay
 from verify.parity.random_ops import DROPOUT_OFF
 from verify.parity.runs import compare_with_eager, oracle_executor
 from verify.stages.scenario import Scenario
+from verify.zoo import DropPath, MaskFromPythonData, Prototypes
+from verify.zoo import mse_loss as mse
 
 MESH = "dp=2,tp=2"
 pytestmark = [pytest.mark.xdist_group("planned-parity"), pytest.mark.timeout(900)]

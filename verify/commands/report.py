@@ -22,7 +22,7 @@ from pathlib import Path
 from autoparallel.mesh import MeshSpec
 from autoparallel.passes.collective import upstream_info_logs
 from autoparallel.pipeline import PLAN, PipelineRun, StageResult
-from verify.commands.bisect import explain_not_bitwise
+from verify.parity.bisection import explain_not_bitwise
 from verify.commands.html import write_report
 from verify.commands.html.records import records_from_pipeline_run
 from verify.goldens import catalog as golden_catalog
@@ -145,7 +145,7 @@ def run_parity(scenario: Scenario, steps: int = 2, *, run: PipelineRun | None = 
 
 
 def explain_parity(small: Scenario, ranks, comparisons: dict, run: PipelineRun | None) -> dict:
-    """``explanations`` (stage -> why it is not bitwise: ``verify.commands.bisect.explain_not_bitwise``)
+    """``explanations`` (stage -> why it is not bitwise: ``verify.parity.bisection.explain_not_bitwise``)
     and ``model_branch`` (the stages bitwise with the eager program run as traced: the model's own
     branch on ``is_compiling()``, no failure), for the stages that are not bitwise."""
     bad = [stage for stage, rep in comparisons.items() if not rep.bitwise]

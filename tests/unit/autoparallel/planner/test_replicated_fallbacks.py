@@ -22,51 +22,10 @@ from autoparallel.planner.lower import LoweringError, check_replicated_fallbacks
 from autoparallel.planner.problem import CONSTANT, OP
 from autoparallel.planner.strategies import NO_STRATEGY, RANDOM_OP
 from verify.parity.plan_check import check_plan, traced_graph
+from verify.zoo import DropPath, MaskFromPythonData, Prototypes
+from verify.zoo import mse_loss as mse
 
 MESH = "dp=2,tp=2"
-
-
-def mse(out, target):
-    return ((out - target) ** 2).mean()
-
-
-class MaskFromPythonData(nn.Module):
-    """A mask made in forward from Python data (``torch.tensor``: a lifted constant) and
-    positions from ``torch.arange`` (a factory)."""
-
-    def __init__(self):
-        super().__init__()
-        self.lin = nn.Linear(16, 16)
-
-    def forward(self, x):
-        mask = torch.tensor([1.0, 0.0, 1.0, 1.0] * 4)
-        return self.lin(x * mask + torch.arange(16, dtype=x.dtype))
-
-
-class Prototypes(nn.Module):
-    """Distances to learned prototypes: ``torch.cdist`` (aten._cdist_forward / _cdist_backward
-    have no DTensor strategy on torch 2.13), whose gradient reaches a parameter."""
-
-    def __init__(self):
-        super().__init__()
-        self.lin = nn.Linear(16, 16)
-        self.protos = nn.Parameter(torch.randn(4, 16))
-        self.head = nn.Linear(4, 8)
-
-    def forward(self, x):
-        return self.head(torch.cdist(self.lin(x), self.protos))
-
-
-class DropPath(nn.Module):
-    """Stochastic depth: one keep draw per example, from ``torch.bernoulli`` of a made tensor."""
-
-    def __init__(self, p: float):
-        super().__init__()
-        self.p = p
-
-    def forward(self, x):
-        keep = torch.bernoulli(torch.full((x.shape[0], 1), 1 - self.p, dtype=x.dtype))
-        return x * keep / (1 - self.p)
 
 
 class Residual(nn.Module):
