@@ -192,9 +192,6 @@ def explain_not_bitwise(run: P.PipelineRun, mesh: MeshSpec | str, stages: Iterab
     return out, result
 
 
-# --- the command ----------------------------------------------------------------------------------
-
-
 __all__ = [
     "BisectResult",
     "ONE_RUN",
