@@ -306,6 +306,9 @@ def _loadgroup_run(config) -> bool:
 
 
 def pytest_configure(config):
+    config.addinivalue_line(
+        "markers", "hf_full: a Hugging Face matrix cell outside CI's fixed subset (tests/parity/test_hf_parity.py "
+        "CI_SUBSET); run them with pytest -m hf_full --ap-run-slow, or every model type with python -m verify sweep")
     if _loadgroup_run(config) and not hasattr(config, "workerinput") and config.getvalue("numprocesses"):
         config.stash[_GROUPS_KEY] = tempfile.mkdtemp(prefix="ap-xdist-groups-")
     config.stash[_GC_KEY] = stack = contextlib.ExitStack()

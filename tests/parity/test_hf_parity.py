@@ -1,12 +1,16 @@
 """Hugging Face transformers architectures (``verify.hf``: tiny configs, the library's defaults,
 dropout on) through every stage on gloo: bitwise against the eager parallel program, and the
-oracle. The matrix is CI's slow step (two architectures also run in the tier); an architecture
-that cannot pass is a strict xfail carrying the reason, never a silent skip. README: the table.
+oracle. CI's slow step runs a fixed subset of the matrix (CI_SUBSET: one cell per family and class
+of failure it guards; two architectures also run in the tier), the rest is marked ``hf_full``
+(``pytest -m hf_full --ap-run-slow``) and every model type of the library runs in
+``python -m verify sweep`` (docs/hf-coverage.md). An architecture that cannot pass is a strict
+xfail carrying the reason, never a silent skip.
 """
 
 from __future__ import annotations
 
 import importlib.util
+from pathlib import Path
 
 import pytest
 import torch
@@ -32,6 +36,26 @@ NOT_YET: dict[str, dict[str, str]] = {
 # blocks, is in CI's slow step like every other cell.
 TIER: dict[str, dict] = {"gpt2": {"n_layer": 1}, "resnet": {}}
 TIER_GROUP = "hf-tier"  # one worker imports transformers for the tier
+# The matrix cells CI's slow step runs, and what each guards (the tokens-only and bf16 cells below
+# run in CI too). The other cells carry the hf_full marker, which .ci/run deselects: 54 cells were
+# most of its slow step, and python -m verify sweep runs every model type anyway.
+CI_SUBSET: dict[str, dict[str, str]] = {
+    "fsdp dp=2": {
+        "gpt2": "decoder LM, dropout at its defaults, tied head (one block also in the tier)",
+        "mixtral": "mixture of experts: top-k routing, experts a rank's batch may not reach",
+        "bert": "encoder with a masked-LM head, token-type buffer",
+        "t5": "seq2seq with relative position bias and a shared embedding",
+        "bart": "seq2seq with learned positions and its own mask building",
+        "vit": "floating pixel inputs, patch convolution",
+        "swin": "shifted windows: masks and rolls built in forward",
+    },
+    "auto dp=2,tp=2": {
+        "gpt2": "the planner on a decoder with a tied head and dropout",
+        "bert": "the planner on an encoder (the tokens-only llama cell covers lifted constants)",
+        "t5": "the planner on seq2seq cross-attention",
+        "vit": "the planner on an image model",
+    },
+}
 
 
 def _cases():
@@ -41,8 +65,9 @@ def _cases():
             tier = plan == "fsdp" and arch in TIER
             overrides = TIER[arch] if tier else {}
             xfail = [pytest.mark.xfail(strict=True, reason=reasons[arch])] if arch in reasons else []
+            full = [] if arch in CI_SUBSET[label] else [pytest.mark.hf_full]
             if not tier or overrides:  # the matrix's cell: the tiny config, in CI's slow step
-                yield pytest.param(arch, {}, plan, mesh, marks=[pytest.mark.xdist_group(f"hf-{arch}"), pytest.mark.slow, *xfail],
+                yield pytest.param(arch, {}, plan, mesh, marks=[pytest.mark.xdist_group(f"hf-{arch}"), pytest.mark.slow, *full, *xfail],
                                    id=f"{arch}-{plan}-{mesh}")
             if tier:
                 size = "".join(f"-{k}={v}" for k, v in overrides.items())
@@ -91,6 +116,22 @@ def test_a_size_override_replaces_the_tiny_configs_own():
     model = hf_case("gpt2", n_layer=1).build()
     assert model.model.config.n_layer == 1 and len(model.model.transformer.h) == 1
     assert hf_case("gpt2").build().model.config.n_layer == ARCHS["gpt2"].sizes["n_layer"] == 2
+
+
+@pytest.mark.xdist_group(TIER_GROUP)
+def test_ci_runs_its_subset_of_the_matrix_and_deselects_the_rest():
+    """CI_SUBSET names matrix cells that exist, and .ci/run's slow step deselects exactly the others
+    (hf_full): a renamed architecture or a dropped ``not hf_full`` would silently change what CI runs."""
+    assert CI_SUBSET.keys() == NOT_YET.keys()
+    for label, archs in CI_SUBSET.items():
+        assert archs and archs.keys() <= ARCHS.keys(), (label, sorted(archs.keys() - ARCHS.keys()))
+    cells = list(_cases())
+    full = [c.id for c in cells if any(m.name == "hf_full" for m in c.marks)]
+    kept = [c.id for c in cells if not any(m.name == "hf_full" for m in c.marks)]
+    assert len(full) + len(kept) == len(cells) and full and kept
+    slow_step = [line for line in (Path(__file__).parents[2] / ".ci" / "run").read_text().splitlines()
+                 if "pytest" in line and "--ap-run-slow" in line and not line.lstrip().startswith("#")]
+    assert slow_step and all('-m "slow and not hf_full"' in line for line in slow_step), slow_step
 
 
 BF16 = ParallelPlan.fsdp(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
