@@ -155,7 +155,7 @@ FAULTS = {
     # fault: (what names the rank, the timeout given); "exit"'s peers are stopped by the agent at once
     "raise": ("rank 2 of the launched world raised ValueError: probe fault: rank 2 raises", 30),
     "kill": ("exitcode  : -9", 30),
-    "hang": ("rank(s) [2] of the launched world stopped answering", 8),
+    "hang": ("rank(s) [2] of the launched world stopped answering", 5),
 }
 
 

@@ -185,6 +185,7 @@ def _parity_summary(small: Scenario, steps: int, comparisons: dict, t0: float) -
     return {
         "mesh": str(small.mesh_spec),
         "steps": steps,
+        "world": "launched" if launched_world() is not None else "forked",  # torchrun's ranks, or forked here
         "collectives": current_mode(),  # verify.parity.ordered_collectives: rank-ordered or native reductions
         "vs_eager": {stage: rep.to_dict() for stage, rep in comparisons.items()},
         "seconds": round(time.perf_counter() - t0, 2),
@@ -325,7 +326,7 @@ def format_report(report: dict) -> str:
     else:
         lines.append("goldens: " + ", ".join(f"{k} {v}" for k, v in goldens.items()))
     p = report.get("parity")
-    heading = "" if p is None else (f"parity on gloo {p['mesh']} ({p['steps']} steps with AdamW, {p['collectives']} "
+    heading = "" if p is None else (f"parity on gloo {p['mesh']}, {p.get('world', 'forked')} world ({p['steps']} steps with AdamW, {p['collectives']} "
                                     f"reductions, {p['seconds']}s), "
                                     "each stage vs the eager parallel program:")
     width = max((len(stage) for stage in (p or {}).get("vs_eager", {})), default=0)
