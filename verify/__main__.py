@@ -151,6 +151,12 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("--native-collectives", action="store_true",
                    help="parity with gloo's own reductions, whose sums depend on buffer layout above 2 ranks "
                         "(default: rank-ordered, verify/parity/ordered_collectives.py)")
+    r.add_argument("--full-mesh", action="store_true",
+                   help="forked parity on the whole mesh, not each dim cut to 2 (a launched job always runs "
+                        "the whole mesh: its world), so forked and torchrun digests of any size compare")
+    r.add_argument("--no-oracle", action="store_true",
+                   help="skip the single-device oracle (the model does not fit one process): the stages are "
+                        "still compared bitwise with the eager parallel program; the report says so")
     r.add_argument("--parity-anyway", action="store_true",
                    help="run parity even for a model above the size limit (it runs the model for real)")
     r.add_argument("--html", default=None, metavar="DIR", type=_flag_type(_html_dir, "directory"),

@@ -23,6 +23,9 @@ when something is off; ``golden=golden`` (the ``golden`` fixture) also compares 
 canonical graph text with its golden file (``python -m verify goldens --update`` writes them;
 ``check_model(..., goldens=True)`` keeps what those texts need). From the command line:
 ``python -m verify report --model package.module:name`` (a ``ModelCase``).
+
+Inside a torchrun job (``torchrun --nproc-per-node N -m pytest ...``) every rank traces, and parity
+runs on the launched world, whose size must be the mesh's (``autoparallel.runtime.launched``).
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ from torch import nn
 from autoparallel.defaults import AUTO
 from autoparallel.parallelize import ParallelPlan
 from autoparallel.pipeline import STAGE_NAMES, PipelineRun
+from autoparallel.runtime.launched import check_world_size, launched_world
 from verify.parity.bisection import explain_not_bitwise
 from verify.goldens.catalog import golden_result, header
 from verify.goldens.text import graph_golden_text
@@ -261,6 +265,9 @@ def check_model(
         case = ModelCase(case.name, case.factory, case.loss_fn, case.batch, rules, regions, case.batch_per_rank)
     scenario = Scenario(case=case, mesh=mesh, seed=seed, **fields)
     check_flags(scenario)
+    world = launched_world()
+    if parity and world is not None:  # under torchrun parity runs on the launched world: before the pipeline
+        check_world_size(world, scenario.mesh_spec.world_size, f"check_model(mesh={mesh!r})")
     if scenario.plan == AUTO:
         return _check_planned(scenario, steps, parity=parity, native_collectives=native_collectives, goldens=goldens)
     run = run_scenario(scenario, keep_compiled=parity, alternatives=goldens)

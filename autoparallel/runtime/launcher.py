@@ -167,7 +167,7 @@ _PEER_LOSS_MARKERS = (
 )
 
 
-def _is_collateral(exc: BaseException) -> bool:
+def is_collateral(exc: BaseException) -> bool:
     """True for errors a rank typically gets *because* a peer died (lost connections)."""
     if isinstance(exc, dist.DistError):
         return True
@@ -257,7 +257,7 @@ def _rank_main(
             "stage": stage,
             "exc_type": type(exc).__name__,
             "traceback": traceback.format_exc(),
-            "collateral": _is_collateral(exc),
+            "collateral": is_collateral(exc),
             "port_in_use": stage == "init_process_group" and rank == 0 and _is_port_in_use(exc),
         }
         with contextlib.suppress(BaseException):

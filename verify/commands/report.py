@@ -21,8 +21,10 @@ from pathlib import Path
 
 from autoparallel.mesh import MeshSpec
 from autoparallel.passes.collective import upstream_info_logs
+from autoparallel.runtime.launched import agree_on_status, check_world_size, launched_world
 from autoparallel.pipeline import PLAN, PipelineRun, StageResult
 from verify.parity.bisection import explain_not_bitwise
+from verify.parity.digest import stage_digests
 from verify.commands.html import write_report
 from verify.commands.html.records import records_from_pipeline_run
 from verify.goldens import catalog as golden_catalog
@@ -48,7 +50,10 @@ FUSE_PASS = "fuse_chained_allgathers"
 
 
 def progress(msg: str) -> None:
-    print(f"[verify] {msg}", file=sys.stderr, flush=True)
+    """A progress line on stderr; in a launched job (torchrun), rank 0's only."""
+    world = launched_world()
+    if world is None or world.rank == 0:
+        print(f"[verify] {msg}", file=sys.stderr, flush=True)
 
 
 def stage_summaries(result: StageResult) -> list[dict]:
@@ -91,8 +96,12 @@ def golden_status(scenario: Scenario, run: PipelineRun, root: Path | None = None
     return out
 
 
-def parity_mesh(spec: MeshSpec) -> MeshSpec:
-    """The smallest world that keeps every mesh dim non-trivial: each dim of size > 1 becomes 2."""
+def parity_mesh(spec: MeshSpec, *, full: bool = False) -> MeshSpec:
+    """The world parity runs on: the smallest that keeps every mesh dim non-trivial (each dim of
+    size > 1 becomes 2), or the whole mesh with ``full`` (``--full-mesh``; always in a launched
+    job, whose world is the mesh's)."""
+    if full or launched_world() is not None:
+        return spec
     return MeshSpec(tuple((n, min(s, 2)) for n, s in spec.dims))
 
 
@@ -120,28 +129,40 @@ def planning_summary(run: PipelineRun) -> dict | None:
     return out
 
 
-def run_parity(scenario: Scenario, steps: int = 2, *, run: PipelineRun | None = None) -> dict:
+def run_parity(scenario: Scenario, steps: int = 2, *, run: PipelineRun | None = None, full_mesh: bool = False,
+               oracle: bool = True) -> dict:
     """Each stage against the eager parallel program on gloo (bitwise), and the eager program
     against single-device eager (the oracle, within its tolerance), on the smallest world that
-    keeps the plan's shape (:func:`parity_mesh`). ``run``: the scenario's pipeline run, made
-    with ``keep_compiled``, when its mesh is that world already."""
-    small = dataclasses.replace(scenario, mesh=str(parity_mesh(scenario.mesh_spec)))
+    keeps the plan's shape, or the whole mesh (:func:`parity_mesh`). ``run``: the scenario's pipeline
+    run, made with ``keep_compiled``, when its mesh is that world already. ``digests``: one per
+    compared stage (``verify.parity.digest``), equal for equal runs wherever they ran. ``oracle=False``
+    (``--no-oracle``: the model does not fit one process): the stages bitwise only, and the report says so."""
+    small = dataclasses.replace(scenario, mesh=str(parity_mesh(scenario.mesh_spec, full=full_mesh)))
     if scenario.is_auto:
-        return run_planned_parity_summary(small, steps)
-    progress(f"parity on a gloo world of {small.mesh_spec.world_size} ranks ({small.mesh_spec}), {steps} steps ...")
+        return run_planned_parity_summary(small, steps, oracle=oracle)
+    progress(f"parity on {_world_words(small)}, {steps} steps ...")
     t0 = time.perf_counter()
     collective = pipeline_options(**golden_catalog.pipeline_options(scenario)).collective
     ranks = run_stage_parity(small, steps=steps, run=run if small == scenario else None, collective=collective)
     comparisons = {stage: compare_with_eager(ranks, stage) for stage in STAGE_EXECUTORS if stage != EAGER}
-    oracle = oracle_check(small, ranks)
+    checked = oracle_check(small, ranks) if oracle else None
     explained = explain_parity(small, ranks, comparisons, run if small == scenario else None)
     return {
         **_parity_summary(small, steps, comparisons, t0),
+        "digests": stage_digests(ranks, STAGE_EXECUTORS),
         **explained,
-        "oracle": oracle.to_dict(),
-        "oracle_summary": oracle.summary(),
-        "single_device_max_abs_diff": oracle.max_abs,
+        **_oracle_fields(checked),
     }
+
+
+def _oracle_fields(oracle) -> dict:
+    if oracle is None:
+        return {"oracle": None, "oracle_summary": ORACLE_SKIPPED, "single_device_max_abs_diff": None}
+    return {"oracle": oracle.to_dict(), "oracle_summary": oracle.summary(), "single_device_max_abs_diff": oracle.max_abs}
+
+
+ORACLE_SKIPPED = ("single-device eager (independent oracle): SKIPPED (--no-oracle: the model does not fit one process); "
+                  "the stages above are compared bitwise with the eager parallel program only")
 
 
 def explain_parity(small: Scenario, ranks, comparisons: dict, run: PipelineRun | None) -> dict:
@@ -164,28 +185,34 @@ def _parity_summary(small: Scenario, steps: int, comparisons: dict, t0: float) -
     return {
         "mesh": str(small.mesh_spec),
         "steps": steps,
+        "world": "launched" if launched_world() is not None else "forked",  # torchrun's ranks, or forked here
         "collectives": current_mode(),  # verify.parity.ordered_collectives: rank-ordered or native reductions
         "vs_eager": {stage: rep.to_dict() for stage, rep in comparisons.items()},
         "seconds": round(time.perf_counter() - t0, 2),
     }
 
 
-def run_planned_parity_summary(small: Scenario, steps: int) -> dict:
+def run_planned_parity_summary(small: Scenario, steps: int, *, oracle: bool = True) -> dict:
     """Parity of plan="auto" on the small world (each rank lowers the plan for itself)."""
-    progress(f"planned parity on a gloo world of {small.mesh_spec.world_size} ranks ({small.mesh_spec}), {steps} steps ...")
+    progress(f"planned parity on {_world_words(small)}, {steps} steps ...")
     t0 = time.perf_counter()
     case = planned_case(small)
     ((_, ranks),) = run_planned_parity(case, steps)
     comparisons = {
         ex: compare_with_eager(ranks, ex) for ex in PLANNED_EXECUTORS if ex != PLANNED_EAGER
     }
-    oracle = planned_oracle(case, ranks)  # the same bound as a hand plan's, the case's own loss
+    checked = planned_oracle(case, ranks) if oracle else None  # the same bound as a hand plan's, the case's own loss
     return {
         **_parity_summary(small, steps, comparisons, t0),
-        "oracle": oracle.to_dict(),
-        "oracle_summary": oracle.summary(),
-        "single_device_max_abs_diff": oracle.max_abs,
+        "digests": stage_digests(ranks, PLANNED_EXECUTORS),
+        **_oracle_fields(checked),
     }
+
+
+def _world_words(small: Scenario) -> str:
+    world = launched_world()
+    where = "the launched world" if world is not None else "a forked gloo world"
+    return f"{where} of {small.mesh_spec.world_size} ranks ({small.mesh_spec})"
 
 
 def parity_passed(parity: dict | None) -> bool:
@@ -193,20 +220,22 @@ def parity_passed(parity: dict | None) -> bool:
     if parity is None:
         return True
     branch = set(parity.get("model_branch", ()))
-    return all(r["bitwise"] or s in branch for s, r in parity["vs_eager"].items()) and bool(parity["oracle"]["passed"])
+    oracle_ok = parity["oracle"] is None or bool(parity["oracle"]["passed"])  # None: skipped (--no-oracle)
+    return all(r["bitwise"] or s in branch for s, r in parity["vs_eager"].items()) and oracle_ok
 
 
-def build_report(scenario: Scenario, *, parity: bool = True, steps: int = 2) -> dict:
-    return report_and_run(scenario, parity=parity, steps=steps)[0]
+def build_report(scenario: Scenario, *, parity: bool = True, steps: int = 2, full_mesh: bool = False, oracle: bool = True) -> dict:
+    return report_and_run(scenario, parity=parity, steps=steps, full_mesh=full_mesh, oracle=oracle)[0]
 
 
-def report_and_run(scenario: Scenario, *, parity: bool = True, steps: int = 2) -> tuple[dict, PipelineRun]:
+def report_and_run(scenario: Scenario, *, parity: bool = True, steps: int = 2, full_mesh: bool = False,
+                   oracle: bool = True) -> tuple[dict, PipelineRun]:
     """The report's dict and the pipeline run it describes (the HTML page draws the run)."""
     progress(f"running the pipeline for {scenario.header()} ...")
     t0 = time.perf_counter()
     # When the mesh is already parity's world, one run serves the table, the goldens and parity
     # (plan="auto" excepted: each rank of its parity world lowers the plan itself).
-    keep = parity and not scenario.is_auto and parity_mesh(scenario.mesh_spec) == scenario.mesh_spec
+    keep = parity and not scenario.is_auto and parity_mesh(scenario.mesh_spec, full=full_mesh) == scenario.mesh_spec
     run = run_scenario(scenario, keep_compiled=keep, **golden_catalog.pipeline_options(scenario))
     progress(f"{len(run.results)} stage(s) and {len(run.alternatives)} alternative(s) in {time.perf_counter() - t0:.1f}s")
     return {
@@ -218,7 +247,7 @@ def report_and_run(scenario: Scenario, *, parity: bool = True, steps: int = 2) -
         "planning": planning_summary(run),
         "stages": [row for r in [*run.results, *run.alternatives] for row in stage_summaries(r)],
         "goldens": golden_status(scenario, run),
-        "parity": run_parity(scenario, steps, run=run if keep else None) if parity else None,
+        "parity": run_parity(scenario, steps, run=run if keep else None, full_mesh=full_mesh, oracle=oracle) if parity else None,
     }, run
 
 
@@ -297,12 +326,14 @@ def format_report(report: dict) -> str:
     else:
         lines.append("goldens: " + ", ".join(f"{k} {v}" for k, v in goldens.items()))
     p = report.get("parity")
-    heading = "" if p is None else (f"parity on gloo {p['mesh']} ({p['steps']} steps with AdamW, {p['collectives']} "
+    heading = "" if p is None else (f"parity on gloo {p['mesh']}, {p.get('world', 'forked')} world ({p['steps']} steps with AdamW, {p['collectives']} "
                                     f"reductions, {p['seconds']}s), "
                                     "each stage vs the eager parallel program:")
     width = max((len(stage) for stage in (p or {}).get("vs_eager", {})), default=0)
     lines += parity_lines(p, heading, width=width + 1)
     oracle = None if p is None else p.get("oracle")
+    if p is not None and oracle is None:
+        lines.append(f"  {ORACLE_SKIPPED}")
     if oracle is not None:
         verdict = "PASS" if oracle["passed"] else f"FAIL ({oracle['failures']} of {oracle['tensors']} tensors beyond tolerance)"
         tol = oracle["tolerance"]
@@ -354,18 +385,19 @@ def parity_lines(p: dict | None, heading: str, *, width: int = 16, versus: bool 
 PARITY_MAX_PARAMS = 1_000_000_000
 
 
-def parity_memory_lower_bound(scenario: Scenario, params: int) -> int:
+def parity_memory_lower_bound(scenario: Scenario, params: int, *, full_mesh: bool = False) -> int:
     """Bytes parity needs at least: the full fp32 model per rank, plus weights and gradients of
-    the single-device reference (activations, optimizer state and the traced runs come on top)."""
-    ranks = parity_mesh(scenario.mesh_spec).world_size
+    the single-device reference (activations, optimizer state and the traced runs come on top).
+    In a launched job each process is one rank: the model once, plus the reference."""
+    ranks = 1 if launched_world() is not None else parity_mesh(scenario.mesh_spec, full=full_mesh).world_size
     return (ranks + 2) * 4 * params
 
 
-def check_parity_size(scenario: Scenario, *, anyway: bool) -> None:
+def check_parity_size(scenario: Scenario, *, anyway: bool, full_mesh: bool = False) -> None:
     params = parameter_count(scenario)
     if params <= PARITY_MAX_PARAMS or anyway:
         return
-    need = parity_memory_lower_bound(scenario, params)
+    need = parity_memory_lower_bound(scenario, params, full_mesh=full_mesh)
     raise ValueError(
         f"--preset {scenario.preset}: parity runs the model for real ({params / 1e9:.2f} B parameters, above the "
         f"{PARITY_MAX_PARAMS / 1e9:.0f} B limit) and needs at least {human_bytes(need)} of RAM; pass --no-parity "
@@ -374,16 +406,21 @@ def check_parity_size(scenario: Scenario, *, anyway: bool) -> None:
 
 
 def main(args) -> int:
+    """The report; in a launched job (torchrun) every rank runs it, rank 0 prints it, and every
+    rank exits with the same status."""
     scenario = Scenario(preset=args.preset, plan=args.plan, mesh=args.mesh, case=getattr(args, "model", None))
     check_flags(scenario)
+    world = launched_world()
+    if world is not None and not args.no_parity:
+        check_world_size(world, scenario.mesh_spec.world_size, f"--mesh {scenario.mesh_spec}")
+    full_mesh = getattr(args, "full_mesh", False)
     if not args.no_parity:
-        check_parity_size(scenario, anyway=args.parity_anyway)
+        check_parity_size(scenario, anyway=args.parity_anyway, full_mesh=full_mesh)
     with native_collectives(getattr(args, "native_collectives", False)), upstream_info_logs(getattr(args, "verbose", False)):
-        report, run = report_and_run(scenario, parity=not args.no_parity)
-    if args.html is not None:
-        report["html"] = str(write_html(scenario, run, report, args.html))
-    if args.json:
-        print(json.dumps(report, indent=2, sort_keys=False))
-    else:
-        print(format_report(report))
-    return 0 if parity_passed(report.get("parity")) else 1
+        report, run = report_and_run(scenario, parity=not args.no_parity, full_mesh=full_mesh,
+                                     oracle=not getattr(args, "no_oracle", False))
+    if world is None or world.rank == 0:
+        if args.html is not None:
+            report["html"] = str(write_html(scenario, run, report, args.html))
+        print(json.dumps(report, indent=2, sort_keys=False) if args.json else format_report(report), flush=True)
+    return agree_on_status(0 if parity_passed(report.get("parity")) else 1)

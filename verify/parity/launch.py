@@ -61,5 +61,6 @@ def run_gated(
 def _with_device(
     rank: int, world_size: int, fn: Callable[..., Any], backend: str, args: tuple
 ) -> Any:
-    device = f"cuda:{rank}" if backend == "nccl" else "cpu"
+    # The rank's own device: cuda:<rank> in a forked world, cuda:<LOCAL_RANK> in a launched one.
+    device = f"cuda:{torch.cuda.current_device()}" if backend == "nccl" else "cpu"
     return fn(rank, world_size, device, *args)

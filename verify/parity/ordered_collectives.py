@@ -34,6 +34,7 @@ import torch.distributed as dist
 from torch.distributed.distributed_c10d import _resolve_process_group
 
 from autoparallel.runtime import run_on_world
+from autoparallel.runtime.launched import launched_world, run_on_launched_world
 
 RANK_ORDERED = "rank-ordered"
 NATIVE = "native"
@@ -66,10 +67,15 @@ def native_collectives(native: bool = True) -> Iterator[None]:
 def run_parity_world(fn: Callable[..., Any], world_size: int, *, args: Sequence[Any] = (),
                      mode: str | None = None, **kwargs) -> list[Any]:
     """``autoparallel.runtime.run_on_world(fn, world_size, args=args, **kwargs)`` with every rank
-    in the collectives mode ``mode`` (default: :func:`current_mode`)."""
+    in the collectives mode ``mode`` (default: :func:`current_mode`). Inside a launched job
+    (torchrun) the same body runs on the launched world instead
+    (``autoparallel.runtime.launched.run_on_launched_world``; ``start_method`` does not apply)."""
     mode = mode or current_mode()
     if mode not in MODES:
         raise ValueError(f"collectives mode {mode!r}: expected one of {list(MODES)}")
+    if launched_world() is not None:
+        kwargs.pop("start_method", None)
+        return run_on_launched_world(_rank_in_mode, world_size, args=(fn, mode, tuple(args)), **kwargs)
     return run_on_world(_rank_in_mode, world_size, args=(fn, mode, tuple(args)), **kwargs)
 
 

@@ -10,7 +10,7 @@ from autoparallel.passes.collective import COLLECTIVE_PASS_NAMES
 from autoparallel.pipeline import STAGE_NAMES
 from verify.__main__ import main
 from verify.commands.html.page import page_sections as sections
-from verify.commands.report import GOLDENS_NOT_CHECKED, format_report, golden_status, parity_passed
+from verify.commands.report import GOLDENS_NOT_CHECKED, ORACLE_SKIPPED, format_report, golden_status, parity_passed
 from verify.parity.runs import STAGE_EXECUTORS
 from verify.stages.scenario import Scenario
 
@@ -95,7 +95,7 @@ def test_report_text_format():
     i = lines.index(row)
     assert lines[i + 1].startswith("alternatives: each collective pass alone") and lines[i + 2].startswith("p (alone)")
     assert "goldens: none for this scenario" in text
-    assert "parity on gloo dp=2 (2 steps with AdamW, rank-ordered reductions, 1.0s)" in text
+    assert "parity on gloo dp=2, forked world (2 steps with AdamW, rank-ordered reductions, 1.0s)" in text
     assert "NOT bitwise: 1 of 4 tensors differ (max |diff| 5.00e-01)" in text
     oracle = {"passed": False, "failures": 2, "tensors": 4, "max_abs_diff": 1e-3, "worst_ratio": 12.5,
               "tolerance": {"rtol": 1e-5, "dtype": "float32", "layers": 3, "width": 40}}
@@ -120,6 +120,13 @@ def test_report_text_format():
     report["parity"]["model_branch"] = ["joint"]
     assert parity_passed(report["parity"])
     assert "bitwise with eager as traced (the model's own branch)" in format_report(report)
+    # --no-oracle (the model does not fit one process): the report says so, the stages alone decide
+    report["parity"].update(oracle=None, oracle_summary=ORACLE_SKIPPED, single_device_max_abs_diff=None, world="launched")
+    text = format_report(report)
+    assert f"  {ORACLE_SKIPPED}" in text.splitlines() and "parity on gloo dp=2, launched world" in text
+    assert parity_passed(report["parity"])
+    report["parity"]["model_branch"] = []
+    assert not parity_passed(report["parity"]), "no oracle: a stage that is not bitwise still fails"
 
 
 def test_golden_status_says_why_it_is_not_checked_without_goldens(tmp_path):
