@@ -124,6 +124,24 @@ def node_val(node: fx.Node, why: str):
         raise missing_val_error(node, why) from None
 
 
+def new_node_like(graph: fx.Graph, target, args, like: fx.Node, kwargs=None) -> fx.Node:
+    """A ``call_function`` node at the graph's insertion point with ``like``'s meta (phase,
+    module path, tags) and its own ``meta["val"]``, computed from its inputs' vals in their
+    FakeTensorMode (or on the vals themselves where they are not fake)."""
+    from torch._guards import detect_fake_mode
+
+    node = graph.call_function(target, tuple(args), kwargs or {})
+    node.meta.update({k: v for k, v in like.meta.items() if k != M.VAL})
+    vals = [a.meta[M.VAL] if isinstance(a, fx.Node) else a for a in args]
+    mode = detect_fake_mode([v for v in vals if isinstance(v, torch.Tensor)])
+    if mode is None:
+        node.meta[M.VAL] = target(*vals, **(kwargs or {}))
+    else:
+        with mode:
+            node.meta[M.VAL] = target(*vals, **(kwargs or {}))
+    return node
+
+
 def copy_graph_module(gm: fx.GraphModule) -> fx.GraphModule:
     """A copy of ``gm`` with its own graph and nodes, so a pass that rewrites or tags the copy in
     place leaves ``gm`` untouched.

@@ -53,6 +53,19 @@ _register(
     ),
 )
 
+# The joint stage's lowering of a plan (plan="auto"): autoparallel/planner/lower.py.
+_register(
+    "permuted_split_cat",
+    "the lowered plan's split -> W getitems -> cat (DTensor's gather or scatter of a dim other "
+    "than 0 around a dim-0 collective) becomes one permuted copy: reshape, permute, contiguous clone, view",
+    "each such move stays W + 2 nodes (W the group size), ~1,900 nodes of an 8B planned graph",
+    (
+        "tests/unit/autoparallel/passes/test_permuted_split_cat.py::test_a_gather_on_dim_1_becomes_one_permuted_copy",
+        "tests/unit/autoparallel/passes/test_permuted_split_cat.py::test_a_scatter_on_dim_1_becomes_one_permuted_copy",
+        "tests/unit/autoparallel/planner/test_lower.py::test_the_lowered_graph_has_no_split_cat_move",
+    ),
+)
+
 # apply_placement boundary, first partition, second compile (pipeline steps 3-5).
 _register(
     "fsdp_chain_recompute",

@@ -76,6 +76,7 @@ from autoparallel.passes.collective import (
     bucket_fw_bw,
 )
 from autoparallel.planner.alias_round_trips import PATCH as ALIAS_ROUND_TRIPS_PATCH
+from autoparallel.passes.permuted_split_cat import PATCH as SPLIT_CAT_PATCH
 from autoparallel.planner.auto import local_inputs as planned_local_inputs
 from autoparallel.planner.auto import local_values as planned_local_values
 from autoparallel.planner.auto import plan_for_pipeline
@@ -451,7 +452,7 @@ def _collective_stage(p: CollectivePass) -> Stage:
 #: The stage list, in order (see the module docstring).
 STAGES: tuple[Stage, ...] = (
     Stage(JOINT, _joint, "trace the per-rank joint graph (model, loss, plan, mesh)",
-          patches=(TRACE_AS_COMPILING, EAGER_DROPOUT)),
+          patches=(TRACE_AS_COMPILING, EAGER_DROPOUT, SPLIT_CAT_PATCH)),
     *(_placement_stage(s) for s in PLACEMENT_STEPS),
     Stage(
         SECOND_COMPILE,

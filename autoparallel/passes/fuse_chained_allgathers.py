@@ -43,8 +43,9 @@ from torch import fx
 
 from autoparallel import meta as M
 from autoparallel import patches
-from autoparallel.fx_utils import ALL_GATHER, WAIT, group_of, node_val, wait_of
+from autoparallel.fx_utils import ALL_GATHER, WAIT, group_of, new_node_like, node_val, wait_of
 from autoparallel.mesh import FLAT_SEP, dim_label
+from autoparallel.passes.permuted_split_cat import permute_plan
 
 log = logging.getLogger(__name__)
 
@@ -115,6 +116,7 @@ class _Chain:
     flat_name: str
     column_major: bool  # ag1 gathers over the outer mesh dim: reshuffle needed
     sizes: tuple[int, int]  # (size of the outer flat dim, size of the inner flat dim)
+    moved_dim: int = 0  # the dim ag1's blocks are moved to by a permuted copy (0: none)
 
 
 def _storage(t: torch.Tensor):
@@ -180,18 +182,53 @@ def _describe(ag1: fx.Node, ag2: fx.Node, group_dims: Mapping[str, str]) -> str:
     return f"{ag1.name}({group_dims.get(str(group_of(ag1)), '?')}) -> {ag2.name}({group_dims.get(str(group_of(ag2)), '?')})"
 
 
+def _moved_blocks(end: fx.Node) -> tuple[fx.Node, int, tuple[fx.Node, ...], int] | None:
+    """``(wait, d, copy nodes, pieces)`` if ``end`` is the permuted copy that moves the
+    ``pieces`` dim-0 blocks of ``wait`` to dim ``d > 0`` (``passes/permuted_split_cat.py``:
+    reshape -> permute -> contiguous clone -> view, each read once), else None."""
+    nodes = [end]
+    for target in (aten.clone.default, aten.permute.default, aten.reshape.default):
+        prev = nodes[-1].args[0] if nodes[-1].args else None
+        if not (isinstance(prev, fx.Node) and prev.target is target and len(prev.users) == 1):
+            return None
+        nodes.append(prev)
+    view, clone, permute, reshape = nodes
+    wait = reshape.args[0]
+    if view.target is not aten.view.default or clone.kwargs.get("memory_format") is not torch.contiguous_format:
+        return None
+    if not (isinstance(wait, fx.Node) and wait.target is WAIT and len(wait.users) == 1):
+        return None
+    shape = [int(s) for s in node_val(wait, "a permuted copy after an all-gather").shape]
+    pieces = int(reshape.args[1][0]) if reshape.args[1] else 0
+    if pieces < 1 or shape[0] % pieces:
+        return None
+    for d in range(1, len(shape)):
+        viewed, perm = permute_plan(shape, pieces, 0, d)
+        moved = list(shape)
+        moved[0], moved[d] = shape[0] // pieces, shape[d] * pieces
+        if list(reshape.args[1]) == viewed and list(permute.args[1]) == perm and list(view.args[1]) == moved:
+            return wait, d, (reshape, permute, clone, view), pieces
+    return None
+
+
 def _match(
     ag2: fx.Node, group_dims: Mapping[str, str], group_sizes: Mapping[str, int] | None
 ) -> _Chain | tuple[fx.Node, str] | None:
     """The fusible chain ending at ``ag2``; ``(ag1, reason)`` for a chain that cannot be fused;
-    None when ``ag2`` ends no chain (its input is not, through views, another all-gather's wait)."""
+    None when ``ag2`` ends no chain (its input is not, through views or one permuted copy of its
+    blocks to another dim, another all-gather's wait)."""
     wait2 = wait_of(ag2)
     if wait2 is None:
         return None
     views: list[fx.Node] = []
     shared = False
+    moved_dim = 0
     cur = ag2.args[0]
-    while isinstance(cur, fx.Node) and cur.op == "call_function" and cur.target in _VIEW_OPS:
+    moved = _moved_blocks(cur) if isinstance(cur, fx.Node) else None
+    if moved is not None:
+        cur, moved_dim, copy, _ = moved
+        views = list(reversed(copy))
+    while moved is None and isinstance(cur, fx.Node) and cur.op == "call_function" and cur.target in _VIEW_OPS:
         shared = shared or len(cur.users) != 1
         views.append(cur)
         cur = cur.args[0]
@@ -201,6 +238,8 @@ def _match(
     ag1 = wait1.args[0]
     if not isinstance(ag1, fx.Node) or ag1.target is not ALL_GATHER or wait_of(ag1) is not wait1:
         return None
+    if moved is not None and int(ag1.args[1]) != moved[3]:
+        return None  # the copy moves another number of blocks than ag1 gathered
     views.reverse()
     label1 = dim_label(group_of(ag1), group_dims, where=ag1.name)
     label2 = dim_label(group_of(ag2), group_dims, where=ag2.name)
@@ -224,55 +263,39 @@ def _match(
         )
     if node_val(ag1, "dtype").dtype != node_val(ag2, "dtype").dtype:
         return ag1, DTYPE_CHANGE
-    if not _identity_views(wait1, views, ag2.args[0]):
+    if not moved_dim and not _identity_views(wait1, views, ag2.args[0]):
         return ag1, NOT_IDENTITY
     column_major = order.index(label1) < order.index(label2)
     # Flat rank = i_outer * n_inner + i_inner, outer = the first dim of the flat label.
     sizes = (n1, n2) if column_major else (n2, n1)
-    return _Chain(ag1, wait1, tuple(views), ag2, wait2, flat_name, column_major, sizes)
+    return _Chain(ag1, wait1, tuple(views), ag2, wait2, flat_name, column_major, sizes, moved_dim)
 
 
-def _fake_call(target, args, kwargs=None):
-    from torch._guards import detect_fake_mode
-
-    vals = [a.meta[M.VAL] if isinstance(a, fx.Node) else a for a in args]
-    mode = detect_fake_mode([v for v in vals if isinstance(v, torch.Tensor)])
-    if mode is None:
-        raise ValueError("chained all-gather fusion needs FakeTensor vals on the chain's nodes")
-    with mode:
-        return target(*vals, **(kwargs or {}))
-
-
-def _new_node(graph: fx.Graph, target, args, meta_from: fx.Node, kwargs=None) -> fx.Node:
-    node = graph.call_function(target, tuple(args), kwargs or {})
-    node.meta.update({k: v for k, v in meta_from.meta.items() if k != M.VAL})
-    node.meta[M.VAL] = _fake_call(target, args, kwargs)
-    return node
+def _block_order(ch: _Chain, rank: int) -> list[int]:
+    """The permutation of the flat result viewed as ``[n_outer, n_inner, *shard dims]`` that puts
+    ag2's blocks first and ag1's just before dim ``moved_dim`` (the identity: no reshuffle)."""
+    a, b = ("o", "i") if ch.column_major else ("i", "o")  # ag1's and ag2's mesh dim in the flat group
+    src = ["o", "i", *range(rank)]
+    dst: list = [b]
+    for d in range(rank):
+        dst += [a, d] if d == ch.moved_dim else [d]
+    return [src.index(label) for label in dst]
 
 
 def _rewrite(graph: fx.Graph, ch: _Chain) -> None:
     x = ch.ag1.args[0]
     n_outer, n_inner = ch.sizes
     with graph.inserting_before(ch.ag2):
-        ag = _new_node(graph, ALL_GATHER, (x, n_outer * n_inner, ch.flat_name), ch.ag2)
-        out = _new_node(graph, WAIT, (ag,), ch.wait2)
-        if ch.column_major:
+        ag = new_node_like(graph, ALL_GATHER, (x, n_outer * n_inner, ch.flat_name), ch.ag2)
+        out = new_node_like(graph, WAIT, (ag,), ch.wait2)
+        shard = [int(s) for s in node_val(x, "the fused result's shape").shape]
+        perm = _block_order(ch, len(shard))
+        if perm != sorted(perm):
             shape = list(node_val(ch.wait2, "the fused result's shape").shape)
-            rows = shape[0] // (n_outer * n_inner)
-            rest = shape[1:]
-            out = _new_node(
-                graph, aten.view.default, (out, [n_outer, n_inner, rows, *rest]), ch.wait2
-            )
-            perm = [1, 0, *range(2, 3 + len(rest))]
-            out = _new_node(graph, aten.permute.default, (out, perm), ch.wait2)
-            out = _new_node(
-                graph,
-                aten.clone.default,
-                (out,),
-                ch.wait2,
-                {"memory_format": torch.contiguous_format},
-            )
-            out = _new_node(graph, aten.view.default, (out, shape), ch.wait2)
+            out = new_node_like(graph, aten.view.default, (out, [n_outer, n_inner, *shard]), ch.wait2)
+            out = new_node_like(graph, aten.permute.default, (out, perm), ch.wait2)
+            out = new_node_like(graph, aten.clone.default, (out,), ch.wait2, {"memory_format": torch.contiguous_format})
+            out = new_node_like(graph, aten.view.default, (out, shape), ch.wait2)
     ch.wait2.replace_all_uses_with(out)
     for node in (ch.wait2, ch.ag2, *reversed(ch.views), ch.wait1, ch.ag1):
         graph.erase_node(node)
@@ -326,6 +349,7 @@ def fuse_chained_allgathers(
         used |= {ch.ag1, ch.wait1, ch.ag2, ch.wait2}
         report.fused.append(
             f"{_describe(ch.ag1, ch.ag2, group_dims)} on {group_dims[ch.flat_name]}" + (" [column-major]" if ch.column_major else "")
+            + (f" [blocks to dim {ch.moved_dim}]" if ch.moved_dim else "")
         )
     for ch in chains:
         _rewrite(g, ch)

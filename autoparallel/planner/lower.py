@@ -23,7 +23,9 @@ module makes it:
   plan and reported.
 * :func:`lower_plan` traces that interpreter with ``make_fx`` (under ``preserve_node_meta``, so
   every new node carries its unsharded node's phase and module path, and a redistribution the
-  phase of the op that needed it), gives the placeholders the export's names and descriptors,
+  phase of the op that needed it), makes each of DTensor's non-zero-dim gathers and scatters
+  (split -> W getitems -> cat around a dim-0 collective) one permuted copy
+  (``autoparallel.passes.permuted_split_cat``), gives the placeholders the export's names and descriptors,
   and swaps the graph into the export the planner traced (``JointWithDescriptors``) with the
   local shapes as its inputs: the first partition (``aot_compile_joint_with_descriptors``)
   compiles it like any traced joint graph.
@@ -60,6 +62,7 @@ from autoparallel import roles
 from autoparallel.mesh import ParallelMesh, attach_group_dims
 from autoparallel.parallelize.joint import JointGraph, label_roles, params_without_grad
 from autoparallel.parallelize.plan import ParallelPlan
+from autoparallel.passes.permuted_split_cat import permuted_split_cat
 from autoparallel.planner.graph import ALIAS, PlanningGraph
 from autoparallel.planner.plan import Plan, parse_placement
 from autoparallel.planner.strategies import PLANNER_RULES, divides, is_undroppable_random
@@ -91,10 +94,12 @@ class LoweringReport:
     nodes_before: int = 0
     nodes_after: int = 0
     seconds: float = 0.0
+    split_cats: int = 0  # split -> getitems -> cat moves made one permuted copy (passes/permuted_split_cat.py)
 
     def summary(self) -> str:
         fixed = f", {len(self.fixed_outputs)} outputs redistributed to the plan" if self.fixed_outputs else ""
-        return f"{self.nodes_before} unsharded nodes -> {self.nodes_after} per-rank nodes; {self.moved_inputs} inputs redistributed{fixed}"
+        copies = f", {self.split_cats} split -> cat moves as permuted copies" if self.split_cats else ""
+        return f"{self.nodes_before} unsharded nodes -> {self.nodes_after} per-rank nodes; {self.moved_inputs} inputs redistributed{fixed}{copies}"
 
 
 def decode(d: Mapping[str, str] | None, names: Sequence[str]) -> Placements | None:
@@ -490,6 +495,7 @@ def lower_plan(pg: PlanningGraph, plan: Plan, parallel_plan: ParallelPlan) -> tu
         gm = make_fx(run, tracing_mode="real")(*args)
     _rename_placeholders_like(pg.gm, gm)
     _drop_unused_getitems(gm)
+    interp.report.split_cats = permuted_split_cat(gm).acted
     _drop_block_labels(gm)
     input_roles, output_roles, num_fwd = label_roles(gm)
     attach_group_dims(gm, pg.mesh.group_dims)

@@ -3,6 +3,7 @@ tests/parity/test_bucketing_parity.py)."""
 
 from __future__ import annotations
 
+import operator
 import re
 
 import pytest
@@ -10,7 +11,7 @@ import torch
 
 from autoparallel import meta as M
 from autoparallel import patches
-from autoparallel.fx_utils import ALL_GATHER, WAIT
+from autoparallel.fx_utils import ALL_GATHER, WAIT, copy_graph_module
 from autoparallel.mesh import fake_world
 from autoparallel.passes.fuse_chained_allgathers import (
     DISABLED,
@@ -21,7 +22,9 @@ from autoparallel.passes.fuse_chained_allgathers import (
     ChainReport,
     fuse_chained_allgathers,
 )
+from autoparallel.passes.permuted_split_cat import permuted_split_cat
 from verify.graphs.generators import GraphBuilder, mesh_groups
+from verify.parity import differential as D
 
 aten = torch.ops.aten
 H = 8
@@ -320,3 +323,50 @@ def test_graph_module_without_group_map(mesh):
         r"group_dims=mesh\.group_dims or attach it with autoparallel\.mesh\.attach_group_dims$",
     ):
         fuse_chained_allgathers(gm)
+
+
+# --- a gather of a dim other than 0 (passes/permuted_split_cat.py's permuted copy between) ------------
+
+
+def _moved_chain(b, first, second, shard, dim):
+    """param ``shard`` -> all_gather(first) -> its blocks moved to ``dim`` (split -> cat, then one
+    permuted copy) -> all_gather(second): DTensor's S(0) on ``second``, S(dim) on ``first`` -> R."""
+    w = b.all_gather(b.param(shard), first)
+    n = b.group(first)[1]
+    s = b.call(aten.split.Tensor, w, shard[0])
+    w = b.call(aten.cat.default, [b.call(operator.getitem, s, i) for i in range(n)], dim)
+    return b.all_gather(w, second)
+
+
+@pytest.mark.parametrize("first, second, shard, dim", [
+    ("tp", "dp", (3, 4), 1),  # row-major: the flat blocks only move
+    ("dp", "tp", (2, 3, 4), 1),  # column-major: both mesh dims' blocks reordered
+    ("tp", "dp", (2, 3, 4), 2),
+])
+def test_a_chain_through_a_permuted_copy_is_one_all_gather_computing_the_same(first, second, shard, dim):
+    with D.simulated_world(MESH) as world:
+        b = GraphBuilder(mesh_groups(world))
+        before = b.output([_moved_chain(b, first, second, shard, dim)], ["output:0"])
+        assert permuted_split_cat(before).acted == 1
+        after = copy_graph_module(before)
+        report = ChainReport()
+        assert fuse_chained_allgathers(after, world.group_dims, report=report) == 1, report.summary()
+        assert _ag_groups(after) == [world.group_name("dp*tp")]
+        assert report.fused[0].endswith(f"[blocks to dim {dim}]")
+        assert ("[column-major]" in report.fused[0]) == (first == "dp")
+        check = D.compare_programs("fuse_chained_allgathers", before, after, D.Feeds(4))
+        assert check.equal, check.summary()
+
+
+def test_a_permuted_copy_whose_value_is_read_elsewhere_is_no_chain_to_fuse(mesh):
+    b = GraphBuilder(mesh_groups(mesh))
+    w = _moved_chain(b, "tp", "dp", (3, 4), 1)
+    gm = b.output([w])
+    permuted_split_cat(gm)
+    copy = next(n for n in gm.graph.nodes if n.target is aten.permute.default)
+    with gm.graph.inserting_after(copy):
+        extra = gm.graph.call_function(aten.neg.default, (copy,))
+        extra.meta["val"] = copy.meta["val"]
+    gm.graph.output_node().args = ([w, extra],)
+    assert fuse_chained_allgathers(gm, mesh.group_dims) == 0
+    assert len(_ag_groups(gm)) == 2

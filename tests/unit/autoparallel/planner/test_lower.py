@@ -208,12 +208,17 @@ UNEQUAL = "dp=4,tp=2"
 ONE_DIM_PINS = {"up.weight": "dp:S(0),tp:R", "down.weight": "dp:R,tp:S(0)"}
 
 
-def test_lowering_on_an_unequal_2d_mesh_with_moves_on_one_dim_only(mlp, mlp_batch):
+def _pinned_joint(mlp, batch, pins, mesh):
+    """The MLP planned with ``pins`` on ``mesh`` (no memory budget), run up to the joint stage."""
     make_model, loss = mlp
     with torch.device("meta"):
         model = make_model()
-    plan_spec = ParallelPlan.auto(pins=ONE_DIM_PINS, memory_budget=float("inf"))
-    run = P.run_pipeline(model, loss, mlp_batch(), plan_spec, UNEQUAL, P.PipelineOptions(), until=P.JOINT)
+    spec = ParallelPlan.auto(pins=pins, memory_budget=float("inf"))
+    return P.run_pipeline(model, loss, batch, spec, mesh, P.PipelineOptions(), until=P.JOINT)
+
+
+def test_lowering_on_an_unequal_2d_mesh_with_moves_on_one_dim_only(mlp, mlp_batch):
+    run = _pinned_joint(mlp, mlp_batch(), ONE_DIM_PINS, UNEQUAL)
     plan, gm, pg = run.planned.plan, run.stage(P.JOINT).graphs, run.planned.pg
     assert_plan_valid(plan)
     moved = {}  # mesh dims whose placement a move changes -> how many such moves
@@ -287,3 +292,25 @@ def test_a_piece_laid_out_already_adds_no_node_to_the_lowered_graph():
     strided = make_fx(lambda t: in_layout_of(t[:, :3], torch.empty(4, 3)))(torch.randn(4, 6))
     ops = [n.target for n in strided.graph.nodes if n.op == "call_function"]
     assert torch.ops.aten.permute.default not in ops and torch.ops.aten.clone.default in ops
+
+
+# --- gathers and scatters of a dim other than 0: one permuted copy each ------------------------------
+
+# The hand FSDP+TP placements of the MLP (up colwise, down rowwise): gathering down.weight's tp
+# shard is a gather of dim 1, which DTensor traces as split -> W getitems -> cat.
+HAND_PINS = {"up.weight": "dp:S(0),tp:S(0)", "down.weight": "dp:S(0),tp:S(1)"}
+
+
+def test_the_lowered_graph_has_no_split_cat_move(mlp, mlp_batch):
+    run = _pinned_joint(mlp, mlp_batch(), HAND_PINS, MESH)
+    gm, report = run.stage(P.JOINT).graphs, run.stage(P.JOINT).report
+    targets = [n.target for n in gm.graph.nodes]
+    assert report.split_cats >= 1 and "permuted copies" in report.summary()
+    assert torch.ops.aten.cat.default not in targets
+    # each gathered dim-1 piece: all_gather -> wait -> reshape -> permute -> contiguous clone -> view
+    perm = [n for n in gm.graph.nodes if n.target is torch.ops.aten.permute.default]
+    assert len(perm) == report.split_cats
+    assert all(p.args[0].args[0].target is torch.ops._c10d_functional.wait_tensor.default for p in perm)
+    with fake_world(MESH) as mesh:
+        costs = CostModel(get_profile(run.planned.plan.profile), mesh.spec, mesh.device_mesh)
+        assert mismatches(predicted_by_node(run.planned.pg, run.planned.plan, costs), traced_by_node(gm)) == []
