@@ -25,6 +25,7 @@ also has to keep consistent, found by building every type of transformers 5.24:
 * group counts (group norms, SSM groups) become 1, which divides any channel count;
 * a state-space block's width is ``expand * hidden_size`` (or its ``d_ssm``): its head dim is set
   so that heads * head dim is that width (what the Mamba-2 validators check);
+* ``qk_head_dim`` stays the sum of its plain and rotary parts (``qk_nope_head_dim + qk_rope_head_dim``);
 * a field whose declared default is ``"auto"`` (derived in ``__post_init__``) is reset to it;
 * derived fields are recomputed: the shrunk config is built anew from its ``to_dict()`` with the
   sizes replaced, so ``__post_init__`` runs on the new sizes.
@@ -196,6 +197,8 @@ def shrink_dict(d: dict[str, Any], is_sub_config=lambda key, value: False) -> di
         if isinstance(out[key], (list, tuple)) and len(out[key]) in kept and fam not in ("widths", "depths"):
             out[key] = type(out[key])(out[key][i] for i in kept[len(out[key])])  # one entry per layer: those kept
     _ssm(out)
+    if all(_int(out.get(k)) for k in ("qk_head_dim", "qk_nope_head_dim", "qk_rope_head_dim")):
+        out["qk_head_dim"] = out["qk_nope_head_dim"] + out["qk_rope_head_dim"]  # the sum of its parts, as the default
     if "use_cache" in out:
         out["use_cache"] = False  # a training step keeps no cache
     return out

@@ -169,3 +169,9 @@ def test_a_model_type_keeps_only_the_fields_keep_names_at_their_default():
     assert list(tiny_config("cvt").depth) == list(transformers.AutoConfig.for_model("cvt").depth) == [1, 2, 10]
     assert tiny_config("cvt").embed_dim == [16, 32, 64] and "embed_dim" not in KEEP["cvt"]
     assert tiny_config("swinv2").depths == [1, 1, 1, 1]  # no entry: the generic rule
+
+
+def test_a_query_key_head_dim_stays_the_sum_of_its_parts():
+    out = shrink_dict({"qk_head_dim": 192, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "head_dim": 64})
+    assert out["qk_head_dim"] == out["qk_nope_head_dim"] + out["qk_rope_head_dim"] and out["head_dim"] == HIDDEN // 2
+    assert shrink_dict({"qk_head_dim": 192})["qk_head_dim"] == HIDDEN // 2  # no parts: the plain rule
