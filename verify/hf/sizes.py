@@ -180,7 +180,8 @@ def shrink_dict(d: dict[str, Any], is_sub_config=lambda key, value: False) -> di
             out[key] = shrink_dict(value)
         elif isinstance(value, dict) and layers_before and value and all(_layer_index(k) is not None for k in value):
             keep = min(kept.values(), key=len)  # keyed by layer: those kept, renumbered
-            out[key] = {type(k)(keep.index(_layer_index(k))).zfill(len(k)) if isinstance(k, str) else keep.index(k): v
+            out[key] = {type(k)(keep.index(_layer_index(k))).zfill(len(k)) if isinstance(k, str) else keep.index(k):
+                        shrink_dict(v) if isinstance(v, dict) else v  # a layer's own sizes shrink too
                         for k, v in value.items() if _layer_index(k) in keep}
         elif fam == "token":
             out[key] = _token(value, VOCAB)

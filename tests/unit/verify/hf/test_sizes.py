@@ -106,6 +106,8 @@ def test_the_layers_kept_are_one_of_each_kind_then_the_first():
     assert out["layer_types"] == ["linear_attention", "full_attention"] and out["num_hidden_layers"] == 2
     assert out["mlp_only_layers"] == [7, 4]  # every per-layer list keeps the same layers
     assert out["per_layer"] == {"00": 1, "01": 2}  # keyed by layer: layers 0 and 3 kept, 3 now the second
+    own = shrink_dict({"num_hidden_layers": 4, "per_layer_config": {"1": {"num_attention_heads": 64, "window": 9}}})
+    assert own["per_layer_config"] == {"1": {"num_attention_heads": 2, "window": 9}}  # a layer's own sizes shrink
     three = shrink_dict({"num_hidden_layers": 6, "layer_types": ["a", "b", "c"] * 2})
     assert three["layer_types"] == ["a", "b", "c"] and three["num_hidden_layers"] == 3  # more kinds: more layers
     same = shrink_dict({"num_hidden_layers": 6, "layer_types": ["a"] * 6})
