@@ -225,6 +225,7 @@ def _inputs(task: str, attention_mask: bool) -> tuple[str, ...]:
         "masked": ("input_ids", *mask),
         "seq2seq": ("input_ids", *mask, "decoder_input_ids"),
         "image": ("pixel_values",),
+        "image_tokens": ("input_ids", *mask),
     }[task]
 
 
@@ -232,6 +233,8 @@ def _batch(task: str, attention_mask: bool, image: tuple[int, int, int] = (3, IM
     """``batch(n)``: the inputs of :func:`_inputs`, then the target (tokens, or a class)."""
     if task == "image":
         return lambda n: (torch.randn(n, *image), torch.randint(0, LABELS, (n,)))
+    if task == "image_tokens":
+        return lambda n: (_tokens(n), *((_mask(n),) if attention_mask else ()), torch.randint(0, LABELS, (n,)))
     seq2seq = task == "seq2seq"
 
     def batch(n: int) -> tuple[torch.Tensor, ...]:
@@ -270,6 +273,30 @@ class KeywordInputs(nn.Module):
         return self.model(**dict(zip(self.names, inputs, strict=True)))
 
 
+def input_task(task: str, model_cls) -> str:
+    """``task``, or ``"image_tokens"`` for an image classifier whose forward takes tokens and no
+    pixels (ImageGPT classifies sequences of colour-cluster ids): its inputs are tokens."""
+    import inspect
+
+    params = inspect.signature(model_cls.forward).parameters
+    if task == "image" and "pixel_values" not in params and "input_ids" in params:
+        return "image_tokens"
+    return task
+
+
+def model_config(model_cls, config):
+    """The config ``model_cls`` takes: ``config``, or its sub-config of the class the model declares
+    (a composite's causal-LM head, ``Llama4ForCausalLM``, is built from the text config)."""
+    want = getattr(model_cls, "config_class", None)
+    if want is None or isinstance(config, want):
+        return config
+    for key in getattr(type(config), "sub_configs", {}) or {}:
+        sub = getattr(config, key, None)
+        if isinstance(sub, want):
+            return sub
+    return config
+
+
 def hf_case(model, *, batch_per_rank: int = 2, attention_mask: bool = False, **overrides: Any) -> ModelCase:
     """A ModelCase of a Hugging Face architecture: a name of :data:`ARCHS` (hand-written sizes),
     any other model type of :func:`model_types`, a ``PretrainedConfig`` or a path to a
@@ -286,12 +313,14 @@ def hf_case(model, *, batch_per_rank: int = 2, attention_mask: bool = False, **o
         label = model if isinstance(model, str) and "/" not in model and not model.endswith(".json") else config.model_type
         image = _image_shape(config)
     model_cls = getattr(_transformers(), model_cls_name)
-    loss = class_loss if task == "image" else token_loss
+    config = model_config(model_cls, config)
+    task = input_task(task, model_cls)
+    loss = class_loss if task.startswith("image") else token_loss
     names = _inputs(task, attention_mask)
     suffix = "+mask" if attention_mask and task != "image" else ""
     return ModelCase(f"hf-{label}{suffix}", lambda: KeywordInputs(model_cls(config), names), loss,
                      _batch(task, attention_mask, image), batch_per_rank=batch_per_rank)
 
 
-__all__ = ["ARCHS", "Arch", "KeywordInputs", "class_loss", "hf_case", "hf_config", "model_types", "task_of",
+__all__ = ["ARCHS", "Arch", "KeywordInputs", "class_loss", "hf_case", "hf_config", "input_task", "model_config", "model_types", "task_of",
            "tiny_config", "token_loss"]

@@ -83,3 +83,25 @@ def test_an_image_model_gets_pixels_of_its_configs_size_and_class_targets():
     config = case.build().model.config
     assert pixels.shape == (2, config.num_channels, config.image_size, config.image_size) and config.num_labels == 4
     assert labels.dtype == torch.long and labels.max() < 4
+
+
+def test_a_composites_head_gets_the_sub_config_of_its_class():
+    from verify.hf import model_config
+
+    config = tiny_config("llama4")
+    text = model_config(transformers.Llama4ForCausalLM, config)
+    assert text is config.text_config and isinstance(text, transformers.Llama4TextConfig)
+    plain = tiny_config("mistral")
+    assert model_config(transformers.MistralForCausalLM, plain) is plain
+    assert model_config(transformers.MistralForCausalLM, config) is config  # no sub-config of that class: unchanged
+
+
+def test_an_image_classifier_that_takes_tokens_gets_tokens():
+    from verify.hf import input_task
+
+    assert input_task("image", transformers.ImageGPTForImageClassification) == "image_tokens"
+    assert input_task("image", transformers.ViTForImageClassification) == "image"
+    assert input_task("causal", transformers.MistralForCausalLM) == "causal"
+    case = hf_case("imagegpt")
+    inputs, target = (b := case.batches(2, 1)[0])[:-1], b[-1]
+    assert inputs[0].dtype == torch.long and target.shape == (2,)

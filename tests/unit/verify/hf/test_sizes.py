@@ -97,3 +97,83 @@ def test_the_rule_keeps_the_librarys_dropout():
     default = transformers.BertConfig()
     assert config.hidden_dropout_prob == default.hidden_dropout_prob > 0
     assert config.attention_probs_dropout_prob == default.attention_probs_dropout_prob > 0
+
+
+def test_the_layers_kept_are_one_of_each_kind_then_the_first():
+    d = {"num_hidden_layers": 8, "layer_types": ["linear_attention"] * 3 + ["full_attention"] + ["linear_attention"] * 4,
+         "mlp_only_layers": [0, 1, 2, 3, 4, 5, 6, 7][::-1], "per_layer": {"00": 1, "03": 2, "05": 3}}
+    out = shrink_dict(d)
+    assert out["layer_types"] == ["linear_attention", "full_attention"] and out["num_hidden_layers"] == 2
+    assert out["mlp_only_layers"] == [7, 4]  # every per-layer list keeps the same layers
+    assert out["per_layer"] == {"00": 1, "01": 2}  # keyed by layer: layers 0 and 3 kept, 3 now the second
+    own = shrink_dict({"num_hidden_layers": 4, "per_layer_config": {"1": {"num_attention_heads": 64, "window": 9}}})
+    assert own["per_layer_config"] == {"1": {"num_attention_heads": 2, "window": 9}}  # a layer's own sizes shrink
+    three = shrink_dict({"num_hidden_layers": 6, "layer_types": ["a", "b", "c"] * 2})
+    assert three["layer_types"] == ["a", "b", "c"] and three["num_hidden_layers"] == 3  # more kinds: more layers
+    same = shrink_dict({"num_hidden_layers": 6, "layer_types": ["a"] * 6})
+    assert same["layer_types"] == ["a", "a"] and same["num_hidden_layers"] == LAYERS  # one kind: the first layers
+
+
+def test_a_layer_count_that_counts_the_stages_is_kept():
+    out = shrink_dict({"num_layers": 4, "depths": [2, 2, 6, 2], "num_heads": [3, 6, 12, 24]})
+    assert out["num_layers"] == 4 and out["num_heads"] == [2, 2, 2, 2]
+    assert shrink_dict({"num_layers": 4, "depths": [2, 2, 6]})["num_layers"] == LAYERS  # 3 stages: 4 counts layers
+
+
+def test_out_indices_are_clamped_to_the_layers_left_never_none():
+    out = shrink_dict({"num_hidden_layers": 12, "out_indices": [3, 5, 7, 11], "out_features": ["stage12"]})
+    assert out["out_indices"] == [2] and out["out_features"] is None
+    assert shrink_dict({"num_hidden_layers": 12, "out_indices": None})["out_indices"] is None
+
+
+def test_sizes_left_unset_get_their_test_size_other_unset_fields_stay():
+    out = shrink_dict({"vocab_size": None, "num_experts_per_tok": None, "n_routed_experts": None, "head_dim": None,
+                       "n_shared_experts": None, "q_lora_rank": None, "pad_token_id": None, "sliding_window": None})
+    assert out["vocab_size"] == VOCAB and out["num_experts_per_tok"] == 2 and out["n_routed_experts"] == 4
+    assert out["head_dim"] == HIDDEN // 2 and out["n_shared_experts"] == 1
+    assert out["q_lora_rank"] is None and out["pad_token_id"] is None and out["sliding_window"] is None  # None means off
+
+
+def test_group_counts_become_one():
+    out = shrink_dict({"num_groups": 32, "mamba_n_groups": 8, "n_groups": 8, "num_query_groups": 32})
+    assert out == {"num_groups": 1, "mamba_n_groups": 1, "n_groups": 1, "num_query_groups": 32}
+
+
+@pytest.mark.parametrize(("d", "heads", "head_dim"), [
+    ({"hidden_size": 4096, "expand": 2, "num_heads": 128, "head_dim": 64}, "num_heads", "head_dim"),
+    ({"hidden_size": 4096, "mamba_expand": 2, "mamba_n_heads": 128, "mamba_d_head": 64, "head_dim": 128,
+      "num_attention_heads": 32}, "mamba_n_heads", "mamba_d_head"),
+    ({"hidden_size": 4096, "mamba_expand": 2, "mamba_d_ssm": 1024, "mamba_n_heads": 128, "mamba_d_head": 8},
+     "mamba_n_heads", "mamba_d_head"),
+])
+def test_a_state_space_blocks_heads_times_head_dim_is_its_width(d, heads, head_dim):
+    out = shrink_dict(d)
+    width = out.get("mamba_d_ssm") or out.get("expand", out.get("mamba_expand")) * out["hidden_size"]
+    assert out[heads] * out[head_dim] == width
+    if "num_attention_heads" in d:
+        assert out["head_dim"] == HIDDEN // 2  # the attention's head dim: the plain rule
+
+
+def test_without_an_expand_field_there_is_no_state_space_rule():
+    assert shrink_dict({"hidden_size": 4096, "num_heads": 32, "head_dim": 128})["head_dim"] == HIDDEN // 2
+
+
+def test_fields_declared_auto_are_derived_again_from_the_shrunk_sizes():
+    cfg = transformers.AutoConfig.for_model("bamba")
+    assert cfg.mamba_d_head == 64  # derived at full size
+    tiny = tiny_config("bamba")
+    assert tiny.mamba_d_head * tiny.mamba_n_heads == tiny.mamba_expand * tiny.hidden_size
+
+
+def test_a_model_type_keeps_only_the_fields_keep_names_at_their_default():
+    from verify.hf.sizes import KEEP
+
+    assert list(tiny_config("cvt").depth) == list(transformers.AutoConfig.for_model("cvt").depth) == [1, 2, 10]
+    assert tiny_config("cvt").embed_dim == [16, 32, 64] and "embed_dim" not in KEEP["cvt"]
+    assert tiny_config("swinv2").depths == [1, 1, 1, 1]  # no entry: the generic rule
+
+
+def test_a_query_key_head_dim_stays_the_sum_of_its_parts():
+    out = shrink_dict({"qk_head_dim": 192, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "head_dim": 64})
+    assert out["qk_head_dim"] == out["qk_nope_head_dim"] + out["qk_rope_head_dim"] and out["head_dim"] == HIDDEN // 2
+    assert shrink_dict({"qk_head_dim": 192})["qk_head_dim"] == HIDDEN // 2  # no parts: the plain rule
