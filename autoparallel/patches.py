@@ -146,6 +146,18 @@ _register(
     ),
 )
 _register(
+    "eager_kernels",
+    "inside the joint trace, ops with a CPU kernel whose Autograd/CompositeImplicitAutograd key carries a "
+    "Python decomposition (upsample family, hardshrink, softshrink, margin losses; not native_batch_norm) "
+    "trace as the ATen op and its derivative, as eager runs them",
+    "the trace runs the Python decomposition: bilinear interpolate becomes _unsafe_index gathers and its "
+    "backward _unsafe_index_put(accumulate=True), other roundings than eager (mobilevit NOT bitwise)",
+    (
+        "tests/unit/autoparallel/test_eager_kernels.py::test_traced_interpolate_is_eager_bitwise",
+        "tests/unit/autoparallel/test_eager_kernels.py::test_joint_graph_of_an_upsampling_model_is_eager_bitwise",
+    ),
+)
+_register(
     "pinned_layouts",
     "after the joint trace, each pointwise op whose same-shaped tensor operands have mixed layouts is "
     "followed by prims.copy_strided to the strides the trace recorded, so the real tensor has the fake "
