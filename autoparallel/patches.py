@@ -159,6 +159,32 @@ _register(
     ),
 )
 _register(
+    "eager_kernels",
+    "inside the joint trace, ops with a CPU kernel whose Autograd/CompositeImplicitAutograd key carries a "
+    "Python decomposition (upsample family, hardshrink, softshrink, margin losses; not native_batch_norm) "
+    "trace as the ATen op and its derivative, as eager runs them",
+    "the trace runs the Python decomposition: bilinear interpolate becomes _unsafe_index gathers and its "
+    "backward _unsafe_index_put(accumulate=True), other roundings than eager (mobilevit NOT bitwise)",
+    (
+        "tests/unit/autoparallel/test_eager_kernels.py::test_traced_interpolate_is_eager_bitwise",
+        "tests/unit/autoparallel/test_eager_kernels.py::test_joint_graph_of_an_upsampling_model_is_eager_bitwise",
+    ),
+)
+_register(
+    "pinned_layouts",
+    "after the joint trace, each pointwise op whose same-shaped tensor operands have mixed layouts is "
+    "followed by prims.copy_strided to the strides the trace recorded, so the real tensor has the fake "
+    "tensor's layout whatever the kernel picked (ATen's kernel and the op's Python decomposition take the "
+    "operands in other orders: softplus_backward, hardswish_backward)",
+    "the real layout of such an op can differ from the traced one: a view the trace made of its output "
+    "(the reshape in its gradient's path) raises 'view size is not compatible with input tensor's size "
+    "and stride' at run time (doge, qwen3_5_moe_text fsdp)",
+    (
+        "tests/unit/autoparallel/passes/test_pinned_layouts.py::test_traced_joint_graph_of_mixed_layout_softplus_runs",
+        "tests/unit/autoparallel/passes/test_pinned_layouts.py::test_joint_graph_pins_the_mixed_layout_op",
+    ),
+)
+_register(
     "trace_as_compiling",
     "the joint trace and the graph trainer's trace run with torch.compiler.is_compiling() true, as a "
     "torch.compile session does: models skip their data-dependent eager fast paths (transformers' "

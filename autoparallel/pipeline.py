@@ -57,6 +57,8 @@ from autoparallel.aot_graph_text import aot_graph_text_only_when_logged
 from autoparallel.compile import OVERLAP_PATCH, SECOND_COMPILE, Compiler, autoparallel_backend
 from autoparallel.compiling_flag import PATCH as TRACE_AS_COMPILING
 from autoparallel.eager_dropout import PATCH as EAGER_DROPOUT
+from autoparallel.eager_kernels import PATCH as EAGER_KERNELS
+from autoparallel.passes.pinned_layouts import PATCH as PINNED_LAYOUTS
 from autoparallel.fx_utils import copy_graph_module
 from autoparallel.gc_pauses import fewer_collections
 from autoparallel.mesh import MeshSpec, ParallelMesh, attach_group_dims, fake_world
@@ -452,7 +454,7 @@ def _collective_stage(p: CollectivePass) -> Stage:
 #: The stage list, in order (see the module docstring).
 STAGES: tuple[Stage, ...] = (
     Stage(JOINT, _joint, "trace the per-rank joint graph (model, loss, plan, mesh)",
-          patches=(TRACE_AS_COMPILING, EAGER_DROPOUT, SPLIT_CAT_PATCH)),
+          patches=(TRACE_AS_COMPILING, EAGER_DROPOUT, EAGER_KERNELS, PINNED_LAYOUTS, SPLIT_CAT_PATCH)),
     *(_placement_stage(s) for s in PLACEMENT_STEPS),
     Stage(
         SECOND_COMPILE,

@@ -20,13 +20,17 @@ from torch._guards import detect_fake_mode
 from torch._subclasses.fake_tensor import FakeTensorMode, is_fake, unset_fake_temporarily
 
 from autoparallel import meta as M
+from autoparallel import patches
 from autoparallel import roles
 from autoparallel.compiling_flag import compiling_queries, tracing_as_compiling
 from autoparallel.eager_dropout import dropout_as_eager
+from autoparallel.eager_kernels import kernels_as_eager
 from autoparallel.mesh import ParallelMesh, attach_group_dims
 from autoparallel.parallelize.module_paths import annotate_module_paths
 from autoparallel.parallelize.plan import ParallelPlan, ParamSharding
 from autoparallel.parallelize.program import LossFn, ParallelProgram, clean_fqn, split_batch
+from autoparallel.passes.pinned_layouts import PATCH as PINNED_LAYOUTS
+from autoparallel.passes.pinned_layouts import pin_mixed_layouts
 from autoparallel.patches import disabled_from_env
 from autoparallel.validate import check_input_dtypes, data_dependent_ops_named
 
@@ -134,13 +138,18 @@ def build_joint_graph(
 
         with (annotate_module_paths(program.model), tracing_as_compiling(), compiling_queries() as queried,
               data_dependent_ops_named(),
-              dropout_as_eager() if eager_dropout else contextlib.nullcontext()):
+              dropout_as_eager() if eager_dropout else contextlib.nullcontext(),
+              kernels_as_eager() if eager_dropout else contextlib.nullcontext()):
             jd = aot_export_joint_with_descriptors(stack, program, fake_inputs)
     except BaseException:
         stack.close()
         raise
     seconds = time.perf_counter() - t0
     gm = jd.graph_module
+    if patches.enabled(PINNED_LAYOUTS):
+        pinned = pin_mixed_layouts(gm).pinned
+        if pinned:
+            log.info("pinned the traced layout of %d pointwise ops with mixed-layout operands: %s", len(pinned), pinned)
     input_roles, output_roles, num_fwd = label_roles(gm)
     without_grad = tuple(params_without_grad(gm, input_roles, output_roles))
     if without_grad:
