@@ -50,12 +50,21 @@ def _exact_cost(inst: Instance, x) -> int:
     return total + sum(int(inst.edge_cost[e][x[inst.edge_u[e]], x[inst.edge_v[e]]]) for e in range(len(inst.edge_u)))
 
 
-def _neighbourhood(inst: Instance, rng, size: int, prof=None) -> np.ndarray:
+def _forbidden_nodes(inst: Instance, x) -> list:
+    """Endpoints of the edges whose chosen pair is forbidden under ``x``."""
+    return [int(n) for e in range(len(inst.edge_u))
+            if not np.isfinite(inst.edge_cost[e][x[inst.edge_u[e]], x[inst.edge_v[e]]])
+            for n in (inst.edge_u[e], inst.edge_v[e])]
+
+
+def _neighbourhood(inst: Instance, rng, size: int, prof=None, around=None) -> np.ndarray:
     """A connected set of about ``size`` nodes around a random one (breadth first over the
     edges). With ``prof``, the set starts from the nodes live at a time step drawn towards the
     usage peak instead, so nodes that compete for memory are freed together."""
     seen: set = set()
-    if prof is not None and len(prof):
+    if around:  # a plan with forbidden pairs: free their endpoints first
+        seen.update(int(i) for i in rng.permutation(np.array(around))[: max(1, size // 4)])
+    elif prof is not None and len(prof):
         weight = np.maximum(prof - np.quantile(prof, 0.5), 0).astype(np.float64) + 1.0
         t = int(rng.choice(len(prof), p=weight / weight.sum()))
         live = np.flatnonzero((inst.starts <= t) & (t < inst.ends))
@@ -130,7 +139,8 @@ def _lns(inst, x, prof, best, deadline, seed, threads, clock, say, stats):
     last_report = clock()
     whole = None
     while clock() < deadline - 0.2 and whole is None:
-        free = _neighbourhood(inst, rng, size, prof if inst.limit is not None and stats["subproblems"] % 2 else None)
+        around = None if np.isfinite(best) else _forbidden_nodes(inst, x)
+        free = _neighbourhood(inst, rng, size, prof if inst.limit is not None and stats["subproblems"] % 2 else None, around)
         edges = sorted({e for i in free for e, _ in inst.incident[i]})
         before = _region_cost(inst, x, free, edges)
         budget = min(5.0, deadline - clock() - 0.5)

@@ -38,6 +38,9 @@ def table(rows: list) -> str:
     lines = ["| instance | nodes | our cost | cost / best | seconds | proven optimal |", "|---|---:|---:|---:|---:|---|"]
     ratios, beaten = [], []
     for r in rows:
+        if r["cost"] is None:
+            lines.append(f"| {r['letter']} | - | failed: {r['error']} | - | {r['seconds']:.1f} | no |")
+            continue
         best = BEST.get(r["letter"])
         ratio = r["cost"] / best if best else None
         if ratio is not None:
@@ -51,6 +54,9 @@ def table(rows: list) -> str:
         lines.append("")
         lines.append(f"geometric mean of cost / best over {len(ratios)} instances: {gm:.4f}")
         lines.append(f"beat the best: {', '.join(beaten) if beaten else 'none'}")
+    failed = [r["letter"] for r in rows if r["cost"] is None]
+    if failed:
+        lines.append(f"no feasible plan: {', '.join(failed)} (not in the geometric mean)")
     return "\n".join(lines)
 
 
@@ -74,11 +80,17 @@ def main(argv=None) -> int:
         def say(msg, name=letter(path)):
             print(f"[bench {time.perf_counter() - t0:7.1f}s {name}] {msg}", file=sys.stderr, flush=True)
 
-        out = run(path, args.time_limit, say)
+        t = time.perf_counter()
+        try:
+            out = run(path, args.time_limit, say)
+            out.pop("solution")
+            say(f"cost {out['cost']} in {out['seconds']}s ({out['method']})")
+        except ValueError as e:  # no plan (or a rejected one): a row that says so, then the next instance
+            say(f"FAILED: {e}")
+            out = {"instance": os.path.basename(path), "nodes": None, "cost": None, "optimal": False,
+                   "seconds": round(time.perf_counter() - t, 2), "error": str(e)}
         out["letter"] = letter(path)
-        out.pop("solution")
         rows.append(out)
-        say(f"cost {out['cost']} in {out['seconds']}s ({out['method']})")
         if args.save:
             with open(args.save, "w") as f:
                 json.dump(rows, f, indent=1)
