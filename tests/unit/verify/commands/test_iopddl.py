@@ -181,3 +181,15 @@ def test_neighbourhood_search_alone_keeps_instance_g_feasible_and_no_worse():
     assert r.method == "lns" and r.stats["subproblems"] > 0
     assert check(read_problem(path), r.solution, r.cost) == r.cost
     assert r.cost <= start
+
+
+def test_bench_table_reports_ratios_beaten_bests_and_failures():
+    from verify.commands.iopddl.bench import BEST, table
+
+    rows = [{"letter": "B", "nodes": 816, "cost": BEST["B"] * 2, "seconds": 1.0, "optimal": False},
+            {"letter": "G", "nodes": 816, "cost": BEST["G"] // 2, "seconds": 2.0, "optimal": True},
+            {"letter": "K", "nodes": None, "cost": None, "seconds": 3.0, "optimal": False, "error": "no plan"}]
+    text = table(rows)
+    assert "| B | 816 | 1,065,686 | 2.0000 |" in text and "| G | 816 | 108,519 | 0.5000 | 2.0 | yes |" in text
+    assert "geometric mean of cost / best over 2 instances: 1.0000" in text
+    assert "beat the best: G" in text and "no feasible plan: K" in text
