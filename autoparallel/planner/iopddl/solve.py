@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from autoparallel.planner.iopddl.instance import Instance, forbid_unsupported
-from autoparallel.planner.iopddl.mip import solve_sub
+from autoparallel.planner.iopddl.mip import PENALTY, solve_sub
 from autoparallel.planner.iopddl.search import cost, descend, least_usage, profile
 
 FULL_MIP_PAIRS = 400_000  # strategy pairs on edges up to which one MIP over everything is tried first
@@ -36,8 +36,10 @@ class Result:
 
 
 def _region_cost(inst: Instance, x, nodes, edges) -> float:
-    return sum(float(inst.cost[i][x[i]]) for i in nodes) + sum(
-        float(inst.edge_cost[e][x[inst.edge_u[e]], x[inst.edge_v[e]]]) for e in edges)
+    """Cost of the nodes and edges, each forbidden choice counted as PENALTY, so that a plan
+    with fewer forbidden choices compares cheaper."""
+    terms = [inst.cost[i][x[i]] for i in nodes] + [inst.edge_cost[e][x[inst.edge_u[e]], x[inst.edge_v[e]]] for e in edges]
+    return float(sum(min(float(t), PENALTY) for t in terms))
 
 
 def _trivial_bound(inst: Instance) -> float:
@@ -162,7 +164,7 @@ def _lns(inst, x, prof, best, deadline, seed, threads, clock, say, stats):
                     if s < e:
                         prof[s:e] += inst.usage[i][trial[i]] - inst.usage[i][x[i]]
                 x = trial
-                best = best + (after - before) if np.isfinite(before) else cost(inst, x)
+                best = best + (after - before) if before < PENALTY else cost(inst, x)
                 stats["improved"] += 1
         if r.optimal and took < 1.0:
             size = min(inst.n, int(size * 1.2) + 1)
