@@ -14,6 +14,7 @@ import pytest
 from autoparallel.planner.iopddl import from_dict, load, solve
 from verify.__main__ import main as verify_main
 from verify.commands.iopddl import cli
+from verify.commands.iopddl.bench import BEST, table
 from verify.commands.iopddl.check import Rejected, check, evaluate, read_problem
 
 DATA = os.path.join(os.path.dirname(__file__), "..", "..", "..", "data", "iopddl")
@@ -184,8 +185,6 @@ def test_neighbourhood_search_alone_keeps_instance_g_feasible_and_no_worse():
 
 
 def test_bench_table_reports_ratios_beaten_bests_and_failures():
-    from verify.commands.iopddl.bench import BEST, table
-
     rows = [{"letter": "B", "nodes": 816, "cost": BEST["B"] * 2, "seconds": 1.0, "optimal": False},
             {"letter": "G", "nodes": 816, "cost": BEST["G"] // 2, "seconds": 2.0, "optimal": True},
             {"letter": "K", "nodes": None, "cost": None, "seconds": 3.0, "optimal": False, "error": "no plan"}]
