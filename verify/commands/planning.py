@@ -40,9 +40,14 @@ def add_arguments(p: argparse.ArgumentParser, *, preset=str, mesh=str, dtype=str
     p.add_argument("--save", default=None, metavar="FILE", help="write the plan as JSON to FILE")
     p.add_argument("--json", action="store_true", help="print the plan as JSON instead of tables")
     p.add_argument("--text", action="store_true", help="print the canonical plan text (what goldens hold) instead of tables")
+    p.add_argument("--iopddl", default=None, metavar="FILE", help="solve this IOPDDL contest instance (JSON, may be gzipped) instead")
 
 
 def main(args: argparse.Namespace) -> int:
+    if args.iopddl:
+        from verify.commands.iopddl.cli import main as iopddl_main
+
+        return iopddl_main(args)
     t_start = time.perf_counter()
     from autoparallel.mesh import MeshSpec, fake_world
     from autoparallel.models.llama3 import model_args

@@ -1,0 +1,129 @@
+"""Reading an IOPDDL instance (plain or gzipped JSON) into arrays the solvers work on.
+
+Costs of 10**18 and above mean "forbidden" in the contest's files: they become ``inf`` in the
+float cost arrays, so a solver can never pick them while the exact integer costs stay available.
+Edges between the same two nodes are merged (their cost tables summed) so each solver sees one.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+from dataclasses import dataclass, field
+
+import numpy as np
+
+INFINITE = 10**18
+
+
+@dataclass
+class Instance:
+    name: str
+    starts: np.ndarray  # int64 [n]
+    ends: np.ndarray  # int64 [n], exclusive
+    cost: list  # float64 [n_strategies] per node, inf where forbidden
+    usage: list  # int64 [n_strategies] per node
+    edge_u: np.ndarray  # int64 [m]
+    edge_v: np.ndarray  # int64 [m]
+    edge_cost: list  # float64 [n_strategies(u), n_strategies(v)] per edge, inf where forbidden
+    limit: int | None
+    horizon: int = 0
+    incident: list = field(default_factory=list)  # per node: [(edge index, node is edge's u)]
+
+    @property
+    def n(self) -> int:
+        return len(self.cost)
+
+    def sizes(self) -> np.ndarray:
+        return np.array([len(c) for c in self.cost], dtype=np.int64)
+
+
+def _floats(values) -> np.ndarray:
+    a = np.asarray(values, dtype=np.float64)
+    a[a >= INFINITE] = np.inf
+    return a
+
+
+def read_json(path: str) -> dict:
+    with open(path, "rb") as f:
+        head = f.read(2)
+    opener = gzip.open if head == b"\x1f\x8b" else open
+    with opener(path, "rt") as f:
+        return json.load(f)
+
+
+def from_dict(data: dict) -> Instance:
+    """Build an :class:`Instance` from the parsed JSON; raise ValueError on a malformed one."""
+    try:
+        p = data["problem"]
+        nodes, edges = p["nodes"], p["edges"]
+        intervals, costs, usages = nodes["intervals"], nodes["costs"], nodes["usages"]
+        pairs, tables = edges["nodes"], edges["costs"]
+    except (KeyError, TypeError) as e:
+        raise ValueError(f"not an IOPDDL instance: missing {e}") from None
+    n = len(costs)
+    if not (len(intervals) == len(usages) == n) or len(pairs) != len(tables):
+        raise ValueError("not an IOPDDL instance: node or edge lists of different lengths")
+    iv = np.asarray(intervals, dtype=np.int64).reshape(n, 2)
+    cost = [_floats(c) for c in costs]
+    usage = [np.asarray(u, dtype=np.int64) for u in usages]
+    for i in range(n):
+        if len(cost[i]) == 0 or len(cost[i]) != len(usage[i]):
+            raise ValueError(f"node {i}: {len(cost[i])} costs, {len(usage[i])} usages")
+    merged: dict = {}
+    for k, (pair, table) in enumerate(zip(pairs, tables)):
+        if len(pair) != 2:
+            raise ValueError(f"edge {k}: only edges between two nodes are supported, got {pair}")
+        u, v = int(pair[0]), int(pair[1])
+        if not (0 <= u < n and 0 <= v < n) or u == v:
+            raise ValueError(f"edge {k}: bad nodes {pair}")
+        shape = (len(cost[u]), len(cost[v]))
+        if len(table) != shape[0] * shape[1]:
+            raise ValueError(f"edge {k}: {len(table)} costs for {shape[0]}x{shape[1]} strategy pairs")
+        m = _floats(table).reshape(shape)
+        if (v, u) in merged:
+            u, v, m = v, u, m.T
+        merged[(u, v)] = merged[(u, v)] + m if (u, v) in merged else m
+    keys = list(merged)
+    eu = np.array([k[0] for k in keys], dtype=np.int64)
+    ev = np.array([k[1] for k in keys], dtype=np.int64)
+    limit = p.get("usage_limit")
+    inst = Instance(str(p.get("name", "")), iv[:, 0].copy(), iv[:, 1].copy(), cost, usage, eu, ev,
+                    [merged[k] for k in keys], None if limit is None else int(limit))
+    inst.horizon = int(max(iv[:, 1].max(initial=0), 0))
+    inst.incident = [[] for _ in range(n)]
+    for e, (u, v) in enumerate(keys):
+        inst.incident[u].append((e, True))
+        inst.incident[v].append((e, False))
+    return inst
+
+
+def load(path: str) -> Instance:
+    return from_dict(read_json(path))
+
+
+def forbid_unsupported(inst: Instance) -> int:
+    """Arc consistency: forbid (cost ``inf``) each strategy that has, on some edge, no allowed
+    partner at a finite cost, until none is left; returns how many were forbidden. Without it
+    a start of least usage makes forbidden pairs that no single move can undo."""
+    allowed = [np.isfinite(c) for c in inst.cost]
+    finite = [np.isfinite(m) for m in inst.edge_cost]
+    removed, dirty = 0, set(range(inst.n))
+    while dirty:
+        edges = sorted({e for i in dirty for e, _ in inst.incident[i]})
+        dirty = set()
+        for e in edges:
+            a, b = int(inst.edge_u[e]), int(inst.edge_v[e])
+            f = finite[e]
+            sa = allowed[a] & (f[:, allowed[b]].any(axis=1))
+            sb = allowed[b] & (f[allowed[a], :].any(axis=0))
+            for node, new in ((a, sa), (b, sb)):
+                if new.sum() < allowed[node].sum():
+                    if not new.any():
+                        raise ValueError(f"infeasible: node {node} has no strategy compatible with its neighbours")
+                    removed += int(allowed[node].sum() - new.sum())
+                    allowed[node] = new
+                    dirty.add(node)
+    for i in range(inst.n):
+        inst.cost[i] = np.where(allowed[i], inst.cost[i], np.inf)
+    return removed

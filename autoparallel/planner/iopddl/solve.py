@@ -1,0 +1,176 @@
+"""The IOPDDL solve: a feasible start, coordinate descent, then HiGHS MIPs until the time runs out.
+
+Small problems (few strategy pairs on their edges) go to one MIP over every node, warm-started
+from the descent: HiGHS either proves the plan optimal or returns its best plan and dual bound.
+Otherwise, and after a whole-problem MIP that ran out of time, a large-neighbourhood search frees
+a connected set of nodes around a random one (breadth first over the edges), solves that set's
+MIP with the rest held, and keeps the result when it is cheaper; the set grows while its MIPs
+finish quickly and shrinks when they time out. Its bound is then the sum of each node's and each
+edge's cheapest allowed cost, which holds but is weak.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from autoparallel.planner.iopddl.instance import Instance, forbid_unsupported
+from autoparallel.planner.iopddl.mip import PENALTY, solve_sub
+from autoparallel.planner.iopddl.search import cost, descend, least_usage, profile
+
+FULL_MIP_PAIRS = 400_000  # strategy pairs on edges up to which one MIP over everything is tried first
+
+
+@dataclass
+class Result:
+    solution: list
+    cost: int
+    bound: float
+    optimal: bool
+    seconds: float
+    method: str
+    stats: dict = field(default_factory=dict)
+
+
+def _region_cost(inst: Instance, x, nodes, edges) -> float:
+    """Cost of the nodes and edges, each forbidden choice counted as PENALTY, so that a plan
+    with fewer forbidden choices compares cheaper."""
+    terms = [inst.cost[i][x[i]] for i in nodes] + [inst.edge_cost[e][x[inst.edge_u[e]], x[inst.edge_v[e]]] for e in edges]
+    return float(sum(min(float(t), PENALTY) for t in terms))
+
+
+def _trivial_bound(inst: Instance) -> float:
+    b = sum(float(np.min(c)) for c in inst.cost)
+    return b + sum(float(np.min(m)) for m in inst.edge_cost)
+
+
+def _exact_cost(inst: Instance, x) -> int:
+    total = sum(int(inst.cost[i][x[i]]) for i in range(inst.n))
+    return total + sum(int(inst.edge_cost[e][x[inst.edge_u[e]], x[inst.edge_v[e]]]) for e in range(len(inst.edge_u)))
+
+
+def _forbidden_nodes(inst: Instance, x) -> list:
+    """Endpoints of the edges whose chosen pair is forbidden under ``x``."""
+    return [int(n) for e in range(len(inst.edge_u))
+            if not np.isfinite(inst.edge_cost[e][x[inst.edge_u[e]], x[inst.edge_v[e]]])
+            for n in (inst.edge_u[e], inst.edge_v[e])]
+
+
+def _neighbourhood(inst: Instance, rng, size: int, prof=None, around=None) -> np.ndarray:
+    """A connected set of about ``size`` nodes around a random one (breadth first over the
+    edges). With ``prof``, the set starts from the nodes live at a time step drawn towards the
+    usage peak instead, so nodes that compete for memory are freed together."""
+    seen: set = set()
+    if around:  # a plan with forbidden pairs: free their endpoints first
+        seen.update(int(i) for i in rng.permutation(np.array(around))[: max(1, size // 4)])
+    elif prof is not None and len(prof):
+        weight = np.maximum(prof - np.quantile(prof, 0.5), 0).astype(np.float64) + 1.0
+        t = int(rng.choice(len(prof), p=weight / weight.sum()))
+        live = np.flatnonzero((inst.starts <= t) & (t < inst.ends))
+        rng.shuffle(live)
+        seen.update(int(i) for i in live[: max(1, size // 2)])
+    if not seen:
+        seen.add(int(rng.integers(inst.n)))
+    queue = deque(sorted(seen))
+    while queue and len(seen) < size:
+        i = queue.popleft()
+        nbrs = [inst.edge_v[e] if is_u else inst.edge_u[e] for e, is_u in inst.incident[i]]
+        rng.shuffle(nbrs)
+        for j in nbrs:
+            if j not in seen:
+                seen.add(int(j))
+                queue.append(int(j))
+                if len(seen) >= size:
+                    break
+        if not queue and len(seen) < size:  # disconnected: jump to another component
+            j = int(rng.integers(inst.n))
+            if j not in seen:
+                seen.add(j)
+                queue.append(j)
+    return np.array(sorted(seen), dtype=np.int64)
+
+
+def solve(inst: Instance, time_limit: float = 120.0, seed: int = 0, progress=None, threads: int = 1,
+          clock=time.perf_counter, full_mip_pairs: int = FULL_MIP_PAIRS) -> Result:
+    """Best plan found within ``time_limit`` seconds (from this call); raise ValueError if none exists."""
+    t0 = clock()
+    deadline = t0 + time_limit
+    say = progress or (lambda msg: None)
+    say(f"arc consistency forbade {forbid_unsupported(inst)} strategies ({clock() - t0:.1f}s)")
+    x = least_usage(inst)
+    prof = profile(inst, x)
+    if inst.limit is not None and len(prof) and int(prof.max()) > inst.limit:
+        t = int(np.argmax(prof))
+        raise ValueError(f"infeasible: even the least-usage strategies use {int(prof.max())} > limit {inst.limit} at time {t}")
+    descend(inst, x, prof, deadline=deadline, clock=clock)
+    best = cost(inst, x)
+    say(f"descent from the least-usage plan: cost {best:.6g} ({clock() - t0:.1f}s)")
+    bound, optimal, method = _trivial_bound(inst), False, "descent"
+    stats = {"subproblems": 0, "improved": 0}
+    pairs = sum(m.size for m in inst.edge_cost)
+    if pairs <= full_mip_pairs and clock() < deadline:
+        say(f"one MIP over all {inst.n} nodes ({pairs} strategy pairs), up to {deadline - clock():.0f}s")
+        r = solve_sub(inst, x, prof, np.arange(inst.n), 0.8 * (deadline - clock()) - 1.0, threads=threads)
+        method = "mip"
+        if r.x is not None and r.objective < best:
+            x = r.x.copy()
+            prof = profile(inst, x)
+            best = cost(inst, x)
+        if np.isfinite(r.bound):
+            bound = max(bound, r.bound)
+        optimal = r.optimal
+        say(f"MIP: cost {best:.6g}, bound {bound:.6g}, {'optimal' if optimal else 'not proven optimal'} ({clock() - t0:.1f}s)")
+    if not optimal and clock() < deadline - 0.5:
+        method = "mip+lns" if method == "mip" else "lns"
+        x, prof, best, whole = _lns(inst, x, prof, best, deadline, seed, threads, clock, say, stats)
+        if whole is not None:  # a neighbourhood held every node and its MIP finished: proven
+            bound, optimal = max(bound, whole), True
+    if not np.isfinite(best):
+        raise ValueError(f"no plan free of forbidden (infinite-cost) choices found in {time_limit:.0f}s")
+    if best <= bound + 1e-9 * max(1.0, abs(best)):
+        optimal = True
+    return Result([int(v) for v in x], _exact_cost(inst, x), bound, optimal, clock() - t0, method, stats)
+
+
+def _lns(inst, x, prof, best, deadline, seed, threads, clock, say, stats):
+    rng = np.random.default_rng(seed)
+    size = min(inst.n, 200)
+    last_report = clock()
+    whole = None
+    while clock() < deadline - 0.2 and whole is None:
+        around = None if np.isfinite(best) else _forbidden_nodes(inst, x)
+        free = _neighbourhood(inst, rng, size, prof if inst.limit is not None and stats["subproblems"] % 2 else None, around)
+        edges = sorted({e for i in free for e, _ in inst.incident[i]})
+        before = _region_cost(inst, x, free, edges)
+        budget = min(5.0, deadline - clock() - 0.5)
+        if budget < 0.2:
+            break
+        t = clock()
+        r = solve_sub(inst, x, prof, free, budget, threads=threads)
+        took = clock() - t
+        stats["subproblems"] += 1
+        if len(free) == inst.n and r.optimal:
+            whole = r.bound
+        if r.x is not None:
+            trial = x.copy()
+            trial[free] = r.x
+            after = _region_cost(inst, trial, free, edges)
+            if after < before - 1e-6 * max(1.0, abs(before)) * 1e-6:
+                for i in free[trial[free] != x[free]]:
+                    s, e = inst.starts[i], inst.ends[i]
+                    if s < e:
+                        prof[s:e] += inst.usage[i][trial[i]] - inst.usage[i][x[i]]
+                x = trial
+                best = best + (after - before) if before < PENALTY else cost(inst, x)
+                stats["improved"] += 1
+        if r.optimal and took < 1.0:
+            size = min(inst.n, int(size * 1.2) + 1)
+        elif not r.optimal:
+            size = max(20, int(size * 0.7))
+        if clock() - last_report > 10:
+            say(f"LNS: cost {best:.6g}, {stats['subproblems']} subproblems ({stats['improved']} improved), size {size}")
+            last_report = clock()
+    return x, prof, best, whole

@@ -1,0 +1,194 @@
+"""IOPDDL: the contest's evaluator (with negative tests), the solver on the contest's example,
+on random instances against brute force, and on the committed instances B and G."""
+
+from __future__ import annotations
+
+import copy
+import itertools
+import json
+import os
+import random
+
+import pytest
+
+from autoparallel.planner.iopddl import from_dict, load, solve
+from verify.__main__ import main as verify_main
+from verify.commands.iopddl import cli
+from verify.commands.iopddl.bench import BEST, table
+from verify.commands.iopddl.check import Rejected, check, evaluate, read_problem
+
+DATA = os.path.join(os.path.dirname(__file__), "..", "..", "..", "data", "iopddl")
+EXAMPLE = os.path.join(DATA, "example.json")
+
+
+def example() -> dict:
+    return read_problem(EXAMPLE)
+
+
+# --- the evaluator: google/iopddl's own EvaluateTest cases, then ours ---
+
+def test_evaluator_matches_the_contests_own_cases():
+    p = example()
+    assert evaluate(p, [0, 1, 2, 0, 0]) == 495
+    with pytest.raises(Rejected, match="exceeds the limit"):
+        evaluate(p, [0, 0, 1, 1, 0])
+    del p["usage_limit"]
+    assert evaluate(p, [0, 0, 1, 1, 0]) == 415
+
+
+@pytest.mark.parametrize("solution, match", [
+    ([0, 0, 0, 0, 0, 0], "6 entries for 5 nodes"),
+    ([0, 0, 0, 0], "4 entries for 5 nodes"),
+    ([0, 0, -1, 0, 0], "node 2"),
+    ([0, 0, 3, 0, 0], "node 2"),
+    ([0, 2, 0, 0, 0], "node 1"),
+    ([0, 1, 2.0, 0, 0], "node 2"),
+    ([True, 1, 2, 0, 0], "node 0"),
+])
+def test_evaluator_rejects_malformed_solutions(solution, match):
+    with pytest.raises(Rejected, match=match):
+        evaluate(example(), solution)
+
+
+def _two_nodes(limit, second=(5, 10)) -> dict:
+    return {"nodes": {"intervals": [[0, 5], list(second)], "costs": [[1, 2], [3, 4]], "usages": [[10, 4], [10, 6]]},
+            "edges": {"nodes": [[0, 1]], "costs": [[100, 200, 300, 400]]}, "usage_limit": limit}
+
+
+def test_evaluator_uses_half_open_intervals_and_the_edge_index_rule():
+    # [0, 5) and [5, 10) never overlap: each alone fits a limit of 10
+    p = _two_nodes(10)
+    assert evaluate(p, [0, 0]) == 1 + 3 + 100
+    assert evaluate(p, [1, 0]) == 2 + 3 + 300  # index = s0 * 2 + s1
+    assert evaluate(p, [0, 1]) == 1 + 4 + 200
+
+
+def test_evaluator_rejects_usage_over_the_limit_at_a_single_step():
+    p = _two_nodes(15, second=(4, 10))  # the nodes overlap at step 4 only
+    assert evaluate(p, [1, 0]) == 2 + 3 + 300  # 4 + 10 = 14 at step 4
+    with pytest.raises(Rejected, match="usage 20 exceeds the limit 15 at time step 4"):
+        evaluate(p, [0, 0])
+    p["usage_limit"] = 9
+    with pytest.raises(Rejected, match="at time step 0"):
+        evaluate(p, [0, 1])
+
+
+def test_check_rejects_a_wrong_claimed_cost():
+    p = example()
+    assert check(p, [0, 1, 2, 0, 0], 495) == 495
+    with pytest.raises(Rejected, match="claimed cost 494"):
+        check(p, [0, 1, 2, 0, 0], 494)
+
+
+# --- the solver ---
+
+def _brute_force(problem: dict):
+    sizes = [len(c) for c in problem["nodes"]["costs"]]
+    best = None
+    for sol in itertools.product(*(range(k) for k in sizes)):
+        try:
+            c = evaluate(problem, list(sol))
+        except Rejected:
+            continue
+        best = c if best is None else min(best, c)
+    return best
+
+
+def _random_problem(rng: random.Random, n: int) -> dict:
+    sizes = [rng.randint(1, 3) for _ in range(n)]
+    intervals = []
+    for _ in range(n):
+        s = rng.randint(0, 8)
+        intervals.append([s, s + rng.randint(0, 5)])  # some empty
+    edges = [[u, v] for u in range(n) for v in range(u + 1, n) if rng.random() < 0.4]
+    inf = 10**18
+    problem = {
+        "nodes": {"intervals": intervals, "costs": [[rng.choice([rng.randint(0, 50), inf]) if k else rng.randint(0, 50)
+                                                     for k in range(s)] for s in sizes],
+                  "usages": [[rng.randint(1, 10) for _ in range(s)] for s in sizes]},
+        "edges": {"nodes": edges, "costs": [[rng.randint(0, 30) for _ in range(sizes[u] * sizes[v])] for u, v in edges]},
+    }
+    lows = [0] * 14
+    for (s, e), us, cs in zip(intervals, problem["nodes"]["usages"], problem["nodes"]["costs"]):
+        for t in range(s, e):
+            lows[t] += min(u for u, c in zip(us, cs) if c < inf)
+    problem["usage_limit"] = max(lows) + rng.randint(0, 8)  # always feasible
+    return problem
+
+
+@pytest.mark.parametrize("full_mip_pairs", [10**9, 0], ids=["mip", "lns"])
+def test_solver_matches_brute_force_on_random_instances(full_mip_pairs):
+    rng = random.Random(43)
+    for _ in range(12):
+        problem = _random_problem(rng, rng.randint(2, 6))
+        r = solve(from_dict({"problem": copy.deepcopy(problem)}), time_limit=5.0, full_mip_pairs=full_mip_pairs)
+        assert check(problem, r.solution, r.cost) == r.cost
+        if full_mip_pairs:
+            assert r.optimal
+        if r.optimal:
+            assert r.cost == _brute_force(problem)
+
+
+def test_solver_finds_the_contests_example_optimum():
+    r = solve(load(EXAMPLE), time_limit=5.0)
+    assert r.solution == [0, 0, 2, 1, 0]  # google/iopddl's SolveTest.FindsOptimalSolution
+    assert r.optimal and r.cost == evaluate(example(), r.solution)
+
+
+def test_solver_refuses_an_infeasible_instance():
+    p = example()
+    p["usage_limit"] = 10
+    with pytest.raises(ValueError, match="infeasible"):
+        solve(from_dict({"problem": p}), time_limit=1.0)
+
+
+@pytest.mark.parametrize("name", ["B", "G"])
+def test_committed_contest_instances_solve_feasibly(name, capsys):
+    path = os.path.join(DATA, f"asplos-2025-iopddl-{name}.json.gz")
+    assert verify_main(["plan", "--iopddl", path, "--time-limit", "4", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert len(out["solution"]) == out["nodes"] == 816
+    assert check(read_problem(path), out["solution"], out["cost"]) == out["cost"]
+
+
+def test_command_prints_the_cost_and_refuses_bad_input(capsys):
+    assert verify_main(["plan", "--iopddl", EXAMPLE, "--time-limit", "5"]) == 0
+    assert capsys.readouterr().out.strip() == str(evaluate(example(), [0, 0, 2, 1, 0]))
+    assert verify_main(["plan", "--iopddl", EXAMPLE + ".missing"]) == 2
+    assert "no such file" in capsys.readouterr().err
+
+
+def test_command_fails_when_the_solver_claims_a_wrong_cost(monkeypatch, capsys):
+    real = cli.solve
+
+    def lying(*args, **kwargs):
+        r = real(*args, **kwargs)
+        r.cost -= 1
+        return r
+
+    monkeypatch.setattr(cli, "solve", lying)
+    assert verify_main(["plan", "--iopddl", EXAMPLE, "--json"]) == 2
+    assert "claimed cost" in capsys.readouterr().err
+    assert capsys.readouterr().out == ""
+
+
+def test_neighbourhood_search_alone_keeps_instance_g_feasible_and_no_worse():
+    """The path large instances take (no whole-problem MIP): every accepted neighbourhood keeps
+    the plan within the limit and the cost never rises above the descent's."""
+    path = os.path.join(DATA, "asplos-2025-iopddl-G.json.gz")
+    seen = []
+    r = solve(load(path), time_limit=4.0, full_mip_pairs=0, progress=seen.append)
+    start = float(seen[1].split("cost ")[1].split(" ")[0])
+    assert r.method == "lns" and r.stats["subproblems"] > 0
+    assert check(read_problem(path), r.solution, r.cost) == r.cost
+    assert r.cost <= start
+
+
+def test_bench_table_reports_ratios_beaten_bests_and_failures():
+    rows = [{"letter": "B", "nodes": 816, "cost": BEST["B"] * 2, "seconds": 1.0, "optimal": False},
+            {"letter": "G", "nodes": 816, "cost": BEST["G"] // 2, "seconds": 2.0, "optimal": True},
+            {"letter": "K", "nodes": None, "cost": None, "seconds": 3.0, "optimal": False, "error": "no plan"}]
+    text = table(rows)
+    assert "| B | 816 | 1,065,686 | 2.0000 |" in text and "| G | 816 | 108,519 | 0.5000 | 2.0 | yes |" in text
+    assert "geometric mean of cost / best over 2 instances: 1.0000" in text
+    assert "beat the best: G" in text and "no feasible plan: K" in text

@@ -1,0 +1,53 @@
+"""``python -m verify plan --iopddl FILE [--time-limit S] [--json]``: solve an IOPDDL contest instance.
+
+The planner's solver core (:mod:`autoparallel.planner.iopddl`) plans; the independent evaluator
+(:mod:`verify.commands.iopddl.check`) re-checks the plan and its claimed cost under the contest's rules
+before anything is printed, so a wrong answer fails the command instead of reaching stdout.
+Progress goes to stderr; stdout gets the cost (or, with ``--json``, one object).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+from autoparallel.planner.iopddl import from_dict, solve
+from verify.commands.iopddl.check import check, read_problem
+
+
+def run(path: str, time_limit: float, say) -> dict:
+    """Solve the instance at ``path`` and check the answer; the command's JSON object.
+
+    The time limit counts from the start of reading the file."""
+    t0 = time.perf_counter()
+    if not os.path.isfile(path):
+        raise ValueError(f"--iopddl: no such file: {path}")
+    problem = read_problem(path)
+    inst = from_dict({"problem": problem})
+    say(f"{os.path.basename(path)}: {inst.n} nodes, {len(inst.edge_u)} edges, read in {time.perf_counter() - t0:.1f}s")
+    result = solve(inst, max(0.0, time_limit - (time.perf_counter() - t0)), progress=say)
+    seconds = time.perf_counter() - t0
+    check(problem, result.solution, result.cost)  # raises verify.commands.iopddl.check.Rejected
+    return {
+        "instance": os.path.basename(path), "nodes": inst.n, "edges": len(problem["edges"]["nodes"]),
+        "cost": result.cost, "bound": result.bound, "optimal": result.optimal, "seconds": round(seconds, 2),
+        "method": result.method, "stats": result.stats, "solution": result.solution,
+    }
+
+
+def main(args) -> int:
+    t0 = time.perf_counter()
+
+    def say(msg: str) -> None:
+        print(f"[iopddl {time.perf_counter() - t0:7.2f}s] {msg}", file=sys.stderr, flush=True)
+
+    out = run(args.iopddl, args.time_limit, say)
+    if not out["optimal"]:
+        say(f"time limit reached: best plan found, NOT proven optimal; lower bound {out['bound']:.17g}")
+    if args.json:
+        print(json.dumps(out))
+    else:
+        print(out["cost"])
+    return 0
