@@ -386,19 +386,18 @@ def rank_inputs(scenario: Scenario) -> dict[str, tuple]:
 
 def single_device_reference(scenario: Scenario, *, dropout_off: bool = False) -> SingleDeviceReference:
     """:class:`SingleDeviceReference` for ``scenario``: each slice draws its rank's masks, or with
-    ``dropout_off`` every dropout is off (``verify.parity.random_ops``)."""
-    model = scenario.model()
+    ``dropout_off`` every dropout is off (``verify.parity.random_ops``). Each slice runs on a model
+    built afresh, as each rank's program runs its first step on its own fresh model: a model whose
+    first forward changes it (swaps in submodules, drawing their initial weights from the generator
+    its dropout then draws from; flips a mode in its config) would otherwise run slice 1 as the
+    second call of one object, which no rank does (docs/oracle-failures.md)."""
     plan, spec = scenario.plan_obj(), scenario.mesh_spec
     batch = scenario.batches(1)[0]
-    initial = {k: v.clone() for k, v in model.named_buffers()}
     coords = data_coordinates(scenario)
     losses, buffers = [], {}
     grads: dict[str, torch.Tensor] = {}
     for coord in coords:
-        with torch.no_grad():
-            for k, b in model.named_buffers():
-                b.copy_(initial[k])
-        model.zero_grad(set_to_none=True)
+        model = scenario.model()
         *inputs, target = split_batch(batch, plan, spec, {d: coord.get(d, 0) for d in spec.names})
         inputs = rounded_like_the_program(inputs, plan.param_dtype)
         # the slice's rank draws these masks (or none, dropout off)
