@@ -10,7 +10,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from verify.hf import ARCHS, hf_case, hf_config, model_types, task_of, tiny_config  # noqa: E402
+from verify.hf import ARCHS, hf_case, hf_config, input_task, model_config, model_types, task_of, tiny_config  # noqa: E402
 
 
 def test_every_auto_table_contributes_model_types():
@@ -86,8 +86,6 @@ def test_an_image_model_gets_pixels_of_its_configs_size_and_class_targets():
 
 
 def test_a_composites_head_gets_the_sub_config_of_its_class():
-    from verify.hf import model_config
-
     config = tiny_config("llama4")
     text = model_config(transformers.Llama4ForCausalLM, config)
     assert text is config.text_config and isinstance(text, transformers.Llama4TextConfig)
@@ -97,8 +95,6 @@ def test_a_composites_head_gets_the_sub_config_of_its_class():
 
 
 def test_an_image_classifier_that_takes_tokens_gets_tokens():
-    from verify.hf import input_task
-
     assert input_task("image", transformers.ImageGPTForImageClassification) == "image_tokens"
     assert input_task("image", transformers.ViTForImageClassification) == "image"
     assert input_task("causal", transformers.MistralForCausalLM) == "causal"

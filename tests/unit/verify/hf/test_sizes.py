@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from verify.hf.sizes import HIDDEN, LAYERS, VOCAB, family, num_parameters, shrink_dict
+from verify.hf.sizes import HIDDEN, KEEP, LAYERS, VOCAB, family, num_parameters, shrink_dict
 
 transformers = pytest.importorskip("transformers")
 
@@ -166,8 +166,6 @@ def test_fields_declared_auto_are_derived_again_from_the_shrunk_sizes():
 
 
 def test_a_model_type_keeps_only_the_fields_keep_names_at_their_default():
-    from verify.hf.sizes import KEEP
-
     assert list(tiny_config("cvt").depth) == list(transformers.AutoConfig.for_model("cvt").depth) == [1, 2, 10]
     assert tiny_config("cvt").embed_dim == [16, 32, 64] and "embed_dim" not in KEEP["cvt"]
     assert tiny_config("swinv2").depths == [1, 1, 1, 1]  # no entry: the generic rule
