@@ -1,7 +1,7 @@
 """Hugging Face transformers architectures (``verify.hf``: tiny configs, the library's defaults,
 dropout on) through every stage on gloo: bitwise against the eager parallel program, and the
 oracle. The matrix is CI's slow step (two architectures also run in the tier); an architecture
-that cannot pass is a strict xfail carrying the reason, never a silent skip. README: the table.
+that cannot pass is a strict xfail carrying the reason, never a silent skip. docs/huggingface.md: the table.
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ fresh process and prints per-stage time ratios, so a super-linear pass stands ou
 ``pipeline_over_trace``: the whole pipeline (imports and the stage sequence) over its one trace
 (the joint stage's, or the plan stage's for plan="auto"), taken in each run and reported as the
 median of the runs' ratios: a ratio within one run holds up on a loaded machine, seconds do not.
-This is a benchmark: figures go to stdout and the README, never into timed assertions.
+This is a benchmark: figures go to stdout and docs/performance.md, never into timed assertions.
 """
 
 from __future__ import annotations
