@@ -4,6 +4,7 @@ import pytest
 
 from autoparallel.defaults import BUCKET_CAP_MB, PLANS
 from verify.__main__ import _parser, _report_defaults, main
+from verify.check import check_model
 from verify.commands.report import PARITY_MAX_PARAMS, check_parity_size, parity_memory_lower_bound
 from verify.stages import defaults
 from verify.stages.scenario import Scenario, parameter_count
@@ -138,8 +139,6 @@ def test_a_presets_size_flags_refuse_a_model_case(argv, capsys):
 
 
 def test_check_model_takes_what_model_takes():
-    from verify.check import check_model
-
     with pytest.raises(ValueError, match=r"cannot import module 'no_such_pkg'"):
         check_model("no_such_pkg:case")
     with pytest.raises(ValueError, match=r"'GPT2' is a type; it must be a verify.ModelCase"):
