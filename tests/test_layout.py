@@ -166,6 +166,38 @@ def test_verify_families_import_each_other_in_one_direction():
     assert import_cycles(family_graph(import_graph(_sources("verify")), "verify")) == []
 
 
+def layers(graph: dict[str, set[str]]) -> list[list[str]]:
+    """``graph``'s nodes in layers: layer 0 imports nothing in the graph, layer k only layers below
+    k. A cycle has no layering: ValueError naming what is left."""
+    placed: dict[str, int] = {}
+    out: list[list[str]] = []
+    while len(placed) < len(graph):
+        layer = sorted(v for v, deps in graph.items() if v not in placed and all(d in placed for d in deps if d in graph))
+        if not layer:
+            raise ValueError(f"import cycle among {sorted(set(graph) - set(placed))}")
+        placed.update(dict.fromkeys(layer, len(out)))
+        out.append(layer)
+    return out
+
+
+def package_layers() -> dict[str, list[list[str]]]:
+    """Each package's families (top-level modules and subpackages) in import layers."""
+    graph = import_graph(_sources(*PACKAGES))
+    return {pkg: layers(family_graph(graph, pkg)) for pkg in PACKAGES}
+
+
+def test_each_package_imports_its_families_in_layers():
+    """autoparallel's families too, not only verify's, import each other in one direction."""
+    found = package_layers()
+    assert all(len(found[pkg]) >= 2 for pkg in PACKAGES), found
+
+
+def test_layering_refuses_a_cycle():
+    assert layers({"a": {"b"}, "b": set(), "c": {"a", "x"}}) == [["b"], ["a"], ["c"]]
+    with pytest.raises(ValueError, match=r"import cycle among \['a', 'b', 'c'\]"):
+        layers({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": set()})
+
+
 def test_family_cycle_check_finds_two_packages_importing_each_other():
     sources = {"pkg/__init__.py": "", "pkg/a/x.py": "from pkg.b import y\n", "pkg/b/y.py": "from pkg.a import z\n",
                "pkg/a/z.py": "", "pkg/c.py": "import pkg.a.x\n"}
@@ -431,3 +463,12 @@ def test_nothing_refers_to_a_file_outside_the_repository():
 def test_outside_reference_check_finds_them():
     bad = {"m.md": "see " + "DESIGN" + ".md\n" + "cat .." + "/shared/notes\nok\n# pipeline " + "step 6: passes"}
     assert [r.split(": ", 1)[0] for r in outside_references(bad)] == ["m.md:1", "m.md:2", "m.md:4"]
+
+
+if __name__ == "__main__":  # python tests/test_layout.py: the import graph, as docs/layout.md quotes it
+    graph = import_graph(_sources(*PACKAGES))
+    print(f"modules {len(graph)}, import edges {sum(map(len, graph.values()))}, module cycles {import_cycles(graph)}")
+    for pkg, found in package_layers().items():
+        print(f"{pkg}: {sum(map(len, found))} families in {len(found)} layers (bottom first)")
+        for i, layer in enumerate(found):
+            print(f"  {i}: {' '.join(f.split('.', 1)[1] for f in layer)}")

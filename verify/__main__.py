@@ -122,18 +122,14 @@ def _patch_list(text: str) -> list[str]:
     return names
 
 
-def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m verify", description=__doc__.split("\n\n")[0])
-    sub = p.add_subparsers(dest="command", required=True)
-    preset = _flag_type(_preset, "preset")
-    mesh = _flag_type(_mesh, "mesh")
-    dtype = _flag_type(_dtype, "dtype")
-    workers = _flag_type(_workers, "workers")
-
-    r = sub.add_parser("report", help="pipeline stages, collectives and parity for one scenario")
-    which = r.add_mutually_exclusive_group()
-    which.add_argument("--preset", default=None, type=preset,
-                       help="model preset: tiny, debug, 8b (default: tiny; debug with --trainer)")
+def add_model_selector(p: argparse.ArgumentParser, default: str | None, default_text: str | None = None) -> None:
+    """``--preset NAME | --model pkg.mod:name | --hf TYPE``: how every command that runs a model
+    names it. ``args.preset`` is the LLaMA-3 preset; ``args.model`` the model case instead (a
+    ``package.module:name`` reference, checked here, or the Hugging Face case already built), None
+    for the preset. One helper, so the four commands that run a model name it the same way."""
+    which = p.add_mutually_exclusive_group()
+    which.add_argument("--preset", default=default, type=_flag_type(_preset, "preset"),
+                       help=f"LLaMA-3 model preset: tiny, debug, 8b (default: {default_text or default})")
     which.add_argument("--model", default=None, type=_flag_type(_model_case, "model"),
                        help="your model instead of a preset: package.module:name naming a verify.ModelCase "
                             "(or a function returning one), or a verify.zoo name (gpt2, convnet, ln_mlp)")
@@ -141,6 +137,17 @@ def _parser() -> argparse.ArgumentParser:
                        help="a Hugging Face transformers model type (any with a causal-LM, masked-LM, seq2seq-LM or "
                             "image-classification auto class: gpt2, bert, llama, t5, vit, ...) or a config.json path, "
                             "from a tiny config with the library's defaults (verify.hf; needs the hf extra)")
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m verify", description=__doc__.split("\n\n")[0])
+    sub = p.add_subparsers(dest="command", required=True)
+    mesh = _flag_type(_mesh, "mesh")
+    dtype = _flag_type(_dtype, "dtype")
+    workers = _flag_type(_workers, "workers")
+
+    r = sub.add_parser("report", help="pipeline stages, collectives and parity for one scenario")
+    add_model_selector(r, None, "tiny; debug with --trainer")
     r.add_argument("--plan", default=None, choices=PLANS,
                    help="parallel plan; auto: the ILP planner places everything (default: fsdp)")
     r.add_argument("--mesh", default=None, type=mesh, help="mesh, e.g. dp=8 or dp=4,tp=2 (default: dp=8)")
@@ -168,7 +175,8 @@ def _parser() -> argparse.ArgumentParser:
     pl = sub.add_parser("plan", help="automatic placement: plan a preset on a fake world with the ILP planner")
     from verify.commands.planning import add_arguments as add_plan_arguments
 
-    add_plan_arguments(pl, preset=preset, mesh=mesh, dtype=dtype, count=_positive(int), seconds=_positive(float),
+    add_model_selector(pl, "tiny")
+    add_plan_arguments(pl, mesh=mesh, dtype=dtype, count=_positive(int), seconds=_positive(float),
                        blocks=_flag_type(_non_negative_int, "int >= 0"))
 
     g = sub.add_parser("goldens", help="regenerate (--update) or check (--check) the golden files")
@@ -201,7 +209,7 @@ def _parser() -> argparse.ArgumentParser:
     add_sample_args(m)
 
     b = sub.add_parser("bisect", help="name the first pass whose graphs compute other values (simulated ranks)")
-    b.add_argument("--preset", default=PRESET, type=preset, help=f"model preset: tiny, debug, 8b (default: {PRESET})")
+    add_model_selector(b, PRESET)
     b.add_argument("--plan", default=PLAN, choices=HAND_PLANS, help=f"parallel plan (default: {PLAN})")
     b.add_argument("--mesh", default=MESH, type=mesh,
                    help=f"mesh, e.g. dp=8 or dp=4,tp=2; its size is the number of simulated ranks (default: {MESH})")
@@ -215,9 +223,9 @@ def _parser() -> argparse.ArgumentParser:
     b.add_argument("--json", action="store_true", help="print one JSON object")
 
     sc = sub.add_parser("scale", help="benchmark every pipeline stage on real-size graphs (fake world)")
-    sc.add_argument("--preset", default="8b", type=preset, help="model preset (default: 8b)")
+    add_model_selector(sc, "8b")
     sc.add_argument("--layers", default=None, type=_flag_type(_layer_list, "layers"),
-                    help="override n_layers; a list like 2,8,32 prints a scaling table")
+                    help="override a preset's n_layers; a list like 2,8,32 prints a scaling table")
     sc.add_argument("--mesh", default="dp=16,tp=8", type=mesh, help="mesh (default: dp=16,tp=8)")
     sc.add_argument("--plan", default=FSDP_TP, choices=PLANS,
                     help="plan; auto: plan with the ILP planner, then lower (default: fsdp_tp)")
@@ -253,6 +261,15 @@ def _name_list(text: str) -> list[str]:
 
 
 REPORT_DEFAULTS = {"preset": PRESET, "plan": PLAN, "mesh": MESH}
+# Flags that size a LLaMA-3 preset: a model case (--model, --hf) brings its own sizes.
+PRESET_ONLY = {"plan": ("layers", "seq", "batch"), "scale": ("layers",)}
+
+
+def _preset_only_flags(parser: argparse.ArgumentParser, args) -> None:
+    """A preset's size flags given with ``--model`` / ``--hf`` are an error naming them."""
+    given = [f"--{k}" for k in PRESET_ONLY.get(args.command, ()) if getattr(args, k, None) is not None]
+    if getattr(args, "model", None) is not None and given:
+        parser.error(f"argument {given[0]}: sizes a LLaMA-3 preset; a model given by --model or --hf brings its own sizes")
 
 
 def _report_defaults(parser: argparse.ArgumentParser, args) -> None:
@@ -275,6 +292,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.command == "report":
         _report_defaults(parser, args)
+    _preset_only_flags(parser, args)
     # Each command imports only its own module, here: `python -m verify goldens` and `mutate`
     # start without importing torch (they run pytest in a subprocess).
     try:

@@ -44,7 +44,7 @@ from verify.parity.bisection import explain_not_bitwise
 from verify.goldens.catalog import golden_result, header
 from verify.goldens.text import graph_golden_text
 from verify.graphs.stats import graph_stats
-from verify.model_case import Batch, ModelCase
+from verify.model_case import Batch, ModelCase, load_case
 from verify.parity import ordered_collectives
 from verify.parity.compare import OracleReport, ParityReport
 from verify.parity.planned import EAGER as PLANNED_EAGER
@@ -217,7 +217,7 @@ def _plan_fields(plan: str | ParallelPlan) -> dict:
 
 
 def check_model(
-    model: Callable[[], nn.Module] | ModelCase,
+    model: Callable[[], nn.Module] | ModelCase | str,
     loss_fn: Callable | None = None,
     batch: Batch | None = None,
     *,
@@ -252,6 +252,8 @@ def check_model(
             "plan='auto' chooses every placement itself; tp_rules / tp_regions are for the fsdp_tp plan. "
             "To fix a parameter's placement under auto, pin it (ParallelPlan.auto(pins={'blocks.0.attn.qkv.weight': "
             "'dp:S(0),tp:S(0)'}), autoparallel.planner.PlannerConfig.pins); a ModelCase's own TP rules are not used by auto")
+    if isinstance(model, str):  # what --model takes: "package.module:name" or a verify.zoo name
+        model = load_case(model)
     if isinstance(model, ModelCase):
         case = model
     else:

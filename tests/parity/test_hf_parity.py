@@ -4,7 +4,7 @@ oracle. CI's slow step runs a fixed subset of the matrix (CI_SUBSET: one cell pe
 of failure it guards; two architectures also run in the tier), the rest is marked ``hf_full``
 (``pytest -m hf_full --ap-run-slow``) and every model type of the library runs in
 ``python -m verify sweep`` (docs/hf-coverage.md). An architecture that cannot pass is a strict
-xfail carrying the reason, never a silent skip.
+xfail carrying the reason, never a silent skip. docs/huggingface.md: the table.
 """
 
 from __future__ import annotations

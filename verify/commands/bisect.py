@@ -50,7 +50,7 @@ def _progress(msg: str) -> None:
 
 def _scenario(args) -> Scenario:
     sc = Scenario(preset=args.preset, plan=args.plan, mesh=args.mesh, param_dtype=args.param_dtype,
-                  reduce_dtype=args.reduce_dtype)
+                  reduce_dtype=args.reduce_dtype, case=getattr(args, "model", None))
     check_flags(sc)
     return sc
 

@@ -1,4 +1,5 @@
-"""``python -m verify plan``: the automatic placement planner on a LLaMA preset, on a fake world.
+"""``python -m verify plan``: the automatic placement planner on a model (a LLaMA preset, a
+``ModelCase`` or a Hugging Face model type: ``verify.__main__.add_model_selector``), on a fake world.
 
 Progress goes to stderr; stdout gets the plan summary and the per-parameter placement table
 (or, with ``--json``, the plan as JSON). ``--explain NODE`` (a canonical key, an FX node name or
@@ -19,11 +20,9 @@ from autoparallel.defaults import HAND_PLANS
 GIB = 2**30
 
 
-def add_arguments(p: argparse.ArgumentParser, *, preset=str, mesh=str, dtype=str, count=int, seconds=float,
-                  blocks=int) -> None:
-    """The ``plan`` subcommand's flags; the ``type`` callables (``python -m verify`` passes ones
-    that reject a bad value naming the flag) check each value where it is parsed."""
-    p.add_argument("--preset", default="tiny", type=preset, help="model preset: tiny, debug, 8b (default: tiny)")
+def add_arguments(p: argparse.ArgumentParser, *, mesh=str, dtype=str, count=int, seconds=float, blocks=int) -> None:
+    """The ``plan`` subcommand's flags besides the model's; the ``type`` callables (``python -m
+    verify`` passes ones that reject a bad value naming the flag) check each value where it is parsed."""
     p.add_argument("--mesh", default="dp=8", type=mesh, help="mesh, e.g. dp=8 or dp=4,tp=2 (default: dp=8)")
     p.add_argument("--layers", type=count, default=None, help="override the preset's n_layers")
     p.add_argument("--batch", type=count, default=None, help="global batch (default: the first mesh dim's size)")
@@ -54,7 +53,7 @@ def main(args: argparse.Namespace) -> int:
     from autoparallel.parallelize import ParallelPlan
     from autoparallel.planner import PlannerConfig, diff, evaluate_hand_plan, get_profile
     from verify.stages import plan_cases
-    from verify.stages.scenario import parse_dtype
+    from verify.stages.scenario import Scenario, parse_dtype
 
     def say(msg: str) -> None:
         print(f"[plan {time.perf_counter() - t_start:7.2f}s] {msg}", file=sys.stderr, flush=True)
@@ -75,15 +74,24 @@ def main(args: argparse.Namespace) -> int:
         time_limit=args.time_limit,
         trace_blocks=args.trace_blocks,
     )
-    planner = plan_cases.planner(args.preset, args.layers, batch, args.trace_blocks, args.param_dtype, args.seq, say)
+    case = getattr(args, "model", None)
+    if case is None:
+        planner = plan_cases.planner(args.preset, args.layers, batch, args.trace_blocks, args.param_dtype, args.seq, say)
+    else:
+        planner = plan_cases.case_planner(case, str(spec), args.trace_blocks, args.param_dtype, say)
     say(f"{planner.description} on mesh {spec}, profile {args.profile}")
     with fake_world(spec) as mesh:
         plan = planner.plan(mesh, config, progress=say)
         hand = None
         if args.compare_hand:
             say(f"pricing the hand plan {args.compare_hand} under the same cost model")
-            model, inputs = plan_cases.model_and_inputs(args.preset, args.layers, batch, seq)
-            hand = evaluate_hand_plan(model, mesh, inputs, ParallelPlan.preset(args.compare_hand), config=config, planner=planner, progress=say)
+            if case is None:
+                model, inputs = plan_cases.model_and_inputs(args.preset, args.layers, batch, seq)
+                hand_plan, loss_fn = ParallelPlan.preset(args.compare_hand), None
+            else:
+                scenario = Scenario(case=case, plan=args.compare_hand, mesh=str(spec))
+                model, loss_fn, inputs, hand_plan, _ = scenario.pipeline_inputs()
+            hand = evaluate_hand_plan(model, mesh, inputs, hand_plan, loss_fn, config=config, planner=planner, progress=say)
         explained = [plan.explain(node) for node in args.explain]
     total = time.perf_counter() - t_start
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20

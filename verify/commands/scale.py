@@ -12,7 +12,7 @@ fresh process and prints per-stage time ratios, so a super-linear pass stands ou
 ``pipeline_over_trace``: the whole pipeline (imports and the stage sequence) over its one trace
 (the joint stage's, or the plan stage's for plan="auto"), taken in each run and reported as the
 median of the runs' ratios: a ratio within one run holds up on a loaded machine, seconds do not.
-This is a benchmark: figures go to stdout and the README, never into timed assertions.
+This is a benchmark: figures go to stdout and docs/performance.md, never into timed assertions.
 """
 
 from __future__ import annotations
@@ -178,10 +178,10 @@ def run_scale(scenario: Scenario, *, repeat: int = 1, bucket_cap_mb: float = BUC
         samples = [run[j]["seconds"] for run in runs]
         stage["seconds"] = round(statistics.median(samples), 3)
         stage["seconds_samples"] = [round(x, 3) for x in samples]
-    args = scenario.model_args()
     return {
-        "preset": scenario.preset,
-        "layers": args.n_layers,
+        "preset": scenario.preset if scenario.model_case is None else None,
+        "model": scenario.model_name,
+        "layers": scenario.model_args().n_layers if scenario.model_case is None else None,
         "mesh": str(scenario.mesh_spec),
         "plan": scenario.plan_obj().describe(),
         "repeat": repeat,
@@ -206,7 +206,8 @@ def _count(coll: dict, kind: str) -> int:
 
 def format_scale(result: dict) -> str:
     lines = [
-        f"scale: preset={result['preset']} layers={result['layers']} mesh={result['mesh']} plan={result['plan']}",
+        (f"scale: preset={result['preset']} layers={result['layers']}" if result["preset"] else f"scale: model={result['model']}")
+        + f" mesh={result['mesh']} plan={result['plan']}",
         f"{'stage':<32} {'seconds':>8} {'rss GiB':>8} {'nodes':>12} {'AG fwd/bwd':>11} {'RS':>5} {'AR':>5} "
         f"{'saved':>14} {'static peak':>12} {'maxRS':>5}",
     ]
@@ -324,6 +325,7 @@ def main(args) -> int:
         n_layers=layers[0],
         param_dtype=args.param_dtype,
         reduce_dtype=args.reduce_dtype,
+        case=getattr(args, "model", None),
     )
     check_flags(scenario)
     progress(f"{scenario.header()}: {len(stages_for(scenario.plan_obj()))} stages and {len(COLLECTIVE_PASS_NAMES)} alternatives")

@@ -67,7 +67,7 @@ COMPILERS = ("aot_eager", "inductor")
 HF_PREFIX = "hf:"
 # Inductor against eager: |diff| <= INDUCTOR_RTOL x the loss, or x the largest entry of any
 # gradient of the same module (verify.parity.compare.module_scales). Inductor on CPU reached 0.45
-# of 1e-4 (tiny LLaMA, fsdp dp=2, 2 steps); the README's GPU table gives what each CUDA cell reached.
+# of 1e-4 (tiny LLaMA, fsdp dp=2, 2 steps); docs/gpu.md's table gives what each CUDA cell reached.
 INDUCTOR_RTOL = 2e-4
 
 

@@ -15,7 +15,7 @@ import torch
 from autoparallel.mesh import fake_world
 from autoparallel.models.llama3 import build_model, model_args
 from autoparallel.planner import Planner, PlannerConfig
-from verify.stages.scenario import parse_dtype
+from verify.stages.scenario import Scenario, parse_dtype
 
 
 @dataclass(frozen=True)
@@ -78,6 +78,17 @@ def planner(
             progress=progress,
         )
     return _PLANNERS[key]
+
+
+def case_planner(case, mesh: str, trace_blocks: int | None = None, param_dtype: str | None = None, progress=None):
+    """A traced Planner of a model case (a ``ModelCase`` or a reference to one) with its own loss
+    and a global batch for ``mesh`` (the case's batch per data-parallel rank)."""
+    scenario = Scenario(case=case, plan="auto", mesh=mesh)
+    model, loss_fn, inputs, _, spec = scenario.pipeline_inputs()
+    description = f"{scenario.model_name} batch={inputs[0].shape[0]}" + (f" param_dtype={param_dtype}" if param_dtype else "")
+    with fake_world(spec) as world:
+        return Planner.trace(model, world, inputs, loss_fn=loss_fn, param_dtype=parse_dtype(param_dtype) if param_dtype else None,
+                             trace_blocks=trace_blocks, description=description, progress=progress)
 
 
 @functools.cache

@@ -4,6 +4,7 @@ import pytest
 
 from autoparallel.defaults import BUCKET_CAP_MB, PLANS
 from verify.__main__ import _parser, _report_defaults, main
+from verify.check import check_model
 from verify.commands.report import PARITY_MAX_PARAMS, check_parity_size, parity_memory_lower_bound
 from verify.stages import defaults
 from verify.stages.scenario import Scenario, parameter_count
@@ -101,3 +102,59 @@ def test_report_hf_takes_any_model_type_and_names_an_unknown_one(capsys):
     with pytest.raises(SystemExit):
         _parser().parse_args(["report", "--hf", "gpt3"])
     assert "argument --hf: unknown Hugging Face model type 'gpt3'" in capsys.readouterr().err
+
+
+# --- one model selector: --preset | --model | --hf, the same for every command that runs a model ---------
+
+MODEL_COMMANDS = ("report", "plan", "bisect", "scale")
+
+
+@pytest.mark.parametrize("command", MODEL_COMMANDS)
+def test_every_model_command_takes_the_same_selector(command, capsys):
+    p = _parser()
+    args = p.parse_args([command, "--model", "ln_mlp"])
+    assert args.model == "ln_mlp"
+    assert p.parse_args([command, "--preset", "debug"]).preset == "debug"
+    assert p.parse_args([command, "--preset", "debug"]).model is None
+    with pytest.raises(SystemExit):
+        p.parse_args([command, "--preset", "debug", "--model", "ln_mlp"])
+    assert "argument --model: not allowed with argument --preset" in capsys.readouterr().err
+    assert run([command, "--model", "no_such_pkg:case"]) == 2
+    err = capsys.readouterr().err
+    assert "argument --model: --model 'no_such_pkg:case': cannot import module 'no_such_pkg'" in err, err
+
+
+@pytest.mark.parametrize("command", MODEL_COMMANDS)
+def test_every_model_command_takes_a_hugging_face_type(command):
+    pytest.importorskip("transformers")
+    assert _parser().parse_args([command, "--hf", "gpt2"]).model.name == "hf-gpt2"
+
+
+@pytest.mark.parametrize("argv", [["plan", "--model", "ln_mlp", "--layers", "2"], ["plan", "--model", "ln_mlp", "--seq", "8"],
+                                  ["scale", "--model", "ln_mlp", "--layers", "2"]])
+def test_a_presets_size_flags_refuse_a_model_case(argv, capsys):
+    assert run(argv) == 2
+    flag = argv[3]
+    assert f"argument {flag}: sizes a LLaMA-3 preset; a model given by --model or --hf brings its own sizes" in capsys.readouterr().err
+
+
+def test_check_model_takes_what_model_takes():
+    with pytest.raises(ValueError, match=r"cannot import module 'no_such_pkg'"):
+        check_model("no_such_pkg:case")
+    with pytest.raises(ValueError, match=r"'GPT2' is a type; it must be a verify.ModelCase"):
+        check_model("verify.zoo:GPT2")
+
+
+def test_plan_runs_a_model_case_end_to_end(capsys):
+    assert run(["plan", "--model", "ln_mlp", "--mesh", "dp=2", "--compare-hand", "fsdp"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("plan for ln_mlp batch=4 on mesh dp=2 (h100)")
+    assert "hand plan fsdp under the same cost model:" in out
+
+
+@pytest.mark.slow  # two pipeline runs of a model case on a fake world (about 15 s of CPU): the tier runs plan's
+def test_bisect_and_scale_run_a_model_case_end_to_end(capsys):
+    assert run(["bisect", "--model", "ln_mlp", "--mesh", "dp=2", "--plan", "ddp"]) == 0
+    assert "first stage that differs" not in capsys.readouterr().out
+    assert run(["scale", "--model", "ln_mlp", "--mesh", "dp=2", "--plan", "fsdp"]) == 0
+    assert capsys.readouterr().out.startswith("scale: model=ln_mlp mesh=dp=2 plan=fsdp")

@@ -441,6 +441,7 @@ def collective_bytes_svg(
     body += _y_axis(y0, plot_h, top, lambda v: human_bytes(int(v)), _byte_step(top))
     group_w = PLOT_W / max(len(rows), 1)
     bar_w = min(group_w * 0.8 / max(len(series), 1), 40.0)
+    vertical = not labels_fit_across([stage for stage, _ in rows], group_w)
     for g, (stage, per) in enumerate(rows):
         gx = LEFT + group_w * g + (group_w - bar_w * len(series)) / 2
         for s, key in enumerate(series):
@@ -453,9 +454,31 @@ def collective_bytes_svg(
             if count:
                 body.append(_el("text", text=str(count), x=x + bar_w * 0.45, y=y0 + plot_h - h - 3,
                                 text_anchor="middle", font_size="9"))
-        body.append(_el("text", text=stage, x=LEFT + group_w * (g + 0.5), y=y0 + plot_h + 14,
-                        text_anchor="middle", class_="stage-label"))
+        body.append(stage_label(stage, LEFT + group_w * (g + 0.5), y0 + plot_h, vertical))
     body.append(_el("line", x1=float(LEFT), y1=y0 + plot_h, x2=float(LEFT + PLOT_W), y2=y0 + plot_h, stroke="#444"))
+    room = label_room([stage for stage, _ in rows], vertical)
     body.append(_el("text", text="bar height: bytes; number on top: collective launches",
-                    x=float(LEFT), y=y0 + plot_h + 32, fill="#555"))
-    return _svg("collective-bytes", y0 + plot_h + 42, body, title)
+                    x=float(LEFT), y=y0 + plot_h + room + 14, fill="#555"))
+    return _svg("collective-bytes", y0 + plot_h + room + 24, body, title)
+
+
+CHAR_W = 6.5  # a generous width of one character of the charts' 11 px sans-serif text
+
+
+def labels_fit_across(labels: Sequence[str], slot: float) -> bool:
+    """Whether every label fits in its slot written across; if not, they are written upright."""
+    return max((len(s) for s in labels), default=0) * CHAR_W <= slot - 6
+
+
+def label_room(labels: Sequence[str], vertical: bool) -> float:
+    """The height under the axis the labels take."""
+    return max((len(s) for s in labels), default=0) * CHAR_W + 10 if vertical else 18.0
+
+
+def stage_label(text: str, x: float, axis_y: float, vertical: bool) -> str:
+    """A stage's name under its group: centred across, or (long names, narrow groups) turned a
+    quarter upright and hanging down from the axis, so neighbours never overlap."""
+    if not vertical:
+        return _el("text", text=text, x=x, y=axis_y + 14, text_anchor="middle", class_="stage-label")
+    x, y = x + 4, axis_y + 6  # the glyphs sit left of the rotated baseline: centre them on the group
+    return _el("text", text=text, x=x, y=y, text_anchor="end", transform=f"rotate(-90 {_f(x)} {_f(y)})", class_="stage-label")

@@ -19,6 +19,15 @@ from verify.stages.pipeline_run import run_scenario
 pytestmark = pytest.mark.browser
 
 PNG = b"\x89PNG\r\n\x1a\n"
+# Per collective chart: [stage labels, pairs of them whose drawn boxes intersect] (the browser's own
+# layout of the text, rotation included).
+LABEL_OVERLAPS = """[...document.querySelectorAll('svg.fig-collective-bytes')].map(svg => {
+  const r = [...svg.querySelectorAll('text.stage-label')].map(t => t.getBoundingClientRect());
+  let n = 0;
+  for (let i = 0; i < r.length; i++) for (let j = i + 1; j < r.length; j++)
+    if (r[i].left < r[j].right && r[j].left < r[i].right && r[i].top < r[j].bottom && r[j].top < r[i].bottom) n++;
+  return [r.length, n];
+})"""
 
 
 @pytest.mark.xdist_group("tiny-fsdp-dp8")
@@ -32,8 +41,9 @@ def test_pipeline_page_loads_cleanly_and_sections_expand(tmp_path, shared_pipeli
     page.write_text(build_report_page(records, title="tiny fsdp", mesh=sc.mesh_spec), encoding="utf-8")
     shot = tmp_path / "page.png"
     check = open_page(page, screenshot=shot, expand=("graph", "diff-prev", "diff-golden", "buckets-table"),
-                      element_shots={"svg.fig-overlap": tmp_path / "overlap.png"})
+                      element_shots={"svg.fig-overlap": tmp_path / "overlap.png"}, probe=LABEL_OVERLAPS)
     assert check.errors == []
+    assert check.probed == [[len(records), 0]], "the collective chart's stage labels overlap"
     joint_lines = len(records[0].graphs.graph.nodes)
     assert check.expanded["graph"] >= joint_lines  # the joint graph's text, one line per node at least
     assert check.expanded["diff-prev"] > 10 and check.expanded["diff-golden"] > 1

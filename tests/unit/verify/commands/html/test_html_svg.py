@@ -138,3 +138,42 @@ def test_collective_bytes_chart_has_a_bar_per_stage_and_series():
     assert "bucketed: all_reduce [tp] 0 collectives, 0 B" in bars
     labels = [e.text for e in root.iter(f"{NS}text") if e.get("class") == "stage-label"]
     assert labels == ["joint", "bucketed"]
+
+
+def label_boxes(root: ET.Element) -> list[tuple[float, float, float, float]]:
+    """Each stage label's box (left, top, right, bottom) from its attributes, its width by
+    ``svg.CHAR_W`` per character and the 11 px font's height; a rotated label turned upright."""
+    out = []
+    for e in root.iter(f"{NS}text"):
+        if e.get("class") != "stage-label":
+            continue
+        x, y, w = float(e.get("x")), float(e.get("y")), len(e.text) * svg.CHAR_W
+        if e.get("transform"):  # rotate(-90 x y), anchored at its end: hangs down from y, glyphs left of x
+            assert e.get("transform") == f"rotate(-90 {e.get('x')} {e.get('y')})" and e.get("text-anchor") == "end"
+            out.append((x - 11, y, x, y + w))
+        else:
+            out.append((x - w / 2, y - 11, x + w / 2, y))
+    return out
+
+
+def overlapping(boxes) -> list[tuple[int, int]]:
+    return [(i, j) for i, a in enumerate(boxes) for j, b in enumerate(boxes[i + 1:], i + 1)
+            if a[0] < b[2] and b[0] < a[2] and a[1] < b[3] and b[1] < a[3]]
+
+
+PIPELINE_ROWS = [(f"{s} {half}", {("all_gather", "dp"): (21, 4096)}) for s in (
+    "first_partition", "second_compile", "fuse_chained_allgathers", "pre_overlap_bucketing", "topo_span_bucketing")
+    for half in ("fwd", "bwd")]
+
+
+def test_stage_labels_never_overlap_and_fit_in_the_chart():
+    """The report's stage names in groups too narrow for them are written upright; short names
+    in wide groups stay across. Either way no two label boxes intersect and all fit the figure."""
+    for rows, upright in ((PIPELINE_ROWS * 3, True), (PIPELINE_ROWS[:2], False)):
+        root = parse(svg.collective_bytes_svg(rows, title="c"))
+        boxes = label_boxes(root)
+        assert len(boxes) == len(rows) and overlapping(boxes) == []
+        assert all(bool(e.get("transform")) == upright for e in root.iter(f"{NS}text") if e.get("class") == "stage-label")
+        assert max(b[3] for b in boxes) < float(root.get("height")) - 14  # the caption below them included
+    crowded = [(x - 40, 0, x + 40, 11) for x in (0, 60)]  # the old layout: centred across, 60 px apart
+    assert overlapping(crowded) == [(0, 1)]

@@ -37,11 +37,34 @@ def test_the_section_shows_every_parameter_per_mesh_dim_and_explains_the_costlie
     assert len(rows) == len(plan.params) == len(list(planned_run.module.local_parameters())) > 0
     assert "proven optimal" in html and f"{report.objective_us:.3f} us per step" in html
     assert "solve: status" in html and "seconds: solve" in html
-    explained = re.findall(r"<details><summary>([^<]+): ([0-9.]+) us</summary>", html)
+    explained = re.findall(r"<details class=explain><summary>([^<]+): ([0-9.]+) us</summary>", html)
     costliest = plan.costliest(COSTLIEST)
     assert [(k, float(us)) for k, us in explained] == [(escape(k), round(us, 3)) for k, us in costliest]
     assert [us for _, us in costliest] == sorted((us for _, us in costliest), reverse=True)
     assert html.count("why: ") == COSTLIEST
+
+
+def test_the_section_reads_objective_then_placements_then_why_and_collapses_the_solver(planned_run):
+    report = planned_run.stage(PLAN).report
+    plan = report.plan
+    html = plan_section(report)
+    order = ["class=plan-objective", "what was placed where", "class=plan-every-param", "class=explain", "class=plan-internals"]
+    assert [html.index(k) for k in order] == sorted(html.index(k) for k in order)
+    internals = html.split("<details class=plan-internals>")[1].split("</details>")[0]
+    assert "<summary>solver internals</summary>" in internals and "solve: status" in internals
+    assert "solve: " not in html.split("<details class=plan-internals>")[0], "solver statistics outside the collapsed part"
+    groups = re.findall(r"<tr><td>([^<]+)</td><td>(\d+)</td><td>[^<]*</td></tr>",
+                        html.split("class=plan-groups>")[1].split("</table>")[0])
+    assert sum(int(n) for _, n in groups) == len(plan.params)
+    assert [int(n) for _, n in groups] == sorted((int(n) for _, n in groups), reverse=True)
+    assert {key for key, _ in groups} == {", ".join(f"{p.get(d, 'R')} on {d}" for d in plan.mesh_names) for p in plan.params.values()}
+    assert "class=plan-whole" not in html  # tiny LLaMA needs no replicated fallback
+    whole = dataclasses.replace(plan, fallbacks={"layers.0/fwd/aten.cdist#0": "no sharding strategy"},
+                                constants={"layers.0/fwd/constant#0": "_tensor_constant0"})
+    html = plan_section(dataclasses.replace(report, plan=whole))
+    rows = re.findall(r"<tr><td>([^<]+)</td><td>([^<]+)</td></tr>", html.split("class=plan-whole>")[1].split("</table>")[0])
+    assert rows == [("layers.0/fwd/aten.cdist#0", "no sharding strategy"),
+                    ("layers.0/fwd/constant#0", "a tensor constant made in forward (_tensor_constant0), replicated")]
 
 
 def test_the_costliest_nodes_are_the_dearest_chosen_placements(planned_run):
@@ -57,7 +80,7 @@ def test_a_time_limited_plan_says_it_is_not_proven_and_a_plan_from_json_cannot_e
     assert escape("NOT proven optimal: the solver's time limit returned its best plan so far") in plan_section(limited)
     loaded = dataclasses.replace(report, plan=Plan.from_json(report.plan.to_json()))
     html = plan_section(loaded)
-    assert "explain: not available" in html and "<details>" not in html
+    assert "explain: not available" in html and "class=explain" not in html
     with pytest.raises(ValueError, match="carries no plan"):
         plan_section(dataclasses.replace(report, plan=None))
 
