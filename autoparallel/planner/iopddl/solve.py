@@ -19,9 +19,13 @@ import numpy as np
 
 from autoparallel.planner.iopddl.instance import Instance, forbid_unsupported
 from autoparallel.planner.iopddl.mip import PENALTY, solve_sub
+from autoparallel.planner.iopddl.penalty import penalty_search
 from autoparallel.planner.iopddl.search import cost, descend, least_usage, profile
 
 FULL_MIP_PAIRS = 400_000  # strategy pairs on edges up to which one MIP over everything is tried first
+# Share of the time the adaptive-penalty search (penalty.py) may take before the LNS. Off: on
+# V, D, M, A at 60 s it never beat the plain start + LNS (docs/iopddl.md, "Adaptive penalties").
+PENALTY_SHARE = 0.0
 
 
 @dataclass
@@ -94,7 +98,8 @@ def _neighbourhood(inst: Instance, rng, size: int, prof=None, around=None) -> np
 
 
 def solve(inst: Instance, time_limit: float = 120.0, seed: int = 0, progress=None, threads: int = 1,
-          clock=time.perf_counter, full_mip_pairs: int = FULL_MIP_PAIRS) -> Result:
+          clock=time.perf_counter, full_mip_pairs: int = FULL_MIP_PAIRS,
+          penalty_share: float = PENALTY_SHARE) -> Result:
     """Best plan found within ``time_limit`` seconds (from this call); raise ValueError if none exists."""
     t0 = clock()
     deadline = t0 + time_limit
@@ -123,8 +128,18 @@ def solve(inst: Instance, time_limit: float = 120.0, seed: int = 0, progress=Non
             bound = max(bound, r.bound)
         optimal = r.optimal
         say(f"MIP: cost {best:.6g}, bound {bound:.6g}, {'optimal' if optimal else 'not proven optimal'} ({clock() - t0:.1f}s)")
+    if penalty_share > 0 and not optimal and pairs > full_mip_pairs and inst.limit is not None and clock() < deadline - 1.0:
+        px, pcost = penalty_search(inst, least_usage(inst), clock() + penalty_share * (deadline - clock()), clock, say,
+                                   plan_cost=cost)
+        if px is not None:
+            pprof = profile(inst, px)
+            descend(inst, px, pprof, deadline=deadline, clock=clock)
+            pcost = cost(inst, px)
+            say(f"adaptive penalties: cost {pcost:.6g} vs {best:.6g} ({clock() - t0:.1f}s)")
+            if pcost < best:
+                x, prof, best, method = px, pprof, pcost, "penalty"
     if not optimal and clock() < deadline - 0.5:
-        method = "mip+lns" if method == "mip" else "lns"
+        method = f"{method}+lns" if method in ("mip", "penalty") else "lns"
         x, prof, best, whole = _lns(inst, x, prof, best, deadline, seed, threads, clock, say, stats)
         if whole is not None:  # a neighbourhood held every node and its MIP finished: proven
             bound, optimal = max(bound, whole), True

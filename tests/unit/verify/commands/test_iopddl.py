@@ -8,10 +8,14 @@ import itertools
 import json
 import os
 import random
+import time
 
+import numpy as np
 import pytest
 
 from autoparallel.planner.iopddl import from_dict, load, solve
+from autoparallel.planner.iopddl.penalty import penalty_search, priced_descent
+from autoparallel.planner.iopddl.search import cost, least_usage, local_costs, profile
 from verify.__main__ import main as verify_main
 from verify.commands.iopddl import cli
 from verify.commands.iopddl.bench import BEST, table
@@ -116,12 +120,13 @@ def _random_problem(rng: random.Random, n: int) -> dict:
     return problem
 
 
-@pytest.mark.parametrize("full_mip_pairs", [10**9, 0], ids=["mip", "lns"])
-def test_solver_matches_brute_force_on_random_instances(full_mip_pairs):
+@pytest.mark.parametrize("full_mip_pairs,penalty_share", [(10**9, 0.0), (0, 0.0), (0, 0.4)], ids=["mip", "lns", "penalty"])
+def test_solver_matches_brute_force_on_random_instances(full_mip_pairs, penalty_share):
     rng = random.Random(43)
     for _ in range(12):
         problem = _random_problem(rng, rng.randint(2, 6))
-        r = solve(from_dict({"problem": copy.deepcopy(problem)}), time_limit=5.0, full_mip_pairs=full_mip_pairs)
+        r = solve(from_dict({"problem": copy.deepcopy(problem)}), time_limit=5.0, full_mip_pairs=full_mip_pairs,
+                  penalty_share=penalty_share)
         assert check(problem, r.solution, r.cost) == r.cost
         if full_mip_pairs:
             assert r.optimal
@@ -192,3 +197,72 @@ def test_bench_table_reports_ratios_beaten_bests_and_failures():
     assert "| B | 816 | 1,065,686 | 2.0000 |" in text and "| G | 816 | 108,519 | 0.5000 | 2.0 | yes |" in text
     assert "geometric mean of cost / best over 2 instances: 1.0000" in text
     assert "beat the best: G" in text and "no feasible plan: K" in text
+
+
+# --- the adaptive-penalty search ---
+
+def _problem(rng: random.Random, n: int, slack: int) -> dict:
+    sizes = [rng.randint(1, 3) for _ in range(n)]
+    intervals = [[s, s + rng.randint(0, 5)] for s in (rng.randint(0, 8) for _ in range(n))]
+    edges = [[u, v] for u in range(n) for v in range(u + 1, n) if rng.random() < 0.4]
+    usages = [[rng.randint(1, 10) for _ in range(s)] for s in sizes]
+    lows = [0] * 14
+    for (s, e), us in zip(intervals, usages):
+        for t in range(s, e):
+            lows[t] += min(us)
+    return {"nodes": {"intervals": intervals, "usages": usages,
+                      "costs": [[rng.randint(0, 50) for _ in range(s)] for s in sizes]},
+            "edges": {"nodes": edges, "costs": [[rng.randint(0, 30) for _ in range(sizes[u] * sizes[v])] for u, v in edges]},
+            "usage_limit": max(lows) + slack}
+
+
+def test_priced_descent_without_prices_ends_at_a_local_minimum():
+    rng = random.Random(1)
+    for _ in range(10):
+        inst = from_dict({"problem": _problem(rng, 7, 0)})
+        x = least_usage(inst)
+        priced_descent(inst, x, np.zeros(inst.n), range(inst.n))
+        for i in range(inst.n):
+            local = local_costs(inst, x, i)
+            assert local[x[i]] <= local.min() + 1e-9
+
+
+def test_priced_descent_with_dominant_prices_picks_least_usage():
+    rng = random.Random(2)
+    for _ in range(10):
+        inst = from_dict({"problem": _problem(rng, 7, 0)})
+        x = np.zeros(inst.n, dtype=np.int64)
+        priced_descent(inst, x, np.full(inst.n, 1e9), range(inst.n))
+        for i in range(inst.n):
+            assert inst.usage[i][x[i]] == inst.usage[i].min()
+
+
+def test_penalty_search_returns_feasible_plans_no_better_than_brute_force_and_terminates():
+    rng = random.Random(3)
+    found = 0
+    for k in range(20):
+        problem = _problem(rng, rng.randint(2, 7), k % 4)
+        inst = from_dict({"problem": problem})
+        said = []
+        x, c = penalty_search(inst, least_usage(inst), time.perf_counter() + 30, time.perf_counter, said.append,
+                              rounds=40, plan_cost=cost)
+        assert len(said) <= 40
+        if x is None:
+            assert c == np.inf
+            continue
+        found += 1
+        assert int(profile(inst, x).max(initial=0)) <= inst.limit
+        assert evaluate(problem, [int(v) for v in x]) == c >= _brute_force(problem)
+    assert found >= 15  # the prices reach feasibility on nearly all of them
+
+
+def test_penalty_search_without_memory_pressure_is_the_unpriced_descent():
+    rng = random.Random(4)
+    problem = _problem(rng, 6, 10**6)
+    inst = from_dict({"problem": problem})
+    said = []
+    x, c = penalty_search(inst, least_usage(inst), time.perf_counter() + 30, time.perf_counter, said.append,
+                          plan_cost=cost)
+    assert len(said) == 1 and "round 0: feasible" in said[0]
+    for i in range(inst.n):
+        assert local_costs(inst, x, i)[x[i]] <= local_costs(inst, x, i).min()
