@@ -10,6 +10,10 @@ the whole problem and HiGHS's dual bound is a bound on it.
 
 from __future__ import annotations
 
+import contextlib
+import os
+import sys
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import highspy
@@ -154,8 +158,25 @@ def _decode(col, free, kept):
     return out
 
 
+@contextlib.contextmanager
+def _native_stdout_to_stderr() -> Iterator[None]:
+    """HiGHS prints its banner from C++ to file descriptor 1 when a solver is built, before any
+    option can silence it; ``plan --iopddl --json`` promises one JSON object on stdout, so the
+    descriptor points at stderr while the solver is built, and is restored after."""
+    sys.stdout.flush()
+    saved = os.dup(1)
+    try:
+        os.dup2(2, 1)
+        yield
+    finally:
+        sys.stdout.flush()
+        os.dup2(saved, 1)
+        os.close(saved)
+
+
 def _run(a, cost, integ, lo, hi, start, time_limit, threads, gap, decode) -> SubResult:
-    h = highspy.Highs()
+    with _native_stdout_to_stderr():
+        h = highspy.Highs()
     h.setOptionValue("output_flag", False)
     h.setOptionValue("time_limit", float(max(time_limit, 0.05)))
     h.setOptionValue("threads", int(threads))

@@ -8,6 +8,8 @@ import itertools
 import json
 import os
 import random
+import subprocess
+import sys
 import time
 
 import numpy as np
@@ -154,6 +156,16 @@ def test_committed_contest_instances_solve_feasibly(name, capsys):
     out = json.loads(capsys.readouterr().out)
     assert len(out["solution"]) == out["nodes"] == 816
     assert check(read_problem(path), out["solution"], out["cost"]) == out["cost"]
+
+
+def test_json_output_is_one_object_on_the_processs_stdout():
+    """Whole stdout of a fresh process, file descriptor 1 included: HiGHS's C++ banner went there
+    before the JSON (capsys sees only Python's sys.stdout, so the test above could not see it)."""
+    run = subprocess.run([sys.executable, "-m", "verify", "plan", "--iopddl", EXAMPLE, "--time-limit", "5", "--json"],
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    out = json.loads(run.stdout)
+    assert check(read_problem(EXAMPLE), out["solution"], out["cost"]) == out["cost"]
 
 
 def test_command_prints_the_cost_and_refuses_bad_input(capsys):
