@@ -54,7 +54,13 @@ def clean_fqn(name: str) -> str:
 
 
 class _GatherParam(nn.Module):
-    """Parametrization: local shard -> the tensor the module computes with."""
+    """Parametrization: local shard -> the tensor the module computes with.
+
+    Computed with grad mode on whatever the caller's mode: the value is cached for the whole
+    forward (``parametrize.cached``), and a model that first reads a parameter under
+    ``torch.no_grad()`` (warm-up iterations of a recurrence that only backpropagates through its
+    last ones) would otherwise cache a gathered tensor cut from its shard, and every later read,
+    with grad on, would give the shard no gradient (eager gives it one)."""
 
     def __init__(self, sharding: ParamSharding, plan: ParallelPlan, mesh: ParallelMesh):
         super().__init__()
@@ -70,6 +76,10 @@ class _GatherParam(nn.Module):
         self.reduce_dtype = plan.reduce_dtype
 
     def forward(self, shard: torch.Tensor) -> torch.Tensor:
+        with torch.enable_grad():
+            return self._gather(shard)
+
+    def _gather(self, shard: torch.Tensor) -> torch.Tensor:
         if self.fsdp is not None:
             name, size, rows = self.fsdp
             return FSDPAllGather.apply(shard, name, size, self.param_dtype, self.reduce_dtype, rows)

@@ -329,6 +329,7 @@ class OracleReport:
     parallel: str = "eager"
     reference: str = "single-device"
     checks: list[OracleCheck] = field(default_factory=list)
+    calibration: str = ""  # set when the analytic bound failed (verify.parity.calibration)
 
     @property
     def passed(self) -> bool:
@@ -354,6 +355,7 @@ class OracleReport:
         lines = [
             f"{self.parallel} vs {self.reference} eager: {len(self.checks)} tensors, {verdict}; worst |diff| / bound "
             f"{self.worst_ratio:.2e}; tolerance {self.tolerance.describe()}"
+            + (f"; {self.calibration}" if self.calibration else "")
         ]
         for c in self.failures()[:limit]:
             lines.append(f"  {c.name}: |diff| {c.max_abs:.3e} > bound {c.bound:.3e} (scale {c.scale:.3e}){'; ' + c.note if c.note else ''}")
@@ -372,6 +374,7 @@ class OracleReport:
             "max_abs_diff": self.max_abs,
             "worst_ratio": self.worst_ratio,
             "tolerance": self.tolerance.to_dict(),
+            "calibration": self.calibration,
         }
 
 

@@ -64,6 +64,7 @@ from autoparallel.runtime.steps import (
     step_seed,
     train_steps,
 )
+from verify.parity import calibration
 from verify.parity.collective_check import agree_on_collectives
 from verify.parity.compare import (
     OracleReport,
@@ -384,9 +385,13 @@ def rank_inputs(scenario: Scenario) -> dict[str, tuple]:
     return {roles.input_(i): tuple(pieces[i] for pieces in per_rank) for i in range(len(batch))}
 
 
-def single_device_reference(scenario: Scenario, *, dropout_off: bool = False) -> SingleDeviceReference:
+def single_device_reference(
+    scenario: Scenario, *, dropout_off: bool = False, dtype: torch.dtype | None = None
+) -> SingleDeviceReference:
     """:class:`SingleDeviceReference` for ``scenario``: each slice draws its rank's masks, or with
-    ``dropout_off`` every dropout is off (``verify.parity.random_ops``). Each slice runs on a model
+    ``dropout_off`` every dropout is off (``verify.parity.random_ops``). ``dtype``: the model,
+    its floating inputs and target cast to it (the oracle's fp64 calibration,
+    ``verify.parity.calibration``). Each slice runs on a model
     built afresh, as each rank's program runs its first step on its own fresh model: a model whose
     first forward changes it (swaps in submodules, drawing their initial weights from the generator
     its dropout then draws from; flips a mode in its config) would otherwise run slice 1 as the
@@ -400,6 +405,8 @@ def single_device_reference(scenario: Scenario, *, dropout_off: bool = False) ->
         model = scenario.model()
         *inputs, target = split_batch(batch, plan, spec, {d: coord.get(d, 0) for d in spec.names})
         inputs = rounded_like_the_program(inputs, plan.param_dtype)
+        if dtype is not None:
+            model, inputs, target = _cast_floating((model.to(dtype), inputs, target), dtype)
         # the slice's rank draws these masks (or none, dropout off)
         with random_ops_disabled() if dropout_off else seeded(step_seed(rank_seed(scenario, coord), 0)):
             loss = scenario.loss_fn(model(*inputs), target)
@@ -412,6 +419,12 @@ def single_device_reference(scenario: Scenario, *, dropout_off: bool = False) ->
     return SingleDeviceReference(
         torch.stack(losses).sum() / n, {k: None if g is None else g / n for k, g in grads.items()}, buffers
     )
+
+
+def _cast_floating(tree, dtype: torch.dtype):
+    from torch.utils import _pytree as pytree
+
+    return pytree.tree_map(lambda x: x.to(dtype) if isinstance(x, torch.Tensor) and x.is_floating_point() else x, tree)
 
 
 def _add_grad(total: torch.Tensor | None, grad: torch.Tensor | None, fqn: str, seen: bool) -> torch.Tensor | None:
@@ -518,7 +531,8 @@ def oracle_check(
     for r in ranks:
         per_slice.setdefault(slice_of(r), r.traces[executor].losses[0])
     loss = torch.stack([per_slice[k] for k in sorted(per_slice)]).sum() / len(per_slice)
-    report.checks.append(check_within(*_loss_in_reference_dtype(loss, ref.loss, plan.param_dtype), tolerance.rtol))
+    loss_name, ref_loss, loss = _loss_in_reference_dtype(loss, ref.loss, plan.param_dtype)
+    report.checks.append(check_within(loss_name, ref_loss, loss, tolerance.rtol))
     grads = gather_full_grads(scenario, ranks, executor)
     scales = module_scales(ref.grads)
     for fqn in sorted(set(ref.grads) | set(grads)):
@@ -530,4 +544,14 @@ def oracle_check(
         want = ref.buffers[slice_of(r)]
         for name in sorted(set(got) | set(want)):
             report.checks.append(check_within(f"rank{i}/{roles.buffer(name)}", want.get(name), got.get(name), tolerance.rtol))
+    if not report.passed and calibration.applies(tolerance, plan.param_dtype):
+
+        def named(reference: SingleDeviceReference) -> dict[str, torch.Tensor | None]:
+            out: dict[str, torch.Tensor | None] = {loss_name: reference.loss}
+            out.update((roles.grad(fqn), g) for fqn, g in reference.grads.items())
+            for i, r in enumerate(ranks):
+                out.update((f"rank{i}/{roles.buffer(k)}", b) for k, b in reference.buffers[slice_of(r)].items())
+            return out
+
+        report = calibration.calibrated(report, lambda dtype: named(single_device_reference(scenario, dropout_off=True, dtype=dtype)))
     return report
