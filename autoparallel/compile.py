@@ -36,6 +36,7 @@ from autoparallel import meta as M
 from autoparallel import patches, roles
 from autoparallel.partition import REPLAY_PATCH, ReplaySavesPartitioner, label_partition
 from autoparallel.passes.ac_joint import ac_joint_pass
+from autoparallel.passes.kept_random_draws import PATCH as KEPT_RANDOM_DRAWS
 from autoparallel.passes.collective import bucket_fw_bw, tag_joint
 
 OVERLAP_PATCH = "overlap_config_persists"
@@ -237,6 +238,10 @@ def autoparallel_backend(
         persist = patches.enabled(OVERLAP_PATCH)
         compiler_patches = overlap if persist else {}
         with contextlib.ExitStack() as stack:
+            if patches.enabled(KEPT_RANDOM_DRAWS):
+                # Inside torch.compile, FX's dead-code elimination drops a random op nobody reads
+                # unless fallback_random is set; eager draws it (autoparallel.passes.kept_random_draws).
+                stack.enter_context(torch._inductor.config.patch(fallback_random=True))
             if enable_ac:
                 stack.enter_context(torch._functorch.config.patch(joint_custom_pass=ac_joint_pass))
             if overlap and not persist:

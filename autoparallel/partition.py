@@ -42,6 +42,8 @@ from autoparallel.mesh import attach_group_dims
 from autoparallel.parallelize.program import clean_fqn
 from autoparallel.passes.cleanup import CleanupReport, cleanup_graph
 from autoparallel.passes.fsdp_recompute import FsdpTagReport, mark_fsdp_all_gather_recomputation
+from autoparallel.passes.kept_random_draws import PATCH as KEPT_RANDOM_DRAWS
+from autoparallel.passes.kept_random_draws import restore_dropped_random_ops
 from autoparallel.runtime.parallel_module import ParallelModule, PartitionRecord
 
 log = logging.getLogger(__name__)
@@ -221,6 +223,7 @@ def _first_partition(p: Placement) -> PartitionRecord:
 
     def partition(joint, joint_inputs, **kwargs):
         fw, bw = p.partition_fn(joint, joint_inputs, **kwargs)
+        restore_dropped_random_ops(joint, fw, bw)
         captured["fw"], captured["bw"] = fw, bw
         captured["num_fwd_outputs"] = kwargs.get("num_fwd_outputs", jg.num_fwd_outputs)
         return fw, bw
@@ -307,7 +310,7 @@ PLACEMENT_STEPS: tuple[PlacementStep, ...] = (
         STEP_FIRST_PARTITION,
         _first_partition,
         "AOT partition; the saved values are recorded (ap_must_save)",
-        patches=(AOT_GRAPH_TEXT,),
+        patches=(AOT_GRAPH_TEXT, KEPT_RANDOM_DRAWS),
     ),
 )
 PLACEMENT_STEP_NAMES: tuple[str, ...] = tuple(s.name for s in PLACEMENT_STEPS)
@@ -539,6 +542,7 @@ class ReplaySavesPartitioner(CustomPartitionerFn):
             static_lifetime_input_nodes=node_info.static_lifetime_input_nodes,
             **opaque,
         )
+        restore_dropped_random_ops(gm, fw, bw)
         if recomputable and has_recomputable_rng_ops(gm):
             fw, bw = functionalize_rng_ops(gm, fw, bw, len(saved_sym))
         bw = reordering_to_mimic_autograd_engine(bw)
