@@ -185,6 +185,20 @@ _register(
     ),
 )
 _register(
+    "kernel_strides",
+    "inside the joint trace and the second compile's re-trace, an op with one output of its operands' "
+    "broadcast shape whose operands have mixed layouts gets, as its fake output, the dimension order the "
+    "CPU kernel gives on tiny probe operands of the same dimension orders (TensorIterator's layout rule)",
+    "such an op's fake output has its Python decomposition's layout (softplus_backward, hardswish_backward "
+    "read their operands in another order than ATen's kernel): pinned_layouts copies the real output into "
+    "it, so later reductions sum in another order than eager (qwen3_5, qwen3_next, olmo_hybrid, lara_mini "
+    "fsdp: NOT bitwise at 1e-12..4e-9)",
+    (
+        "tests/unit/autoparallel/test_kernel_strides.py::test_fake_strides_of_mixed_layout_ops_are_the_kernel_strides",
+        "tests/unit/autoparallel/test_kernel_strides.py::test_joint_graph_of_a_transposed_softplus_gate_is_eager_bitwise",
+    ),
+)
+_register(
     "trace_as_compiling",
     "the joint trace and the graph trainer's trace run with torch.compiler.is_compiling() true, as a "
     "torch.compile session does: models skip their data-dependent eager fast paths (transformers' "

@@ -58,6 +58,8 @@ from autoparallel.compile import OVERLAP_PATCH, SECOND_COMPILE, Compiler, autopa
 from autoparallel.compiling_flag import PATCH as TRACE_AS_COMPILING
 from autoparallel.eager_dropout import PATCH as EAGER_DROPOUT
 from autoparallel.eager_kernels import PATCH as EAGER_KERNELS
+from autoparallel.kernel_strides import PATCH as KERNEL_STRIDES
+from autoparallel.kernel_strides import strides_as_kernels
 from autoparallel.passes.pinned_layouts import PATCH as PINNED_LAYOUTS
 from autoparallel.fx_utils import copy_graph_module
 from autoparallel.gc_pauses import fewer_collections
@@ -342,7 +344,7 @@ def second_compile(
     torch._dynamo.reset()
     compiled = torch.compile(module, backend=backend)
     try:
-        with aot_graph_text_only_when_logged():
+        with aot_graph_text_only_when_logged(), strides_as_kernels():
             compiled(*local_inputs)
     except Exception as e:
         if not _caused_by(e, _StopAfterPartition):
@@ -454,13 +456,13 @@ def _collective_stage(p: CollectivePass) -> Stage:
 #: The stage list, in order (see the module docstring).
 STAGES: tuple[Stage, ...] = (
     Stage(JOINT, _joint, "trace the per-rank joint graph (model, loss, plan, mesh)",
-          patches=(TRACE_AS_COMPILING, EAGER_DROPOUT, EAGER_KERNELS, PINNED_LAYOUTS, SPLIT_CAT_PATCH)),
+          patches=(TRACE_AS_COMPILING, EAGER_DROPOUT, EAGER_KERNELS, KERNEL_STRIDES, PINNED_LAYOUTS, SPLIT_CAT_PATCH)),
     *(_placement_stage(s) for s in PLACEMENT_STEPS),
     Stage(
         SECOND_COMPILE,
         _second_compile,
         "torch.compile with autoparallel_backend: replay partition, bucketing tags",
-        patches=(REPLAY_PATCH, OVERLAP_PATCH, AOT_GRAPH_TEXT),
+        patches=(REPLAY_PATCH, OVERLAP_PATCH, AOT_GRAPH_TEXT, KERNEL_STRIDES),
         acted=_saved_values,
     ),
     *(_collective_stage(p) for p in COLLECTIVE_PASSES),

@@ -25,6 +25,7 @@ from autoparallel import roles
 from autoparallel.compiling_flag import compiling_queries, tracing_as_compiling
 from autoparallel.eager_dropout import dropout_as_eager
 from autoparallel.eager_kernels import kernels_as_eager
+from autoparallel.kernel_strides import strides_as_kernels
 from autoparallel.mesh import ParallelMesh, attach_group_dims
 from autoparallel.parallelize.module_paths import annotate_module_paths
 from autoparallel.parallelize.plan import ParallelPlan, ParamSharding
@@ -139,7 +140,8 @@ def build_joint_graph(
         with (annotate_module_paths(program.model), tracing_as_compiling(), compiling_queries() as queried,
               data_dependent_ops_named(),
               dropout_as_eager() if eager_dropout else contextlib.nullcontext(),
-              kernels_as_eager() if eager_dropout else contextlib.nullcontext()):
+              kernels_as_eager() if eager_dropout else contextlib.nullcontext(),
+              strides_as_kernels() if eager_dropout else contextlib.nullcontext()):
             jd = aot_export_joint_with_descriptors(stack, program, fake_inputs)
     except BaseException:
         stack.close()

@@ -10,6 +10,9 @@ tensor only: the ``reshape`` of the op's gradient became a ``view``, which the r
 satisfy ("view size is not compatible with input tensor's size and stride"), and clean-up's
 ``remove_noop_ops`` trusts the same strides.
 
+Since patch ``kernel_strides`` gives the trace the kernel's layout, this is the safety net for an
+op its probe cannot run: an op whose traced strides a probe confirms is not pinned.
+
 Patch ``pinned_layouts``: after the joint trace, each op whose tensor operands of its output's
 shape do not all share one layout is followed by ``prims.copy_strided(out, traced strides)``,
 so the real tensor has the strides the trace recorded from there on, whatever the kernel picked:
@@ -28,6 +31,9 @@ from torch import fx
 from torch.utils._pytree import tree_leaves
 
 from autoparallel import meta as M
+from autoparallel import patches
+from autoparallel.kernel_strides import PATCH as KERNEL_STRIDES
+from autoparallel.kernel_strides import probe_strides
 
 PATCH = "pinned_layouts"
 
@@ -69,7 +75,7 @@ def pin_mixed_layouts(gm: fx.GraphModule) -> PinnedLayoutsReport:
     report = PinnedLayoutsReport()
     graph = gm.graph
     for node in list(graph.nodes):
-        if not mixed_layouts(node):
+        if not mixed_layouts(node) or traced_as_the_kernel(node):
             continue
         out = node.meta[M.VAL]
         with graph.inserting_after(node):
@@ -82,6 +88,17 @@ def pin_mixed_layouts(gm: fx.GraphModule) -> PinnedLayoutsReport:
         graph.lint()
         gm.recompile()
     return report
+
+
+def traced_as_the_kernel(node: fx.Node) -> bool:
+    """With patch ``kernel_strides`` on, the trace gave this op the CPU kernel's layout where it
+    could probe it: no pin is needed where a probe now agrees with the traced strides. Pins stay for
+    ops the probe cannot run (and for every one with that patch off)."""
+    if not patches.enabled(KERNEL_STRIDES):
+        return False
+    args, kwargs = fx.map_arg((node.args, node.kwargs), lambda a: a.meta.get(M.VAL))
+    out = node.meta[M.VAL]
+    return probe_strides(node.target, args, kwargs, out.shape) == list(out.stride())
 
 
 def target_name(node: fx.Node) -> str:

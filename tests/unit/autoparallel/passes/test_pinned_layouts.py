@@ -5,6 +5,10 @@ on fake tensors (its Python decomposition reads ``x`` first), so the trace turns
 its output into a ``view`` that the real tensor cannot take. The unit tests trace that on a small
 FX graph; the guards trace a small model of our own (a softplus gate read transposed, as doge's
 dynamic mask does) through the joint trace and run the joint graph on real tensors.
+
+Patch ``kernel_strides`` now gives the trace the kernel's layout for these ops, so the pin is the
+safety net for ops its probe cannot run; every test here runs with ``kernel_strides`` off, the
+situation the pin exists for.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from torch import nn
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from autoparallel import patches
+from autoparallel.kernel_strides import PATCH as KERNEL_STRIDES
 from autoparallel.mesh import fake_world
 from autoparallel.parallelize import ParallelPlan, ParallelProgram, build_joint_graph, split_batch
 from autoparallel.passes.pinned_layouts import COPY_STRIDED, PATCH, mixed_layouts, pin_mixed_layouts
@@ -23,6 +28,12 @@ from autoparallel.runtime.steps import joint_graph_executor
 
 aten = torch.ops.aten
 B, T, H = 2, 8, 2
+
+
+@pytest.fixture(autouse=True)
+def _without_kernel_strides():
+    with patches.disabled(KERNEL_STRIDES):
+        yield
 
 
 def _grad_of_softplus(g, x):
