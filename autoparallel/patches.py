@@ -199,6 +199,22 @@ _register(
     ),
 )
 _register(
+    "value_guards",
+    "a model that reads a tensor's value into Python (.item(), `if t:`, .tolist()) or takes a nonzero is traced "
+    "with the value / row count a real eager run of the rank's batch slice gives (a read downstream of a random "
+    "op stays refused, naming it); each read becomes autoparallel.guard_value on the loss, each nonzero is "
+    "followed by autoparallel.guard_rows: another value at run time raises a named error (module, line, both "
+    "values) instead of computing the traced branch",
+    "the trace refuses the model (REFUSED: 'reads a tensor's value into Python'); upstream's real-value "
+    "propagation instead bakes the branch in with no check: another batch computes a wrong result silently",
+    (
+        "tests/unit/autoparallel/passes/test_value_guards.py::test_a_batch_with_the_traced_value_is_bitwise_with_eager",
+        "tests/unit/autoparallel/passes/test_value_guards.py::test_a_batch_with_another_value_raises_the_guard",
+        "tests/unit/autoparallel/passes/test_value_guards.py::test_a_nonzero_is_traced_with_its_row_count_and_guarded",
+        "tests/parity/test_value_guards_parity.py::test_a_value_read_is_guarded_and_bitwise_at_every_stage",
+    ),
+)
+_register(
     "trace_as_compiling",
     "the joint trace and the graph trainer's trace run with torch.compiler.is_compiling() true, as a "
     "torch.compile session does: models skip their data-dependent eager fast paths (transformers' "

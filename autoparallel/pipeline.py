@@ -61,6 +61,7 @@ from autoparallel.eager_kernels import PATCH as EAGER_KERNELS
 from autoparallel.kernel_strides import PATCH as KERNEL_STRIDES
 from autoparallel.kernel_strides import strides_as_kernels
 from autoparallel.passes.pinned_layouts import PATCH as PINNED_LAYOUTS
+from autoparallel.passes.value_guards import PATCH as VALUE_GUARDS
 from autoparallel.fx_utils import copy_graph_module
 from autoparallel.gc_pauses import fewer_collections
 from autoparallel.mesh import MeshSpec, ParallelMesh, attach_group_dims, fake_world
@@ -456,7 +457,7 @@ def _collective_stage(p: CollectivePass) -> Stage:
 #: The stage list, in order (see the module docstring).
 STAGES: tuple[Stage, ...] = (
     Stage(JOINT, _joint, "trace the per-rank joint graph (model, loss, plan, mesh)",
-          patches=(TRACE_AS_COMPILING, EAGER_DROPOUT, EAGER_KERNELS, KERNEL_STRIDES, PINNED_LAYOUTS, SPLIT_CAT_PATCH)),
+          patches=(TRACE_AS_COMPILING, EAGER_DROPOUT, EAGER_KERNELS, KERNEL_STRIDES, VALUE_GUARDS, PINNED_LAYOUTS, SPLIT_CAT_PATCH)),
     *(_placement_stage(s) for s in PLACEMENT_STEPS),
     Stage(
         SECOND_COMPILE,

@@ -15,7 +15,12 @@ from typing import Any
 
 import torch
 
-__all__ = ["check_input_dtypes", "check_loss", "data_dependent_error", "data_dependent_ops_named"]
+__all__ = ["DataDependentError", "check_input_dtypes", "check_loss", "data_dependent_error", "data_dependent_ops_named"]
+
+
+class DataDependentError(ValueError):
+    """The model reads a value or a shape from tensor data that the trace cannot take (a ValueError:
+    bad input to the compile stack, named where the model does it)."""
 
 
 def check_loss(loss: Any, *, needs_grad: bool = True) -> None:
@@ -67,7 +72,7 @@ _VALUE_OPS = {"_local_scalar_dense": "reads a tensor's value into Python (.item(
 _SHAPE_HINT = "has an output shape that depends on tensor values (nonzero, boolean-mask indexing, unique, ...)"
 
 
-def data_dependent_error(exc: BaseException) -> ValueError | None:
+def data_dependent_error(exc: BaseException) -> DataDependentError | None:
     """A ValueError naming the op, the model's source line and what to change, when ``exc`` (or
     what caused it) is PyTorch's refusal to trace a data-dependent op on fake tensors; else None.
     The graphs are traced once for every input, so a value or shape decided by the data has no
@@ -92,7 +97,7 @@ def data_dependent_error(exc: BaseException) -> ValueError | None:
                               "depends on tensor values")
     where = _model_frame(exc) or _model_frame(cause)
     at = f" at {where.filename}:{where.lineno} ({(where.line or '').strip()})" if where is not None else ""
-    return ValueError(
+    return DataDependentError(
         f"the model is not traceable: {op}{at} {what}, which one graph for every input cannot know. "
         "Compute it in __init__ (a buffer or a Python constant), keep it a tensor (torch.where, masks "
         "instead of indexing by nonzero, torch.cond instead of a Python branch), or move it out of "
@@ -115,6 +120,8 @@ def data_dependent_ops_named() -> Iterator[None]:
     :func:`data_dependent_error`'s ValueError instead (PyTorch's exception as its cause)."""
     try:
         yield
+    except DataDependentError:
+        raise  # already named (autoparallel.traced_values)
     except Exception as e:
         named = data_dependent_error(e)
         if named is not None:

@@ -132,9 +132,16 @@ class ModelCheck:
         get none and end the run unchanged, as in eager PyTorch."""
         return params_without_grad(self.run)
 
+    def specialised_reads(self) -> tuple[str, ...]:
+        """The values the model reads into Python (``.item()``, ``if t:``) that the graphs hold as
+        traced, each ``"module file:line (source): traced with value"``; every one is guarded at run
+        time (patch value_guards): another value raises, naming it."""
+        return self.run.joint.specialised_reads if self.run.joint is not None else ()
+
     def summary(self) -> str:
         lines = [self.scenario.header()]
         lines.extend(f"  {line}" for line in without_grad_lines(self.params_without_grad()))
+        lines.extend(f"  specialised read: {read}" for read in self.specialised_reads())
         cast = input_cast_line(self.scenario)
         if cast:
             lines.append(f"  {cast}")

@@ -32,8 +32,11 @@ from autoparallel.parallelize.plan import ParallelPlan, ParamSharding
 from autoparallel.parallelize.program import LossFn, ParallelProgram, clean_fqn, split_batch
 from autoparallel.passes.pinned_layouts import PATCH as PINNED_LAYOUTS
 from autoparallel.passes.pinned_layouts import pin_mixed_layouts
+from autoparallel.passes.value_guards import PATCH as VALUE_GUARDS
+from autoparallel.passes.value_guards import guard_reads
 from autoparallel.patches import disabled_from_env
-from autoparallel.validate import check_input_dtypes, data_dependent_ops_named
+from autoparallel.traced_values import Read, record_reads, replaying
+from autoparallel.validate import DataDependentError, check_input_dtypes, data_dependent_ops_named
 
 log = logging.getLogger(__name__)
 
@@ -70,6 +73,9 @@ class JointGraph:
     # Where the model's code asked torch.compiler.is_compiling() during the trace (file:line
     # (function)); the trace answered True (patch trace_as_compiling), an eager run answers False.
     compiling_queries: tuple[str, ...] = ()
+    # Values the model read into Python that the graph holds as traced, each guarded at run time
+    # (patch value_guards): "module file:line (source): traced with value".
+    specialised_reads: tuple[str, ...] = ()
     _stack: contextlib.ExitStack = field(repr=False, default_factory=contextlib.ExitStack)
     # Holds the export's fake mode off the dispatch stack between the trace and the compile.
     _suspended: contextlib.ExitStack = field(repr=False, default_factory=contextlib.ExitStack)
@@ -132,22 +138,39 @@ def build_joint_graph(
     _to_fake(program, fake_mode)
     fake_inputs = tuple(_fake_like(t, fake_mode) for t in local)
 
-    stack = contextlib.ExitStack()
-    t0 = time.perf_counter()
-    try:
-        from torch._functorch.aot_autograd import aot_export_joint_with_descriptors
+    def trace(reads: list[Read] | None):
+        stack = contextlib.ExitStack()
+        try:
+            from torch._functorch.aot_autograd import aot_export_joint_with_descriptors
 
-        with (annotate_module_paths(program.model), tracing_as_compiling(), compiling_queries() as queried,
-              data_dependent_ops_named(),
-              dropout_as_eager() if eager_dropout else contextlib.nullcontext(),
-              kernels_as_eager() if eager_dropout else contextlib.nullcontext(),
-              strides_as_kernels() if eager_dropout else contextlib.nullcontext()):
-            jd = aot_export_joint_with_descriptors(stack, program, fake_inputs)
-    except BaseException:
-        stack.close()
-        raise
+            with (annotate_module_paths(program.model), tracing_as_compiling(), compiling_queries() as queried,
+                  data_dependent_ops_named(),
+                  replaying(reads) if reads is not None else contextlib.nullcontext(),
+                  dropout_as_eager() if eager_dropout else contextlib.nullcontext(),
+                  kernels_as_eager() if eager_dropout else contextlib.nullcontext(),
+                  strides_as_kernels() if eager_dropout else contextlib.nullcontext()):
+                return aot_export_joint_with_descriptors(stack, program, fake_inputs), stack, queried
+        except BaseException:
+            stack.close()
+            raise
+
+    t0 = time.perf_counter()
+    reads = None
+    try:
+        jd, stack, queried = trace(None)
+    except DataDependentError:
+        # The model reads a tensor's value: trace again with the values a real run of this
+        # rank's slice gives, each guarded in the graph (a random one stays refused).
+        if not (patches.enabled(VALUE_GUARDS) and local_params and all(_is_real(t) for t in local)):
+            raise
+        reads = record_reads(model, program.loss_fn, local, plan.param_dtype)
+        jd, stack, queried = trace(reads)
     seconds = time.perf_counter() - t0
     gm = jd.graph_module
+    specialised: list[str] = []
+    if reads is not None:
+        specialised = guard_reads(gm).guarded
+        log.info("specialised %d values the model reads into Python, each guarded: %s", len(specialised), specialised)
     if patches.enabled(PINNED_LAYOUTS):
         pinned = pin_mixed_layouts(gm).pinned
         if pinned:
@@ -177,6 +200,7 @@ def build_joint_graph(
         frozen_params=frozen,
         params_without_grad=without_grad,
         compiling_queries=tuple(queried),
+        specialised_reads=tuple(specialised),
         _stack=stack,
         _suspended=suspended,
     )

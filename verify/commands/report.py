@@ -301,6 +301,7 @@ def format_report(report: dict) -> str:
         f"plan: {report['plan']}",
         f"params: {report['params']['count']} ({report['params']['fsdp_sharded']} FSDP-sharded)",
         *without_grad_lines(report["params"].get("without_grad") or {}),
+        *(f"specialised read (guarded): {r}" for r in report["params"].get("specialised_reads") or []),
         "",
     ]
     planning = report.get("planning")

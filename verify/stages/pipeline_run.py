@@ -42,14 +42,17 @@ def pipeline_options(bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB, topo_span=Non
 def params_summary(run: P.PipelineRun) -> dict:
     """How many parameters the plan resolved, and how many of them FSDP shards (plan="auto": how
     many the plan shards over some mesh dim); ``without_grad``: those whose gradient is None, each
-    ``frozen`` (requires_grad=False) or ``unreached`` (the loss does not reach it)."""
+    ``frozen`` (requires_grad=False) or ``unreached`` (the loss does not reach it);
+    ``specialised_reads`` (when there are any): the values the model reads into Python, held as
+    traced and guarded."""
     if run.planned is not None:
         params = run.planned.plan.params
         out = {"count": len(params), "fsdp_sharded": sum(1 for p in params.values() if any(v != "R" for v in p.values()))}
     else:
         shardings = run.joint.shardings
         out = {"count": len(shardings), "fsdp_sharded": sum(1 for s in shardings.values() if s.fsdp_dim is not None)}
-    return {**out, "without_grad": params_without_grad(run)}
+    reads = list(run.joint.specialised_reads) if run.joint is not None else []
+    return {**out, "without_grad": params_without_grad(run), **({"specialised_reads": reads} if reads else {})}
 
 
 def params_without_grad(run: P.PipelineRun) -> dict[str, str]:

@@ -201,14 +201,15 @@ def _check(result=None, error=None):
     return check_model
 
 
-def _result(bitwise=True, oracle_ok=True, model_branch=False):
+def _result(bitwise=True, oracle_ok=True, model_branch=False, reads=()):
     """A ModelCheck's outline: ``model_branch`` is a stage not bitwise with eager but bitwise with
     eager run as traced (the model's own is_compiling() branch), which failures() leaves out."""
     rep = types.SimpleNamespace(bitwise=bitwise)
     failing = not bitwise and not model_branch
     failures = (["first_partition: 3 of 40 tensors differ"] if failing else []) + ([] if oracle_ok else ["oracle: loss beyond 1e-4"])
     return types.SimpleNamespace(parity={"first_partition": rep}, failures=lambda: failures,
-                                 model_branch=lambda stage: not bitwise and model_branch)
+                                 model_branch=lambda stage: not bitwise and model_branch,
+                                 specialised_reads=lambda: tuple(reads))
 
 
 @pytest.mark.parametrize(("check", "expected"), [
@@ -223,6 +224,9 @@ def _result(bitwise=True, oracle_ok=True, model_branch=False):
     # the model's own branch passes as in check_model (it crashed the cell: failures() was empty)
     (_check(_result(bitwise=False, model_branch=True)), {"verdict": "PASS", "reason": ""}),
     (_check(_result(bitwise=False, model_branch=True, oracle_ok=False)), {"verdict": "FAIL", "reason": "oracle: loss beyond 1e-4"}),
+    # a PASS names the values the graphs hold as traced (patch value_guards)
+    (_check(_result(reads=("m m.py:3 (if t.any():): traced with True",))),
+     {"verdict": "PASS", "reason": "1 value reads specialised and guarded: m m.py:3 (if t.any():): traced with True"}),
 ])
 def test_the_cell_turns_check_models_outcome_into_a_verdict(check, expected, monkeypatch):
     monkeypatch.setattr(sweep_cell, "check_model", check)

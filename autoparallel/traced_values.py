@@ -1,0 +1,227 @@
+"""Values a model reads into Python (``.item()``, ``if t:``, ``.tolist()``), taken from a real run.
+
+A trace on fake tensors cannot know ``aten._local_scalar_dense``'s result, so such a model was
+refused. Upstream's ``fake_tensor_propagate_real_tensors`` answers with the example's value and
+bakes the branch in, with no check left: a later batch that takes the other branch computes a
+wrong result silently (docs/failure-classes.md section 2). Here the answer comes with a guard:
+
+1. :func:`record_reads` runs the user's model and loss eagerly on this rank's real batch slice
+   and real parameters (a copy of the model; RNG state restored), with ``is_compiling()`` true as
+   in the trace, and records each read: its site (the model's file:line), its value, and the
+   random op among its ancestors if there is one. The values are the ones the rank computes: the
+   unsharded model on the rank's slice is what a data-parallel rank runs, with no collective on
+   the fake process group in the way (whose buffers hold garbage).
+2. A read that a random draw alone decides (``torch.rand([]) < p``: a layer drop; no input,
+   parameter or buffer among its ancestors) is a draw, not a property of the data: refused, naming
+   the op and where it drew; a graph holding one branch would fail at random steps. A read of
+   data that passed through a draw (an activation after dropout: ibert's NaN check) is a property
+   of the data, taken and guarded like any other; a step whose draw changes it fails its guard.
+3. :func:`replaying` answers the trace's reads with the recorded values, site by site (the trace
+   runs the forward more than once: the answers repeat in the recorded cycle; reads of constants
+   the fake mode computes itself are skipped). A read the eager run did not make there is refused.
+4. ``passes/value_guards.py`` then puts a guard on each read: the graph is correct by construction.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import os
+import traceback
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch._subclasses import fake_impls
+from torch.fx.experimental import proxy_tensor
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+from torch.utils.weak import WeakTensorKeyDictionary
+
+from autoparallel.compiling_flag import tracing_as_compiling
+from autoparallel.passes.value_guards import TRACED_READ
+from autoparallel.validate import DataDependentError
+
+READ_OPS = (torch.ops.aten._local_scalar_dense.default, torch.ops.aten.item.default)
+NONZERO = torch.ops.aten.nonzero.default
+_SKIP = (os.path.dirname(torch.__file__) + os.sep, os.path.dirname(__file__) + os.sep)
+
+
+@dataclass(frozen=True)
+class Read:
+    """One value the model read into Python: where, what it was, and what random op it came from."""
+
+    site: str  # "file:line (source)" of the model's code
+    value: bool | int | float  # the value read, or the row count of a nonzero
+    random: str | None = None  # "aten::rand at file:line" when a draw alone decides it (no data ancestor)
+    size: bool = False  # a nonzero's output size (a data-dependent shape), not a value
+
+    def describe(self) -> str:
+        what = "nonzero traced with size" if self.size else "traced with"
+        return f"{self.site}: {what} {self.value!r}"
+
+
+def draws(func, args, kwargs) -> bool:
+    """``func`` draws random numbers here: tagged ``nondeterministic_seeded`` and not switched
+    off by its arguments (a dropout probability of 0, ``train=False``: SDPA and dropout outside
+    training draw nothing)."""
+    if torch.Tag.nondeterministic_seeded not in func.tags:
+        return False
+    schema = func._schema.arguments
+    named = {a.name: a.default_value for a in schema if a.has_default_value()}
+    named |= dict(zip((a.name for a in schema), args)) | kwargs
+    if any(isinstance(named.get(p), (int, float)) and named[p] == 0 for p in ("dropout_p", "p")):
+        return False
+    return named.get("train", True) is not False
+
+
+def model_site() -> str:
+    """The innermost frame of the current stack outside torch and autoparallel: the model's line."""
+    frames = [f for f in traceback.extract_stack() if not f.filename.startswith(_SKIP) and not f.filename.startswith("<")]
+    if not frames:
+        return "<unknown>"
+    f = frames[-1]
+    return f"{f.filename}:{f.lineno} ({(f.line or '').strip()})"
+
+
+class _Recorder(TorchDispatchMode):
+    """Records every read with its value. Marks tensors produced from a random draw (an op tagged
+    ``nondeterministic_seeded`` that draws) and from data (the model's inputs, parameters and
+    buffers), and what they produce, so a read knows whether a draw alone decides it."""
+
+    def __init__(self, data: list[torch.Tensor]) -> None:
+        super().__init__()
+        self.reads: list[Read] = []
+        self.random: WeakTensorKeyDictionary = WeakTensorKeyDictionary()
+        self.data: WeakTensorKeyDictionary = WeakTensorKeyDictionary()
+        for t in data:
+            self.data[t] = True
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        ins = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        origin = next((self.random[t] for t in ins if t in self.random), None)
+        if draws(func, args, kwargs):
+            origin = f"{func.name()} at {model_site()}"
+        from_data = any(t in self.data for t in ins)
+        pure_draw = origin if origin is not None and not from_data else None
+        if func in READ_OPS:
+            self.reads.append(Read(model_site(), out, pure_draw))
+        elif func is NONZERO:
+            self.reads.append(Read(model_site(), out.shape[0], pure_draw, size=True))
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor):
+                if origin is not None:
+                    self.random[t] = origin
+                if from_data:
+                    self.data[t] = True
+        return out
+
+
+class _ListReads(TorchFunctionMode):
+    """``Tensor.tolist()`` reads the data in C++, below the dispatcher (no ``_local_scalar_dense``
+    in eager; one per element on fake tensors): recorded here, element by element."""
+
+    def __init__(self, recorder: _Recorder) -> None:
+        super().__init__()
+        self.recorder = recorder
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func is torch.Tensor.tolist:
+            rec, t = self.recorder, args[0]
+            pure_draw = rec.random[t] if t in rec.random and t not in rec.data else None
+            rec.reads.extend(Read(model_site(), v, pure_draw) for v in tree_leaves(out))
+        return out
+
+
+def record_reads(model: nn.Module, loss_fn, inputs: Sequence[torch.Tensor], param_dtype: torch.dtype | None) -> list[Read]:
+    """Run ``loss_fn(model(*inputs[:-1]), inputs[-1])`` eagerly on a copy of ``model`` (cast to
+    ``param_dtype`` when the plan computes in it) and return its reads. The RNG state is restored,
+    the user's model untouched. A read a random draw alone decides is refused (DataDependentError)."""
+    from autoparallel.parallelize.program import cast_forward_inputs
+
+    replica = copy.deepcopy(model)
+    if param_dtype is not None:
+        replica = replica.to(param_dtype)
+    *model_inputs, target = inputs
+    recorder = _Recorder([*model_inputs, *replica.parameters(), *replica.buffers()])
+    with torch.random.fork_rng(devices=[]), tracing_as_compiling(), recorder, _ListReads(recorder):
+        loss_fn(replica(*cast_forward_inputs(model_inputs, param_dtype)), target)
+    for read in recorder.reads:
+        if read.random is not None:
+            raise DataDependentError(
+                f"the model is not traceable: {read.site} reads a value into Python that a random draw "
+                f"decides ({read.random}; no input or parameter among its ancestors): the branch it takes is a draw, not a property of the data, so one "
+                "graph traced with one branch would fail at random steps. Draw it outside forward, or keep "
+                "it a tensor (torch.where, torch.cond)")
+    return recorder.reads
+
+
+def _mark_in_graph(arg: torch.Tensor, read: Read) -> None:
+    """Under a make_fx trace: record ``traced_read(arg, value, description, rows)`` in the graph, a
+    side-effecting node dead-code elimination keeps (the read itself is dead code once its answer
+    is a constant), which ``guard_reads`` turns into the guard."""
+    maker = proxy_tensor._CURRENT_MAKE_FX_TRACER
+    tracer = getattr(maker, "fx_tracer", None)
+    if tracer is None:  # AOT's metadata pass: no graph is recorded
+        return
+    proxy = proxy_tensor.get_proxy_slot(arg, tracer, None, lambda p: p.proxy)
+    if proxy is None:
+        raise DataDependentError(
+            f"the model is not traceable: {read.site} reads a tensor's value into Python where the trace "
+            "cannot place a guard on it (the tensor is not in the graph being traced)")
+    tracer.create_proxy("call_function", TRACED_READ, (proxy, float(read.value), read.describe(), read.size), {})
+
+
+@contextlib.contextmanager
+def replaying(reads: Sequence[Read]) -> Iterator[list[Read]]:
+    """Within: fake tensors answer each read with the recorded value at the same site, in the
+    recorded cycle. Yields the reads answered during the last full pass (the traced graph's)."""
+    reads = list(reads)
+    cursor = [0]
+
+    def next_read(func, size: bool) -> Read:
+        # The next recorded read at this site; the ones skipped were reads of constants, which
+        # the fake mode computes itself (``torch.div`` of two ints as a view's size): the same
+        # every run.
+        site = model_site()
+        for step in range(len(reads)):
+            i = (cursor[0] + step) % len(reads)
+            if reads[i].site == site and reads[i].size == size:
+                cursor[0] = i + 1
+                return reads[i]
+        raise DataDependentError(
+            f"the model is not traceable: {func} under {site} reads tensor data into Python, and the eager "
+            "run that gave the traced values made no such read there: the trace and the model's eager run "
+            "take different paths, or the read is PyTorch's own (a backward formula or a decomposition: "
+            "bool-mask indexing), which the eager run's dispatch mode does not see")
+
+    def answer(fake_mode, func, arg):
+        want = next_read(func, size=False)
+        _mark_in_graph(arg, want)
+        return want.value
+
+    def answer_nonzero(fake_mode, func, arg):
+        want = next_read(func, size=True)
+        _mark_in_graph(arg, want)
+        n = want.value
+        return arg.new_empty_strided((n, arg.dim()), (1, max(n, 1)), dtype=torch.int64)  # CPU's layout
+
+    answers = {**{op: answer for op in READ_OPS}, NONZERO: answer_nonzero}
+    saved = {op: fake_impls.op_implementations_dict.get(op) for op in answers}
+    fake_impls.op_implementations_dict.update(answers)
+    try:
+        yield reads
+    finally:
+        for op, impl in saved.items():
+            if impl is None:
+                fake_impls.op_implementations_dict.pop(op, None)
+            else:
+                fake_impls.op_implementations_dict[op] = impl
+
+
+__all__ = ["NONZERO", "READ_OPS", "Read", "draws", "model_site", "record_reads", "replaying"]
