@@ -29,7 +29,7 @@ from autoparallel.partition import (
 from autoparallel.pipeline import PipelineOptions, second_compile
 from autoparallel.pipeline import run_pipeline as run_stages
 from verify.goldens.catalog import run_group
-from verify.graphs.stats import saved_gathered_values
+from verify.graphs.liveness import saved_gathered_values
 from verify.stages.pipeline_run import run_scenario
 from verify.stages.scenario import Scenario
 

@@ -140,7 +140,10 @@ SHARED_TESTS = (
 VERIFY_GROUPS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     "parity": (("verify/parity/compare.py",), ("tests/unit/verify/parity/test_compare.py",)),
     "canon": (("verify/graphs/canon.py",), ("tests/unit/verify/graphs/test_canon.py", "tests/unit/verify/graphs/test_canon_negative.py")),
-    "stats": (("verify/graphs/stats.py",), ("tests/unit/verify/graphs/test_stats.py", "tests/unit/verify/graphs/test_stats_negative.py")),
+    "stats": (
+        ("verify/graphs/stats.py", "verify/graphs/classify.py", "verify/graphs/liveness.py"),
+        ("tests/unit/verify/graphs/test_stats.py", "tests/unit/verify/graphs/test_stats_negative.py"),
+    ),
     "memory": (("verify/graphs/memory.py",), ("tests/unit/verify/graphs/test_memory.py", "tests/unit/verify/graphs/test_memory_negative.py")),
     "goldens": (
         ("verify/goldens/text.py", "verify/goldens/catalog.py", "verify/goldens/cli.py", "verify/goldens/syrupy_ext.py"),

@@ -310,7 +310,8 @@ def test_hypothesis_cap_plugin_limits_examples(monkeypatch):
 
 def test_verify_target_runs_each_checker_group_with_its_own_tests(tmp_path):
     plan = L.groups(SimpleNamespace(target="verify", files=None, tests=None), tmp_path)
-    assert [files for files, _ in plan][:4] == [["verify/parity/compare.py"], ["verify/graphs/canon.py"], ["verify/graphs/stats.py"],
+    assert [files for files, _ in plan][:4] == [["verify/parity/compare.py"], ["verify/graphs/canon.py"],
+                                                ["verify/graphs/stats.py", "verify/graphs/classify.py", "verify/graphs/liveness.py"],
                                                 ["verify/graphs/memory.py"]]
     assert {f for files, _ in plan for f in files} >= {"verify/pytest_plugin.py", "verify/goldens/text.py"}
     assert plan[0][1] == ["tests/unit/verify/parity/test_compare.py"]
