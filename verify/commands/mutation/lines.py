@@ -152,7 +152,7 @@ VERIFY_GROUPS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     # The golden workflow's throwaway projects are where GoldenChecker (the golden fixture) runs.
     "pytest_plugin": (("verify/pytest_plugin.py",), ("tests/unit/verify/test_pytest_plugin.py", "tests/golden/test_golden_workflow.py")),
     # The independent plan checker: its negative tests on a correct plan and on tampered ones.
-    "plan_check": (("verify/parity/plan_check.py",), ("tests/unit/verify/parity/test_plan_check.py",)),
+    "plan_check": (("verify/parity/plan_check.py", "verify/parity/plan_semantics.py"), ("tests/unit/verify/parity/test_plan_check.py",)),
 }
 # --target planner: what it mutates (PLANNER_DIR but these) and its tests, run without the slow ones
 PLANNER_EXCLUDED = ("__init__.py",)
