@@ -161,7 +161,7 @@ def _default_first_partition():
 
 
 @dataclass
-class Placement:
+class PlacementState:
     """What the placement steps work on: the joint graph (cleaned and tagged in place), the
     rank's local tensors, and the module the first partition makes (``module``)."""
 
@@ -185,24 +185,24 @@ class PlacementStep:
     """One step: ``run(placement) -> report``; ``patches``: the registered patches it applies."""
 
     name: str
-    run: Callable[[Placement], Any]
+    run: Callable[[PlacementState], Any]
     summary: str
     patches: tuple[str, ...] = ()
 
 
-def _cleanup(p: Placement) -> CleanupReport:
+def _cleanup(p: PlacementState) -> CleanupReport:
     report = cleanup_graph(p.jg.gm)
     log.info("apply_placement cleanup: %s", report.summary())
     return report
 
 
-def _fsdp_tagging(p: Placement) -> FsdpTagReport:
+def _fsdp_tagging(p: PlacementState) -> FsdpTagReport:
     tags = mark_fsdp_all_gather_recomputation(p.jg.gm.graph, p.reshard_after_forward)
     p.jg.gm.recompile()
     return tags
 
 
-def _first_partition(p: Placement) -> PartitionRecord:
+def _first_partition(p: PlacementState) -> PartitionRecord:
     """``aot_compile_joint_with_descriptors`` with the save-recording forward compiler; closes the
     joint graph's export context (the compiled callable must run outside its fake mode)."""
     from torch._functorch.aot_autograd import (
@@ -317,13 +317,13 @@ def placement(
     *,
     reshard_after_forward: bool | None = None,
     partition_fn: Callable[..., Any] | None = None,
-) -> Placement:
+) -> PlacementState:
     """The state :data:`PLACEMENT_STEPS` run on (see :func:`apply_placement` for the arguments)."""
     if reshard_after_forward is None:
         reshard_after_forward = jg.plan.reshard_after_forward
     params = {**jg.local_params, **(params or {})}
     buffers = {**jg.local_buffers, **(buffers or {})}
-    return Placement(jg, params, buffers, reshard_after_forward, partition_fn or _default_first_partition())
+    return PlacementState(jg, params, buffers, reshard_after_forward, partition_fn or _default_first_partition())
 
 
 def apply_placement(
