@@ -34,7 +34,8 @@ from torch._inductor.custom_graph_pass import CustomPartitionerFn
 
 from autoparallel import meta as M
 from autoparallel import patches, roles
-from autoparallel.partition import REPLAY_PATCH, ReplaySavesPartitioner, label_partition
+from autoparallel.partition import label_partition
+from autoparallel.replay_partition import REPLAY_PATCH, ReplaySavesPartitioner
 from autoparallel.passes.ac_joint import ac_joint_pass
 from autoparallel.passes.kept_random_draws import PATCH as KEPT_RANDOM_DRAWS
 from autoparallel.passes.collective import bucket_fw_bw, tag_joint

@@ -67,13 +67,8 @@ from autoparallel.gc_pauses import fewer_collections
 from autoparallel.mesh import MeshSpec, ParallelMesh, attach_group_dims, fake_world
 from autoparallel.parallelize import JointGraph, ParallelPlan, build_joint_graph, split_batch
 from autoparallel.parallelize.program import LossFn
-from autoparallel.partition import (
-    PLACEMENT_STEPS,
-    REPLAY_PATCH,
-    Placement,
-    PlacementStep,
-    placement,
-)
+from autoparallel.partition import PLACEMENT_STEPS, PlacementState, PlacementStep, placement
+from autoparallel.replay_partition import REPLAY_PATCH
 from autoparallel.passes.collective import (
     COLLECTIVE_PASSES,
     CollectivePass,
@@ -167,7 +162,7 @@ class PipelineState:
     options: PipelineOptions
     planned: Any = None  # autoparallel.planner.auto.Planned, from the plan stage
     joint: JointGraph | None = None
-    placement: Placement | None = None
+    placement: PlacementState | None = None
     compiled: Any = None
     graphs: Graphs | None = None
     results: list[StageResult] = field(default_factory=list)

@@ -121,7 +121,7 @@ def data_dependent_ops_named() -> Iterator[None]:
     try:
         yield
     except DataDependentError:
-        raise  # already named (autoparallel.traced_values)
+        raise  # already named (autoparallel.parallelize.traced_values)
     except Exception as e:
         named = data_dependent_error(e)
         if named is not None:

@@ -3,6 +3,7 @@
 * no import cycle among the modules of ``autoparallel`` and ``verify``, nor among verify's
   families, and ``autoparallel`` never imports ``verify`` or ``tests``;
 * verify/ keeps at most 12 top-level entries, and tests/unit/ mirrors the source packages;
+* no module of ``autoparallel`` or ``verify`` above 700 lines;
 * node-meta keys, role labels and activation-checkpointing policy names are spelled only in their
   home modules (``meta.py``, ``roles.py``, ``ac.py``);
 * first-party imports inside functions only where a module says why (cheap CLI / pytest plugin);
@@ -202,6 +203,22 @@ def test_family_cycle_check_finds_two_packages_importing_each_other():
     sources = {"pkg/__init__.py": "", "pkg/a/x.py": "from pkg.b import y\n", "pkg/b/y.py": "from pkg.a import z\n",
                "pkg/a/z.py": "", "pkg/c.py": "import pkg.a.x\n"}
     assert import_cycles(family_graph(import_graph(sources), "pkg")) == [["pkg.a", "pkg.b"]]
+
+
+MAX_MODULE_LINES = 700  # issue 42: a module one can hold in one's head; split along a seam, allow-list nothing
+
+
+def long_modules(sources: dict[str, str]) -> list[str]:
+    """``path: N lines`` for each module above :data:`MAX_MODULE_LINES`."""
+    return [f"{path}: {n} lines" for path, text in sources.items() if (n := len(text.splitlines())) > MAX_MODULE_LINES]
+
+
+def test_no_module_above_700_lines():
+    assert long_modules(_sources(*PACKAGES)) == [], "split these along their seams (docs/layout.md)"
+
+
+def test_module_length_check_finds_one():
+    assert long_modules({"a.py": "x = 1\n" * 701, "b.py": "x = 1\n" * 700}) == ["a.py: 701 lines"]
 
 
 def unmirrored_test_dirs(root: Path) -> list[str]:

@@ -35,7 +35,7 @@ from autoparallel.passes.pinned_layouts import pin_mixed_layouts
 from autoparallel.passes.value_guards import PATCH as VALUE_GUARDS
 from autoparallel.passes.value_guards import guard_reads
 from autoparallel.patches import disabled_from_env
-from autoparallel.traced_values import Read, record_reads, replaying
+from autoparallel.parallelize.traced_values import Read, record_reads, replaying
 from autoparallel.validate import DataDependentError, check_input_dtypes, data_dependent_ops_named
 
 log = logging.getLogger(__name__)

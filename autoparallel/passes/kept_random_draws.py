@@ -23,6 +23,7 @@ import torch
 from torch import fx
 
 from autoparallel import ac, patches
+from autoparallel import meta as M
 
 PATCH = "kept_random_draws"
 aten = torch.ops.aten
@@ -71,7 +72,7 @@ def restore_dropped_random_ops(joint: fx.GraphModule, fw: fx.GraphModule, bw: fx
             )
         with fw.graph.inserting_before(before):
             if node.target is aten.empty_like.default and node.args[0].name not in env:
-                val = node.meta["val"]
+                val = node.meta[M.VAL]
                 new = fw.graph.call_function(
                     aten.empty_strided.default, (list(val.shape), list(val.stride())),
                     {"dtype": val.dtype, "device": val.device},

@@ -1,7 +1,7 @@
 """Guard each value the trace specialised (``aten._local_scalar_dense``): correct by construction.
 
 The joint trace answers a model's ``.item()`` / ``if t:`` with the value a real run of the rank's
-batch gave (``autoparallel/traced_values.py``) and records the branch it took; the read itself is
+batch gave (``autoparallel/parallelize/traced_values.py``) and records the branch it took; the read itself is
 dead code in the graph. A batch that gives another value would compute the traced branch:
 a wrong result, silently (upstream's ``make_fx`` specialisation leaves no check either).
 

@@ -44,7 +44,8 @@ from autoparallel.runtime.steps import (
     split_graph_executor,
     train_steps,
 )
-from verify.graphs.stats import graph_stats, saved_gathered_values
+from verify.graphs.liveness import saved_gathered_values
+from verify.graphs.stats import graph_stats
 from verify.parity.compare import (
     check_within,
     compare_tensors,

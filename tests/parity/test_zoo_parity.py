@@ -30,7 +30,7 @@ from autoparallel.compile import SECOND_COMPILE
 from autoparallel.partition import STEP_FIRST_PARTITION
 from autoparallel.pipeline import JOINT, PipelineRun
 from verify import zoo
-from verify.graphs.stats import saved_gathered_values
+from verify.graphs.liveness import saved_gathered_values
 from verify.parity.runs import (
     COLLECTIVE,
     EAGER,

@@ -27,7 +27,8 @@ from autoparallel.passes.pre_overlap_bucketing import (
     tag_collectives_for_bucketing,
 )
 from verify.graphs.generators import synthetic_graphs
-from verify.graphs.stats import collective_kind, graph_stats
+from verify.graphs.classify import collective_kind
+from verify.graphs.stats import graph_stats
 
 MESH = "dp=4,tp=2"
 

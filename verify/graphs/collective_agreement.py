@@ -28,7 +28,7 @@ from torch import fx
 from autoparallel import meta as M
 from autoparallel.fx_utils import GROUP_ARG, group_arg, group_arg_name, schema_group_index
 from autoparallel.mesh import group_dims_of
-from verify.graphs.stats import collective_kind
+from verify.graphs.classify import collective_kind
 
 
 _SPLITS = (torch.ops.aten.split, torch.ops.aten.split_with_sizes, torch.ops.aten.chunk, torch.ops.aten.tensor_split)

@@ -52,7 +52,8 @@ from autoparallel import meta as M
 from autoparallel import roles
 from autoparallel.fx_utils import ALL_GATHER, ALL_GATHER_OUT, WAIT
 from autoparallel.mesh import FLAT_SEP, group_dims_of
-from verify.graphs.stats import collective_kind, collective_node_bytes, graph_stats, group_label
+from verify.graphs.classify import collective_kind, collective_node_bytes, group_label
+from verify.graphs.stats import graph_stats
 
 Graphs = fx.GraphModule | tuple[fx.GraphModule, fx.GraphModule]
 Ledger = dict[tuple[str, str], tuple[int, int]]

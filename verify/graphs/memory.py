@@ -32,7 +32,7 @@ do lower it, on CPU they do not. Compare measurements from one device only (:fun
 refuses to mix them); :func:`compare_peaks` builds the readable report tests print.
 
 ``static_peak(gm)`` estimates the peak of running a graph once from its FakeTensor values
-(``verify.graphs.stats.static_peak_bytes``), after re-propagating fresh fake values through a copy of
+(``verify.graphs.liveness.static_peak_bytes``), after re-propagating fresh fake values through a copy of
 the graph: passes such as the remat pass copy a node's ``meta["val"]`` onto its duplicate, and
 two nodes sharing one fake storage would be counted as one long-lived tensor.
 """
@@ -47,7 +47,7 @@ import torch
 import torch.fx as fx
 
 from autoparallel.fx_utils import copy_graph_module, node_val
-from verify.graphs.stats import static_peak_bytes
+from verify.graphs.liveness import static_peak_bytes
 
 __all__ = [
     "MemoryTimeline",

@@ -31,7 +31,8 @@ from autoparallel.planner.costs import ALL_GATHER, ALL_TO_ALL, CostModel
 from autoparallel.planner.graph import PlanningGraph, tensor_args
 from autoparallel.planner.lower import OUTPUT_KEY, decode
 from autoparallel.planner.plan import Plan
-from verify.graphs.stats import collective_kind, collective_node_bytes, graph_stats
+from verify.graphs.classify import collective_kind, collective_node_bytes
+from verify.graphs.stats import graph_stats
 
 Comm = dict[str, dict[str, dict[str, int]]]  # kind -> mesh dim -> {"count", "bytes"}
 

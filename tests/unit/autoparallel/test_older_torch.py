@@ -16,7 +16,7 @@ from torch.fx.experimental.symbolic_shapes import ShapeEnv
 from autoparallel import meta as M
 from autoparallel.compiling_flag import tracing_as_compiling
 from autoparallel.fx_utils import size_hint, tensor_bytes
-from autoparallel.partition import ReplaySavesPartitioner, _is_opaque, _only_asserted
+from autoparallel.replay_partition import ReplaySavesPartitioner, _is_opaque, _only_asserted
 
 
 def test_the_traces_set_is_compiling_without_a_compile_session_context(monkeypatch):

@@ -21,15 +21,12 @@ from autoparallel.compile import SECOND_COMPILE
 from autoparallel.fx_utils import ALL_GATHER
 from autoparallel.mesh import fake_world
 from autoparallel.parallelize import ParallelPlan, ParallelProgram, split_batch
-from autoparallel.partition import (
-    PLACEMENT_STEP_NAMES,
-    STEP_FIRST_PARTITION,
-    ReplaySavesPartitioner,
-)
+from autoparallel.partition import PLACEMENT_STEP_NAMES, STEP_FIRST_PARTITION
+from autoparallel.replay_partition import ReplaySavesPartitioner
 from autoparallel.pipeline import PipelineOptions, second_compile
 from autoparallel.pipeline import run_pipeline as run_stages
 from verify.goldens.catalog import run_group
-from verify.graphs.stats import saved_gathered_values
+from verify.graphs.liveness import saved_gathered_values
 from verify.stages.pipeline_run import run_scenario
 from verify.stages.scenario import Scenario
 

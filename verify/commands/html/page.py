@@ -19,7 +19,8 @@ from verify.commands.html import svg
 from verify.commands.html.diff import PAGE_CSS, PAGE_JS, TextStore, diff_opcodes, payload_script
 from verify.commands.html.plan_section import SECTION_ID as PLAN_SECTION_ID
 from verify.commands.html.views import StageView, stage_text
-from verify.graphs.stats import CATEGORIES, human_bytes
+from verify.graphs.classify import CATEGORIES
+from verify.graphs.stats import human_bytes
 
 __all__ = ["build_page", "page_sections", "stats_table"]
 

@@ -13,7 +13,7 @@ from autoparallel import roles
 from verify.commands.html.svg import BucketPanel, BucketView
 from verify.commands.html.timeline import CollectiveSpan, ComputeSpan, OverlapTimeline
 from verify.commands.html.views import StageView
-from verify.graphs.stats import Contributor, StaticLiveness
+from verify.graphs.liveness import Contributor, StaticLiveness
 
 __all__ = ["synthetic_views"]
 

@@ -25,7 +25,7 @@ from torch import fx
 
 from autoparallel.fx_utils import group_of
 from verify.graphs.canon import canonical_names
-from verify.graphs.stats import collective_kind, is_wait
+from verify.graphs.classify import collective_kind, is_wait
 
 __all__ = ["CollectiveSpan", "ComputeSpan", "OverlapTimeline", "overlap_timeline"]
 

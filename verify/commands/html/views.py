@@ -22,15 +22,9 @@ from verify.commands.html.svg import BucketPanel, BucketView
 from verify.commands.html.timeline import OverlapTimeline, overlap_timeline
 from verify.graphs.canon import canonical_names, canonicalize
 from verify.graphs.memory import with_fresh_vals
-from verify.graphs.stats import (
-    StaticLiveness,
-    collective_kind,
-    collective_node_bytes,
-    format_stats_table,
-    graph_stats,
-    partition_stats,
-    static_liveness,
-)
+from verify.graphs.classify import collective_kind, collective_node_bytes
+from verify.graphs.liveness import StaticLiveness, static_liveness
+from verify.graphs.stats import format_stats_table, graph_stats, partition_stats
 
 __all__ = ["StageView", "stage_view", "golden_sections", "stage_text"]
 

@@ -94,7 +94,6 @@ or ended in an error, or when mutmut could not run. Progress goes to stderr.
 from __future__ import annotations
 
 import argparse
-import ast
 import json
 import os
 import random
@@ -105,12 +104,25 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from verify import repo_root
 from verify.commands.mutation import STATES, run_slow_args
 from verify.commands.mutation.outcome_log import ENV as OUTCOME_ENV
+from verify.commands.mutation.results import Mutant, format_table, mutated_line, parse_results, parse_show
+from verify.commands.mutation.workdir import (
+    DEFAULT_TIMEOUT_CONSTANT,
+    DEFAULT_TIMEOUT_MULTIPLIER,
+    mark_args,
+    mutated_pytest_plugins,
+    mutmut_config,
+    mutmut_env,
+    outer_pytest_args,
+    prepare_workdir,
+    read_config,
+    write_config,
+)
 
 PASSES_DIR = "autoparallel/passes"
 PLANNER_DIR = "autoparallel/planner"
@@ -128,7 +140,10 @@ SHARED_TESTS = (
 VERIFY_GROUPS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     "parity": (("verify/parity/compare.py",), ("tests/unit/verify/parity/test_compare.py",)),
     "canon": (("verify/graphs/canon.py",), ("tests/unit/verify/graphs/test_canon.py", "tests/unit/verify/graphs/test_canon_negative.py")),
-    "stats": (("verify/graphs/stats.py",), ("tests/unit/verify/graphs/test_stats.py", "tests/unit/verify/graphs/test_stats_negative.py")),
+    "stats": (
+        ("verify/graphs/stats.py", "verify/graphs/classify.py", "verify/graphs/liveness.py"),
+        ("tests/unit/verify/graphs/test_stats.py", "tests/unit/verify/graphs/test_stats_negative.py"),
+    ),
     "memory": (("verify/graphs/memory.py",), ("tests/unit/verify/graphs/test_memory.py", "tests/unit/verify/graphs/test_memory_negative.py")),
     "goldens": (
         ("verify/goldens/text.py", "verify/goldens/catalog.py", "verify/goldens/cli.py", "verify/goldens/syrupy_ext.py"),
@@ -137,7 +152,7 @@ VERIFY_GROUPS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     # The golden workflow's throwaway projects are where GoldenChecker (the golden fixture) runs.
     "pytest_plugin": (("verify/pytest_plugin.py",), ("tests/unit/verify/test_pytest_plugin.py", "tests/golden/test_golden_workflow.py")),
     # The independent plan checker: its negative tests on a correct plan and on tampered ones.
-    "plan_check": (("verify/parity/plan_check.py",), ("tests/unit/verify/parity/test_plan_check.py",)),
+    "plan_check": (("verify/parity/plan_check.py", "verify/parity/plan_semantics.py"), ("tests/unit/verify/parity/test_plan_check.py",)),
 }
 # --target planner: what it mutates (PLANNER_DIR but these) and its tests, run without the slow ones
 PLANNER_EXCLUDED = ("__init__.py",)
@@ -145,271 +160,8 @@ PLANNER_TESTS = ("tests/unit/autoparallel/planner", "tests/unit/verify/parity/te
 QUICK_TIER = "not slow"  # the pytest -m expression of a target whose tests leave CI's slow step out
 TARGETS = ("passes", "planner", "verify")
 VERIFY_GROUP_NAMES = tuple(VERIFY_GROUPS)
-# Written as sitecustomize.py into the scratch directory, on the path of every process a test starts
-# (see verify/commands/mutation/subprocess_hits.py): while mutmut collects coverage, remember the mutated
-# functions this process runs and leave them in $AP_MUTATION_HITS when it exits.
-SUBPROCESS_BRIDGE = '''"""Written by verify.commands.mutation.lines (python -m verify mutate --lines)."""
-import atexit
-import os
-import sys
-
-# The mutants go first on the path here, not through $PYTHONPATH: mutmut's own process starts
-# before mutants/ exists, and Python would cache that path as "nothing to import from" for good.
-_mutants = os.environ.get("AP_MUTATION_MUTANTS", "")
-if _mutants and os.path.isdir(_mutants) and _mutants not in sys.path:
-    sys.path.insert(0, _mutants)
-
-if os.environ.get("MUTANT_UNDER_TEST") == "stats" and os.environ.get("AP_MUTATION_HITS"):
-    import mutmut.mutation.trampoline as _trampoline
-
-    _hits = set()
-    _original = [_trampoline.record_trampoline_hit]
-
-    def _record(name, caller=None):
-        _hits.add(name)
-        if _original:  # mutmut's own process: its bookkeeping too (it fails outside mutmut's cwd)
-            try:
-                _original[0](name, caller)
-            except Exception:
-                _original.clear()
-
-    def _dump():
-        if _hits:
-            path = os.path.join(os.environ["AP_MUTATION_HITS"], f"{os.getpid()}.txt")
-            with open(path, "w") as f:
-                f.write("\\n".join(sorted(_hits)))
-
-    _trampoline.record_trampoline_hit = _record
-    atexit.register(_dump)
-'''
-BRIDGE_DIR = "ap-subprocess-bridge"
-HITS_DIR = "ap-subprocess-hits"
 SAMPLE_FILE = "ap-sample.json"  # a sampled run's draw, in its scratch directory
-MAX_EXAMPLES_ENV = "AP_MUTATION_MAX_EXAMPLES"
 DEFAULT_MAX_EXAMPLES = 10
-DEFAULT_TIMEOUT_MULTIPLIER = 5.0
-DEFAULT_TIMEOUT_CONSTANT = 5.0
-
-# mutmut's status strings (mutmut/stats.py) -> the patch-level harness's states.
-_STATE_OF_STATUS = {
-    "killed": "killed",
-    "survived": "survived",
-    "no tests": "no coverage",
-    "timeout": "timeout",
-}
-
-
-# --- parsing mutmut's output -----------------------------------------------------------------
-
-
-@dataclass
-class Mutant:
-    """One mutmut mutant: its key (``pkg.mod.x_func__mutmut_3`` or ``pkg.mod.xǁClassǁmeth__mutmut_3``),
-    mutmut's status and, for mutants that were not killed, the diff and the source line."""
-
-    name: str
-    status: str
-    diff: str = ""
-    line: int | None = None
-
-    @property
-    def state(self) -> str:
-        return _STATE_OF_STATUS.get(self.status, "error")
-
-    @property
-    def module(self) -> str:
-        return self.name.rpartition(".")[0]
-
-    @property
-    def function(self) -> str:
-        """The mutated function's qualified name within its module, e.g. ``CleanupReport.summary``."""
-        return parse_key(self.name)[1]
-
-    @property
-    def file(self) -> str:
-        return module_file(self.module)
-
-    @property
-    def location(self) -> str:
-        return f"{self.file}:{self.line}" if self.line else self.file
-
-    def changed_lines(self) -> list[str]:
-        """The ``-``/``+`` lines of the diff (without the file headers)."""
-        return [ln for ln in self.diff.splitlines() if ln[:1] in "-+" and not ln.startswith(("---", "+++"))]
-
-    def to_dict(self) -> dict:
-        return {"name": self.name, "file": self.file, "function": self.function, "line": self.line,
-                "state": self.state, "mutmut_status": self.status, "diff": self.diff}
-
-
-def parse_key(name: str) -> tuple[str, str, int]:
-    """``(module, qualified function name, mutant number)`` of a mutmut key."""
-    module, _, mangled = name.rpartition(".")
-    base, sep, num = mangled.rpartition("__mutmut_")
-    if not sep or not num.isdigit():
-        raise ValueError(f"not a mutmut mutant name: {name!r}")
-    if base.startswith("xǁ"):  # method: xǁClassǁmethod
-        _, cls, meth = base.split("ǁ", 2)
-        qualname = f"{cls}.{meth}"
-    elif base.startswith("x_"):
-        qualname = base[2:]
-    else:
-        raise ValueError(f"not a mutmut mutant name: {name!r}")
-    return module, qualname, int(num)
-
-
-def module_file(module: str) -> str:
-    """Source path of a dotted module name, relative to the repository root."""
-    return module.replace(".", "/") + ".py"
-
-
-_RESULT_LINE = re.compile(r"^\s*(?P<name>\S+__mutmut_\d+): (?P<status>[a-z ]+?)\s*$")
-
-
-def parse_results(text: str) -> list[Mutant]:
-    """Mutants from ``mutmut results --all true`` (lines ``    <name>: <status>``); other lines
-    (warnings, blank lines) are ignored."""
-    out = []
-    for line in text.splitlines():
-        m = _RESULT_LINE.match(line)
-        if m:
-            out.append(Mutant(m["name"], m["status"]))
-    return out
-
-
-def parse_show(text: str) -> dict[str, tuple[str, str]]:
-    """``{name: (status, diff)}`` from the output of ``mutmut show <name>`` (one or several,
-    each starting with ``# <name>: <status>``)."""
-    shows: dict[str, tuple[str, str]] = {}
-    name = status = None
-    body: list[str] = []
-
-    def flush():
-        if name is not None:
-            shows[name] = (status, "\n".join(body).strip("\n\x00"))
-
-    for line in text.splitlines():
-        m = re.match(r"^# (\S+__mutmut_\d+): (.+?)\s*$", line)
-        if m:
-            flush()
-            name, status, body = m[1], m[2], []
-        elif name is not None and line != "\x00":
-            body.append(line)
-    flush()
-    return shows
-
-
-def _function_node(tree: ast.Module, qualname: str):
-    scope: Iterable[ast.stmt] = tree.body
-    node = None
-    for part in qualname.split("."):
-        node = next((n for n in scope if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))
-                     and n.name == part), None)
-        if node is None:
-            return None
-        scope = node.body
-    return node
-
-
-def mutated_line(diff: str, source: str, qualname: str) -> int | None:
-    """1-based line in ``source`` of the first line a mutant changes.
-
-    mutmut diffs the function alone (its text starting at the first decorator or ``def``), so the
-    hunk offsets are relative to that line. The result is checked against the source text; if it
-    does not match (the source changed since), the removed line is searched for in the function.
-    """
-    removed, offset = None, None
-    for line in diff.splitlines():
-        m = re.match(r"^@@ -(\d+)(?:,\d+)? \+\d+(?:,\d+)? @@", line)
-        if m:
-            offset = int(m[1])
-            continue
-        if offset is None or line.startswith(("---", "+++")):
-            continue
-        if line.startswith("-"):
-            removed = line[1:]
-            break
-        if line.startswith("+"):  # pure insertion: report the line it is inserted before
-            break
-        offset += 1
-    try:
-        tree = ast.parse(source)
-    except SyntaxError:
-        return None
-    fn = _function_node(tree, qualname)
-    if fn is None or offset is None:
-        return None
-    start = min([fn.lineno, *(d.lineno for d in fn.decorator_list)])
-    lines = source.splitlines()
-    guess = start + offset - 1
-    if removed is None or (0 < guess <= len(lines) and lines[guess - 1].strip() == removed.strip()):
-        return guess
-    for i in range(start, (fn.end_lineno or len(lines)) + 1):
-        if lines[i - 1].strip() == removed.strip():
-            return i
-    return None
-
-
-# --- the report ------------------------------------------------------------------------------
-
-
-@dataclass
-class Row:
-    name: str
-    counts: dict[str, int] = field(default_factory=lambda: dict.fromkeys(STATES, 0))
-
-    @property
-    def mutants(self) -> int:
-        return sum(self.counts.values())
-
-
-def summarize(mutants: Sequence[Mutant], by: str = "file") -> list[Row]:
-    """One row per file (``by="file"``) or per function (``by="function"``, ``file::function``)."""
-    rows: dict[str, Row] = {}
-    for m in mutants:
-        key = m.file if by == "file" else f"{m.file}::{m.function}"
-        rows.setdefault(key, Row(key)).counts[m.state] += 1
-    return [rows[k] for k in sorted(rows)]
-
-
-def kill_rate(mutants: Sequence[Mutant]) -> str:
-    killed = sum(m.state == "killed" for m in mutants)
-    detected = killed + sum(m.state == "timeout" for m in mutants)
-    valid = len(mutants) - sum(m.state == "error" for m in mutants)
-    rate = 100.0 * killed / len(mutants) if mutants else 0.0
-    score = 100.0 * detected / valid if valid else 0.0
-    return (f"kill rate: {killed}/{len(mutants)} mutants killed ({rate:.0f}%); "
-            f"score (killed + timeout) / (mutants - error): {detected}/{valid} ({score:.0f}%)")
-
-
-def format_table(mutants: Sequence[Mutant], by: str = "file", diffs: bool = True) -> str:
-    """The table, the kill-rate line and every mutant that was not killed (survivors first)."""
-    head = ("file" if by == "file" else "function", "mutants", *STATES)
-    rows = [head]
-    per_row = summarize(mutants, by)
-    total = Row("total")
-    for r in per_row:
-        rows.append((r.name, str(r.mutants), *(str(r.counts[s]) for s in STATES)))
-        for s in STATES:
-            total.counts[s] += r.counts[s]
-    if len(per_row) > 1:
-        rows.append((total.name, str(total.mutants), *(str(total.counts[s]) for s in STATES)))
-    widths = [max(len(row[i]) for row in rows) for i in range(len(head))]
-    lines = ["  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip() for row in rows]
-    lines.append(kill_rate(mutants))
-    order = {s: i for i, s in enumerate(("survived", "no coverage", "timeout", "error"))}
-    rest = sorted((m for m in mutants if m.state != "killed"),
-                  key=lambda m: (order[m.state], m.file, m.line or 0, m.name))
-    current = None
-    for m in rest:
-        if m.state != current:
-            current = m.state
-            lines.append(f"{current} ({sum(x.state == current for x in rest)}):")
-        status = f" [mutmut: {m.status}]" if m.state == "error" else ""
-        lines.append(f"  {m.location} {m.function}  ({m.name.rpartition('.')[2]}){status}")
-        if diffs:
-            lines.extend(f"      {ln}" for ln in m.changed_lines())
-    return "\n".join(lines)
 
 
 # --- running mutmut --------------------------------------------------------------------------
@@ -433,131 +185,6 @@ def default_tests(root: Path) -> list[str]:
     return [t for t in default_test_paths() if (root / t).exists()]
 
 
-def _toml_list(items: Iterable[str]) -> str:
-    return "[" + ", ".join(json.dumps(str(i)) for i in items) + "]"
-
-
-def source_packages(files: Sequence[str]) -> list[str]:
-    """The top-level packages the mutated files live in (mutmut's ``source_paths``)."""
-    return sorted({Path(f).parts[0] for f in files})
-
-
-def mutated_pytest_plugins(root: Path, files: Sequence[str]) -> list[str]:
-    """The names of the ``pytest11`` entry points (``[project.entry-points.pytest11]`` of
-    ``root/pyproject.toml``) whose module is one of ``files``: pytest plugins that the pytest runs
-    judging the mutants must not load (see the module docstring)."""
-    import tomllib
-
-    path = root / "pyproject.toml"
-    if not path.exists():
-        return []
-    entry_points = tomllib.loads(path.read_text()).get("project", {}).get("entry-points", {}).get("pytest11", {})
-    mutated = set(files)
-    return sorted(name for name, target in entry_points.items() if module_file(target.partition(":")[0]) in mutated)
-
-
-def mark_args(markexpr: str | None) -> list[str]:
-    """``-m EXPR`` for a marker expression, nothing without one."""
-    return ["-m", markexpr] if markexpr else []
-
-
-def outer_pytest_args(blocked_plugins: Sequence[str]) -> list[str]:
-    """``-p no:NAME`` for each blocked plugin."""
-    return [arg for name in blocked_plugins for arg in ("-p", f"no:{name}")]
-
-
-def mutmut_config(files: Sequence[str], tests: Sequence[str], deselect: Sequence[str] = (), *,
-                  blocked_plugins: Sequence[str] = (), run_slow: Sequence[str] = (), markexpr: str | None = None,
-                  timeout_multiplier: float = DEFAULT_TIMEOUT_MULTIPLIER,
-                  timeout_constant: float = DEFAULT_TIMEOUT_CONSTANT) -> str:
-    """The ``[tool.mutmut]`` table written into the scratch directory's pyproject.toml. ``goldens``
-    is copied next to the mutants: code under ``verify`` finds the repository root from its own
-    path (``verify.repo_root``), which is mutmut's ``mutants/`` there. ``blocked_plugins``: pytest
-    plugins mutmut's own pytest runs leave out (:func:`mutated_pytest_plugins`); ``run_slow``:
-    :func:`verify.commands.mutation.run_slow_args` of the project (its ``slow`` tests run too);
-    ``markexpr``: a pytest ``-m`` expression every run of mutmut's applies (:data:`QUICK_TIER`)."""
-    selection = [*tests]
-    for nodeid in deselect:
-        selection += ["--deselect", nodeid]
-    pytest_args = ["-p", "no:cacheprovider", "-p", "verify.commands.mutation.lines", "-p", "verify.commands.mutation.subprocess_hits",
-                   *run_slow, *outer_pytest_args(blocked_plugins), *mark_args(markexpr)]
-    return "\n".join([
-        "[tool.mutmut]",
-        f"source_paths = {_toml_list(source_packages(files))}",
-        'also_copy = ["goldens"]',
-        f"only_mutate = {_toml_list(files)}",
-        f"pytest_add_cli_args_test_selection = {_toml_list(selection)}",
-        f"pytest_add_cli_args = {_toml_list(pytest_args)}",
-        'process_isolation = "forkserver"',
-        'forkserver_warmup = "collect"',
-        f"timeout_multiplier = {float(timeout_multiplier)}",
-        f"timeout_constant = {float(timeout_constant)}",
-        "use_git_change_detection = false",
-        "",
-    ])
-
-
-def read_config(workdir: Path) -> tuple[list[str], list[str], list[str]]:
-    """``(files, tests, deselected ids)`` from the ``[tool.mutmut]`` table a run wrote into ``workdir``."""
-    import tomllib
-
-    cfg = tomllib.loads((workdir / "pyproject.toml").read_text())["tool"]["mutmut"]
-    tests, deselect = [], []
-    args = iter(cfg.get("pytest_add_cli_args_test_selection", []))
-    for a in args:
-        if a == "--deselect":
-            deselect.append(next(args))
-        else:
-            tests.append(a)
-    return list(cfg.get("only_mutate", [])), tests, deselect
-
-
-def _strip_table(toml: str, header: str) -> str:
-    """``toml`` without the table ``[header]`` (so a generated one can be appended)."""
-    out, skip = [], False
-    for line in toml.splitlines():
-        s = line.strip()
-        if s.startswith("[") and not s.startswith("[["):
-            skip = s == f"[{header}]" or s.startswith(f"[{header}.")
-        if not skip:
-            out.append(line)
-    return "\n".join(out).rstrip() + "\n"
-
-
-def prepare_workdir(root: Path, workdir: Path) -> None:
-    """Copy what mutmut and the tests need from ``root`` into ``workdir`` (no old ``mutants/``)."""
-    ignore = shutil.ignore_patterns("__pycache__", "*.pyc", ".hypothesis", ".pytest_cache")
-    workdir.mkdir(parents=True, exist_ok=True)
-    for name in ("autoparallel", "verify", "tests", "goldens"):
-        if not (root / name).exists():
-            continue
-        if (workdir / name).exists():
-            shutil.rmtree(workdir / name)
-        shutil.copytree(root / name, workdir / name, ignore=ignore)
-    if (workdir / "mutants").exists():  # a kept workdir: start over, results must be fresh
-        shutil.rmtree(workdir / "mutants")
-    for name in (BRIDGE_DIR, HITS_DIR):
-        shutil.rmtree(workdir / name, ignore_errors=True)
-        (workdir / name).mkdir()
-    (workdir / BRIDGE_DIR / "sitecustomize.py").write_text(SUBPROCESS_BRIDGE)
-
-
-def write_config(root: Path, workdir: Path, config: str) -> None:
-    pyproject = _strip_table((root / "pyproject.toml").read_text(), "tool.mutmut")
-    (workdir / "pyproject.toml").write_text(pyproject + "\n" + config)
-
-
-def _env(max_examples: int, workdir: Path | None = None) -> dict[str, str]:
-    """mutmut's environment; with ``workdir``, also what lets the processes a test starts run the
-    mutants and report coverage (the bridge on ``PYTHONPATH``; it puts the mutants first on the path)."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTEST_", "XDIST_", "MUTANT_UNDER_TEST"))}
-    env[MAX_EXAMPLES_ENV] = str(max_examples)
-    if workdir is not None:
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(workdir / BRIDGE_DIR), env.get("PYTHONPATH", "")) if p)
-        env["AP_MUTATION_MUTANTS"] = str(workdir / "mutants")
-        env["AP_MUTATION_HITS"] = str(workdir / HITS_DIR)
-    return env
-
 
 def _mutmut_cmd() -> list[str]:
     exe = Path(sys.executable).with_name("mutmut")
@@ -575,10 +202,10 @@ def baseline(workdir: Path, tests: Sequence[str], max_examples: int, timeout_s: 
     """Outcomes (``verify.commands.mutation.outcome_log``) of the selected tests on the unmutated copy, run
     as mutmut will run them (without ``blocked_plugins``)."""
     log = workdir / "baseline-outcomes.json"
-    env = _env(max_examples)
+    env = mutmut_env(max_examples)
     env[OUTCOME_ENV] = str(log)
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "verify.commands.mutation.outcome_log",
-           "-p", "verify.commands.mutation.lines", *run_slow, *outer_pytest_args(blocked_plugins), *mark_args(markexpr),
+           "-p", "verify.commands.mutation.pytest_hook", *run_slow, *outer_pytest_args(blocked_plugins), *mark_args(markexpr),
            "--rootdir", str(workdir), *tests]
     proc = subprocess.run(cmd, cwd=workdir, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                           timeout=timeout_s)
@@ -687,7 +314,7 @@ for path in walk_mutatable_files():
 def generate_mutants(workdir: Path) -> list[str]:
     """The names of every mutant mutmut makes of the configured files in ``workdir`` (left in its
     ``mutants/``, where ``mutmut run`` finds them unchanged and does not make them again)."""
-    proc = subprocess.run([sys.executable, "-c", _GENERATE_SCRIPT], cwd=workdir, env=_env(DEFAULT_MAX_EXAMPLES),
+    proc = subprocess.run([sys.executable, "-c", _GENERATE_SCRIPT], cwd=workdir, env=mutmut_env(DEFAULT_MAX_EXAMPLES),
                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     names = [ln.removeprefix("mutant: ") for ln in proc.stdout.splitlines() if ln.startswith("mutant: ")]
     if proc.returncode != 0 or not names:
@@ -753,7 +380,7 @@ def collect(workdir: Path, progress: Callable[[str], None] = lambda msg: None,
             only: Iterable[str] | None = None) -> list[Mutant]:
     """Every mutant of a finished ``mutmut run`` in ``workdir`` (``only``: those named, a sample's),
     with diff and line for those not killed."""
-    res = subprocess.run([*_mutmut_cmd(), "results", "--all", "true"], cwd=workdir, env=_env(DEFAULT_MAX_EXAMPLES),
+    res = subprocess.run([*_mutmut_cmd(), "results", "--all", "true"], cwd=workdir, env=mutmut_env(DEFAULT_MAX_EXAMPLES),
                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     mutants = parse_results(res.stdout)
     if only is not None:
@@ -821,7 +448,7 @@ def run(root: Path, *, files: Sequence[str], tests: Sequence[str], workdir: Path
         progress(drawn.describe())
     progress(f"mutmut run --max-children {max_children} ...")
     proc = subprocess.Popen([*_mutmut_cmd(), "run", "--max-children", str(max_children), *(chosen or ())], cwd=workdir,
-                            env=_env(max_examples, workdir), stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+                            env=mutmut_env(max_examples, workdir), stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     seen = _relay(proc.stdout, progress)
     rc = proc.wait()
     mutants = collect(workdir, progress, only=chosen)
@@ -966,25 +593,6 @@ def _report(args, r: LineMutationRun) -> int:
     undetected = any(m.state not in ("killed", "timeout") for m in r.mutants)
     return 1 if undetected or r.mutmut_exit != 0 else 0
 
-
-# --- pytest plugin (``-p verify.commands.mutation.lines``, loaded in mutmut's pytest runs) -----------------
-
-
-def pytest_collection_modifyitems(items) -> None:
-    """Cap Hypothesis examples (``$AP_MUTATION_MAX_EXAMPLES``), derandomized and without the example
-    database. A profile cannot do this: ``@given`` binds its settings when the module is imported."""
-    cap = os.environ.get(MAX_EXAMPLES_ENV)
-    if not cap:
-        return
-    from hypothesis import settings
-
-    for item in items:
-        fn = getattr(item, "obj", None)
-        current = getattr(fn, "_hypothesis_internal_use_settings", None)
-        if getattr(fn, "is_hypothesis_test", False) and current is not None:
-            fn._hypothesis_internal_use_settings = settings(
-                current, max_examples=min(current.max_examples, int(cap)), derandomize=True, database=None
-            )
 
 
 def add_sample_args(p: argparse.ArgumentParser) -> None:

@@ -1,19 +1,19 @@
 """Patch value_guards: a model that reads a tensor's value into Python is traced with a real run's
-value and guarded (autoparallel/traced_values.py, autoparallel/passes/value_guards.py)."""
+value and guarded (autoparallel/parallelize/traced_values.py, autoparallel/passes/value_guards.py)."""
 
 from __future__ import annotations
 
 import pytest
-from hypothesis import given, settings
-from hypothesis import strategies as st
 import torch
 import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from torch import fx, nn
 
 from autoparallel import patches
 from autoparallel.mesh import fake_world
 from autoparallel.parallelize import ParallelPlan, ParallelProgram, build_joint_graph, split_batch
-from autoparallel.passes.value_guards import GUARD, PATCH, ValueGuardError, guard_reads, same_value
+from autoparallel.passes.value_guards import GUARD, PATCH, TRACED_READ, ValueGuardError, guard_reads, same_value
 from autoparallel.runtime.steps import joint_graph_executor
 from autoparallel.validate import DataDependentError
 
@@ -193,8 +193,6 @@ def test_a_nonzero_is_traced_with_its_row_count_and_guarded():
 
 def _hand_graph():
     """x -> any -> traced_read mark; x -> sum -> loss: the joint trace's shape, by hand."""
-    from autoparallel.passes.value_guards import TRACED_READ
-
     g = fx.Graph()
     x = g.placeholder("x")
     flag = g.call_function(torch.ops.aten.any.default, (x,))

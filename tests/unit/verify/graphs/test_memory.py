@@ -17,7 +17,7 @@ from verify.graphs.memory import (
     ratio,
     static_peak,
 )
-from verify.graphs.stats import static_peak_bytes
+from verify.graphs.liveness import static_peak_bytes
 from verify.parity.launch import gated_backend, run_gated
 from verify.parity.trainer import traced_step
 

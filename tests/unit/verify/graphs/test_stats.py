@@ -13,6 +13,8 @@ from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 from torch.utils.checkpoint import CheckpointPolicy
 
 from autoparallel import meta as M
+from verify.graphs.classify import node_category
+from verify.graphs.liveness import saved_gathered_values, static_liveness, static_peak_bytes
 from verify.graphs.stats import (
     CollectiveStat,
     GraphStats,
@@ -20,11 +22,7 @@ from verify.graphs.stats import (
     format_stats_table,
     graph_stats,
     human_bytes,
-    node_category,
     partition_stats,
-    saved_gathered_values,
-    static_liveness,
-    static_peak_bytes,
 )
 
 aten = torch.ops.aten

@@ -18,14 +18,9 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
 from autoparallel import meta as M
-from verify.graphs.stats import (
-    collective_node_bytes,
-    format_stats_table,
-    graph_stats,
-    node_category,
-    partition_stats,
-    static_peak_bytes,
-)
+from verify.graphs.classify import collective_node_bytes, node_category
+from verify.graphs.liveness import static_peak_bytes
+from verify.graphs.stats import format_stats_table, graph_stats, partition_stats
 
 aten = torch.ops.aten
 c10d = torch.ops._c10d_functional

@@ -29,7 +29,7 @@ from autoparallel.planner import Plan, Planner, PlannerConfig
 from autoparallel.planner import problem as planner_problem
 from autoparallel.planner import strategies as planner_strategies
 from verify import zoo
-from verify.parity import plan_check
+from verify.parity import plan_check, plan_semantics
 from verify.parity.plan_check import (
     can_move,
     check_plan,
@@ -418,9 +418,9 @@ def test_a_planted_op_rule_that_shards_attention_over_the_sequence_is_caught_by_
 
 def test_the_checker_reads_nothing_of_the_planner_but_the_plan_format():
     """No candidate table, strategy, cost model or problem: only the plan's file format."""
-    tree = ast.parse(Path(plan_check.__file__).read_text())
-    imported = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)} | {
-        a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+    trees = [ast.parse(Path(m.__file__).read_text()) for m in (plan_check, plan_semantics)]
+    imported = {n.module for tree in trees for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)} | {
+        a.name for tree in trees for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
     assert {m for m in imported if m and m.startswith("autoparallel.planner")} == {"autoparallel.planner.plan"}, imported
 
 
@@ -451,16 +451,16 @@ def test_placements_parse_and_moves_into_partials_need_replicate_or_the_same_par
 def test_split_then_combine_gives_back_the_tensor(pl):
     full = torch.randn(8, 4, generator=torch.Generator().manual_seed(0))
     coords = [(i, j) for i in range(4) for j in range(2)]
-    pieces, masks = plan_check._split(full, pl, (4, 2), coords, torch.Generator().manual_seed(1))
+    pieces, masks = plan_semantics._split(full, pl, (4, 2), coords, torch.Generator().manual_seed(1))
     if any(isinstance(p, Partial) for p in pl):
         assert not torch.allclose(pieces[0], pieces[1]) or not torch.allclose(pieces[0], pieces[-1])
-    assert plan_check._differs(plan_check._combine(pieces, pl, (4, 2), coords, masks), full) is None
+    assert plan_semantics._differs(plan_semantics._combine(pieces, pl, (4, 2), coords, masks), full) is None
 
 
 def test_a_replicated_claim_on_disagreeing_ranks_is_named():
     coords = [(0,), (1,)]
-    with pytest.raises(plan_check._Disagree, match="disagree on a replicated value"):
-        plan_check._combine([torch.ones(3), torch.zeros(3)], (Replicate(),), (2,), coords, [None, None])
+    with pytest.raises(plan_semantics._Disagree, match="disagree on a replicated value"):
+        plan_semantics._combine([torch.ones(3), torch.zeros(3)], (Replicate(),), (2,), coords, [None, None])
 
 
 def test_masked_rows_of_a_vocab_split_lookup_are_dropped():
@@ -468,11 +468,11 @@ def test_masked_rows_of_a_vocab_split_lookup_are_dropped():
     ids = torch.tensor([0, 7, 3, 4])
     coords = [(0,), (1,)]
     mask_p = _MaskPartial(offset_shape=(8, 3), offset_dim=0, reduce_op="sum")
-    local_ids, masks = plan_check._split(ids, (mask_p,), (2,), coords, torch.Generator())
-    tables, _ = plan_check._split(table, (Shard(0),), (2,), coords, torch.Generator())
+    local_ids, masks = plan_semantics._split(ids, (mask_p,), (2,), coords, torch.Generator())
+    tables, _ = plan_semantics._split(table, (Shard(0),), (2,), coords, torch.Generator())
     outs = [F.embedding(i, t) for i, t in zip(local_ids, tables, strict=True)]
-    assert plan_check._differs(plan_check._combine(outs, (mask_p,), (2,), coords, masks), F.embedding(ids, table)) is None
-    assert plan_check._differs(plan_check._combine(outs, (Partial("sum"),), (2,), coords, masks), F.embedding(ids, table))
+    assert plan_semantics._differs(plan_semantics._combine(outs, (mask_p,), (2,), coords, masks), F.embedding(ids, table)) is None
+    assert plan_semantics._differs(plan_semantics._combine(outs, (Partial("sum"),), (2,), coords, masks), F.embedding(ids, table))
 
 
 class Dropout(nn.Module):
@@ -499,14 +499,14 @@ def test_random_ops_and_graphs_too_big_to_run_are_listed_as_unchecked():
 
 def test_differs_judges_at_the_tensors_scale():
     a = torch.tensor([1000.0, 1.0])
-    assert plan_check._differs(a + 0.5, a) is None  # 5e-4 of the scale
-    assert "max |diff|" in plan_check._differs(a + 2.0, a)
-    assert "shape/dtype" in plan_check._differs(a[:1], a)
-    assert plan_check._differs(torch.tensor([1, 2]), torch.tensor([1, 3])) == "1 of 2 elements differ"
-    assert plan_check._differs(torch.tensor([float("nan")]), torch.tensor([0.0])) == "NaN on one side"
-    assert plan_check._differs(torch.empty(0, 3), torch.empty(0, 3)) is None
+    assert plan_semantics._differs(a + 0.5, a) is None  # 5e-4 of the scale
+    assert "max |diff|" in plan_semantics._differs(a + 2.0, a)
+    assert "shape/dtype" in plan_semantics._differs(a[:1], a)
+    assert plan_semantics._differs(torch.tensor([1, 2]), torch.tensor([1, 3])) == "1 of 2 elements differ"
+    assert plan_semantics._differs(torch.tensor([float("nan")]), torch.tensor([0.0])) == "NaN on one side"
+    assert plan_semantics._differs(torch.empty(0, 3), torch.empty(0, 3)) is None
     z = torch.tensor([1 + 2j, 3 - 1j])
-    assert plan_check._differs(z, z.clone()) is None and "max |diff|" in plan_check._differs(z * 1j, z)
+    assert plan_semantics._differs(z, z.clone()) is None and "max |diff|" in plan_semantics._differs(z * 1j, z)
 
 
 def test_every_constraint_group_has_a_negative_test():
@@ -544,8 +544,8 @@ def test_ops_with_missing_outputs_run_on_simulated_ranks():
     with fake_world("dp=2") as mesh:
         plan = P.run_pipeline(model, case.loss_fn, case.batch(4), "auto", mesh, until=P.PLAN).planned.plan
     gm, _ = traced_graph(plan)
-    missing = {n.name: [m is None for m in plan_check._metas(n)] for n in gm.graph.nodes if n.op == "call_function"
-               and any(m is None for m in plan_check._metas(n))}
+    missing = {n.name: [m is None for m in plan_semantics.tensor_metas(n)] for n in gm.graph.nodes if n.op == "call_function"
+               and any(m is None for m in plan_semantics.tensor_metas(n))}
     assert missing == {"convolution_backward": [False, False, True], "convolution_backward_1": [True, False, False]}
     result = plan_check.assert_plan_valid(plan)
     assert result.unchecked == {} and result.ran >= 40

@@ -1,4 +1,4 @@
-"""verify.commands.mutation.lines's parsing and reporting, on canned mutmut 3.8 output (mutmut never runs here)."""
+"""verify.commands.mutation.lines (results, workdir, pytest_hook)'s parsing and reporting, on canned mutmut 3.8 output (mutmut never runs here)."""
 
 import io
 import json
@@ -12,7 +12,11 @@ from types import SimpleNamespace
 import pytest
 
 from verify.__main__ import _parser, main
+from verify.commands.mutation import STATES
 from verify.commands.mutation import lines as L
+from verify.commands.mutation import pytest_hook as H
+from verify.commands.mutation import results as R
+from verify.commands.mutation import workdir as W
 from verify.commands.mutation.subprocess_hits import collect_subprocess_hits
 
 RESULTS = textwrap.dedent(
@@ -92,26 +96,26 @@ DEMO_SRC = textwrap.dedent(
 
 
 def _mutants():
-    mutants = L.parse_results(RESULTS)
-    shows = L.parse_show(SHOWS)
+    mutants = R.parse_results(RESULTS)
+    shows = R.parse_show(SHOWS)
     sources = {"autoparallel/passes/counts.py": COUNTS_SRC, "autoparallel/passes/demo.py": DEMO_SRC}
     for m in mutants:
         if m.name in shows:
             m.diff = shows[m.name][1]
-            m.line = L.mutated_line(m.diff, sources[m.file], m.function)
+            m.line = R.mutated_line(m.diff, sources[m.file], m.function)
     return mutants
 
 
 def test_parse_key_functions_and_methods():
-    assert L.parse_key("autoparallel.passes.demo.x__helper__mutmut_12") == ("autoparallel.passes.demo", "_helper", 12)
-    assert L.parse_key("autoparallel.passes.counts.xǁTallyǁsummary__mutmut_1") == (
+    assert R.parse_key("autoparallel.passes.demo.x__helper__mutmut_12") == ("autoparallel.passes.demo", "_helper", 12)
+    assert R.parse_key("autoparallel.passes.counts.xǁTallyǁsummary__mutmut_1") == (
         "autoparallel.passes.counts", "Tally.summary", 1)
     with pytest.raises(ValueError, match="not a mutmut mutant name"):
-        L.parse_key("autoparallel.passes.demo.walk")
+        R.parse_key("autoparallel.passes.demo.walk")
 
 
 def test_parse_results_maps_mutmut_statuses_to_harness_states():
-    mutants = L.parse_results(RESULTS)
+    mutants = R.parse_results(RESULTS)
     assert [(m.function, m.status, m.state) for m in mutants] == [
         ("Tally.summary", "killed", "killed"),
         ("Tally.summary", "survived", "survived"),
@@ -123,18 +127,18 @@ def test_parse_results_maps_mutmut_statuses_to_harness_states():
         ("_helper", "not checked", "error"),
     ]
     assert {m.file for m in mutants} == {"autoparallel/passes/counts.py", "autoparallel/passes/demo.py"}
-    assert set(L.STATES) >= {m.state for m in mutants}
+    assert set(STATES) >= {m.state for m in mutants}
 
 
 def test_parse_show_single_and_batched():
-    shows = L.parse_show(SHOWS)
+    shows = R.parse_show(SHOWS)
     assert set(shows) == {"autoparallel.passes.counts.xǁTallyǁsummary__mutmut_5",
                           "autoparallel.passes.demo.x_walk__mutmut_2"}
     status, diff = shows["autoparallel.passes.demo.x_walk__mutmut_2"]
     assert status == "survived"
     assert diff.startswith("--- autoparallel/passes/demo.py") and diff.endswith("    return chain")
     one = SHOWS.split("\x00\n")[0]  # what a single `mutmut show <name>` prints
-    assert list(L.parse_show(one)) == ["autoparallel.passes.counts.xǁTallyǁsummary__mutmut_5"]
+    assert list(R.parse_show(one)) == ["autoparallel.passes.counts.xǁTallyǁsummary__mutmut_5"]
 
 
 def test_mutated_line_uses_hunk_offsets_relative_to_the_function():
@@ -147,15 +151,15 @@ def test_mutated_line_uses_hunk_offsets_relative_to_the_function():
 
 
 def test_mutated_line_falls_back_to_searching_the_function_when_offsets_are_stale():
-    diff = L.parse_show(SHOWS)["autoparallel.passes.demo.x_walk__mutmut_2"][1]
+    diff = R.parse_show(SHOWS)["autoparallel.passes.demo.x_walk__mutmut_2"][1]
     shifted = DEMO_SRC.replace("    chain = []\n", "    chain = []\n    # a new comment\n\n")
-    assert L.mutated_line(diff, shifted, "walk") == 10
-    assert L.mutated_line(diff, DEMO_SRC, "no_such_function") is None
-    assert L.mutated_line(diff, "def (", "walk") is None
+    assert R.mutated_line(diff, shifted, "walk") == 10
+    assert R.mutated_line(diff, DEMO_SRC, "no_such_function") is None
+    assert R.mutated_line(diff, "def (", "walk") is None
 
 
 def test_format_table_rows_totals_kill_rate_and_survivors():
-    table = L.format_table(_mutants())
+    table = R.format_table(_mutants())
     lines = table.splitlines()
     assert lines[0].split() == ["file", "mutants", "killed", "survived", "no", "coverage", "timeout", "error"]
     assert lines[1].split() == ["autoparallel/passes/counts.py", "2", "1", "1", "0", "0", "0"]
@@ -173,7 +177,7 @@ def test_format_table_rows_totals_kill_rate_and_survivors():
 
 
 def test_format_table_by_function_and_without_diffs():
-    table = L.format_table(_mutants(), by="function", diffs=False)
+    table = R.format_table(_mutants(), by="function", diffs=False)
     lines = table.splitlines()
     assert lines[0].split()[0] == "function"
     assert [ln.split()[0] for ln in lines[1:5]] == [
@@ -187,7 +191,7 @@ def test_format_table_by_function_and_without_diffs():
 
 def test_one_file_has_no_total_row():
     mutants = [m for m in _mutants() if m.file.endswith("counts.py")]
-    assert not any(ln.startswith("total") for ln in L.format_table(mutants).splitlines())
+    assert not any(ln.startswith("total") for ln in R.format_table(mutants).splitlines())
 
 
 def test_generated_config_is_valid_toml_and_replaces_an_existing_table(tmp_path):
@@ -197,9 +201,9 @@ def test_generated_config_is_valid_toml_and_replaces_an_existing_table(tmp_path)
         '[project]\nname = "x"\n\n[tool.mutmut]\nsource_paths = ["old"]\n\n[tool.mutmut.extra]\na = 1\n\n'
         '[tool.pytest.ini_options]\naddopts = "-ra"\n'
     )
-    config = L.mutmut_config(["autoparallel/passes/a.py"], ["tests/unit/test_a.py"], ["tests/unit/test_a.py::test_x"],
+    config = W.mutmut_config(["autoparallel/passes/a.py"], ["tests/unit/test_a.py"], ["tests/unit/test_a.py::test_x"],
                              timeout_multiplier=3, timeout_constant=2)
-    L.write_config(root, tmp_path, config)
+    W.write_config(root, tmp_path, config)
     data = tomllib.loads((tmp_path / "pyproject.toml").read_text())
     mm = data["tool"]["mutmut"]
     assert mm["source_paths"] == ["autoparallel"]
@@ -209,7 +213,7 @@ def test_generated_config_is_valid_toml_and_replaces_an_existing_table(tmp_path)
     assert mm["process_isolation"] == "forkserver"
     assert (mm["timeout_multiplier"], mm["timeout_constant"]) == (3.0, 2.0)
     assert "extra" not in mm
-    assert L.read_config(tmp_path) == (["autoparallel/passes/a.py"], ["tests/unit/test_a.py"],
+    assert W.read_config(tmp_path) == (["autoparallel/passes/a.py"], ["tests/unit/test_a.py"],
                                        ["tests/unit/test_a.py::test_x"])
     assert data["project"]["name"] == "x" and data["tool"]["pytest"]["ini_options"]["addopts"] == "-ra"
 
@@ -263,8 +267,8 @@ def test_relay_shows_a_count_again_once_every_s_has_passed(origin):
 @pytest.mark.parametrize("surviving, expected", [(True, 1), (False, 0)])
 def test_verify_cli_exit_status_and_table(monkeypatch, capsys, surviving, expected):
     """`python -m verify mutate --lines` reaches line_mutation.main with the `mutate` namespace."""
-    mutants = [L.Mutant("autoparallel.passes.demo.x_walk__mutmut_1", "killed"),
-               L.Mutant("autoparallel.passes.demo.x_walk__mutmut_2", "survived" if surviving else "timeout")]
+    mutants = [R.Mutant("autoparallel.passes.demo.x_walk__mutmut_1", "killed"),
+               R.Mutant("autoparallel.passes.demo.x_walk__mutmut_2", "survived" if surviving else "timeout")]
     seen = {}
 
     def fake_run(root, **kw):
@@ -294,11 +298,11 @@ def test_hypothesis_cap_plugin_limits_examples(monkeypatch):
         calls.append(x)
 
     item = SimpleNamespace(obj=prop)
-    monkeypatch.delenv(L.MAX_EXAMPLES_ENV, raising=False)
-    L.pytest_collection_modifyitems([item, SimpleNamespace(obj=lambda: None)])
+    monkeypatch.delenv(H.MAX_EXAMPLES_ENV, raising=False)
+    H.pytest_collection_modifyitems([item, SimpleNamespace(obj=lambda: None)])
     assert prop._hypothesis_internal_use_settings.max_examples == 50
-    monkeypatch.setenv(L.MAX_EXAMPLES_ENV, "3")
-    L.pytest_collection_modifyitems([item, SimpleNamespace(obj=lambda: None)])
+    monkeypatch.setenv(H.MAX_EXAMPLES_ENV, "3")
+    H.pytest_collection_modifyitems([item, SimpleNamespace(obj=lambda: None)])
     prop()
     assert len(calls) <= 3
     assert prop._hypothesis_internal_use_settings.derandomize
@@ -306,7 +310,8 @@ def test_hypothesis_cap_plugin_limits_examples(monkeypatch):
 
 def test_verify_target_runs_each_checker_group_with_its_own_tests(tmp_path):
     plan = L.groups(SimpleNamespace(target="verify", files=None, tests=None), tmp_path)
-    assert [files for files, _ in plan][:4] == [["verify/parity/compare.py"], ["verify/graphs/canon.py"], ["verify/graphs/stats.py"],
+    assert [files for files, _ in plan][:4] == [["verify/parity/compare.py"], ["verify/graphs/canon.py"],
+                                                ["verify/graphs/stats.py", "verify/graphs/classify.py", "verify/graphs/liveness.py"],
                                                 ["verify/graphs/memory.py"]]
     assert {f for files, _ in plan for f in files} >= {"verify/pytest_plugin.py", "verify/goldens/text.py"}
     assert plan[0][1] == ["tests/unit/verify/parity/test_compare.py"]
@@ -338,15 +343,15 @@ def test_every_verify_group_names_files_and_tests_that_exist():
 
 
 def test_config_mutates_the_packages_of_its_files_and_copies_goldens():
-    cfg = tomllib.loads(L.mutmut_config(["verify/parity/compare.py", "verify/goldens/text.py"], ["tests/t.py"]))["tool"]["mutmut"]
+    cfg = tomllib.loads(W.mutmut_config(["verify/parity/compare.py", "verify/goldens/text.py"], ["tests/t.py"]))["tool"]["mutmut"]
     assert cfg["source_paths"] == ["verify"] and cfg["also_copy"] == ["goldens"]
-    assert L.source_packages(["autoparallel/passes/a.py", "verify/graphs/canon.py"]) == ["autoparallel", "verify"]
+    assert W.source_packages(["autoparallel/passes/a.py", "verify/graphs/canon.py"]) == ["autoparallel", "verify"]
 
 
 def test_merged_runs_make_one_table(tmp_path):
-    a = L.LineMutationRun([L.Mutant("verify.parity.compare.x_f__mutmut_1", "killed")], ["verify/parity/compare.py"], ["t1"], {},
+    a = L.LineMutationRun([R.Mutant("verify.parity.compare.x_f__mutmut_1", "killed")], ["verify/parity/compare.py"], ["t1"], {},
                           1.0, tmp_path, 0, "a")
-    b = L.LineMutationRun([L.Mutant("verify.graphs.canon.x_g__mutmut_1", "survived")], ["verify/graphs/canon.py"], ["t1", "t2"],
+    b = L.LineMutationRun([R.Mutant("verify.graphs.canon.x_g__mutmut_1", "survived")], ["verify/graphs/canon.py"], ["t1", "t2"],
                           {"t2::x": "failed"}, 2.0, tmp_path, 1, "b")
     m = L.merge_runs([a, b])
     assert [x.file for x in m.mutants] == ["verify/parity/compare.py", "verify/graphs/canon.py"]
@@ -357,11 +362,11 @@ def test_merged_runs_make_one_table(tmp_path):
 def test_processes_a_test_starts_report_the_mutated_functions_they_ran(tmp_path):
     """The sitecustomize bridge, in a real subprocess, as mutmut's coverage run would start it."""
     pytest.importorskip("mutmut")
-    bridge, hits = tmp_path / L.BRIDGE_DIR, tmp_path / L.HITS_DIR
+    bridge, hits = tmp_path / W.BRIDGE_DIR, tmp_path / W.HITS_DIR
     bridge.mkdir()
     hits.mkdir()
-    (bridge / "sitecustomize.py").write_text(L.SUBPROCESS_BRIDGE)
-    env = {**L._env(1, tmp_path), "AP_MUTATION_HITS": str(hits), "MUTANT_UNDER_TEST": "stats"}
+    (bridge / "sitecustomize.py").write_text(W.SUBPROCESS_BRIDGE)
+    env = {**W.mutmut_env(1, tmp_path), "AP_MUTATION_HITS": str(hits), "MUTANT_UNDER_TEST": "stats"}
     (tmp_path / "mutants").mkdir()
     code = ("import sys, mutmut.mutation.trampoline as t; "
             f"assert sys.path.index({str(tmp_path / 'mutants')!r}) <= 1, sys.path; "  # after '' (python -c), before the rest
@@ -381,18 +386,18 @@ def test_a_mutated_pytest_plugin_is_left_out_of_the_runs_that_judge_it(tmp_path,
     (tmp_path / "pyproject.toml").write_text(
         '[project]\nname = "x"\n[project.entry-points.pytest11]\n"pkg.plug" = "pkg.plug"\nother = "pkg.other:hooks"\n'
     )
-    assert L.mutated_pytest_plugins(tmp_path, ["pkg/plug.py", "pkg/a.py"]) == ["pkg.plug"]
-    assert L.mutated_pytest_plugins(tmp_path, ["pkg/other.py", "pkg/plug.py"]) == ["other", "pkg.plug"]
-    assert L.mutated_pytest_plugins(tmp_path, ["pkg/a.py"]) == []
-    assert L.mutated_pytest_plugins(tmp_path / "nowhere", ["pkg/plug.py"]) == []
+    assert W.mutated_pytest_plugins(tmp_path, ["pkg/plug.py", "pkg/a.py"]) == ["pkg.plug"]
+    assert W.mutated_pytest_plugins(tmp_path, ["pkg/other.py", "pkg/plug.py"]) == ["other", "pkg.plug"]
+    assert W.mutated_pytest_plugins(tmp_path, ["pkg/a.py"]) == []
+    assert W.mutated_pytest_plugins(tmp_path / "nowhere", ["pkg/plug.py"]) == []
     root = Path(__file__).resolve().parents[5]
-    blocked = {name: L.mutated_pytest_plugins(root, files) for name, (files, _) in L.VERIFY_GROUPS.items()}
+    blocked = {name: W.mutated_pytest_plugins(root, files) for name, (files, _) in L.VERIFY_GROUPS.items()}
     assert blocked == {"parity": [], "canon": [], "stats": [], "memory": [], "goldens": [],
                        "pytest_plugin": ["verify.pytest_plugin"], "plan_check": []}
 
-    cfg = tomllib.loads(L.mutmut_config(["pkg/plug.py"], ["tests/t.py"], blocked_plugins=["pkg.plug"]))["tool"]["mutmut"]
+    cfg = tomllib.loads(W.mutmut_config(["pkg/plug.py"], ["tests/t.py"], blocked_plugins=["pkg.plug"]))["tool"]["mutmut"]
     assert cfg["pytest_add_cli_args"][-2:] == ["-p", "no:pkg.plug"]
-    assert "no:pkg.plug" not in L.mutmut_config(["pkg/a.py"], ["tests/t.py"])
+    assert "no:pkg.plug" not in W.mutmut_config(["pkg/a.py"], ["tests/t.py"])
 
     cmd, outcomes = _baseline_command(monkeypatch, tmp_path, blocked_plugins=["pkg.plug"])
     assert outcomes == {"tests/t.py::test_a": "passed"}
@@ -439,10 +444,10 @@ def test_planner_target_mutates_the_planner_against_its_own_quick_tests(tmp_path
 
 
 def test_quick_tier_marker_reaches_every_pytest_run_mutmut_and_the_baseline_make(tmp_path, monkeypatch):
-    cfg = tomllib.loads(L.mutmut_config(["autoparallel/planner/a.py"], ["tests/t"], markexpr=L.QUICK_TIER))["tool"]["mutmut"]
+    cfg = tomllib.loads(W.mutmut_config(["autoparallel/planner/a.py"], ["tests/t"], markexpr=L.QUICK_TIER))["tool"]["mutmut"]
     assert cfg["pytest_add_cli_args"][-2:] == ["-m", "not slow"]
     assert cfg["pytest_add_cli_args_test_selection"] == ["tests/t"]  # read_config still reads the tests back
-    assert "-m" not in tomllib.loads(L.mutmut_config(["a/b.py"], ["t"]))["tool"]["mutmut"]["pytest_add_cli_args"]
+    assert "-m" not in tomllib.loads(W.mutmut_config(["a/b.py"], ["t"]))["tool"]["mutmut"]["pytest_add_cli_args"]
     cmd, _ = _baseline_command(monkeypatch, tmp_path, markexpr="not slow")
     i = cmd.index("not slow")
     assert cmd[i - 1] == "-m" and cmd[-1] == "tests/t.py"
@@ -506,7 +511,7 @@ def test_a_sampled_run_hands_mutmut_only_the_drawn_names(tmp_path, monkeypatch):
 
     def fake_collect(workdir, progress, only=None):
         asked["only"] = only
-        return [L.Mutant(n, "killed") for n in only or NAMES]
+        return [R.Mutant(n, "killed") for n in only or NAMES]
 
     monkeypatch.setattr(L.subprocess, "Popen", FakeMutmut)
     monkeypatch.setattr(L, "collect", fake_collect)
@@ -539,8 +544,8 @@ def test_collect_reports_only_the_sampled_mutants(tmp_path, monkeypatch):
 
 
 def test_the_report_of_a_sample_says_so_and_counts_the_sample(capsys, tmp_path):
-    mutants = [L.Mutant("autoparallel.planner.ilp.x_solve__mutmut_1", "killed"),
-               L.Mutant("autoparallel.planner.ilp.x_solve__mutmut_2", "survived")]
+    mutants = [R.Mutant("autoparallel.planner.ilp.x_solve__mutmut_1", "killed"),
+               R.Mutant("autoparallel.planner.ilp.x_solve__mutmut_2", "survived")]
     r = L.LineMutationRun(mutants, ["autoparallel/planner/ilp.py"], ["t"], {}, 1.0, tmp_path, 0, sample=L.Sample(2, 90, 7))
     assert L._report(SimpleNamespace(), r) == 1
     out = capsys.readouterr().out.splitlines()
@@ -569,11 +574,11 @@ def test_mutmut_generates_the_names_a_sample_draws_from(tmp_path):
     (tmp_path / "pkg").mkdir()
     (tmp_path / "pkg" / "__init__.py").write_text("")
     (tmp_path / "pkg" / "mod.py").write_text("def f(a):\n    return a + 1\n\n\ndef g(a):\n    return a < 2\n")
-    (tmp_path / "pyproject.toml").write_text('[project]\nname = "x"\n\n' + L.mutmut_config(["pkg/mod.py"], ["tests"]))
+    (tmp_path / "pyproject.toml").write_text('[project]\nname = "x"\n\n' + W.mutmut_config(["pkg/mod.py"], ["tests"]))
     names = L.generate_mutants(tmp_path)
-    assert {L.parse_key(n)[:2] for n in names} == {("pkg.mod", "f"), ("pkg.mod", "g")}
+    assert {R.parse_key(n)[:2] for n in names} == {("pkg.mod", "f"), ("pkg.mod", "g")}
     assert len(names) == len(set(names)) >= 4
     assert sorted(L.generate_mutants(tmp_path)) == sorted(names)  # mutmut run finds them made, the same
-    (tmp_path / "pyproject.toml").write_text('[project]\nname = "x"\n\n' + L.mutmut_config(["pkg/none.py"], ["tests"]))
+    (tmp_path / "pyproject.toml").write_text('[project]\nname = "x"\n\n' + W.mutmut_config(["pkg/none.py"], ["tests"]))
     with pytest.raises(RuntimeError, match="mutmut generated no mutants to sample from"):
         L.generate_mutants(tmp_path)

@@ -41,6 +41,7 @@ from torch.utils._pytree import tree_leaves
 from torch.utils.weak import WeakTensorKeyDictionary
 
 from autoparallel.compiling_flag import tracing_as_compiling
+from autoparallel.parallelize.program import cast_forward_inputs
 from autoparallel.passes.value_guards import TRACED_READ
 from autoparallel.validate import DataDependentError
 
@@ -142,8 +143,6 @@ def record_reads(model: nn.Module, loss_fn, inputs: Sequence[torch.Tensor], para
     """Run ``loss_fn(model(*inputs[:-1]), inputs[-1])`` eagerly on a copy of ``model`` (cast to
     ``param_dtype`` when the plan computes in it) and return its reads. The RNG state is restored,
     the user's model untouched. A read a random draw alone decides is refused (DataDependentError)."""
-    from autoparallel.parallelize.program import cast_forward_inputs
-
     replica = copy.deepcopy(model)
     if param_dtype is not None:
         replica = replica.to(param_dtype)
