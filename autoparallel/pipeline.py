@@ -58,6 +58,7 @@ from autoparallel.compile import OVERLAP_PATCH, SECOND_COMPILE, Compiler, autopa
 from autoparallel.compiling_flag import PATCH as TRACE_AS_COMPILING
 from autoparallel.eager_dropout import PATCH as EAGER_DROPOUT
 from autoparallel.eager_kernels import PATCH as EAGER_KERNELS
+from autoparallel.eager_kernels import RETRACE_PATCH as EAGER_KERNELS_RETRACE
 from autoparallel.passes.pinned_layouts import PATCH as PINNED_LAYOUTS
 from autoparallel.fx_utils import copy_graph_module
 from autoparallel.gc_pauses import fewer_collections
@@ -460,7 +461,7 @@ STAGES: tuple[Stage, ...] = (
         SECOND_COMPILE,
         _second_compile,
         "torch.compile with autoparallel_backend: replay partition, bucketing tags",
-        patches=(REPLAY_PATCH, OVERLAP_PATCH, AOT_GRAPH_TEXT),
+        patches=(REPLAY_PATCH, EAGER_KERNELS_RETRACE, OVERLAP_PATCH, AOT_GRAPH_TEXT),
         acted=_saved_values,
     ),
     *(_collective_stage(p) for p in COLLECTIVE_PASSES),
