@@ -1,7 +1,7 @@
 """One cell of ``python -m verify sweep``: a model type through ``check_model`` on one plan, in
 its own process (a crash, a hang or a leaked gloo world ends with it).
 
-``python -m verify.commands.sweep_cell TYPE PLAN MESH`` prints, as its last stdout line, one JSON
+``python -m verify.commands.sweep_cell TYPE PLAN MESH [--world-timeout S]`` prints, as its last stdout line, one JSON
 object ``{"verdict": ..., "reason": ...}``: ``NOT BUILT`` when the tiny model does not build or
 its eager training step on its own batch fails (the generic shrink rule's or the library's
 limit, not the stack's), ``REFUSED`` when the stack raises its ValueError (a model it does not
@@ -45,8 +45,10 @@ def build_step(model_type: str, *, attention_mask: bool = False):
     return case
 
 
-def run_cell(model_type: str, plan: str, mesh: str, *, attention_mask: bool = False) -> dict[str, str]:
-    """The cell's verdict and reason (see the module docstring)."""
+def run_cell(model_type: str, plan: str, mesh: str, *, attention_mask: bool = False,
+             world_timeout_s: float = 180.0) -> dict[str, str]:
+    """The cell's verdict and reason (see the module docstring); ``world_timeout_s`` bounds the
+    parity run's gloo world (the sweep passes its ``--timeout``)."""
     warnings.filterwarnings("ignore")  # the library's config notices, one per cell, are not the verdict
     try:
         case = build_step(model_type, attention_mask=attention_mask)
@@ -55,7 +57,7 @@ def run_cell(model_type: str, plan: str, mesh: str, *, attention_mask: bool = Fa
     if plan == "build":
         return {"verdict": "PASS", "reason": ""}
     try:
-        result = check_model(case, plan=plan, mesh=mesh)
+        result = check_model(case, plan=plan, mesh=mesh, world_timeout_s=world_timeout_s)
     except ValueError as e:
         return {"verdict": "REFUSED", "reason": first_line(e)}
     except Exception as e:  # noqa: BLE001 - any other exception is the verdict
@@ -72,8 +74,10 @@ def run_cell(model_type: str, plan: str, mesh: str, *, attention_mask: bool = Fa
 
 def main(argv: list[str]) -> int:
     model_type, plan, mesh = argv[:3]
-    mask = "--attention-mask" in argv[3:]
-    print(json.dumps(run_cell(model_type, plan, mesh, attention_mask=mask)), flush=True)
+    rest = argv[3:]
+    mask = "--attention-mask" in rest
+    world = float(rest[rest.index("--world-timeout") + 1]) if "--world-timeout" in rest else 180.0
+    print(json.dumps(run_cell(model_type, plan, mesh, attention_mask=mask, world_timeout_s=world)), flush=True)
     return 0
 
 

@@ -233,3 +233,17 @@ def test_a_model_that_does_not_build_is_not_built_and_check_model_never_runs(mon
     monkeypatch.setattr(sweep_cell, "check_model", _check(error=AssertionError("must not run")))
     out = sweep_cell.run_cell("no_such_type", "fsdp", "dp=2")
     assert out["verdict"] == "NOT BUILT" and out["reason"].startswith("ValueError: unknown Hugging Face model type 'no_such_type'")
+
+
+def test_the_cells_world_gets_the_sweeps_timeout(monkeypatch, capsys):
+    """Failed before: the parity world had a fixed 180 s inside any --timeout (mobilevit under a
+    loaded box: 'the world of 2 ranks did not finish within timeout_s=180 s' in a 600 s cell)."""
+    seen = {}
+
+    def check(case, **kw):
+        seen.update(kw)
+        return _result()
+
+    monkeypatch.setattr(sweep_cell, "check_model", check)
+    assert sweep_cell.main(["gpt2", "fsdp", "dp=2", "--world-timeout", "600"]) == 0
+    assert seen["world_timeout_s"] == 600.0 and json.loads(capsys.readouterr().out)["verdict"] == "PASS"
