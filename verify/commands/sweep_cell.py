@@ -15,6 +15,9 @@ import json
 import sys
 import warnings
 
+import torch
+
+from autoparallel.compiling_flag import tracing_as_compiling
 from verify.check import check_model
 from verify.hf import hf_case
 
@@ -37,12 +40,28 @@ def first_line(e: BaseException) -> str:
 
 def build_step(model_type: str, *, attention_mask: bool = False):
     """The cell's case after one eager training step of its tiny model on its own batch (the
-    model builds, runs forward and backward): raises what stops it."""
+    model builds, runs forward and backward): raises what stops it. A tokens-only case whose
+    forward fails with ``torch.compiler.is_compiling()`` true (what every trace of the stack sets)
+    gets the tokenizer's all-ones mask: transformers' compiled branch of some encoders skips
+    the default mask and reads ``None`` (longt5, switch_transformers: "'NoneType' object ..."),
+    so a compiled training loop must pass one."""
     case = hf_case(model_type, attention_mask=attention_mask)
     model = case.build()
     batch = case.batches(2 * case.batch_per_rank, 1)[0]
     case.loss_fn(model(*batch[:-1]), batch[-1]).backward()
+    if not attention_mask and not _runs_as_compiled(model, batch[:-1]):
+        return build_step(model_type, attention_mask=True)
     return case
+
+
+def _runs_as_compiled(model, inputs) -> bool:
+    """Whether ``model`` runs forward on ``inputs`` with ``is_compiling()`` true."""
+    try:
+        with torch.no_grad(), tracing_as_compiling():
+            model(*inputs)
+    except Exception:  # noqa: BLE001 - the compiled branch's failure is the answer
+        return False
+    return True
 
 
 def run_cell(model_type: str, plan: str, mesh: str, *, attention_mask: bool = False,
