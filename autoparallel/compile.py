@@ -7,6 +7,10 @@ then applies, each scoped to this compile and restored afterwards:
 
 * optionally ``ac_joint_pass`` (``enable_ac``; ``autoparallel.passes.ac_joint``), through
   functorch's ``joint_custom_pass``;
+* the ATen kernels of ops whose Python decomposition a trace would run (patch
+  ``eager_kernels_retrace``, ``autoparallel.eager_kernels``): the first partition's graphs hold
+  ``upsample_bilinear2d`` and its backward as eager runs them; re-tracing them through the
+  decomposition again would round otherwise (mobilevit's second compile was NOT bitwise);
 * the ``ReplaySavesPartitioner`` (patch ``replay_saves_partitioner``), which saves exactly what the
   first partition saved;
 * optionally Inductor's overlap-scheduling settings (``overlap_scheduling``). They must still be in
@@ -34,11 +38,13 @@ from torch._inductor.custom_graph_pass import CustomPartitionerFn
 
 from autoparallel import meta as M
 from autoparallel import patches, roles
+from autoparallel.eager_kernels import RETRACE_PATCH as EAGER_KERNELS_RETRACE
+from autoparallel.eager_kernels import kernels_as_eager
 from autoparallel.partition import label_partition
-from autoparallel.replay_partition import REPLAY_PATCH, ReplaySavesPartitioner
 from autoparallel.passes.ac_joint import ac_joint_pass
-from autoparallel.passes.kept_random_draws import PATCH as KEPT_RANDOM_DRAWS
 from autoparallel.passes.collective import bucket_fw_bw, tag_joint
+from autoparallel.passes.kept_random_draws import PATCH as KEPT_RANDOM_DRAWS
+from autoparallel.replay_partition import REPLAY_PATCH, ReplaySavesPartitioner
 
 OVERLAP_PATCH = "overlap_config_persists"
 SECOND_COMPILE = "second_compile"
@@ -243,6 +249,8 @@ def autoparallel_backend(
                 # Inside torch.compile, FX's dead-code elimination drops a random op nobody reads
                 # unless fallback_random is set; eager draws it (autoparallel.passes.kept_random_draws).
                 stack.enter_context(torch._inductor.config.patch(fallback_random=True))
+            # AOT traces synchronously inside this call (both compilers): the lift is scoped to it.
+            stack.enter_context(kernels_as_eager(EAGER_KERNELS_RETRACE))
             if enable_ac:
                 stack.enter_context(torch._functorch.config.patch(joint_custom_pass=ac_joint_pass))
             if overlap and not persist:

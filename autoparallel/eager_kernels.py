@@ -26,6 +26,9 @@ from torch._C import DispatchKey
 from autoparallel import patches
 
 PATCH = "eager_kernels"
+# The same lift around the second compile's re-trace (autoparallel_backend): the first partition's
+# graphs hold the ATen op, and a re-trace that ran its decomposition again would undo the joint trace's fix.
+RETRACE_PATCH = "eager_kernels_retrace"
 
 KEYS = (DispatchKey.CompositeImplicitAutograd, DispatchKey.Autograd)
 
@@ -64,10 +67,10 @@ def _has(op: torch._ops.OpOverload, key: str) -> bool:
 
 
 @contextlib.contextmanager
-def kernels_as_eager() -> Iterator[list[torch._ops.OpOverload]]:
-    """Within: :func:`decomposed_kernels` run their ATen kernels (unless the patch is disabled);
+def kernels_as_eager(patch: str = PATCH) -> Iterator[list[torch._ops.OpOverload]]:
+    """Within: :func:`decomposed_kernels` run their ATen kernels (unless ``patch`` is disabled);
     yields the ops lifted, and restores every Python kernel on exit."""
-    if not patches.enabled(PATCH):
+    if not patches.enabled(patch):
         yield []
         return
     ops = decomposed_kernels()
@@ -84,4 +87,4 @@ def kernels_as_eager() -> Iterator[list[torch._ops.OpOverload]]:
             op._dispatch_cache.clear()
 
 
-__all__ = ["PATCH", "decomposed_kernels", "kernels_as_eager"]
+__all__ = ["PATCH", "RETRACE_PATCH", "decomposed_kernels", "kernels_as_eager"]

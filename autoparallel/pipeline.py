@@ -60,6 +60,7 @@ from autoparallel.eager_dropout import PATCH as EAGER_DROPOUT
 from autoparallel.eager_kernels import PATCH as EAGER_KERNELS
 from autoparallel.kernel_strides import PATCH as KERNEL_STRIDES
 from autoparallel.kernel_strides import strides_as_kernels
+from autoparallel.eager_kernels import RETRACE_PATCH as EAGER_KERNELS_RETRACE
 from autoparallel.passes.pinned_layouts import PATCH as PINNED_LAYOUTS
 from autoparallel.passes.value_guards import PATCH as VALUE_GUARDS
 from autoparallel.fx_utils import copy_graph_module
@@ -458,7 +459,7 @@ STAGES: tuple[Stage, ...] = (
         SECOND_COMPILE,
         _second_compile,
         "torch.compile with autoparallel_backend: replay partition, bucketing tags",
-        patches=(REPLAY_PATCH, OVERLAP_PATCH, AOT_GRAPH_TEXT, KERNEL_STRIDES),
+        patches=(REPLAY_PATCH, EAGER_KERNELS_RETRACE, OVERLAP_PATCH, AOT_GRAPH_TEXT, KERNEL_STRIDES),
         acted=_saved_values,
     ),
     *(_collective_stage(p) for p in COLLECTIVE_PASSES),

@@ -239,6 +239,7 @@ def check_model(
     parity: bool = True,
     native_collectives: bool = False,
     goldens: bool = False,
+    world_timeout_s: float = 180.0,
 ) -> ModelCheck:
     """Run the pipeline, parity and the oracle for a model; see the module docstring.
 
@@ -252,7 +253,9 @@ def check_model(
     parameter without a gradient (frozen, or the loss does not reach it) trains as in eager
     PyTorch (:meth:`ModelCheck.params_without_grad`). ``goldens=True``: the run also keeps each collective pass run alone on
     the second compile's graphs, which the stage goldens of those passes show
-    (:meth:`ModelCheck.golden_texts`); off, it skips them (about a fifth of a small model's run)."""
+    (:meth:`ModelCheck.golden_texts`); off, it skips them (about a fifth of a small model's run).
+    ``world_timeout_s``: how long the gloo world of the parity run may take (a sweep cell gives it its own budget: a slow model on a loaded machine is a timeout of
+    the cell, not of a fixed world limit inside it)."""
     fields = _plan_fields(plan)
     if fields["plan"] == AUTO and (tp_rules or tp_regions):
         raise ValueError(
@@ -283,7 +286,7 @@ def check_model(
     result = ModelCheck(scenario, run)
     if parity:
         with ordered_collectives.native_collectives(native_collectives):
-            ranks = run_stage_parity(scenario, steps, run=run)
+            ranks = run_stage_parity(scenario, steps, run=run, timeout_s=world_timeout_s)
         result.parity = {stage: compare_with_eager(ranks, stage) for stage in STAGE_EXECUTORS if stage != EAGER}
         result.oracle = oracle_check(scenario, ranks)
         _explain(result, ranks)

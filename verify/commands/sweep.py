@@ -84,9 +84,11 @@ Runner = Callable[[Cell, float], tuple[str, str]]
 
 def subprocess_runner(cell: Cell, timeout: float, argv: Sequence[str] | None = None) -> tuple[str, str]:
     """Run ``cell`` in a child process (``verify.commands.sweep_cell``; ``argv`` replaces its
-    command line), killed with its process group after ``timeout`` seconds."""
+    command line), killed with its process group after ``timeout`` seconds; its gloo world gets the
+    same budget (``--world-timeout``), so ``--timeout`` is what bounds a slow cell."""
     plan, mesh = PLANS[cell.plan]
-    argv = list(argv or [sys.executable, "-m", "verify.commands.sweep_cell", cell.model_type, plan, mesh])
+    argv = list(argv or [sys.executable, "-m", "verify.commands.sweep_cell", cell.model_type, plan, mesh,
+                         "--world-timeout", f"{timeout:g}"])
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
         out, err = proc.communicate(timeout=timeout)

@@ -1,7 +1,7 @@
 """One cell of ``python -m verify sweep``: a model type through ``check_model`` on one plan, in
 its own process (a crash, a hang or a leaked gloo world ends with it).
 
-``python -m verify.commands.sweep_cell TYPE PLAN MESH`` prints, as its last stdout line, one JSON
+``python -m verify.commands.sweep_cell TYPE PLAN MESH [--world-timeout S]`` prints, as its last stdout line, one JSON
 object ``{"verdict": ..., "reason": ...}``: ``NOT BUILT`` when the tiny model does not build or
 its eager training step on its own batch fails (the generic shrink rule's or the library's
 limit, not the stack's), ``REFUSED`` when the stack raises its ValueError (a model it does not
@@ -15,6 +15,9 @@ import json
 import sys
 import warnings
 
+import torch
+
+from autoparallel.compiling_flag import tracing_as_compiling
 from verify.check import check_model
 from verify.hf import hf_case
 
@@ -37,16 +40,34 @@ def first_line(e: BaseException) -> str:
 
 def build_step(model_type: str, *, attention_mask: bool = False):
     """The cell's case after one eager training step of its tiny model on its own batch (the
-    model builds, runs forward and backward): raises what stops it."""
+    model builds, runs forward and backward): raises what stops it. A tokens-only case whose
+    forward fails with ``torch.compiler.is_compiling()`` true (what every trace of the stack sets)
+    gets the tokenizer's all-ones mask: transformers' compiled branch of some encoders skips
+    the default mask and reads ``None`` (longt5, switch_transformers: "'NoneType' object ..."),
+    so a compiled training loop must pass one."""
     case = hf_case(model_type, attention_mask=attention_mask)
     model = case.build()
     batch = case.batches(2 * case.batch_per_rank, 1)[0]
     case.loss_fn(model(*batch[:-1]), batch[-1]).backward()
+    if not attention_mask and not _runs_as_compiled(model, batch[:-1]):
+        return build_step(model_type, attention_mask=True)
     return case
 
 
-def run_cell(model_type: str, plan: str, mesh: str, *, attention_mask: bool = False) -> dict[str, str]:
-    """The cell's verdict and reason (see the module docstring)."""
+def _runs_as_compiled(model, inputs) -> bool:
+    """Whether ``model`` runs forward on ``inputs`` with ``is_compiling()`` true."""
+    try:
+        with torch.no_grad(), tracing_as_compiling():
+            model(*inputs)
+    except Exception:  # noqa: BLE001 - the compiled branch's failure is the answer
+        return False
+    return True
+
+
+def run_cell(model_type: str, plan: str, mesh: str, *, attention_mask: bool = False,
+             world_timeout_s: float = 180.0) -> dict[str, str]:
+    """The cell's verdict and reason (see the module docstring); ``world_timeout_s`` bounds the
+    parity run's gloo world (the sweep passes its ``--timeout``)."""
     warnings.filterwarnings("ignore")  # the library's config notices, one per cell, are not the verdict
     try:
         case = build_step(model_type, attention_mask=attention_mask)
@@ -55,7 +76,7 @@ def run_cell(model_type: str, plan: str, mesh: str, *, attention_mask: bool = Fa
     if plan == "build":
         return {"verdict": "PASS", "reason": ""}
     try:
-        result = check_model(case, plan=plan, mesh=mesh)
+        result = check_model(case, plan=plan, mesh=mesh, world_timeout_s=world_timeout_s)
     except ValueError as e:
         return {"verdict": "REFUSED", "reason": first_line(e)}
     except Exception as e:  # noqa: BLE001 - any other exception is the verdict
@@ -75,8 +96,10 @@ def run_cell(model_type: str, plan: str, mesh: str, *, attention_mask: bool = Fa
 
 def main(argv: list[str]) -> int:
     model_type, plan, mesh = argv[:3]
-    mask = "--attention-mask" in argv[3:]
-    print(json.dumps(run_cell(model_type, plan, mesh, attention_mask=mask)), flush=True)
+    rest = argv[3:]
+    mask = "--attention-mask" in rest
+    world = float(rest[rest.index("--world-timeout") + 1]) if "--world-timeout" in rest else 180.0
+    print(json.dumps(run_cell(model_type, plan, mesh, attention_mask=mask, world_timeout_s=world)), flush=True)
     return 0
 
 

@@ -19,6 +19,7 @@ every type: ``python -m verify sweep`` (``docs/hf-coverage.md``).
 from __future__ import annotations
 
 import importlib
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -229,8 +230,20 @@ def _inputs(task: str, attention_mask: bool) -> tuple[str, ...]:
     }[task]
 
 
-def _batch(task: str, attention_mask: bool, image: tuple[int, int, int] = (3, IMAGE, IMAGE)):
-    """``batch(n)``: the inputs of :func:`_inputs`, then the target (tokens, or a class)."""
+def rows_per_example(model_cls, config) -> int:
+    """Rows of ``input_ids`` one example takes: the config's ``num_codebooks`` where the forward's
+    docstring gives ``input_ids`` the shape ``(batch_size * num_codebooks, sequence_length)`` (a
+    decoder over several streams of audio codes), else 1. With one row per example such a model
+    reads 4 rows as one example of 4 codebooks, and a data-parallel slice of 2 rows is no example:
+    "shape '[-1, 4, 8]' is invalid for input of size 16" on the rank."""
+    doc = getattr(model_cls.forward, "__doc__", None) or ""
+    packed = re.search(r"input_ids \(`[^`]*` of shape `\(batch_size \* num_codebooks,", doc)
+    return int(getattr(config, "num_codebooks", 1) or 1) if packed else 1
+
+
+def _batch(task: str, attention_mask: bool, image: tuple[int, int, int] = (3, IMAGE, IMAGE), rows: int = 1):
+    """``batch(n)``: the inputs of :func:`_inputs`, then the target (tokens, or a class); token
+    inputs and targets have ``rows`` rows per example (:func:`rows_per_example`)."""
     if task == "image":
         return lambda n: (torch.randn(n, *image), torch.randint(0, LABELS, (n,)))
     if task == "image_tokens":
@@ -238,6 +251,7 @@ def _batch(task: str, attention_mask: bool, image: tuple[int, int, int] = (3, IM
     seq2seq = task == "seq2seq"
 
     def batch(n: int) -> tuple[torch.Tensor, ...]:
+        n = n * rows
         tokens = (_tokens(n), *((_mask(n),) if attention_mask else ()), *((_tokens(n),) if seq2seq else ()))
         return (*tokens, _tokens(n))
 
@@ -319,8 +333,8 @@ def hf_case(model, *, batch_per_rank: int = 2, attention_mask: bool = False, **o
     names = _inputs(task, attention_mask)
     suffix = "+mask" if attention_mask and task != "image" else ""
     return ModelCase(f"hf-{label}{suffix}", lambda: KeywordInputs(model_cls(config), names), loss,
-                     _batch(task, attention_mask, image), batch_per_rank=batch_per_rank)
+                     _batch(task, attention_mask, image, rows_per_example(model_cls, config)), batch_per_rank=batch_per_rank)
 
 
-__all__ = ["ARCHS", "Arch", "KeywordInputs", "class_loss", "hf_case", "hf_config", "input_task", "model_config", "model_types", "task_of",
+__all__ = ["ARCHS", "Arch", "KeywordInputs", "class_loss", "hf_case", "hf_config", "input_task", "model_config", "model_types", "rows_per_example", "task_of",
            "tiny_config", "token_loss"]

@@ -3,7 +3,8 @@
 Bilinear interpolation's Python decomposition (gathers, products, index_put accumulation in the
 backward) rounds otherwise than eager's ``upsample_bilinear2d`` kernels; the tests trace it as the
 joint trace does and compare bits, on ``F.interpolate`` alone and on a small conv model of our own
-that upsamples its feature map (as mobilevit does when its patch size does not divide it).
+that upsamples its feature map (as mobilevit does when its patch size does not divide it), and
+through the second compile, whose re-trace must record the same ops (patch ``eager_kernels_retrace``).
 """
 
 from __future__ import annotations
@@ -16,9 +17,10 @@ from torch._dispatch.python import enable_python_dispatcher
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from autoparallel import patches
-from autoparallel.eager_kernels import KEYS, PATCH, decomposed_kernels, kernels_as_eager
+from autoparallel.eager_kernels import KEYS, PATCH, RETRACE_PATCH, decomposed_kernels, kernels_as_eager
 from autoparallel.mesh import fake_world
 from autoparallel.parallelize import ParallelPlan, ParallelProgram, build_joint_graph, split_batch
+from autoparallel.pipeline import SECOND_COMPILE, PipelineOptions, run_pipeline
 from autoparallel.runtime.steps import joint_graph_executor
 
 aten = torch.ops.aten
@@ -90,4 +92,26 @@ def test_joint_graph_of_an_upsampling_model_is_eager_bitwise(enabled):
             loss, grads = joint_graph_executor(joint.gm, joint.input_roles, joint.output_roles, {})(params, inputs)
     _mse(model(*batch[:-1]), batch[-1]).backward()
     same = all(torch.equal(g, dict(model.named_parameters())[n].grad) for n, g in grads.items())
+    assert same == enabled
+
+
+@pytest.mark.parametrize("enabled", [True, False])
+def test_second_compile_of_an_upsampling_model_is_eager_bitwise(enabled):
+    """The second compile re-traces the first partition's graphs, which hold upsample_bilinear2d
+    and its backward; without patch ``eager_kernels_retrace`` that re-trace runs the Python
+    decomposition again (mobilevit: joint bitwise, second_compile NOT bitwise)."""
+    torch.manual_seed(0)
+    model, plan = Upsampler(), ParallelPlan.fsdp()
+    batch = (torch.randn(2, 2, 3, 3), torch.randn(2, 3))
+    options = PipelineOptions(keep_compiled=True, alternatives=False)
+    with patches.disabled(*([] if enabled else [RETRACE_PATCH])):
+        run = run_pipeline(model, _mse, batch, plan, "dp=1", options, until=SECOND_COMPILE)
+    try:
+        with fake_world("dp=1") as mesh:
+            run.compiled(*split_batch(batch, plan, mesh.spec, mesh.coordinate())).backward()
+    finally:
+        torch._dynamo.reset()
+    _mse(model(*batch[:-1]), batch[-1]).backward()
+    compiled = dict(run.module.named_parameters())
+    same = all(torch.equal(compiled[f"model.{n}"].grad, p.grad) for n, p in model.named_parameters())
     assert same == enabled

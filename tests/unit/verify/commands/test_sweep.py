@@ -10,6 +10,7 @@ import threading
 import types
 
 import pytest
+import torch
 
 from verify.__main__ import _parser
 from verify.commands import sweep, sweep_cell
@@ -237,3 +238,41 @@ def test_a_model_that_does_not_build_is_not_built_and_check_model_never_runs(mon
     monkeypatch.setattr(sweep_cell, "check_model", _check(error=AssertionError("must not run")))
     out = sweep_cell.run_cell("no_such_type", "fsdp", "dp=2")
     assert out["verdict"] == "NOT BUILT" and out["reason"].startswith("ValueError: unknown Hugging Face model type 'no_such_type'")
+
+
+def test_the_cells_world_gets_the_sweeps_timeout(monkeypatch, capsys):
+    """Failed before: the parity world had a fixed 180 s inside any --timeout (mobilevit under a
+    loaded box: 'the world of 2 ranks did not finish within timeout_s=180 s' in a 600 s cell)."""
+    seen = {}
+
+    def check(case, **kw):
+        seen.update(kw)
+        return _result()
+
+    monkeypatch.setattr(sweep_cell, "check_model", check)
+    assert sweep_cell.main(["gpt2", "fsdp", "dp=2", "--world-timeout", "600"]) == 0
+    assert seen["world_timeout_s"] == 600.0 and json.loads(capsys.readouterr().out)["verdict"] == "PASS"
+
+
+class _MaskOnlyWhenEager(torch.nn.Module):
+    """transformers' pattern (longt5, switch_transformers): the default all-ones mask is made
+    only when not compiling, and the compiled branch reads the mask it did not make."""
+
+    def forward(self, x, mask=None):
+        if mask is None and not torch.compiler.is_compiling():
+            mask = torch.ones_like(x)
+        return x * mask[:, None]
+
+
+def test_a_forward_that_fails_only_as_compiled_is_seen_before_the_trace():
+    x = torch.ones(2, 3)
+    assert sweep_cell._runs_as_compiled(torch.nn.Linear(3, 3), (x,))
+    assert not sweep_cell._runs_as_compiled(_MaskOnlyWhenEager(), (x,))
+    assert sweep_cell._runs_as_compiled(_MaskOnlyWhenEager(), (x, torch.ones(2, 3)))
+
+
+def test_a_tokens_only_case_that_needs_a_mask_when_compiled_gets_one():
+    """Failed before: longt5's cell traced tokens-only and stopped on "'NoneType' object has no
+    attribute 'shape'" in the library's compiled branch."""
+    assert sweep_cell.build_step("longt5").name.endswith("+mask")
+    assert not sweep_cell.build_step("gpt2").name.endswith("+mask")

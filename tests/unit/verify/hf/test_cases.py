@@ -1,16 +1,18 @@
 """hf_case takes any model type, a PretrainedConfig or a config.json; tokens only by default,
-the attention mask on request; the hand-sized ARCHS keep their configs."""
+the attention mask on request; the hand-sized ARCHS keep their configs; a forward that packs an
+example's codebooks into rows gets that many rows per example."""
 
 from __future__ import annotations
 
 import json
+import types
 
 import pytest
 import torch
 
 transformers = pytest.importorskip("transformers")
 
-from verify.hf import ARCHS, hf_case, hf_config, input_task, model_config, model_types, task_of, tiny_config  # noqa: E402
+from verify.hf import ARCHS, hf_case, hf_config, input_task, model_config, model_types, rows_per_example, task_of, tiny_config  # noqa: E402
 
 
 def test_every_auto_table_contributes_model_types():
@@ -101,3 +103,32 @@ def test_an_image_classifier_that_takes_tokens_gets_tokens():
     case = hf_case("imagegpt")
     inputs, target = (b := case.batches(2, 1)[0])[:-1], b[-1]
     assert inputs[0].dtype == torch.long and target.shape == (2,)
+
+
+class _Codes:
+    def forward(self, input_ids):
+        """
+        Args:
+            input_ids (`torch.LongTensor` of shape `(batch_size * num_codebooks, sequence_length)`):
+                audio codes, the codebooks of one example on consecutive rows.
+        """
+
+
+class _Tokens:
+    def forward(self, input_ids):
+        """
+        Args:
+            input_ids (`torch.LongTensor` of shape `(batch_size, sequence_length)`, *optional*):
+                tokens.
+        """
+
+
+def test_a_forward_that_packs_codebooks_into_rows_gets_that_many_rows_per_example():
+    """Failed before: musicgen's 4 rows were one example of 4 codebooks, and a data-parallel slice
+    of 2 rows no example ("shape '[-1, 4, 8]' is invalid for input of size 16")."""
+    config = types.SimpleNamespace(num_codebooks=3)
+    assert rows_per_example(_Codes, config) == 3
+    assert rows_per_example(_Tokens, config) == 1  # a codebook count alone (moshi's) is not the layout
+    assert rows_per_example(_Codes, types.SimpleNamespace()) == 1
+    inputs, target = hf_case("musicgen").batch(2)
+    assert inputs.shape[0] == target.shape[0] == 2 * tiny_config("musicgen").decoder.num_codebooks
