@@ -533,8 +533,8 @@ def diagnose(problem: Problem, group: str | None, where: str | None) -> Infeasib
         floor = max(sum(float(b.min()) for b in row.values()) for _, row in problem.peak)
         return InfeasiblePlanError(
             f"constraint group 'peak_memory' cannot be met: no plan keeps the live parameters, activations "
-            f"and gradients within {problem.peak_budget / gib:.4f} GiB per rank at every point of the step "
-            f"(no plan can go below {floor / gib:.4f} GiB, every tensor at its smallest); raise the peak budget",
+            f"and gradients within {problem.peak_budget / gib:.4f} GiB ({int(problem.peak_budget)} bytes) per rank at every "
+            f"point of the step (no plan goes below {int(floor)} bytes, every tensor at its smallest); raise the peak budget",
             "peak_memory",
         )
     if problem.allowed and _feasible(replace(problem, allowed={}, budget=None, peak_budget=None)):
