@@ -33,6 +33,7 @@ from autoparallel.planner.costs import CostModel
 from autoparallel.planner.even_shards import param_bytes_floor, with_even_shards
 from autoparallel.planner.graph import PlanningGraph, find_block_container, trace_planning_graph
 from autoparallel.planner.ilp import Solution, solve
+from autoparallel.planner.memory import peak_of, peak_rows
 from autoparallel.planner.plan import NodePlacement, Plan, by_dim, natural_key, parse_placement
 from autoparallel.planner.problem import (
     CONSTANT,
@@ -62,12 +63,15 @@ PinSpec = str | Sequence[Placement] | Mapping[str, str]
 @dataclass
 class PlannerConfig:
     """What to plan for. ``memory_budget`` is per-rank parameter bytes (None: fully sharded, i.e.
-    every parameter at its smallest candidate); ``pins`` map a parameter FQN, a role
+    every parameter at its smallest candidate); ``peak_memory_budget`` bounds per-rank live bytes
+    (parameters, activations, gradients) at every point of the step (None: no bound;
+    ``planner/memory.py``); ``pins`` map a parameter FQN, a role
     (``input:0``) or a canonical node key to placements (``"dp:S(0),tp:R"``, ``"S(0),R"``, a
     mapping mesh dim -> placement, or a tuple of Placements)."""
 
     profile: str | DeviceProfile | None = None
     memory_budget: float | None = None
+    peak_memory_budget: float | None = None
     pins: Mapping[str, PinSpec] = field(default_factory=dict)
     param_dtype: torch.dtype | None = None
     cluster: bool = True
@@ -164,7 +168,8 @@ class Planner:
             loss_fn,
             param_dtype=config.param_dtype,
             block_container=config.block_container,
-            trace_blocks=config.trace_blocks,
+            # a peak over the step needs every block's activations: a truncated trace would undercount them
+            trace_blocks=0 if config.peak_memory_budget is not None and config.trace_blocks is None else config.trace_blocks,
             description=description,
             progress=progress,
         )
@@ -213,6 +218,11 @@ class Planner:
         bounded = budget if np.isfinite(budget) else None
         clustering = cluster(graph, enabled=config.cluster, pins=pins)
         problem = build_problem(graph, costs, clustering, budget=bounded, pins=pins)
+        if config.peak_memory_budget is not None:
+            if not config.peak_memory_budget >= 0:
+                raise ValueError(f"peak memory budget must be >= 0 bytes, got {config.peak_memory_budget!r}")
+            problem.peak = peak_rows(graph, clustering.class_of)
+            problem.peak_budget = float(config.peak_memory_budget)
         problem_s = time.perf_counter() - t1
         say(f"problem: {problem.num_classes} choice classes, {len(problem.edges)} edge tables in {problem_s:.2f}s")
         solution = solve(problem, time_limit=config.time_limit, lp_bound=config.lp_bound)
@@ -223,6 +233,7 @@ class Planner:
         )
         choice = np.array([solution.choice[c] for c in clustering.class_of], dtype=np.int64)
         plan = make_plan(graph, costs, choice, solution, bounded, self.description, profile)
+        plan.peak["budget_bytes"] = None if config.peak_memory_budget is None else float(config.peak_memory_budget)
         plan.stats.update(
             {
                 "trace_seconds": self.trace_seconds,
@@ -352,6 +363,7 @@ def make_plan(graph: Graph, costs: CostModel, choice: np.ndarray, solution: Solu
         node_names={pn.name: pn.key for pn in nodes if pn.name and pn.kind != OUTPUT},
         comm={k: dict(sorted(v.items())) for k, v in sorted(comm.items())},
         stats=stats,
+        peak=dict(zip(("bytes", "at"), peak_of(graph, choice), strict=True)),
         fallbacks={pn.key: pn.fallback for pn in nodes if pn.fallback},
         constants={pn.key: pn.op.removeprefix("constant ") for pn in nodes if pn.kind == CONSTANT},
     )

@@ -42,7 +42,7 @@ from autoparallel.planner.reduce import reduce_problem
 
 log = logging.getLogger(__name__)
 
-GROUPS = ("one_choice", "consistent_output", "flow", "fwd_bwd", "grad_reduce_dtype", "param_memory", "pins")
+GROUPS = ("one_choice", "consistent_output", "flow", "fwd_bwd", "grad_reduce_dtype", "param_memory", "peak_memory", "pins")
 
 
 class PlannerError(ValueError):
@@ -254,6 +254,15 @@ def formulate(problem: Problem, alive: list[np.ndarray], *, objective_weights: l
         add("param_memory", np.full(len(cc), nrow), cc, v, np.array([-np.inf]), np.array([float(problem.budget) * scale * (1 + 1e-9)]))
         nrow += 1
 
+    # peak_memory: the live bytes at every point that can be a peak (planner/memory.py)
+    if problem.peak_budget is not None and problem.peak:
+        scale = 1.0 / max(float(problem.peak_budget), 1.0)
+        for _, row in problem.peak:
+            cc = np.concatenate([s_cols[c][alive[c]] for c in row])
+            v = np.concatenate([b[alive[c]] * scale for c, b in row.items()])
+            add("peak_memory", np.full(len(cc), nrow), cc, v, np.array([-np.inf]), np.array([float(problem.peak_budget) * scale * (1 + 1e-9)]))
+            nrow += 1
+
     a = sparse.csr_matrix(
         (np.concatenate(vals), (np.concatenate(rows), np.concatenate(cols))) if rows else ([], ([], [])),
         shape=(nrow, ncol),
@@ -272,6 +281,7 @@ def formulate_size(problem: Problem) -> tuple[int, int]:
         + sum(problem.choices(e.cons) + problem.choices(e.prod) for e in problem.edges)
         + sum(problem.choices(a) for a, _, _ in problem.equal)
         + (1 if problem.budget is not None and problem.memory else 0)
+        + (len(problem.peak) if problem.peak_budget is not None else 0)
     )
     return variables, constraints
 
@@ -519,7 +529,15 @@ def diagnose(problem: Problem, group: str | None, where: str | None) -> Infeasib
                 "param_memory",
                 need,
             )
-    if problem.allowed and _feasible(replace(problem, allowed={}, budget=None)):
+    if problem.peak_budget is not None and problem.peak and _feasible(replace(problem, peak_budget=None)):
+        floor = max(sum(float(b.min()) for b in row.values()) for _, row in problem.peak)
+        return InfeasiblePlanError(
+            f"constraint group 'peak_memory' cannot be met: no plan keeps the live parameters, activations "
+            f"and gradients within {problem.peak_budget / gib:.4f} GiB ({int(problem.peak_budget)} bytes) per rank at every "
+            f"point of the step (no plan goes below {int(floor)} bytes, every tensor at its smallest); raise the peak budget",
+            "peak_memory",
+        )
+    if problem.allowed and _feasible(replace(problem, allowed={}, budget=None, peak_budget=None)):
         pinned = ", ".join(problem.labels[c] for c in sorted(problem.allowed))
         return InfeasiblePlanError(
             f"constraint group 'pins' cannot be met: no plan places the pinned nodes ({pinned}) as "

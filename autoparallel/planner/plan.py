@@ -27,6 +27,8 @@ JSON schema (``Plan.to_json`` / ``Plan.from_json``, ``"schema": "autoparallel.pl
       "fallbacks": {key: why},             # ops that took the replicated fallback (no sharding
                                            # strategy; a random op that is not a dropout)
       "constants": {key: attribute},       # tensor constants lifted from forward (get_attr)
+      "peak": {"bytes": int, "at": key,    # per-rank live parameters + activations + gradients at the
+               "budget_bytes": float|null},  # step's worst point (planner/memory.py), and where
       "stats": {...}                       # solve statistics (not part of the plan's identity)
     }
 
@@ -131,6 +133,7 @@ class Plan:
     stats: dict[str, Any] = field(default_factory=dict)
     fallbacks: dict[str, str] = field(default_factory=dict)  # key -> why it is replicated (strategies.NO_STRATEGY ...)
     constants: dict[str, str] = field(default_factory=dict)  # key -> the get_attr's attribute
+    peak: dict[str, Any] = field(default_factory=dict)  # {"bytes", "at", "budget_bytes"} (planner/memory.py)
     _context: Any = field(default=None, repr=False, compare=False)
 
     @property
@@ -176,6 +179,8 @@ class Plan:
         if self.constants:
             lines += ["", "## constants (lifted from forward, replicated)"]
             lines += [f"{key}  {self.constants[key]}" for key in sorted(self.constants, key=natural_key)]
+        if self.peak.get("budget_bytes") is not None:  # absent without a peak budget: older plans keep their text
+            lines += ["", "## peak memory", f"{self.peak['bytes']} bytes per rank at {self.peak['at']}, budget {int(self.peak['budget_bytes'])} bytes"]
         lines += ["", "## nodes"]
         for key in sorted(self.nodes, key=natural_key):
             np_ = self.nodes[key]
@@ -207,6 +212,7 @@ class Plan:
             "stats": self.stats,
             "fallbacks": self.fallbacks,
             "constants": self.constants,
+            "peak": self.peak,
         }
 
     @classmethod
@@ -233,6 +239,7 @@ class Plan:
                 stats=dict(data.get("stats") or {}),
                 fallbacks=dict(data.get("fallbacks") or {}),
                 constants=dict(data.get("constants") or {}),
+                peak=dict(data.get("peak") or {}),
             )
         except (KeyError, TypeError, ValueError) as e:
             raise ValueError(f"{source}: malformed plan JSON ({type(e).__name__}: {e})") from None
@@ -292,6 +299,14 @@ class Plan:
             f"objective {self.objective_us / 1e3:.3f} ms per step (compute {self.compute_us / 1e3:.3f} ms, communication {self.comm_us / 1e3:.3f} ms)",
             f"param memory {self.param_memory_bytes / gib:.4f} GiB per rank"
             + (f" (budget {self.memory_budget_bytes / gib:.4f} GiB)" if self.memory_budget_bytes is not None else " (no budget)"),
+            *(
+                [
+                    f"peak memory {self.peak['bytes'] / gib:.4f} GiB per rank (parameters, activations, gradients) at {self.peak['at']}"
+                    + (f" (budget {self.peak['budget_bytes'] / gib:.4f} GiB)" if self.peak.get("budget_bytes") is not None else "")
+                ]
+                if self.peak
+                else []
+            ),
             f"solver: {'optimal' if self.proven_optimal else 'time limit reached: best plan found, NOT proven optimal'}"
             + (f", LP bound {self.lp_bound_us / 1e3:.3f} ms, gap {gap:.2e}" if gap is not None else ""),
         ]

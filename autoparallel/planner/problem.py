@@ -310,7 +310,9 @@ class Problem:
     ``count`` multiplies a class's compute (its number of identical nodes), ``EdgeClass.count``
     an edge table. ``equal`` pairs must take the same choice index; ``memory`` rows
     ``(class, bytes per choice)`` (one node's bytes, times the class count) sum to at most
-    ``budget``; ``allowed`` masks choices (pins).
+    ``budget``; ``allowed`` masks choices (pins). ``peak`` rows ``(point, {class: live bytes per
+    choice})`` (already summed over the class's live members; see ``planner/memory.py``) each sum to
+    at most ``peak_budget``.
     """
 
     labels: list[str]
@@ -322,6 +324,8 @@ class Problem:
     budget: float | None = None
     allowed: dict[int, np.ndarray] = field(default_factory=dict)
     tie: list[np.ndarray] | None = None
+    peak: list[tuple[int, dict[int, np.ndarray]]] = field(default_factory=list)
+    peak_budget: float | None = None
 
     @property
     def num_classes(self) -> int:

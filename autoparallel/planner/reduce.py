@@ -82,6 +82,8 @@ def reduce_problem(problem: Problem, alive: list[np.ndarray]) -> Reduced:
     for a, b, _ in problem.equal:
         protected.update((a, b))
     protected.update(c for c, _ in problem.memory)
+    for _, row in problem.peak:
+        protected.update(row)
     edges: dict[int, EdgeClass] = {i: e for i, e in enumerate(problem.edges)}
     ins: list[set[int]] = [set() for _ in range(n)]
     outs: list[set[int]] = [set() for _ in range(n)]
@@ -180,6 +182,8 @@ def reduce_problem(problem: Problem, alive: list[np.ndarray]) -> Reduced:
         equal=[(int(new_index[a]), int(new_index[b]), why) for a, b, why in problem.equal],
         memory=[(int(new_index[c]), per) for c, per in problem.memory],
         budget=problem.budget,
+        peak=[(t, {int(new_index[c]): b for c, b in row.items()}) for t, row in problem.peak],
+        peak_budget=problem.peak_budget,
         allowed={int(new_index[c]): m for c, m in problem.allowed.items()},
         tie=None,
     )

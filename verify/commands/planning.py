@@ -28,6 +28,8 @@ def add_arguments(p: argparse.ArgumentParser, *, mesh=str, dtype=str, count=int,
     p.add_argument("--batch", type=count, default=None, help="global batch (default: the first mesh dim's size)")
     p.add_argument("--seq", type=count, default=None, help="sequence length (default: the preset's max_seq_len)")
     p.add_argument("--memory-budget", type=float, default=None, help="per-rank parameter memory budget in GiB (default: fully sharded)")
+    p.add_argument("--peak-memory-budget", type=float, default=None,
+                   help="per-rank peak memory budget in GiB: parameters, activations and gradients live at any point of the step (default: none)")
     p.add_argument("--profile", default="h100", help="device profile name or a .json file (default: h100)")
     p.add_argument("--param-dtype", default=None, type=dtype, help="mixed precision compute dtype of parameters, e.g. bf16")
     p.add_argument("--time-limit", type=seconds, default=120.0, help="solver time limit in seconds (default: 120)")
@@ -66,14 +68,19 @@ def main(args: argparse.Namespace) -> int:
     batch = args.batch or spec.shape[0]
     if args.memory_budget is not None and not args.memory_budget >= 0:
         raise ValueError(f"--memory-budget must be >= 0 GiB, got {args.memory_budget}")
+    if args.peak_memory_budget is not None and not args.peak_memory_budget >= 0:
+        raise ValueError(f"--peak-memory-budget must be >= 0 GiB, got {args.peak_memory_budget}")
     config = PlannerConfig(
         profile=args.profile,
         memory_budget=None if args.memory_budget is None else args.memory_budget * GIB,
+        peak_memory_budget=None if args.peak_memory_budget is None else args.peak_memory_budget * GIB,
         param_dtype=parse_dtype(args.param_dtype) if args.param_dtype else None,
         cluster=not args.no_cluster,
         time_limit=args.time_limit,
         trace_blocks=args.trace_blocks,
     )
+    if args.peak_memory_budget is not None and args.trace_blocks is None:
+        args.trace_blocks = 0  # a peak over the step needs every block's activations
     case = getattr(args, "model", None)
     if case is None:
         planner = plan_cases.planner(args.preset, args.layers, batch, args.trace_blocks, args.param_dtype, args.seq, say)

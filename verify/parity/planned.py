@@ -29,8 +29,9 @@ is an error: it would test other graphs than the pipeline made).
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch._dynamo
@@ -98,13 +99,15 @@ SINGLE_DEVICE_ATOL = 1e-5
 class PlannedCase:
     """A model to plan and run: ``model(device)`` builds it with deterministic parameters
     (``"meta"`` for shapes), ``loss_fn`` (None: token cross-entropy), ``batches(steps)`` the
-    global batches (model inputs, then the target), ``mesh`` the mesh spec."""
+    global batches (model inputs, then the target), ``mesh`` the mesh spec, ``planner`` PlannerConfig
+    fields for ``ParallelPlan.auto`` (a memory budget, a peak-memory budget, pins)."""
 
     name: str
     model: Callable[[str], nn.Module]
     batches: Callable[[int], list[tuple[torch.Tensor, ...]]]
     mesh: str
     loss_fn: Callable | None = None
+    planner: Mapping[str, Any] = field(default_factory=dict)
 
     @property
     def spec(self) -> MeshSpec:
@@ -139,7 +142,7 @@ def solve(case: PlannedCase) -> Plan:
     A random op that is not a dropout placed on a shard (each rank would draw its own numbers, no
     slice of the single-device draw) is an error here, before any rank starts."""
     with fake_world(case.spec) as mesh:
-        planned = plan_for_pipeline(case.model("meta"), case.loss_fn, case.batches(1)[0], mesh, ParallelPlan.auto())
+        planned = plan_for_pipeline(case.model("meta"), case.loss_fn, case.batches(1)[0], mesh, ParallelPlan.auto(**case.planner))
         planned.pg.joint.close()
     check_replicated_fallbacks(planned.pg, planned.solved)
     return planned.solved
