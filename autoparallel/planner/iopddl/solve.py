@@ -1,4 +1,5 @@
-"""The IOPDDL solve: a feasible start, coordinate descent, then HiGHS MIPs until the time runs out.
+"""The IOPDDL solve: a feasible start, coordinate descent and star moves (star.py), then HiGHS MIPs
+until the time runs out.
 
 Small problems (few strategy pairs on their edges) go to one MIP over every node, warm-started
 from the descent: HiGHS either proves the plan optimal or returns its best plan and dual bound.
@@ -21,6 +22,7 @@ from autoparallel.planner.iopddl.instance import Instance, forbid_unsupported
 from autoparallel.planner.iopddl.mip import PENALTY, solve_sub
 from autoparallel.planner.iopddl.penalty import penalty_search
 from autoparallel.planner.iopddl.search import cost, descend, least_usage, profile
+from autoparallel.planner.iopddl.star import star_descend, stars
 
 FULL_MIP_PAIRS = 400_000  # strategy pairs on edges up to which one MIP over everything is tried first
 # Share of the time the adaptive-penalty search (penalty.py) may take before the LNS. Off: on
@@ -113,6 +115,9 @@ def solve(inst: Instance, time_limit: float = 120.0, seed: int = 0, progress=Non
     descend(inst, x, prof, deadline=deadline, clock=clock)
     best = cost(inst, x)
     say(f"descent from the least-usage plan: cost {best:.6g} ({clock() - t0:.1f}s)")
+    if star_rounds(inst, x, prof, deadline, clock):
+        best = cost(inst, x)
+        say(f"star moves (a node with its leaves) and descent: cost {best:.6g} ({clock() - t0:.1f}s)")
     bound, optimal, method = _trivial_bound(inst), False, "descent"
     stats = {"subproblems": 0, "improved": 0}
     pairs = sum(m.size for m in inst.edge_cost)
@@ -148,6 +153,18 @@ def solve(inst: Instance, time_limit: float = 120.0, seed: int = 0, progress=Non
     if best <= bound + 1e-9 * max(1.0, abs(best)):
         optimal = True
     return Result([int(v) for v in x], _exact_cost(inst, x), bound, optimal, clock() - t0, method, stats)
+
+
+def star_rounds(inst: Instance, x, prof, deadline, clock, rounds: int = 10) -> int:
+    """Star moves then single-node descent, alternated until neither moves; returns the moves."""
+    hubs, total = stars(inst), 0
+    for _ in range(rounds):
+        moves = star_descend(inst, x, prof, deadline=deadline, clock=clock, hubs=hubs)
+        moves += descend(inst, x, prof, deadline=deadline, clock=clock)
+        total += moves
+        if not moves or clock() > deadline:
+            break
+    return total
 
 
 def _lns(inst, x, prof, best, deadline, seed, threads, clock, say, stats):

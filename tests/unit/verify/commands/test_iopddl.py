@@ -1,5 +1,6 @@
 """IOPDDL: the contest's evaluator (with negative tests), the solver on the contest's example,
-on random instances against brute force, and on the committed instances B and G."""
+on random instances against brute force, and on the committed instances B and G; star moves (star.py)
+on hand-made and random stars."""
 
 from __future__ import annotations
 
@@ -14,10 +15,13 @@ import time
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from autoparallel.planner.iopddl import from_dict, load, solve
 from autoparallel.planner.iopddl.penalty import penalty_search, priced_descent
-from autoparallel.planner.iopddl.search import cost, least_usage, local_costs, profile
+from autoparallel.planner.iopddl.search import cost, descend, least_usage, local_costs, profile
+from autoparallel.planner.iopddl.star import star_descend, star_move, stars
 from verify.__main__ import main as verify_main
 from verify.commands.iopddl import cli
 from verify.commands.iopddl.bench import BEST, table
@@ -278,3 +282,87 @@ def test_penalty_search_without_memory_pressure_is_the_unpriced_descent():
     assert len(said) == 1 and "round 0: feasible" in said[0]
     for i in range(inst.n):
         assert local_costs(inst, x, i)[x[i]] <= local_costs(inst, x, i).min()
+
+
+# --- star moves (a node with all its leaves at once): exact on stars without a binding limit,
+# never over the limit, never worse, and able to leave a plan where single-node descent is stuck ---
+
+def _stuck_star(limit=None) -> dict:
+    """Hub 0 with three leaves. Strategy 0 everywhere costs 3 x 5 on the edges; moving the hub
+    alone to 1 costs 3 x 20 more on the edges, moving a leaf alone costs 20 more: descent is
+    stuck at cost 15, the star move reaches 0 (every node at 1, usage 2 each)."""
+    same = [5, 20, 20, 0]  # pair (a, b) at index 2a + b
+    p = {"nodes": {"intervals": [[0, 2]] * 4, "costs": [[0, 0]] * 4, "usages": [[1, 2]] * 4},
+         "edges": {"nodes": [[0, 1], [0, 2], [3, 0]], "costs": [same] * 3}}
+    if limit is not None:
+        p["usage_limit"] = limit
+    return p
+
+
+def test_star_move_leaves_the_plan_where_single_node_descent_is_stuck():
+    inst = from_dict({"problem": _stuck_star()})
+    x = least_usage(inst)
+    prof = profile(inst, x)
+    assert descend(inst, x, prof) == 0 and cost(inst, x) == 15
+    assert stars(inst) == {0: [(0, True, 1), (1, True, 2), (2, False, 3)]}
+    assert star_descend(inst, x, prof) == 1
+    assert list(x) == [1, 1, 1, 1] and cost(inst, x) == 0 == _brute_force(_stuck_star())
+    assert (prof == profile(inst, x)).all()
+
+
+def test_star_move_is_refused_when_it_would_pass_the_usage_limit():
+    inst = from_dict({"problem": _stuck_star(limit=7)})  # all at 1 would use 8 at both steps
+    x = least_usage(inst)
+    prof = profile(inst, x)
+    assert star_move(inst, x, prof, 0, stars(inst)[0]) == 0.0
+    assert list(x) == [0, 0, 0, 0]
+
+
+def _random_star(rng: random.Random, leaves: int, slack) -> dict:
+    n = leaves + 1
+    sizes = [rng.randint(1, 3) for _ in range(n)]
+    intervals = [[s, s + rng.randint(0, 4)] for s in (rng.randint(0, 5) for _ in range(n))]
+    edges = [[0, j] if rng.random() < 0.5 else [j, 0] for j in range(1, n)]
+    usages = [[rng.randint(1, 9) for _ in range(s)] for s in sizes]
+    p = {"nodes": {"intervals": intervals, "usages": usages,
+                   "costs": [[rng.randint(0, 40) for _ in range(s)] for s in sizes]},
+         "edges": {"nodes": edges, "costs": [[rng.randint(0, 40) for _ in range(sizes[u] * sizes[v])] for u, v in edges]}}
+    if slack is not None:
+        lows = [0] * 10
+        for (s, e), us in zip(intervals, usages):
+            for t in range(s, e):
+                lows[t] += min(us)
+        p["usage_limit"] = max(lows) + slack
+    return p
+
+
+@settings(max_examples=40, deadline=None)
+@given(seed=st.integers(0, 10**6), leaves=st.integers(1, 5))
+def test_star_moves_are_exact_on_stars_without_a_limit(seed, leaves):
+    problem = _random_star(random.Random(seed), leaves, None)
+    inst = from_dict({"problem": problem})
+    x = least_usage(inst)
+    prof = profile(inst, x)
+    star_descend(inst, x, prof)
+    assert evaluate(problem, [int(v) for v in x]) == _brute_force(problem)
+
+
+@settings(max_examples=40, deadline=None)
+@given(seed=st.integers(0, 10**6), leaves=st.integers(1, 5), slack=st.integers(0, 8))
+def test_star_moves_stay_feasible_and_never_worsen_under_a_limit(seed, leaves, slack):
+    problem = _random_star(random.Random(seed), leaves, slack)
+    inst = from_dict({"problem": problem})
+    x = least_usage(inst)
+    prof = profile(inst, x)
+    before = evaluate(problem, [int(v) for v in x])
+    star_descend(inst, x, prof)
+    after = evaluate(problem, [int(v) for v in x])  # raises Rejected when over the limit
+    assert _brute_force(problem) <= after <= before
+    assert (prof == profile(inst, x)).all() and np.all(prof <= problem["usage_limit"])
+
+
+def test_solve_uses_star_moves_before_the_neighbourhood_search():
+    said = []
+    r = solve(from_dict({"problem": _stuck_star()}), time_limit=5.0, full_mip_pairs=0, progress=said.append)
+    assert any(m.startswith("star moves (a node with its leaves) and descent: cost 0 ") for m in said), said
+    assert r.cost == 0 and evaluate(_stuck_star(), r.solution) == 0
