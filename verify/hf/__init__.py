@@ -27,8 +27,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from verify.hf.backoff import fit
 from verify.hf.sizes import IMAGE as GENERIC_IMAGE
-from verify.hf.sizes import shrink_config
+from verify.hf.sizes import default_dict, num_parameters, shrink_config, shrunk_dict
 from verify.model_case import ModelCase
 
 VOCAB = 64
@@ -311,21 +312,7 @@ def model_config(model_cls, config):
     return config
 
 
-def hf_case(model, *, batch_per_rank: int = 2, attention_mask: bool = False, **overrides: Any) -> ModelCase:
-    """A ModelCase of a Hugging Face architecture: a name of :data:`ARCHS` (hand-written sizes),
-    any other model type of :func:`model_types`, a ``PretrainedConfig`` or a path to a
-    ``config.json`` (shrunk by the generic rule of :mod:`verify.hf.sizes`); config overrides allowed
-    (``hf_case("gpt2", resid_pdrop=0.0)``). Inputs are what a training loop passes: the tokens
-    (an image model: the pixels); ``attention_mask=True`` adds a tokenizer's all-ones mask."""
-    if isinstance(model, str) and model in ARCHS:
-        arch = _arch(model)
-        config, task, model_cls_name, label = hf_config(model, **overrides), arch.task, arch.model, model
-        image = (3, IMAGE, IMAGE)
-    else:
-        config = tiny_config(model, **overrides)
-        task, model_cls_name = task_of(config.model_type)
-        label = model if isinstance(model, str) and "/" not in model and not model.endswith(".json") else config.model_type
-        image = _image_shape(config)
+def _case(label: str, config, task: str, model_cls_name: str, image, batch_per_rank: int, attention_mask: bool) -> ModelCase:
     model_cls = getattr(_transformers(), model_cls_name)
     config = model_config(model_cls, config)
     task = input_task(task, model_cls)
@@ -336,5 +323,61 @@ def hf_case(model, *, batch_per_rank: int = 2, attention_mask: bool = False, **o
                      _batch(task, attention_mask, image, rows_per_example(model_cls, config)), batch_per_rank=batch_per_rank)
 
 
-__all__ = ["ARCHS", "Arch", "KeywordInputs", "class_loss", "hf_case", "hf_config", "input_task", "model_config", "model_types", "rows_per_example", "task_of",
+def _probe(case: ModelCase) -> BaseException | None:
+    """What stops ``case``'s model from building and training one eager step, or None (the
+    global RNG and the warning filters restored after)."""
+    import warnings
+
+    try:
+        with warnings.catch_warnings(), torch.random.fork_rng(devices=[]):
+            warnings.simplefilter("ignore")
+            model = case.build()
+            batch = case.batches(2 * case.batch_per_rank, 1)[0]
+            case.loss_fn(model(*batch[:-1]), batch[-1]).backward()
+    except Exception as e:  # noqa: BLE001 - any failure is the probe's answer
+        return e
+    return None
+
+
+def fitted_config(model, *, batch_per_rank: int = 2, attention_mask: bool = False, **overrides: Any):
+    """:func:`tiny_config`, or, only where that one fails to build or to train one eager step,
+    the back-off's (:func:`verify.hf.backoff.fit`): a few fields kept at the library's default."""
+    base = _load_config(model)
+    task, model_cls_name = task_of(base.model_type)
+    if task == "image":
+        overrides = {"num_labels": LABELS, **overrides}
+    cls = type(base)
+
+    def case(d):
+        config = cls.from_dict(d)
+        return _case("probe", config, task, model_cls_name, _image_shape(config), batch_per_rank, attention_mask)
+
+    def size(d):
+        return num_parameters(case(d).build(device="meta"))
+
+    def shrink(keep=frozenset(), first_layers=False):
+        return shrunk_dict(base, keep, first_layers, **overrides)
+
+    d, _ = fit(default_dict(base), shrink, lambda d: _probe(case(d)), size, label=base.model_type)
+    return cls.from_dict(d)
+
+
+def hf_case(model, *, batch_per_rank: int = 2, attention_mask: bool = False, **overrides: Any) -> ModelCase:
+    """A ModelCase of a Hugging Face architecture: a name of :data:`ARCHS` (hand-written sizes),
+    any other model type of :func:`model_types`, a ``PretrainedConfig`` or a path to a
+    ``config.json`` (shrunk by the generic rule of :mod:`verify.hf.sizes`, backed off only where
+    that fails: :func:`fitted_config`); config overrides allowed
+    (``hf_case("gpt2", resid_pdrop=0.0)``). Inputs are what a training loop passes: the tokens
+    (an image model: the pixels); ``attention_mask=True`` adds a tokenizer's all-ones mask."""
+    if isinstance(model, str) and model in ARCHS:
+        arch = _arch(model)
+        return _case(model, hf_config(model, **overrides), arch.task, arch.model, (3, IMAGE, IMAGE), batch_per_rank,
+                     attention_mask)
+    config = fitted_config(model, batch_per_rank=batch_per_rank, attention_mask=attention_mask, **overrides)
+    task, model_cls_name = task_of(config.model_type)
+    label = model if isinstance(model, str) and "/" not in model and not model.endswith(".json") else config.model_type
+    return _case(label, config, task, model_cls_name, _image_shape(config), batch_per_rank, attention_mask)
+
+
+__all__ = ["ARCHS", "Arch", "KeywordInputs", "class_loss", "fitted_config", "hf_case", "hf_config", "input_task", "model_config", "model_types", "rows_per_example", "task_of",
            "tiny_config", "token_loss"]

@@ -132,11 +132,13 @@ _UNSET = {"vocab", "top_k", "experts", "one"}
 _UNSET_KEYS = {"head_dim", "num_key_value_heads"}
 
 
-def kept_layers(d: dict[str, Any], count: int) -> list[int]:
+def kept_layers(d: dict[str, Any], count: int, first_layers: bool = False) -> list[int]:
     """The layers kept of ``count``: the first layer of each kind that ``d``'s per-layer lists of
     names (``layer_types`` ...; lists of strings ``count`` long) tell apart, then the first
-    ones, up to :data:`LAYERS` in all unless there are more kinds."""
-    lists = [v for v in d.values() if isinstance(v, list) and len(v) == count and all(isinstance(x, str) for x in v)]
+    ones, up to :data:`LAYERS` in all unless there are more kinds; ``first_layers``: the first
+    :data:`LAYERS` only (the back-off's other mode, :mod:`verify.hf.backoff`)."""
+    lists = [] if first_layers else [
+        v for v in d.values() if isinstance(v, list) and len(v) == count and all(isinstance(x, str) for x in v)]
     first: dict[tuple, int] = {}
     for i in range(count):
         first.setdefault(tuple(v[i] for v in lists), i)
@@ -162,22 +164,26 @@ def _ssm(out: dict[str, Any]) -> None:
         out[head_dim] = width // out[heads]
 
 
-def shrink_dict(d: dict[str, Any], is_sub_config=lambda key, value: False) -> dict[str, Any]:
+def shrink_dict(d: dict[str, Any], is_sub_config=lambda key, value: False, keep: frozenset[str] = frozenset(),
+                first_layers: bool = False) -> dict[str, Any]:
     """``d`` (a config's ``to_dict()``) with every size replaced by its test size; nested
-    configs (dicts that carry a ``model_type``, or keys ``is_sub_config`` names) shrunk too."""
+    configs (dicts that carry a ``model_type``, or keys ``is_sub_config`` names) shrunk too.
+    The fields of ``keep`` stay at their value in ``d``; ``first_layers``: see :func:`kept_layers`."""
     out = dict(d)
     stage_counts = {len(v) for k, v in d.items() if family(k) == "depths" and isinstance(v, list)}
-    layers_before = {v for k, v in d.items() if family(k) == "layers" and _int(v) and v > LAYERS} - stage_counts
-    kept = {n: kept_layers(d, n) for n in layers_before}
+    layers_before = {v for k, v in d.items() if family(k) == "layers" and _int(v) and v > LAYERS and k not in keep} - stage_counts
+    kept = {n: kept_layers(d, n, first_layers) for n in layers_before}
     for key, value in d.items():
         fam = family(key)
+        if key in keep:
+            continue
         if fam == "stages" and value is not None and layers_before:
             out[key] = None  # a backbone's output stages name stages that may be gone: its default, the last
         elif fam == "stage_indices" and isinstance(value, list) and layers_before:
             last = min(len(k) for k in kept.values())
             out[key] = sorted({min(i, last) for i in value if _int(i)})  # clamped to the layers left
         elif isinstance(value, dict) and ("model_type" in value or is_sub_config(key, value)):
-            out[key] = shrink_dict(value)
+            out[key] = shrink_dict(value, first_layers=first_layers)
         elif isinstance(value, dict) and layers_before and value and all(_layer_index(k) is not None for k in value):
             keep = min(kept.values(), key=len)  # keyed by layer: those kept, renumbered
             out[key] = {type(k)(keep.index(_layer_index(k))).zfill(len(k)) if isinstance(k, str) else keep.index(k):
@@ -214,16 +220,26 @@ def _auto_fields(cls) -> dict[str, Any]:
     return {f.name: f.default for f in dataclasses.fields(cls) if f.default == "auto"}
 
 
-def shrink_config(config, **overrides: Any):
-    """A new config of ``config``'s class with the test sizes (:func:`shrink_dict`), then
-    ``overrides`` (top-level fields), built from its dict so derived fields follow the sizes."""
+def default_dict(config) -> dict[str, Any]:
+    """``config.to_dict()`` with the fields declared ``"auto"`` reset to it: what the rule shrinks."""
+    return {**config.to_dict(), **_auto_fields(type(config))}
+
+
+def shrunk_dict(config, keep: frozenset[str] = frozenset(), first_layers: bool = False, **overrides: Any) -> dict[str, Any]:
+    """The dict :func:`shrink_config` builds its config from."""
     cls = type(config)
     subs = set(getattr(cls, "sub_configs", {}) or {})
-    d = {**config.to_dict(), **_auto_fields(cls)}
-    d = shrink_dict(d, lambda key, value: key in subs)
+    d = shrink_dict(default_dict(config), lambda key, value: key in subs, keep, first_layers)
     d.update({k: getattr(config, k) for k in KEEP.get(getattr(config, "model_type", ""), ())})
     d.update(overrides)
-    return cls.from_dict(d)
+    return d
+
+
+def shrink_config(config, keep: frozenset[str] = frozenset(), first_layers: bool = False, **overrides: Any):
+    """A new config of ``config``'s class with the test sizes (:func:`shrink_dict`; ``keep`` and
+    ``first_layers`` as there), then ``overrides`` (top-level fields), built from its dict so
+    derived fields follow the sizes."""
+    return type(config).from_dict(shrunk_dict(config, keep, first_layers, **overrides))
 
 
 # Fields a model type keeps at the library's default, where the generic rule cannot work.
@@ -239,4 +255,4 @@ def num_parameters(model) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
-__all__ = ["KEEP", "VOCAB", "family", "num_parameters", "shrink_config", "shrink_dict"]
+__all__ = ["KEEP", "VOCAB", "default_dict", "family", "num_parameters", "shrink_config", "shrink_dict", "shrunk_dict"]

@@ -13,8 +13,9 @@ import torch
 from torch.distributed.tensor import Replicate
 
 from autoparallel.mesh import MeshSpec, fake_world
-from autoparallel.planner import InfeasiblePlanError, Planner, PlannerConfig
+from autoparallel.planner import InfeasiblePlanError, Planner, PlannerConfig, api, memory
 from autoparallel.planner.memory import lifetimes, peak_of
+from autoparallel.planner.profile import get_profile
 from verify.graphs.stats import static_peak_bytes
 
 pytestmark = pytest.mark.xdist_group("planner-peak")
@@ -47,8 +48,6 @@ def _plan(planned, **config):
 def _graph(planned):
     planner, spec, _ = planned
     with fake_world(spec) as mesh:
-        from autoparallel.planner.profile import get_profile
-
         graph, _, _ = planner.graph(mesh, get_profile(None), lambda msg: None)
     return graph
 
@@ -100,8 +99,6 @@ def test_an_impossible_peak_budget_names_its_constraint_group(planned):
 def test_peak_rows_bound_every_point_not_only_the_last(planned):
     """Dropping every row but one (the last point's) lets a plan over the budget through: the rows
     at earlier points are what bound the forward's activations."""
-    from autoparallel.planner import memory
-
     free = planned[2]
     budget = free.peak["bytes"] - 1
     rows = memory.peak_rows
@@ -111,8 +108,6 @@ def test_peak_rows_bound_every_point_not_only_the_last(planned):
 
     mp = pytest.MonkeyPatch()
     try:
-        import autoparallel.planner.api as api
-
         mp.setattr(api, "peak_rows", last_row_only)
         blind = _plan(planned, peak_memory_budget=budget)
     finally:

@@ -1,0 +1,68 @@
+"""Back-off of the generic shrink (:mod:`verify.hf.sizes`) when the shrunk config fails.
+
+Some configs tie attributes to each other (a validator wants two sizes to agree, a forward
+wants a channel count another field sets): shrinking each to its test size may break the tie.
+Only when the shrunk config fails (to build or to run one eager step), :func:`fit` finds which
+shrunk fields cause it: it restores one field at a time to the library's default, the others
+still shrunk (the rule re-derives what follows them), then tries the other shrink mode (the first
+layers kept instead of one of each kind), and keeps the first candidate that passes within a
+parameter budget. Nothing is cached; the order of the tries is the config's field order, the
+fields whose values the error message names first, so the result is deterministic. A config
+that no candidate fixes raises the original error (the cell stays NOT BUILT with it).
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+from collections.abc import Callable
+from typing import Any
+
+BUDGET = 5_000_000  # parameters a backed-off tiny model may have
+MAX_TRIES = 64  # candidates probed at most
+
+
+def changed_fields(default: dict[str, Any], shrunk: dict[str, Any]) -> list[str]:
+    """Top-level fields whose shrunk value differs from the default, in the config's order."""
+    return [k for k in default if k in shrunk and shrunk[k] != default[k]]
+
+
+def _mentioned(error: BaseException, default: dict[str, Any], shrunk: dict[str, Any], key: str) -> bool:
+    """Whether ``error``'s message names ``key`` or one of its values (an int of 2+ digits)."""
+    text = str(error)
+    if re.search(rf"\b{re.escape(key)}\b", text):
+        return True
+    numbers = set(re.findall(r"\d{2,}", text))
+    return any(str(v) in numbers for v in (default.get(key), shrunk.get(key)) if isinstance(v, int))
+
+
+def fit(default: dict[str, Any], shrink: Callable[..., dict[str, Any]], probe: Callable[[dict[str, Any]], BaseException | None],
+        size: Callable[[dict[str, Any]], int], *, budget: int = BUDGET, max_tries: int = MAX_TRIES,
+        label: str = "config") -> tuple[dict[str, Any], tuple[str, ...]]:
+    """``(dict, what was backed off)``: ``shrink()`` if ``probe`` passes on it (nothing backed off),
+    else the first candidate that passes with ``size`` within ``budget``. ``shrink(keep=..., first_layers=...)``
+    returns the shrunk dict with the fields of ``keep`` at their default; ``probe`` returns the error or None.
+    Raises the shrunk config's own error when no candidate passes."""
+    shrunk = shrink()
+    error = probe(shrunk)
+    if error is None:
+        return shrunk, ()
+    fields = changed_fields(default, shrunk)
+    fields.sort(key=lambda k: not _mentioned(error, default, shrunk, k))  # stable: the config's order within each
+    candidates = [((k,), False) for k in fields] + [((), True)] + [((k,), True) for k in fields]
+    print(f"hf: {label}: the shrunk config fails ({type(error).__name__}); backing off over {len(fields)} fields",
+          file=sys.stderr)
+    for keep, first_layers in candidates[:max_tries]:
+        try:
+            d = shrink(keep=frozenset(keep), first_layers=first_layers)
+            if size(d) > budget or probe(d) is not None:
+                continue
+        except Exception:  # noqa: BLE001 - a candidate that cannot even be sized is no fit
+            continue
+        what = (*(f"{k} kept at its default" for k in keep), *(("the first layers kept",) if first_layers else ()))
+        print(f"hf: {label}: builds with {', '.join(what)}", file=sys.stderr)
+        return d, what
+    raise error
+
+
+__all__ = ["BUDGET", "MAX_TRIES", "changed_fields", "fit"]
