@@ -38,6 +38,7 @@ from autoparallel.planner.plan import NodePlacement, Plan, by_dim, natural_key, 
 from autoparallel.planner.problem import (
     CONSTANT,
     GETITEM,
+    LOSS_ROLE,
     OUTPUT,
     PLACEHOLDER,
     Clustering,
@@ -174,15 +175,15 @@ class Planner:
             progress=progress,
         )
 
-    def graph(self, mesh: ParallelMesh, profile: DeviceProfile, say: Progress) -> tuple[Graph, CostModel, float]:
+    def graph(self, mesh: ParallelMesh, profile: DeviceProfile, say: Progress, *, local_loss: bool = False) -> tuple[Graph, CostModel, float]:
         import json
 
-        key = (mesh.spec, json.dumps(profile.to_json(), sort_keys=True))
+        key = (mesh.spec, json.dumps(profile.to_json(), sort_keys=True), local_loss)
         if key not in self._graphs:
             t0 = time.perf_counter()
             costs = CostModel(profile, mesh.spec, mesh.device_mesh)
             enumerator = StrategyEnumerator(mesh.device_mesh)
-            graph = build_nodes(self.pg, costs, enumerator)
+            graph = build_nodes(self.pg, costs, enumerator, local_loss=local_loss)
             if self.expansion is not None:
                 container, keep, total = self.expansion
                 try:
@@ -195,7 +196,7 @@ class Planner:
                     self.trace_seconds += time.perf_counter() - t1
                     self.expansion = None
                     self._graphs.clear()
-                    return self.graph(mesh, profile, say)
+                    return self.graph(mesh, profile, say, local_loss=local_loss)
             seconds = time.perf_counter() - t0
             say(f"strategies for {len(graph.nodes)} nodes in {seconds:.2f}s ({enumerator.calls - enumerator.hits} distinct ops)")
             self._graphs[key] = (graph, costs, seconds)
@@ -206,7 +207,7 @@ class Planner:
         mesh = mesh or self.pg.mesh
         say = progress or (lambda msg: log.info("%s", msg))
         profile = get_profile(config.profile)
-        graph, costs, strat_s = self.graph(mesh, profile, say)
+        graph, costs, strat_s = self.graph(mesh, profile, say, local_loss=LOSS_KEY in config.pins)
         t1 = time.perf_counter()
         pins = resolve_pins(graph, config.pins)
         if config.even_shards:
@@ -247,6 +248,9 @@ class Planner:
         )
         plan._context = PlanContext(graph, costs, choice, clustering, problem, pins, self.pg)
         return plan
+
+
+LOSS_KEY = f"out:{LOSS_ROLE}"  # pin it to P(avg) over data dims for a hand plan's local-mean loss
 
 
 def resolve_pins(graph: Graph, pins: Mapping[str, PinSpec]) -> dict[int, np.ndarray]:

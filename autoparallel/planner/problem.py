@@ -106,8 +106,11 @@ def _distinct(items):
     return list(dict.fromkeys(items))
 
 
-def build_nodes(pg: PlanningGraph, costs: CostModel, enumerator: StrategyEnumerator) -> Graph:
-    """Candidates and compute costs of every node, in graph order."""
+def build_nodes(pg: PlanningGraph, costs: CostModel, enumerator: StrategyEnumerator, *, local_loss: bool = False) -> Graph:
+    """Candidates and compute costs of every node, in graph order. The loss output is Replicate
+    (the global loss); ``local_loss`` also offers ``P(avg)`` over any set of mesh dims, each rank
+    keeping its local mean as a hand FSDP plan does (only for a pin: offered always, every plan
+    would take it to save the loss's all-reduce)."""
     import time
 
     from torch._functorch._aot_autograd import descriptors as D
@@ -188,7 +191,7 @@ def build_nodes(pg: PlanningGraph, costs: CostModel, enumerator: StrategyEnumera
         if twin is not None:
             placements = nodes[twin].out_placements()
         elif role == LOSS_ROLE:
-            placements = [tuple(torch.distributed.tensor.Replicate() for _ in sizes)]
+            placements = loss_placements(len(sizes), local=local_loss)
         else:
             placements = [pl for pl in all_placements(len(meta.shape), len(sizes)) if divides(pl, meta.shape, sizes)]
         cands = [Candidate((pl,), (pl,)) for pl in placements]
@@ -215,6 +218,18 @@ def build_nodes(pg: PlanningGraph, costs: CostModel, enumerator: StrategyEnumera
                 equal.append((tangent, pn.index, "fwd_bwd"))
     _lock_grad_reduce_dtype(nodes, pg)
     return Graph(nodes, equal, costs.names, costs.sizes, time.perf_counter() - t0)
+
+
+def loss_placements(ndim: int, *, local: bool) -> list[tuple]:
+    """The loss output's candidates: Replicate, and with ``local`` every mix of Replicate and
+    ``P(avg)`` (a rank's local mean: the loss is the average over those dims)."""
+    from itertools import product
+
+    from torch.distributed.tensor import Partial, Replicate
+
+    if not local:
+        return [tuple(Replicate() for _ in range(ndim))]
+    return [tuple(Partial("avg") if p else Replicate() for p in mix) for mix in product((False, True), repeat=ndim)]
 
 
 _CASTS = (torch.ops.aten._to_copy.default, torch.ops.prims.convert_element_type.default)
