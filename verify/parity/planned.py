@@ -78,7 +78,7 @@ from verify.parity.random_ops import (
     random_nodes,
     random_ops_disabled,
 )
-from verify.parity.runs import COLLECTIVE, JOINT_EXECUTORS, no_recompile, oracle_executor
+from verify.parity.runs import COLLECTIVE, JOINT_EXECUTORS, cast_floating, no_recompile, oracle_executor
 from verify.stages.pipeline_run import pipeline_options
 from verify.stages.registry import EAGER, planned_executors
 
@@ -376,12 +376,8 @@ def planned_oracle(case: PlannedCase, ranks: Sequence[PlannedRank], reference: S
 def _first_step_in(case: PlannedCase, dtype: torch.dtype) -> dict[str, torch.Tensor | None]:
     """The unsharded model's first step in ``dtype``, random ops off, by oracle check name (the
     oracle's calibration, ``verify.parity.calibration``)."""
-    from torch.utils import _pytree as pytree
-
     model = case.model("cpu").to(dtype)
-    *xs, target = pytree.tree_map(
-        lambda x: x.to(dtype) if isinstance(x, torch.Tensor) and x.is_floating_point() else x, list(case.batches(1)[0])
-    )
+    *xs, target = cast_floating(list(case.batches(1)[0]), dtype)
     with random_ops_disabled():
         loss = (case.loss_fn or cross_entropy_loss)(model(*xs), target)
         loss.backward()

@@ -406,7 +406,7 @@ def single_device_reference(
         *inputs, target = split_batch(batch, plan, spec, {d: coord.get(d, 0) for d in spec.names})
         inputs = rounded_like_the_program(inputs, plan.param_dtype)
         if dtype is not None:
-            model, inputs, target = _cast_floating((model.to(dtype), inputs, target), dtype)
+            model, inputs, target = cast_floating((model.to(dtype), inputs, target), dtype)
         # the slice's rank draws these masks (or none, dropout off)
         with random_ops_disabled() if dropout_off else seeded(step_seed(rank_seed(scenario, coord), 0)):
             loss = scenario.loss_fn(model(*inputs), target)
@@ -421,7 +421,8 @@ def single_device_reference(
     )
 
 
-def _cast_floating(tree, dtype: torch.dtype):
+def cast_floating(tree, dtype: torch.dtype):
+    """Every floating tensor in ``tree`` cast to ``dtype`` (the oracle's fp64 calibration); the rest as is."""
     from torch.utils import _pytree as pytree
 
     return pytree.tree_map(lambda x: x.to(dtype) if isinstance(x, torch.Tensor) and x.is_floating_point() else x, tree)
