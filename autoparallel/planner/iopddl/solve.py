@@ -1,8 +1,10 @@
 """The IOPDDL solve: a feasible start, coordinate descent and star moves (star.py), then HiGHS MIPs
-until the time runs out.
+(or toulbar2, cfn.py) until the time runs out.
 
 Small problems (few strategy pairs on their edges) go to one MIP over every node, warm-started
 from the descent: HiGHS either proves the plan optimal or returns its best plan and dual bound.
+Problems with too many pairs for that but a small cost function network (few nodes: the usage
+constraints grow with nodes live at once) go whole to toulbar2.
 Otherwise, and after a whole-problem MIP that ran out of time, a large-neighbourhood search frees
 a connected set of nodes around a random one (breadth first over the edges), solves that set's
 MIP with the rest held, and keeps the result when it is cheaper; the set grows while its MIPs
@@ -18,6 +20,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from autoparallel.planner.iopddl.cfn import CFN_ENTRIES, model_size, solve_cfn, toulbar2_available
 from autoparallel.planner.iopddl.instance import Instance, forbid_unsupported
 from autoparallel.planner.iopddl.mip import PENALTY, solve_sub
 from autoparallel.planner.iopddl.penalty import penalty_search
@@ -101,7 +104,7 @@ def _neighbourhood(inst: Instance, rng, size: int, prof=None, around=None) -> np
 
 def solve(inst: Instance, time_limit: float = 120.0, seed: int = 0, progress=None, threads: int = 1,
           clock=time.perf_counter, full_mip_pairs: int = FULL_MIP_PAIRS,
-          penalty_share: float = PENALTY_SHARE) -> Result:
+          penalty_share: float = PENALTY_SHARE, cfn_entries: int = CFN_ENTRIES) -> Result:
     """Best plan found within ``time_limit`` seconds (from this call); raise ValueError if none exists."""
     t0 = clock()
     deadline = t0 + time_limit
@@ -133,6 +136,9 @@ def solve(inst: Instance, time_limit: float = 120.0, seed: int = 0, progress=Non
             bound = max(bound, r.bound)
         optimal = r.optimal
         say(f"MIP: cost {best:.6g}, bound {bound:.6g}, {'optimal' if optimal else 'not proven optimal'} ({clock() - t0:.1f}s)")
+    if pairs > full_mip_pairs and clock() < deadline - 2.0 and toulbar2_available() and model_size(inst) <= cfn_entries:
+        x, prof, best, optimal, bound = _toulbar2(inst, x, prof, best, bound, deadline, clock, say)
+        method = "toulbar2"
     if penalty_share > 0 and not optimal and pairs > full_mip_pairs and inst.limit is not None and clock() < deadline - 1.0:
         px, pcost = penalty_search(inst, least_usage(inst), clock() + penalty_share * (deadline - clock()), clock, say,
                                    plan_cost=cost)
@@ -143,8 +149,8 @@ def solve(inst: Instance, time_limit: float = 120.0, seed: int = 0, progress=Non
             say(f"adaptive penalties: cost {pcost:.6g} vs {best:.6g} ({clock() - t0:.1f}s)")
             if pcost < best:
                 x, prof, best, method = px, pprof, pcost, "penalty"
-    if not optimal and clock() < deadline - 0.5:
-        method = f"{method}+lns" if method in ("mip", "penalty") else "lns"
+    if not optimal and method != "toulbar2" and clock() < deadline - 0.5:  # toulbar2 takes the time to the end
+        method = f"{method}+lns" if method != "descent" else "lns"
         x, prof, best, whole = _lns(inst, x, prof, best, deadline, seed, threads, clock, say, stats)
         if whole is not None:  # a neighbourhood held every node and its MIP finished: proven
             bound, optimal = max(bound, whole), True
@@ -153,6 +159,28 @@ def solve(inst: Instance, time_limit: float = 120.0, seed: int = 0, progress=Non
     if best <= bound + 1e-9 * max(1.0, abs(best)):
         optimal = True
     return Result([int(v) for v in x], _exact_cost(inst, x), bound, optimal, clock() - t0, method, stats)
+
+
+def _toulbar2(inst, x, prof, best, bound, deadline, clock, say):
+    """The whole problem through toulbar2 (cfn.py) until shortly before the deadline (no
+    neighbourhood search after it: on a loaded machine one sub-MIP overran the limit by 15 s);
+    its plan is kept when it fits the limit and is cheaper (or proven optimal)."""
+    stop = deadline - 1.0 - 0.01 * (deadline - clock())  # left over: checking and printing the plan
+    say(f"toulbar2 on the whole problem (a cost function network), up to {stop - clock():.0f}s")
+    y, optimal = solve_cfn(inst, best, stop, clock=clock, say=say)
+    if y is not None:
+        yprof = profile(inst, y)
+        ycost = cost(inst, y)
+        fits = inst.limit is None or not len(yprof) or int(yprof.max()) <= inst.limit
+        if fits and (ycost < best or (optimal and ycost <= best)):
+            x, prof, best = y, yprof, ycost
+        optimal = optimal and fits and ycost <= best
+    else:  # a finished search with nothing below the start's cost proves the start optimal
+        optimal = optimal and bool(np.isfinite(best))
+    if optimal:
+        bound = max(bound, best)
+    say(f"toulbar2: cost {best:.6g}, {'optimal' if optimal else 'not proven optimal'}")
+    return x, prof, best, optimal, bound
 
 
 def star_rounds(inst: Instance, x, prof, deadline, clock, rounds: int = 10) -> int:

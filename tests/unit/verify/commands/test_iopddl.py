@@ -131,8 +131,9 @@ def test_solver_matches_brute_force_on_random_instances(full_mip_pairs, penalty_
     rng = random.Random(43)
     for _ in range(12):
         problem = _random_problem(rng, rng.randint(2, 6))
+        # cfn_entries=-1: no toulbar2 (test_iopddl_cfn.py), so "lns" and "penalty" test those paths
         r = solve(from_dict({"problem": copy.deepcopy(problem)}), time_limit=5.0, full_mip_pairs=full_mip_pairs,
-                  penalty_share=penalty_share)
+                  cfn_entries=-1, penalty_share=penalty_share)
         assert check(problem, r.solution, r.cost) == r.cost
         if full_mip_pairs:
             assert r.optimal
@@ -198,7 +199,7 @@ def test_neighbourhood_search_alone_keeps_instance_g_feasible_and_no_worse():
     the plan within the limit and the cost never rises above the descent's."""
     path = os.path.join(DATA, "asplos-2025-iopddl-G.json.gz")
     seen = []
-    r = solve(load(path), time_limit=4.0, full_mip_pairs=0, progress=seen.append)
+    r = solve(load(path), time_limit=4.0, full_mip_pairs=0, cfn_entries=-1, progress=seen.append)
     start = float(seen[1].split("cost ")[1].split(" ")[0])
     assert r.method == "lns" and r.stats["subproblems"] > 0
     assert check(read_problem(path), r.solution, r.cost) == r.cost
@@ -363,6 +364,7 @@ def test_star_moves_stay_feasible_and_never_worsen_under_a_limit(seed, leaves, s
 
 def test_solve_uses_star_moves_before_the_neighbourhood_search():
     said = []
-    r = solve(from_dict({"problem": _stuck_star()}), time_limit=5.0, full_mip_pairs=0, progress=said.append)
+    r = solve(from_dict({"problem": _stuck_star()}), time_limit=5.0, full_mip_pairs=0, cfn_entries=-1,
+              progress=said.append)
     assert any(m.startswith("star moves (a node with its leaves) and descent: cost 0 ") for m in said), said
     assert r.cost == 0 and evaluate(_stuck_star(), r.solution) == 0
