@@ -13,7 +13,10 @@ also has to keep consistent, found by building every type of transformers 5.24:
 * per-layer lists (``layer_types``, ``mlp_only_layers``, per-layer windows ...) as long as the old
   layer count are cut to the new one, and dicts keyed by layer index keep the layers left;
 * per-stage lists of vision backbones (``depths``, ``hidden_sizes``, ``num_heads`` per stage) keep
-  their length (other fields count stages) and shrink their values;
+  their length (other fields count stages) and shrink their values, by rank (stages equal at the
+  default stay equal); per-stage lists of per-block entries are cut to the new depths; channel
+  fields no family names (``stage_out_channels`` ...) follow the widths they equal at the default;
+* a ``default_<x>`` left None beside a list ``<x>s`` of choices takes the first (xmod's language);
 * the layers kept are the first of each kind a per-layer list of names (``layer_types`` ...) has,
   then the first ones up to :data:`LAYERS`: a hybrid keeps one layer of each kind (a validator may
   want an attention layer beside the recurrent ones, a cache or rope table one of each);
@@ -188,6 +191,21 @@ def _channels(d: dict[str, Any], out: dict[str, Any]) -> None:
 _CHANNELS = re.compile(r"(.*_)?(out_|in_|mid_|hidden_)?channels")
 
 
+def _per_block(d: dict[str, Any], out: dict[str, Any]) -> None:
+    """Per-stage lists of per-block entries (textnet's ``conv_layer_kernel_sizes``: one list per
+    stage, as long as that stage's depth) are cut to the shrunk depths, in place: the model builds
+    one block per entry, whatever ``depths`` says. The first blocks stay (a stage's first one
+    downsamples)."""
+    for dk, dv in d.items():
+        new = out.get(dk)
+        if family(dk) != "depths" or not isinstance(dv, list) or not isinstance(new, list) or not all(_int(n) for n in dv):
+            continue
+        for key, value in d.items():
+            if (key != dk and isinstance(value, list) and len(value) == len(dv)
+                    and all(isinstance(x, list) and len(x) == n for x, n in zip(value, dv))):
+                out[key] = [x[:m] for x, m in zip(value, new)]
+
+
 def _default_choice(d: dict[str, Any], out: dict[str, Any]) -> None:
     """A ``default_<x>`` the library leaves None beside a list ``<x>s`` of choices gets the first
     choice, in place: xmod's forward refuses to run without a default language
@@ -241,6 +259,7 @@ def shrink_dict(d: dict[str, Any], is_sub_config=lambda key, value: False, keep:
         if isinstance(out[key], (list, tuple)) and len(out[key]) in kept and fam not in ("widths", "depths"):
             out[key] = type(out[key])(out[key][i] for i in kept[len(out[key])])  # one entry per layer: those kept
     _channels({k: v for k, v in d.items() if k not in keep}, out)
+    _per_block({k: v for k, v in d.items() if k not in keep}, out)
     _default_choice(d, out)
     _ssm(out)
     if all(_int(out.get(k)) for k in ("qk_head_dim", "qk_nope_head_dim", "qk_rope_head_dim")):
@@ -328,6 +347,12 @@ OVERRIDES: dict[str, dict[str, Any]] = {
     # indexes config.layer_types[layer_idx]: the library's default config builds no model. One layer
     # of each kind the model knows ("conv", else attention), as the rule keeps for hybrids.
     "lfm2_moe": {"layer_types": ["conv", "full_attention"]},
+    # modeling_efficientnet hard-codes the top conv's width, round_filters(config, 1280) (1280 x
+    # width_coefficient), while the BatchNorm after it and the classifier take config.hidden_dim:
+    # hidden_dim must be 1280 x width_coefficient, a constant of the code no rule can see. The
+    # default (B7: widths x 2.0, depths x 3.1, 64 M parameters) with B0's coefficients (1.0):
+    # 4.0 M parameters at 4 labels.
+    "efficientnet": {"width_coefficient": 1.0, "depth_coefficient": 1.0, "hidden_dim": 1280},
 }
 
 

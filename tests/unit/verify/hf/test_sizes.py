@@ -246,6 +246,8 @@ def test_a_library_default_that_builds_no_model_gets_its_override():
     assert config.layer_types is None  # the library's default: the model indexes it per layer
     d = shrunk_dict(config)
     assert d["layer_types"] == OVERRIDES["lfm2_moe"]["layer_types"] and len(d["layer_types"]) == d["num_hidden_layers"]
+    d = shrunk_dict(transformers.AutoConfig.for_model("efficientnet"))
+    assert d["hidden_dim"] == 1280 * d["width_coefficient"]  # the head's width the model hard-codes
 
 
 @pytest.mark.slow
@@ -258,3 +260,10 @@ def test_types_each_new_rule_fixes_build_and_train_a_step(model_type):
     assert num_parameters(model) <= BUDGET
     batch = case.batches(4, 1)[0]
     case.loss_fn(model(*batch[:-1]), batch[-1]).backward()
+
+
+def test_per_block_lists_of_each_stage_are_cut_to_the_new_depths():
+    d = {"depths": [3, 2], "conv_layer_strides": [[1, 2, 1], [2, 1]], "kernel_sizes": [3, 5], "dilations": [[1, 2], [1, 2, 3]]}
+    out = shrink_dict(d)
+    assert out["depths"] == [1, 1] and out["conv_layer_strides"] == [[1], [2]]  # a stage's first block kept
+    assert out["kernel_sizes"] == [3, 5] and out["dilations"] == [[1, 2], [1, 2, 3]]  # one per stage / not per block: left
