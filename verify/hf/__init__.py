@@ -355,8 +355,8 @@ def fitted_config(model, *, batch_per_rank: int = 2, attention_mask: bool = Fals
     def size(d):
         return num_parameters(case(d).build(device="meta"))
 
-    def shrink(keep=frozenset(), first_layers=False):
-        return shrunk_dict(base, keep, first_layers, **overrides)
+    def shrink(keep=frozenset(), first_layers=False, unset_tokens=False, rederive=False):
+        return shrunk_dict(base, keep, first_layers, unset_tokens, rederive, **overrides)
 
     d, _ = fit(default_dict(base), shrink, lambda d: _probe(case(d)), size, label=base.model_type)
     return cls.from_dict(d)

@@ -4,9 +4,12 @@ Some configs tie attributes to each other (a validator wants two sizes to agree,
 wants a channel count another field sets): shrinking each to its test size may break the tie.
 Only when the shrunk config fails (to build or to run one eager step), :func:`fit` finds which
 shrunk fields cause it: it restores one field at a time to the library's default, the others
-still shrunk (the rule re-derives what follows them), then tries the other shrink mode (the first
-layers kept instead of one of each kind), and keeps the first candidate that passes within a
-parameter budget. Nothing is cached; the order of the tries is the config's field order, the
+still shrunk (the rule re-derives what follows them), then the rule's other modes (:data:`MODES`):
+the token ids the library leaves unset (None) set to 0, where there are any (esm reads
+``input_ids.ne(pad_token_id)``); the derived fields left for the config to derive anew (zamba2's
+``attention_hidden_size = 2 * hidden_size``, which the dict would otherwise pin); the first layers
+kept instead of one of each kind, alone and with each field kept. It keeps the first candidate
+that passes within a parameter budget. Nothing is cached; the order of the tries is the config's field order, the
 fields whose values the error message names first, so the result is deterministic. A config
 that no candidate fixes raises the original error (the cell stays NOT BUILT with it).
 """
@@ -17,6 +20,8 @@ import re
 import sys
 from collections.abc import Callable
 from typing import Any
+
+from verify.hf.sizes import family
 
 BUDGET = 5_000_000  # parameters a backed-off tiny model may have
 MAX_TRIES = 64  # candidates probed at most
@@ -36,12 +41,24 @@ def _mentioned(error: BaseException, default: dict[str, Any], shrunk: dict[str, 
     return any(str(v) in numbers for v in (default.get(key), shrunk.get(key)) if isinstance(v, int))
 
 
+# The back-off's modes of the rule (keyword arguments of ``shrink``), as its report names them.
+MODES = {"unset_tokens": "the unset token ids set to 0", "rederive": "the derived fields derived anew",
+         "first_layers": "the first layers kept"}
+
+
+def unset_token_ids(default: dict[str, Any]) -> list[str]:
+    """Token-id fields (``pad_token_id`` ...) the default leaves None, at any depth of sub-configs."""
+    found = [k for k, v in default.items() if v is None and family(k) == "token"]
+    return found + [k for v in default.values() if isinstance(v, dict) for k in unset_token_ids(v)]
+
+
 def fit(default: dict[str, Any], shrink: Callable[..., dict[str, Any]], probe: Callable[[dict[str, Any]], BaseException | None],
         size: Callable[[dict[str, Any]], int], *, budget: int = BUDGET, max_tries: int = MAX_TRIES,
         label: str = "config") -> tuple[dict[str, Any], tuple[str, ...]]:
     """``(dict, what was backed off)``: ``shrink()`` if ``probe`` passes on it (nothing backed off),
-    else the first candidate that passes with ``size`` within ``budget``. ``shrink(keep=..., first_layers=...)``
-    returns the shrunk dict with the fields of ``keep`` at their default; ``probe`` returns the error or None.
+    else the first candidate that passes with ``size`` within ``budget``. ``shrink(keep=..., **mode)``
+    returns the shrunk dict with the fields of ``keep`` at their default, in a mode of :data:`MODES`
+    (``unset_tokens`` tried only where :func:`unset_token_ids` finds any); ``probe`` returns the error or None.
     Raises the shrunk config's own error when no candidate passes."""
     shrunk = shrink()
     error = probe(shrunk)
@@ -49,20 +66,22 @@ def fit(default: dict[str, Any], shrink: Callable[..., dict[str, Any]], probe: C
         return shrunk, ()
     fields = changed_fields(default, shrunk)
     fields.sort(key=lambda k: not _mentioned(error, default, shrunk, k))  # stable: the config's order within each
-    candidates = [((k,), False) for k in fields] + [((), True)] + [((k,), True) for k in fields]
+    modes = [{"unset_tokens": True}] if unset_token_ids(default) else []
+    modes += [{"rederive": True}, {"first_layers": True}]
+    candidates = [((k,), {}) for k in fields] + [((), m) for m in modes] + [((k,), {"first_layers": True}) for k in fields]
     print(f"hf: {label}: the shrunk config fails ({type(error).__name__}); backing off over {len(fields)} fields",
           file=sys.stderr)
-    for keep, first_layers in candidates[:max_tries]:
+    for keep, mode in candidates[:max_tries]:
         try:
-            d = shrink(keep=frozenset(keep), first_layers=first_layers)
+            d = shrink(keep=frozenset(keep), **mode)
             if size(d) > budget or probe(d) is not None:
                 continue
         except Exception:  # noqa: BLE001 - a candidate that cannot even be sized is no fit
             continue
-        what = (*(f"{k} kept at its default" for k in keep), *(("the first layers kept",) if first_layers else ()))
+        what = (*(f"{k} kept at its default" for k in keep), *(MODES[m] for m in mode))
         print(f"hf: {label}: builds with {', '.join(what)}", file=sys.stderr)
         return d, what
     raise error
 
 
-__all__ = ["BUDGET", "MAX_TRIES", "changed_fields", "fit"]
+__all__ = ["BUDGET", "MAX_TRIES", "MODES", "changed_fields", "fit", "unset_token_ids"]

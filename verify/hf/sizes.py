@@ -13,7 +13,10 @@ also has to keep consistent, found by building every type of transformers 5.24:
 * per-layer lists (``layer_types``, ``mlp_only_layers``, per-layer windows ...) as long as the old
   layer count are cut to the new one, and dicts keyed by layer index keep the layers left;
 * per-stage lists of vision backbones (``depths``, ``hidden_sizes``, ``num_heads`` per stage) keep
-  their length (other fields count stages) and shrink their values;
+  their length (other fields count stages) and shrink their values, by rank (stages equal at the
+  default stay equal); per-stage lists of per-block entries are cut to the new depths; channel
+  fields no family names (``stage_out_channels`` ...) follow the widths they equal at the default;
+* a ``default_<x>`` left None beside a list ``<x>s`` of choices takes the first (xmod's language);
 * the layers kept are the first of each kind a per-layer list of names (``layer_types`` ...) has,
   then the first ones up to :data:`LAYERS`: a hybrid keeps one layer of each kind (a validator may
   want an attention layer beside the recurrent ones, a cache or rope table one of each);
@@ -116,10 +119,10 @@ def _list(fam: str, v: list) -> list:
     """The shrunk value of a per-stage list: its length kept, its values shrunk."""
     if fam == "depths":
         return [min(x, 1) for x in v]
-    if fam in ("widths", "hidden"):
-        return [min(x, STAGE_WIDTH * 2**i) for i, x in enumerate(v)]
-    if fam == "ffn":
-        return [min(x, 2 * STAGE_WIDTH * 2**i) for i, x in enumerate(v)]
+    if fam in ("widths", "hidden", "ffn"):  # by rank of value: stages equal at the default stay equal
+        ranks = sorted(set(v))
+        base = 2 * STAGE_WIDTH if fam == "ffn" else STAGE_WIDTH
+        return [min(x, base * 2 ** ranks.index(x)) for x in v]
     if fam == "heads":
         return [min(x, HEADS) for x in v]
     if fam in ("image", "patch"):
@@ -164,11 +167,61 @@ def _ssm(out: dict[str, Any]) -> None:
         out[head_dim] = width // out[heads]
 
 
+def _channels(d: dict[str, Any], out: dict[str, Any]) -> None:
+    """Channel fields the rule has no family for (``stem_out_channels``, ``stage_in_channels`` ...)
+    follow the widths it shrank, in place: an entry equal at the default to a width (``hidden_sizes``,
+    ``embed_dim`` ...) of 16 or more takes that width's new value, so a stage's input stays the
+    previous stage's output; a default value shrunk to two different values is left alone."""
+    new: dict[int, set[int]] = {}
+    for key, value in d.items():
+        if family(key) in ("widths", "hidden"):
+            pairs = [(value, out[key])] if _int(value) else zip(value, out[key]) if isinstance(value, list) else []
+            for old, now in pairs:
+                if _int(old) and _int(now) and old >= 16:
+                    new.setdefault(old, set()).add(now)
+    remap = {old: now.pop() for old, now in new.items() if len(now) == 1}
+    for key, value in d.items():
+        if family(key) is None and _CHANNELS.fullmatch(key):
+            if _int(value):
+                out[key] = remap.get(value, value)
+            elif isinstance(value, list) and all(_int(x) for x in value):
+                out[key] = [remap.get(x, x) for x in value]
+
+
+_CHANNELS = re.compile(r"(.*_)?(out_|in_|mid_|hidden_)?channels")
+
+
+def _per_block(d: dict[str, Any], out: dict[str, Any]) -> None:
+    """Per-stage lists of per-block entries (textnet's ``conv_layer_kernel_sizes``: one list per
+    stage, as long as that stage's depth) are cut to the shrunk depths, in place: the model builds
+    one block per entry, whatever ``depths`` says. The first blocks stay (a stage's first one
+    downsamples)."""
+    for dk, dv in d.items():
+        new = out.get(dk)
+        if family(dk) != "depths" or not isinstance(dv, list) or not isinstance(new, list) or not all(_int(n) for n in dv):
+            continue
+        for key, value in d.items():
+            if (key != dk and isinstance(value, list) and len(value) == len(dv)
+                    and all(isinstance(x, list) and len(x) == n for x, n in zip(value, dv))):
+                out[key] = [x[:m] for x, m in zip(value, new)]
+
+
+def _default_choice(d: dict[str, Any], out: dict[str, Any]) -> None:
+    """A ``default_<x>`` the library leaves None beside a list ``<x>s`` of choices gets the first
+    choice, in place: xmod's forward refuses to run without a default language
+    (``default_language``) when the inputs name none, and a training loop passes tokens only."""
+    for key, value in d.items():
+        choices = d.get(key.removeprefix("default_") + "s")
+        if value is None and key.startswith("default_") and isinstance(choices, list) and choices:
+            out[key] = choices[0]
+
+
 def shrink_dict(d: dict[str, Any], is_sub_config=lambda key, value: False, keep: frozenset[str] = frozenset(),
-                first_layers: bool = False) -> dict[str, Any]:
+                first_layers: bool = False, unset_tokens: bool = False) -> dict[str, Any]:
     """``d`` (a config's ``to_dict()``) with every size replaced by its test size; nested
     configs (dicts that carry a ``model_type``, or keys ``is_sub_config`` names) shrunk too.
-    The fields of ``keep`` stay at their value in ``d``; ``first_layers``: see :func:`kept_layers`."""
+    The fields of ``keep`` stay at their value in ``d``; ``first_layers``: see :func:`kept_layers`;
+    ``unset_tokens``: token ids the library leaves None become 0 (the back-off's token mode)."""
     out = dict(d)
     stage_counts = {len(v) for k, v in d.items() if family(k) == "depths" and isinstance(v, list)}
     layers_before = {v for k, v in d.items() if family(k) == "layers" and _int(v) and v > LAYERS and k not in keep} - stage_counts
@@ -183,12 +236,14 @@ def shrink_dict(d: dict[str, Any], is_sub_config=lambda key, value: False, keep:
             last = min(len(k) for k in kept.values())
             out[key] = sorted({min(i, last) for i in value if _int(i)})  # clamped to the layers left
         elif isinstance(value, dict) and ("model_type" in value or is_sub_config(key, value)):
-            out[key] = shrink_dict(value, first_layers=first_layers)
+            out[key] = shrink_dict(value, first_layers=first_layers, unset_tokens=unset_tokens)
         elif isinstance(value, dict) and layers_before and value and all(_layer_index(k) is not None for k in value):
             keep = min(kept.values(), key=len)  # keyed by layer: those kept, renumbered
             out[key] = {type(k)(keep.index(_layer_index(k))).zfill(len(k)) if isinstance(k, str) else keep.index(k):
                         shrink_dict(v) if isinstance(v, dict) else v  # a layer's own sizes shrink too
                         for k, v in value.items() if _layer_index(k) in keep}
+        elif fam == "token" and value is None and unset_tokens:
+            out[key] = 0  # an id the batches never draw (they draw from SPECIAL_IDS up)
         elif fam == "token":
             out[key] = _token(value, VOCAB)
         elif fam == "layers" and _int(value) and value in kept:
@@ -203,6 +258,9 @@ def shrink_dict(d: dict[str, Any], is_sub_config=lambda key, value: False, keep:
             out[key] = _scalar(fam, 1 << 30)  # unset in the library's default: the test size
         if isinstance(out[key], (list, tuple)) and len(out[key]) in kept and fam not in ("widths", "depths"):
             out[key] = type(out[key])(out[key][i] for i in kept[len(out[key])])  # one entry per layer: those kept
+    _channels({k: v for k, v in d.items() if k not in keep}, out)
+    _per_block({k: v for k, v in d.items() if k not in keep}, out)
+    _default_choice(d, out)
     _ssm(out)
     if all(_int(out.get(k)) for k in ("qk_head_dim", "qk_nope_head_dim", "qk_rope_head_dim")):
         out["qk_head_dim"] = out["qk_nope_head_dim"] + out["qk_rope_head_dim"]  # the sum of its parts, as the default
@@ -225,12 +283,45 @@ def default_dict(config) -> dict[str, Any]:
     return {**config.to_dict(), **_auto_fields(type(config))}
 
 
-def shrunk_dict(config, keep: frozenset[str] = frozenset(), first_layers: bool = False, **overrides: Any) -> dict[str, Any]:
-    """The dict :func:`shrink_config` builds its config from."""
+def derived_fields(cls) -> frozenset[str]:
+    """Attributes a default ``cls()`` has that are no declared field of ``cls`` (nor of the base
+    config): set in ``__post_init__`` from the sizes (zamba2's ``attention_hidden_size = 2 *
+    hidden_size``). Passed back to ``from_dict`` they would override what it derives."""
+    import dataclasses
+
+    from transformers import PretrainedConfig
+
+    if not (isinstance(cls, type) and issubclass(cls, PretrainedConfig) and dataclasses.is_dataclass(cls)):
+        return frozenset()
+    try:
+        keys = set(cls().to_dict()) - set(PretrainedConfig().to_dict())
+    except Exception:  # noqa: BLE001 - a class without a buildable default derives nothing we know of
+        return frozenset()
+    return frozenset(keys - {f.name for f in dataclasses.fields(cls)})
+
+
+def _drop_derived(cls, d: dict[str, Any], keep: frozenset[str]) -> None:
+    """``d`` without ``cls``'s derived fields (:func:`derived_fields`), nor those of its
+    sub-configs of known class, in place: ``from_dict`` derives them anew from the shrunk sizes."""
+    for key in derived_fields(cls) - keep:
+        d.pop(key, None)
+    for key, sub in (getattr(cls, "sub_configs", {}) or {}).items():
+        if isinstance(d.get(key), dict):
+            _drop_derived(sub, d[key], frozenset())
+
+
+def shrunk_dict(config, keep: frozenset[str] = frozenset(), first_layers: bool = False, unset_tokens: bool = False,
+                rederive: bool = False, **overrides: Any) -> dict[str, Any]:
+    """The dict :func:`shrink_config` builds its config from; ``rederive`` (the back-off's derive
+    mode): without the derived fields (:func:`derived_fields`), which the config derives anew."""
     cls = type(config)
     subs = set(getattr(cls, "sub_configs", {}) or {})
-    d = shrink_dict(default_dict(config), lambda key, value: key in subs, keep, first_layers)
-    d.update({k: getattr(config, k) for k in KEEP.get(getattr(config, "model_type", ""), ())})
+    d = shrink_dict(default_dict(config), lambda key, value: key in subs, keep, first_layers, unset_tokens)
+    if rederive:
+        _drop_derived(cls, d, keep)
+    model_type = getattr(config, "model_type", "")
+    d.update({k: getattr(config, k) for k in KEEP.get(model_type, ())})
+    d.update(OVERRIDES.get(model_type, {}))
     d.update(overrides)
     return d
 
@@ -250,9 +341,23 @@ KEEP: dict[str, tuple[str, ...]] = {
     "cvt": ("depth",),
 }
 
+# Fields a model type sets where the library's default cannot build at all (any size).
+OVERRIDES: dict[str, dict[str, Any]] = {
+    # Lfm2MoeConfig leaves layer_types None (unlike lfm2, it derives none), and every decoder layer
+    # indexes config.layer_types[layer_idx]: the library's default config builds no model. One layer
+    # of each kind the model knows ("conv", else attention), as the rule keeps for hybrids.
+    "lfm2_moe": {"layer_types": ["conv", "full_attention"]},
+    # modeling_efficientnet hard-codes the top conv's width, round_filters(config, 1280) (1280 x
+    # width_coefficient), while the BatchNorm after it and the classifier take config.hidden_dim:
+    # hidden_dim must be 1280 x width_coefficient, a constant of the code no rule can see. The
+    # default (B7: widths x 2.0, depths x 3.1, 64 M parameters) with B0's coefficients (1.0):
+    # 4.0 M parameters at 4 labels.
+    "efficientnet": {"width_coefficient": 1.0, "depth_coefficient": 1.0, "hidden_dim": 1280},
+}
+
 
 def num_parameters(model) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
-__all__ = ["KEEP", "VOCAB", "default_dict", "family", "num_parameters", "shrink_config", "shrink_dict", "shrunk_dict"]
+__all__ = ["KEEP", "OVERRIDES", "VOCAB", "default_dict", "derived_fields", "family", "num_parameters", "shrink_config", "shrink_dict", "shrunk_dict"]

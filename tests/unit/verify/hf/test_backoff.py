@@ -106,3 +106,39 @@ def test_a_fix_beyond_the_parameter_budget_is_not_taken():
 
 def test_changed_fields_are_the_shrunk_ones_in_the_configs_order():
     assert changed_fields(DEFAULT, shrink()) == ["hidden_size", "embedding_size", "num_hidden_layers", "vocab_size", "layer_types"]
+
+
+def _moded(d, **mode):
+    """``d`` shrunk in the modes the back-off asks for, recording them."""
+    _moded.calls.append(mode)
+    out = shrink_dict(d, unset_tokens=mode.get("unset_tokens", False), first_layers=mode.get("first_layers", False))
+    if mode.get("rederive"):
+        out["attention_hidden_size"] = 2 * out["hidden_size"]  # what a __post_init__ would derive
+    return out
+
+
+def test_a_model_reading_an_unset_token_id_gets_the_token_mode():
+    default = dict(DEFAULT, pad_token_id=None)
+    _moded.calls = []
+    d, what = fit(default, lambda keep=frozenset(), **m: _moded(dict(default, **{k: default[k] for k in keep}), **m),
+                  probe_with(lambda d: torch.tensor([1]).ne(d["pad_token_id"])), size)
+    assert d["pad_token_id"] == 0 and what == ("the unset token ids set to 0",)
+
+
+def test_without_unset_token_ids_the_token_mode_is_never_tried():
+    _moded.calls = []
+    with pytest.raises(ValueError, match="never"):
+        fit(DEFAULT, lambda keep=frozenset(), **m: _moded(DEFAULT, **m),
+            probe_with(lambda d: (_ for _ in ()).throw(ValueError("never"))), size)
+    assert {"unset_tokens": True} not in _moded.calls and {"rederive": True} in _moded.calls
+
+
+def test_a_width_pinned_by_the_dict_is_derived_anew_by_the_derive_mode():
+    default = dict(DEFAULT, attention_hidden_size=512)
+
+    def needs_twice(d):
+        if d["attention_hidden_size"] != 2 * d["hidden_size"]:
+            raise RuntimeError(f"size {d['attention_hidden_size']} vs {2 * d['hidden_size']}")
+    _moded.calls = []
+    d, what = fit(default, lambda keep=frozenset(), **m: _moded(default, **m), probe_with(needs_twice), size)
+    assert d["attention_hidden_size"] == 2 * d["hidden_size"] == 64 and what == ("the derived fields derived anew",)

@@ -175,3 +175,96 @@ def test_a_query_key_head_dim_stays_the_sum_of_its_parts():
     out = shrink_dict({"qk_head_dim": 192, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "head_dim": 64})
     assert out["qk_head_dim"] == out["qk_nope_head_dim"] + out["qk_rope_head_dim"] and out["head_dim"] == HIDDEN // 2
     assert shrink_dict({"qk_head_dim": 192})["qk_head_dim"] == HIDDEN // 2  # no parts: the plain rule
+
+
+def test_stages_equal_at_the_default_stay_equal_and_increasing_widths_shrink_as_before():
+    assert shrink_dict({"hidden_sizes": [64, 64, 128, 256, 512]})["hidden_sizes"] == [16, 16, 32, 64, 128]
+    assert shrink_dict({"hidden_sizes": [96, 192, 384, 768]})["hidden_sizes"] == [16, 32, 64, 128]
+    assert shrink_dict({"intermediate_size": [512, 512, 1024]})["intermediate_size"] == [32, 32, 64]
+
+
+def test_channel_fields_follow_the_widths_they_equal_at_the_default():
+    d = {"hidden_sizes": [256, 512, 1024, 2048], "stage_in_channels": [48, 128, 512, 1024],
+         "stage_out_channels": [128, 512, 1024, 2048], "stem_out_channels": 256, "num_channels": 3}
+    out = shrink_dict(d)
+    ins, outs = out["stage_in_channels"], out["stage_out_channels"]
+    assert all(outs[i] == ins[i + 1] for i in range(3))  # a stage's input is the previous stage's output
+    assert outs[-1] == out["hidden_sizes"][-1] and out["stem_out_channels"] == out["hidden_sizes"][0]
+    assert out["num_channels"] == 3 and ins[0] == 48  # no width equals them: left alone
+    # 768 is shrunk to two values (hidden_size 32, the last stage 128): a channel field of 768 is left alone
+    out = shrink_dict({"hidden_size": 768, "hidden_sizes": [96, 192, 384, 768], "out_channels": 768})
+    assert out["out_channels"] == 768
+
+
+def test_an_unset_default_choice_takes_the_first_of_its_list():
+    assert shrink_dict({"languages": ["en_XX", "de_DE"], "default_language": None})["default_language"] == "en_XX"
+    assert shrink_dict({"languages": ["en_XX", "de_DE"], "default_language": "de_DE"})["default_language"] == "de_DE"
+    assert shrink_dict({"default_language": None})["default_language"] is None  # no choices: left unset
+    assert shrink_dict({"languages": [], "default_language": None})["default_language"] is None
+
+
+def test_unset_token_ids_become_zero_only_in_the_token_mode():
+    d = {"vocab_size": 1000, "pad_token_id": None, "mask_token_id": None, "eos_token_id": 2, "text": {"model_type": "x", "pad_token_id": None}}
+    assert shrink_dict(d)["pad_token_id"] is None and shrink_dict(d)["mask_token_id"] is None
+    out = shrink_dict(d, unset_tokens=True)
+    assert (out["pad_token_id"], out["mask_token_id"], out["eos_token_id"], out["text"]["pad_token_id"]) == (0, 0, 2, 0)
+
+
+def _derived_config():
+    from huggingface_hub.dataclasses import strict
+
+    @strict
+    class DerivedConfig(transformers.PreTrainedConfig):
+        """A config of our own that derives a width from its hidden size in __post_init__."""
+
+        model_type = "derived-test"
+        hidden_size: int = 256
+
+        def __post_init__(self, **kwargs):
+            self.attention_hidden_size = 2 * self.hidden_size
+            super().__post_init__(**kwargs)
+
+    return DerivedConfig
+
+
+def test_derived_fields_are_the_attributes_post_init_sets_and_rederive_drops_them():
+    from verify.hf.sizes import derived_fields, shrunk_dict
+
+    cls = _derived_config()
+    assert derived_fields(cls) == {"attention_hidden_size"}
+    pinned = cls.from_dict(shrunk_dict(cls()))
+    assert (pinned.hidden_size, pinned.attention_hidden_size) == (HIDDEN, HIDDEN)  # the dict pins the shrunk value
+    derived = cls.from_dict(shrunk_dict(cls(), rederive=True))
+    assert (derived.hidden_size, derived.attention_hidden_size) == (HIDDEN, 2 * HIDDEN)
+    assert derived_fields(transformers.PretrainedConfig) == frozenset() and derived_fields(dict) == frozenset()
+
+
+def test_a_library_default_that_builds_no_model_gets_its_override():
+    from verify.hf.sizes import OVERRIDES, shrunk_dict
+
+    config = transformers.AutoConfig.for_model("lfm2_moe")
+    assert config.layer_types is None  # the library's default: the model indexes it per layer
+    d = shrunk_dict(config)
+    assert d["layer_types"] == OVERRIDES["lfm2_moe"]["layer_types"] and len(d["layer_types"]) == d["num_hidden_layers"]
+    d = shrunk_dict(transformers.AutoConfig.for_model("efficientnet"))
+    assert d["hidden_dim"] == 1280 * d["width_coefficient"]  # the head's width the model hard-codes
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model_type", ["xmod", "esm", "lfm2_moe", "textnet"])
+def test_types_each_new_rule_fixes_build_and_train_a_step(model_type):
+    """xmod: a default choice; esm: the unset token ids (back-off); lfm2_moe: its override; textnet:
+    stage-width ties, channel fields and per-block lists (the derive mode: the unit tests above,
+    zamba2's build takes 25 s)."""
+    case = hf_case(model_type)
+    model = case.build()
+    assert num_parameters(model) <= BUDGET
+    batch = case.batches(4, 1)[0]
+    case.loss_fn(model(*batch[:-1]), batch[-1]).backward()
+
+
+def test_per_block_lists_of_each_stage_are_cut_to_the_new_depths():
+    d = {"depths": [3, 2], "conv_layer_strides": [[1, 2, 1], [2, 1]], "kernel_sizes": [3, 5], "dilations": [[1, 2], [1, 2, 3]]}
+    out = shrink_dict(d)
+    assert out["depths"] == [1, 1] and out["conv_layer_strides"] == [[1], [2]]  # a stage's first block kept
+    assert out["kernel_sizes"] == [3, 5] and out["dilations"] == [[1, 2], [1, 2, 3]]  # one per stage / not per block: left
