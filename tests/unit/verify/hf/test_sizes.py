@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from verify.hf.sizes import HIDDEN, KEEP, LAYERS, VOCAB, family, num_parameters, shrink_dict
+from verify.hf.sizes import HIDDEN, KEEP, LAYERS, OVERRIDES, VOCAB, derived_fields, family, num_parameters, shrink_dict, shrunk_dict
 
 transformers = pytest.importorskip("transformers")
 
@@ -228,7 +228,6 @@ def _derived_config():
 
 
 def test_derived_fields_are_the_attributes_post_init_sets_and_rederive_drops_them():
-    from verify.hf.sizes import derived_fields, shrunk_dict
 
     cls = _derived_config()
     assert derived_fields(cls) == {"attention_hidden_size"}
@@ -240,7 +239,6 @@ def test_derived_fields_are_the_attributes_post_init_sets_and_rederive_drops_the
 
 
 def test_a_library_default_that_builds_no_model_gets_its_override():
-    from verify.hf.sizes import OVERRIDES, shrunk_dict
 
     config = transformers.AutoConfig.for_model("lfm2_moe")
     assert config.layer_types is None  # the library's default: the model indexes it per layer
