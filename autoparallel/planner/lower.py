@@ -66,6 +66,7 @@ from autoparallel.passes.permuted_split_cat import permuted_split_cat
 from autoparallel.planner.graph import ALIAS, PlanningGraph
 from autoparallel.planner.plan import Plan, parse_placement
 from autoparallel.planner.strategies import PLANNER_RULES, divides, is_undroppable_random
+from autoparallel.planner.strided import has_strided, piece, sharded_dim
 
 log = logging.getLogger(__name__)
 
@@ -173,11 +174,15 @@ def local_shape(val: torch.Tensor, placements: Placements, mesh: ParallelMesh) -
 
 
 def shard_tensor(full: torch.Tensor, placements: Placements, mesh: ParallelMesh) -> torch.Tensor:
-    """This rank's piece of ``full`` under ``placements`` (Replicate/Shard only; no communication)."""
+    """This rank's piece of ``full`` under ``placements`` (Replicate/Shard, or the strided shards of
+    ``autoparallel.planner.strided``; no communication)."""
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-    if any(not (p.is_replicate() or p.is_shard()) for p in placements):
+    if any(not (p.is_replicate() or p.is_shard() or sharded_dim(p) is not None) for p in placements):
         raise ValueError(f"shard_tensor takes Replicate/Shard placements, got {placements}")
+    if has_strided(placements):
+        dm = mesh.device_mesh
+        return piece(full, placements, tuple(int(s) for s in dm.shape), dm.get_coordinate()).contiguous().clone()
     shape, offset = compute_local_shape_and_global_offset(full.shape, mesh.device_mesh, placements)
     index = tuple(slice(o, o + s) for o, s in zip(offset, shape, strict=True))
     return full[index].contiguous().clone()
@@ -225,15 +230,10 @@ class PlacedInterpreter(fx.Interpreter):
 
     def move(self, value: torch.Tensor, val: torch.Tensor, src: Placements, dst: Placements) -> torch.Tensor:
         """``value`` (local, placed ``src``) redistributed to ``dst``; ``val`` the global value."""
-        from torch.distributed.tensor._redistribute import redistribute_local_tensor
-
         if src == dst:
             return value
         self.report.moved_inputs += 1
-        meta = _meta(val)
-        dm = self.mesh.device_mesh
-        moved = redistribute_local_tensor(value, DTensorSpec(dm, src, tensor_meta=meta), DTensorSpec(dm, dst, tensor_meta=meta))
-        return in_layout_of(moved, val)
+        return move_local(value, val, src, dst, self.mesh.device_mesh)
 
     def _moved_inputs(self, node: fx.Node, args, kwargs):
         """(args, kwargs) with each tensor input moved to the placement ``node`` wants, and the
@@ -344,6 +344,17 @@ class PlacedInterpreter(fx.Interpreter):
             if isinstance(src, fx.Node) and planned[i] is not None:
                 values[i] = self.move(value, src.meta[M.VAL], self._out_of(src), planned[i])
         return values
+
+
+def move_local(value: torch.Tensor, val: torch.Tensor, src: Placements, dst: Placements, device_mesh) -> torch.Tensor:
+    """One move of the lowering: ``value`` (this rank's piece of a tensor like ``val``, placed
+    ``src``) as its piece under ``dst``, by DTensor's redistribution of local tensors (one
+    collective per mesh dim inside :class:`PlacedInterpreter`'s run), in ``val``'s layout."""
+    from torch.distributed.tensor._redistribute import redistribute_local_tensor
+
+    meta = _meta(val)
+    moved = redistribute_local_tensor(value, DTensorSpec(device_mesh, src, tensor_meta=meta), DTensorSpec(device_mesh, dst, tensor_meta=meta))
+    return in_layout_of(moved, val)
 
 
 def refuse_sharded_inputs(node: fx.Node, key: str | None, ins: Sequence[Placements]) -> None:
@@ -587,6 +598,7 @@ __all__ = [
     "local_placeholders",
     "local_shape",
     "lower_plan",
+    "move_local",
     "node_placements",
     "shard_tensor",
 ]
