@@ -14,7 +14,10 @@ module makes it:
   ``fuse_chained_allgathers`` fuses later and that the plan's predicted bytes count per dim).
   The op then runs through DTensor's dispatch on the redistributed inputs, so shape arguments of
   views and reductions are localized by DTensor's own rules; ops with no DTensor strategy (the
-  planner's own rules: CPU SDPA) run on the local tensors directly. So do the plan's replicated
+  planner's own rules: CPU SDPA) run on the local tensors directly, and so, with
+  ``AUTOPARALLEL_LOWERING=replay``, do the ops the plan fully determines
+  (``autoparallel.planner.replay``: elementwise ops in their output's placement, matmuls,
+  transpositions). So do the plan's replicated
   fallbacks (``Plan.fallbacks``: an op with no strategy, a random op that is not a dropout) on
   inputs gathered to ``Replicate``: the whole op on every rank, its output then split to the
   plan's placement; a plan that feeds one a sharded input is refused (a random op would draw on a
