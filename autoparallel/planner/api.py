@@ -54,6 +54,7 @@ from autoparallel.planner.problem import (
 )
 from autoparallel.planner.profile import DeviceProfile, get_profile
 from autoparallel.planner.strategies import StrategyEnumerator, placements_str
+from autoparallel.planner.strided import has_strided, strided_variants
 
 log = logging.getLogger(__name__)
 
@@ -175,15 +176,16 @@ class Planner:
             progress=progress,
         )
 
-    def graph(self, mesh: ParallelMesh, profile: DeviceProfile, say: Progress, *, local_loss: bool = False) -> tuple[Graph, CostModel, float]:
+    def graph(self, mesh: ParallelMesh, profile: DeviceProfile, say: Progress, *, local_loss: bool = False,
+              strided: bool = False) -> tuple[Graph, CostModel, float]:
         import json
 
-        key = (mesh.spec, json.dumps(profile.to_json(), sort_keys=True), local_loss)
+        key = (mesh.spec, json.dumps(profile.to_json(), sort_keys=True), local_loss, strided)
         if key not in self._graphs:
             t0 = time.perf_counter()
             costs = CostModel(profile, mesh.spec, mesh.device_mesh)
             enumerator = StrategyEnumerator(mesh.device_mesh)
-            graph = build_nodes(self.pg, costs, enumerator, local_loss=local_loss)
+            graph = build_nodes(self.pg, costs, enumerator, local_loss=local_loss, strided=strided)
             if self.expansion is not None:
                 container, keep, total = self.expansion
                 try:
@@ -196,7 +198,7 @@ class Planner:
                     self.trace_seconds += time.perf_counter() - t1
                     self.expansion = None
                     self._graphs.clear()
-                    return self.graph(mesh, profile, say, local_loss=local_loss)
+                    return self.graph(mesh, profile, say, local_loss=local_loss, strided=strided)
             seconds = time.perf_counter() - t0
             say(f"strategies for {len(graph.nodes)} nodes in {seconds:.2f}s ({enumerator.calls - enumerator.hits} distinct ops)")
             self._graphs[key] = (graph, costs, seconds)
@@ -207,7 +209,8 @@ class Planner:
         mesh = mesh or self.pg.mesh
         say = progress or (lambda msg: log.info("%s", msg))
         profile = get_profile(config.profile)
-        graph, costs, strat_s = self.graph(mesh, profile, say, local_loss=LOSS_KEY in config.pins)
+        strided = any(has_strided(_parse_pin(spec, mesh.spec.names, name)) for name, spec in config.pins.items())
+        graph, costs, strat_s = self.graph(mesh, profile, say, local_loss=LOSS_KEY in config.pins, strided=strided)
         t1 = time.perf_counter()
         pins = resolve_pins(graph, config.pins)
         if config.even_shards:
@@ -502,11 +505,16 @@ def _us(v: float) -> str:
 # --- hand plans under the same cost model ------------------------------------------------------------
 
 
-def hand_plan_pins(hand, model: nn.Module, spec: MeshSpec) -> dict[str, tuple[Placement, ...]]:
+def hand_plan_pins(hand, model: nn.Module, spec: MeshSpec, *, strided: bool = False) -> dict[str, tuple[Placement, ...]]:
     """Placements a hand ``ParallelPlan`` gives every parameter, and the batch split of inputs.
 
-    TP shards dim 0 (colwise) or 1 (rowwise) over the TP dim, FSDP shards dim 0 over its dim
-    (DTensor order: the FSDP dim outer when it precedes the TP dim in the mesh), DDP replicates.
+    TP shards dim 0 (colwise) or 1 (rowwise) over the TP dim, FSDP shards dim 0 over its dim,
+    DDP replicates. Where both shard dim 0 and the FSDP dim precedes the TP dim in the mesh, plain
+    ``Shard(0)`` on both means DTensor's mesh order (the TP shard of the FSDP shard); ``strided``
+    gives the hand plan's own layout there, the FSDP shard of the TP shard as FSDP2 + TP lay it
+    out: ``_StridedShard(0, split_factor=tp size)`` on the FSDP dim (``autoparallel.planner.strided``),
+    where dim 0 divides evenly (the strided candidates are even only). ``evaluate_hand_plan`` prices
+    the plain form: the plan checker and unpinned plans know no strided shard.
     """
     spec = MeshSpec.parse(spec)
     shardings = hand.resolve(model, spec)
@@ -519,6 +527,10 @@ def hand_plan_pins(hand, model: nn.Module, spec: MeshSpec) -> dict[str, tuple[Pl
         if sh.fsdp_dim is not None:
             pl[names.index(sh.fsdp_dim)] = Shard(0)
         pins[fqn] = tuple(pl)
+        if strided and sh.tp_style is not None and sh.fsdp_dim is not None and names.index(sh.fsdp_dim) < names.index(sh.tp_dim):
+            rows = model.get_parameter(fqn).shape[0]
+            if rows % (spec.shape[names.index(sh.fsdp_dim)] * spec.shape[names.index(sh.tp_dim)]) == 0:
+                pins[fqn] = next(iter(strided_variants(pins[fqn], spec.shape)), pins[fqn])
     return pins
 
 

@@ -26,12 +26,13 @@ import numpy as np
 import torch
 from torch import fx
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
-from torch.distributed.tensor.placement_types import Partial, Placement, Replicate, Shard
+from torch.distributed.tensor.placement_types import Partial, Placement, Replicate, Shard, _StridedShard
 
 from autoparallel.mesh import MeshSpec
 from autoparallel.passes.overlap_estimator import RooflineConfig, RooflineEstimator
 from autoparallel.planner.profile import DeviceProfile
 from autoparallel.planner.strategies import Candidate, Placements
+from autoparallel.planner.strided import sharded_dim
 
 INF = math.inf
 
@@ -71,8 +72,9 @@ def local_shape(shape: Sequence[int], placements: Placements, sizes: Sequence[in
     """Per-rank shape under ``placements`` (padded: ceil division, mesh dims in order)."""
     out = list(shape)
     for p, n in zip(placements, sizes, strict=True):
-        if isinstance(p, Shard):
-            out[p.dim] = -(-out[p.dim] // n)
+        d = sharded_dim(p)
+        if d is not None:
+            out[d] = -(-out[d] // n)
     return out
 
 
@@ -252,9 +254,12 @@ class CostModel:
         return tuple((info.mesh_dim, self.code(info.src_dst_placements[0]), self.code(info.src_dst_placements[1])) for info in infos)
 
     def code(self, p: Placement) -> tuple:
-        """A placement as a plain tuple: ``("R",)``, ``("S", d)``, ``("P", text)``."""
+        """A placement as a plain tuple: ``("R",)``, ``("S", d)``, ``("P", text)``; a strided
+        shard ``("S", d, split_factor)`` (a shard to every step's pricing, its own pattern)."""
         if isinstance(p, Shard):
             return ("S", p.dim)
+        if isinstance(p, _StridedShard):
+            return ("S", p.dim, p.split_factor)
         if isinstance(p, Replicate):
             return ("R",)
         if isinstance(p, Partial):
@@ -264,13 +269,17 @@ class CostModel:
         raise ValueError(f"the planner does not price placement {p!r}")
 
     def placements(self, codes: tuple) -> Placements:
-        return tuple(Shard(c[1]) if c[0] == "S" else Replicate() if c[0] == "R" else self._partials[c[1]] for c in codes)
+        return tuple(_shard(c) if c[0] == "S" else Replicate() if c[0] == "R" else self._partials[c[1]] for c in codes)
+
+
+def _shard(code: tuple) -> Placement:
+    return Shard(code[1]) if len(code) == 2 else _StridedShard(code[1], split_factor=code[2])
 
 
 def _renumber(codes, renum: dict[int, int]):
     if codes and isinstance(codes[0], str):  # a single code
-        return ("S", renum[codes[1]]) if codes[0] == "S" else codes
-    return tuple(("S", renum[c[1]]) if c[0] == "S" else c for c in codes)
+        return ("S", renum[codes[1]], *codes[2:]) if codes[0] == "S" else codes
+    return tuple(("S", renum[c[1]], *c[2:]) if c[0] == "S" else c for c in codes)
 
 
 def _step_kind(a: str, b: str, before: int, after: int, n: int) -> tuple[str | None, int | None]:

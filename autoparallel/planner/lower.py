@@ -14,7 +14,10 @@ module makes it:
   ``fuse_chained_allgathers`` fuses later and that the plan's predicted bytes count per dim).
   The op then runs through DTensor's dispatch on the redistributed inputs, so shape arguments of
   views and reductions are localized by DTensor's own rules; ops with no DTensor strategy (the
-  planner's own rules: CPU SDPA) run on the local tensors directly. So do the plan's replicated
+  planner's own rules: CPU SDPA) run on the local tensors directly, and so, with
+  ``AUTOPARALLEL_LOWERING=replay``, do the ops the plan fully determines
+  (``autoparallel.planner.replay``: elementwise ops in their output's placement, matmuls,
+  transpositions). So do the plan's replicated
   fallbacks (``Plan.fallbacks``: an op with no strategy, a random op that is not a dropout) on
   inputs gathered to ``Replicate``: the whole op on every rank, its output then split to the
   plan's placement; a plan that feeds one a sharded input is refused (a random op would draw on a
@@ -66,6 +69,8 @@ from autoparallel.passes.permuted_split_cat import permuted_split_cat
 from autoparallel.planner.graph import ALIAS, PlanningGraph
 from autoparallel.planner.plan import Plan, parse_placement
 from autoparallel.planner.strategies import PLANNER_RULES, divides, is_undroppable_random
+from autoparallel.planner.replay import replay_enabled, replays
+from autoparallel.planner.strided import has_strided, piece, sharded_dim
 
 log = logging.getLogger(__name__)
 
@@ -95,11 +100,13 @@ class LoweringReport:
     nodes_after: int = 0
     seconds: float = 0.0
     split_cats: int = 0  # split -> getitems -> cat moves made one permuted copy (passes/permuted_split_cat.py)
+    replayed: int = 0  # ops run as their local op, not through DTensor (planner/replay.py, AUTOPARALLEL_LOWERING=replay)
 
     def summary(self) -> str:
         fixed = f", {len(self.fixed_outputs)} outputs redistributed to the plan" if self.fixed_outputs else ""
         copies = f", {self.split_cats} split -> cat moves as permuted copies" if self.split_cats else ""
-        return f"{self.nodes_before} unsharded nodes -> {self.nodes_after} per-rank nodes; {self.moved_inputs} inputs redistributed{fixed}{copies}"
+        replayed = f", {self.replayed} ops replayed locally" if self.replayed else ""
+        return f"{self.nodes_before} unsharded nodes -> {self.nodes_after} per-rank nodes; {self.moved_inputs} inputs redistributed{fixed}{copies}{replayed}"
 
 
 def decode(d: Mapping[str, str] | None, names: Sequence[str]) -> Placements | None:
@@ -173,11 +180,15 @@ def local_shape(val: torch.Tensor, placements: Placements, mesh: ParallelMesh) -
 
 
 def shard_tensor(full: torch.Tensor, placements: Placements, mesh: ParallelMesh) -> torch.Tensor:
-    """This rank's piece of ``full`` under ``placements`` (Replicate/Shard only; no communication)."""
+    """This rank's piece of ``full`` under ``placements`` (Replicate/Shard, or the strided shards of
+    ``autoparallel.planner.strided``; no communication)."""
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-    if any(not (p.is_replicate() or p.is_shard()) for p in placements):
+    if any(not (p.is_replicate() or p.is_shard() or sharded_dim(p) is not None) for p in placements):
         raise ValueError(f"shard_tensor takes Replicate/Shard placements, got {placements}")
+    if has_strided(placements):
+        dm = mesh.device_mesh
+        return piece(full, placements, tuple(int(s) for s in dm.shape), dm.get_coordinate()).contiguous().clone()
     shape, offset = compute_local_shape_and_global_offset(full.shape, mesh.device_mesh, placements)
     index = tuple(slice(o, o + s) for o, s in zip(offset, shape, strict=True))
     return full[index].contiguous().clone()
@@ -191,12 +202,13 @@ class PlacedInterpreter(fx.Interpreter):
     """
 
     def __init__(self, gm: fx.GraphModule, placed: Mapping[fx.Node, NodePlacements], mesh: ParallelMesh, keys: Mapping[str, str],
-                 fallbacks: Collection[str] = ()):
+                 fallbacks: Collection[str] = (), *, replay: bool = False):
         super().__init__(gm, garbage_collect_values=True)
         self.placed = placed
         self.mesh = mesh
         self.keys = keys
         self.fallbacks = frozenset(fallbacks)  # canonical keys of the plan's replicated fallbacks
+        self.replay = replay  # ops that autoparallel.planner.replay names run as their local op, not through DTensor
         self.report = LoweringReport(nodes_before=len(gm.graph.nodes))
         self._node: fx.Node | None = None
 
@@ -225,15 +237,10 @@ class PlacedInterpreter(fx.Interpreter):
 
     def move(self, value: torch.Tensor, val: torch.Tensor, src: Placements, dst: Placements) -> torch.Tensor:
         """``value`` (local, placed ``src``) redistributed to ``dst``; ``val`` the global value."""
-        from torch.distributed.tensor._redistribute import redistribute_local_tensor
-
         if src == dst:
             return value
         self.report.moved_inputs += 1
-        meta = _meta(val)
-        dm = self.mesh.device_mesh
-        moved = redistribute_local_tensor(value, DTensorSpec(dm, src, tensor_meta=meta), DTensorSpec(dm, dst, tensor_meta=meta))
-        return in_layout_of(moved, val)
+        return move_local(value, val, src, dst, self.mesh.device_mesh)
 
     def _moved_inputs(self, node: fx.Node, args, kwargs):
         """(args, kwargs) with each tensor input moved to the placement ``node`` wants, and the
@@ -276,6 +283,9 @@ class PlacedInterpreter(fx.Interpreter):
             return super().call_function(target, args, kwargs)
         if self.keys.get(node.name) in self.fallbacks or is_undroppable_random(target):
             return self._replicated(node, target, args, kwargs, tensors, planned)
+        if self.replay and replays(node, [v for _, v, _ in tensors], [pl for _, _, pl in tensors], planned):
+            self.report.replayed += 1
+            return super().call_function(target, args, kwargs)
         return self._via_dtensor(node, target, args, kwargs, planned)
 
     def get_attr(self, target, args, kwargs):
@@ -344,6 +354,17 @@ class PlacedInterpreter(fx.Interpreter):
             if isinstance(src, fx.Node) and planned[i] is not None:
                 values[i] = self.move(value, src.meta[M.VAL], self._out_of(src), planned[i])
         return values
+
+
+def move_local(value: torch.Tensor, val: torch.Tensor, src: Placements, dst: Placements, device_mesh) -> torch.Tensor:
+    """One move of the lowering: ``value`` (this rank's piece of a tensor like ``val``, placed
+    ``src``) as its piece under ``dst``, by DTensor's redistribution of local tensors (one
+    collective per mesh dim inside :class:`PlacedInterpreter`'s run), in ``val``'s layout."""
+    from torch.distributed.tensor._redistribute import redistribute_local_tensor
+
+    meta = _meta(val)
+    moved = redistribute_local_tensor(value, DTensorSpec(device_mesh, src, tensor_meta=meta), DTensorSpec(device_mesh, dst, tensor_meta=meta))
+    return in_layout_of(moved, val)
 
 
 def refuse_sharded_inputs(node: fx.Node, key: str | None, ins: Sequence[Placements]) -> None:
@@ -464,10 +485,11 @@ def _swap_into_export(jd, gm: fx.GraphModule) -> None:
     state.fw_metadata.subclass_tangent_meta = create_subclass_meta(tangents, count_symints=False, with_memory_format=True)
 
 
-def lower_plan(pg: PlanningGraph, plan: Plan, parallel_plan: ParallelPlan) -> tuple[JointGraph, LoweringReport]:
+def lower_plan(pg: PlanningGraph, plan: Plan, parallel_plan: ParallelPlan, *, replay: bool | None = None) -> tuple[JointGraph, LoweringReport]:
     """The per-rank joint graph of ``plan`` on ``pg`` (traced with ``keep_joint=True``), as a
     :class:`JointGraph` every later stage takes; consumes ``pg.joint`` (its export now compiles
-    the lowered graph)."""
+    the lowered graph). ``replay`` (None: ``AUTOPARALLEL_LOWERING``) runs the ops
+    ``autoparallel.planner.replay`` names as their local op."""
     from torch.fx.experimental.proxy_tensor import make_fx
 
     jg = pg.joint
@@ -486,7 +508,7 @@ def lower_plan(pg: PlanningGraph, plan: Plan, parallel_plan: ParallelPlan) -> tu
     args = local_placeholders(pg, placed, fake_local)
     sink_placeholder_aliases(pg.graph)
     _mark_planned_nodes(pg)
-    interp = PlacedInterpreter(pg.gm, placed, pg.mesh, pg.keys, plan.fallbacks)
+    interp = PlacedInterpreter(pg.gm, placed, pg.mesh, pg.keys, plan.fallbacks, replay=replay_enabled() if replay is None else replay)
 
     def run(*a):
         return interp.run(*a, enable_io_processing=False)
@@ -587,6 +609,7 @@ __all__ = [
     "local_placeholders",
     "local_shape",
     "lower_plan",
+    "move_local",
     "node_placements",
     "shard_tensor",
 ]

@@ -64,17 +64,22 @@ def placement_text(p: Placement) -> str:
 
 
 _SHARD = re.compile(r"^S\((\d+)\)$")
+_STRIDED = re.compile(r"^_S\((\d+), (\d+)\)$")  # str(_StridedShard(d, split_factor=f)): _S(d, f)
 _PARTIAL = re.compile(r"^P\((\w+)\)$")
 _MASK = re.compile(r"^MaskP\((\w+), (.*), (-?\d+)\)$")
 
 
 def parse_placement(text: str) -> Placement:
-    """The Placement a plan spells as ``text`` (``R``, ``S(d)``, ``P(op)``, ``MaskP(...)``)."""
+    """The Placement a plan spells as ``text`` (``R``, ``S(d)``, ``_S(d, split_factor)``, ``P(op)``, ``MaskP(...)``)."""
     text = text.strip()
     if text == "R":
         return Replicate()
     if m := _SHARD.match(text):
         return Shard(int(m.group(1)))
+    if m := _STRIDED.match(text):
+        from torch.distributed.tensor.placement_types import _StridedShard
+
+        return _StridedShard(int(m.group(1)), split_factor=int(m.group(2)))
     if m := _PARTIAL.match(text):
         return Partial(m.group(1))
     if m := _MASK.match(text):
@@ -82,7 +87,7 @@ def parse_placement(text: str) -> Placement:
 
         shape = ast.literal_eval(m.group(2))
         return _MaskPartial(offset_shape=shape, offset_dim=int(m.group(3)), reduce_op=m.group(1))
-    raise ValueError(f"bad placement {text!r}: expected R, S(d), P(op) or MaskP(op, shape, dim)")
+    raise ValueError(f"bad placement {text!r}: expected R, S(d), _S(d, split_factor), P(op) or MaskP(op, shape, dim)")
 
 
 def by_dim(placements: Sequence[Placement] | None, names: Sequence[str]) -> dict[str, str] | None:

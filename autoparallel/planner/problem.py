@@ -106,11 +106,14 @@ def _distinct(items):
     return list(dict.fromkeys(items))
 
 
-def build_nodes(pg: PlanningGraph, costs: CostModel, enumerator: StrategyEnumerator, *, local_loss: bool = False) -> Graph:
+def build_nodes(pg: PlanningGraph, costs: CostModel, enumerator: StrategyEnumerator, *, local_loss: bool = False,
+                strided: bool = False) -> Graph:
     """Candidates and compute costs of every node, in graph order. The loss output is Replicate
     (the global loss); ``local_loss`` also offers ``P(avg)`` over any set of mesh dims, each rank
     keeping its local mean as a hand FSDP plan does (only for a pin: offered always, every plan
-    would take it to save the loss's all-reduce)."""
+    would take it to save the loss's all-reduce). ``strided`` also offers parameters the
+    FSDP-order ``_StridedShard`` layouts (``autoparallel.planner.strided``; for a pin of a hand
+    FSDP+TP layout: unpinned plans, their goldens and the plan checker keep plain shards)."""
     import time
 
     from torch._functorch._aot_autograd import descriptors as D
@@ -138,7 +141,7 @@ def build_nodes(pg: PlanningGraph, costs: CostModel, enumerator: StrategyEnumera
         )
         if node.op == "placeholder":
             role = node.meta.get(M.ROLE) or ""
-            cands = placeholder_candidates(metas[0], sizes, padded_dim0=roles.is_param(role))
+            cands = placeholder_candidates(metas[0], sizes, padded_dim0=roles.is_param(role), strided=strided and roles.is_param(role))
             pn = PNode(kind=PLACEHOLDER, op="placeholder", candidates=cands, compute_us=np.zeros(len(cands)), **common)
             desc = node.meta.get(M.DESC)
             if desc is not None:

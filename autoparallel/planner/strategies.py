@@ -21,7 +21,8 @@ outputs and the placements it needs its tensor inputs in), in a deterministic or
 * Placeholders: every tuple of ``Replicate``/``Shard(d)`` over the mesh. Parameters also get
   *padded* ``Shard(0)`` where dim 0 does not divide (FSDP2 pads dim 0 to a multiple of the mesh
   dim), priced by its real, padded bytes.
-* Candidates that do not divide are dropped, as are ``_StridedShard`` and mixed partial types.
+* Candidates that do not divide are dropped, as are ``_StridedShard`` and mixed partial types
+  (a parameter may be offered its FSDP-order strided layout, ``strided=True``, when a pin asks).
 * ``getitem`` follows its producer candidate by candidate; ``aten.alias`` (inserted before
   multi-user nodes) may take any placement; graph outputs take the placements of the
   parameter (gradients) or ``Replicate`` (the loss).
@@ -50,6 +51,7 @@ from torch.distributed.tensor.placement_types import (
 from autoparallel import meta as M
 from autoparallel.ac import is_random
 from autoparallel.planner.graph import ALIAS, tensor_args
+from autoparallel.planner.strided import sharded_dim, strided_variants
 
 log = logging.getLogger(__name__)
 
@@ -119,10 +121,11 @@ def shard_counts(placements: Placements, sizes: Sequence[int], ndim: int) -> lis
     """Number of shards per tensor dim (None if a placement names a dim the tensor lacks)."""
     counts = [1] * ndim
     for p, n in zip(placements, sizes, strict=True):
-        if isinstance(p, Shard):
-            if not 0 <= p.dim < ndim:
+        d = sharded_dim(p)
+        if d is not None:
+            if not 0 <= d < ndim:
                 return None
-            counts[p.dim] *= n
+            counts[d] *= n
     return counts
 
 
@@ -464,12 +467,16 @@ def constant_candidates(sizes: Sequence[int]) -> list[Candidate]:
     return [Candidate((replicated(len(sizes)),), ())]
 
 
-def placeholder_candidates(meta: TensorMeta, sizes: Sequence[int], *, padded_dim0: bool) -> list[Candidate]:
-    """Every Replicate/Shard tuple that divides (padded Shard(0) allowed for parameters)."""
+def placeholder_candidates(meta: TensorMeta, sizes: Sequence[int], *, padded_dim0: bool, strided: bool = False) -> list[Candidate]:
+    """Every Replicate/Shard tuple that divides (padded Shard(0) allowed for parameters); with
+    ``strided``, after them the FSDP-order variant (``autoparallel.planner.strided``) of each
+    tuple that divides evenly and shards a dim on two mesh dims."""
     out = []
     for pl in all_placements(len(meta.shape), len(sizes)):
         if divides(pl, meta.shape, sizes, pad_dim0=padded_dim0):
             out.append(Candidate((pl,), ()))
+    if strided:
+        out += [Candidate((v,), ()) for c in list(out) if divides(c.outs[0], meta.shape, sizes) for v in strided_variants(c.outs[0], sizes)]
     return out
 
 

@@ -278,6 +278,12 @@ def _run_lockstep(gms: Sequence[fx.GraphModule], args: list[PerRank], record: di
     return result
 
 
+def run_ranks(gms: Sequence[fx.GraphModule], args: Sequence[PerRank]) -> list[PerRank]:
+    """Rank r's graph ``gms[r]`` on ``args`` (one value per rank per placeholder), in lockstep in
+    the running fake world: its outputs, one value per rank (graphs without roles: a move)."""
+    return _run_lockstep(gms, list(args), None, "")
+
+
 def _run_local_tensor(gm: fx.GraphModule, args: list[PerRank], record: dict | None, prefix: str) -> list[PerRank]:
     from torch.distributed._local_tensor import LocalTensor, LocalTensorMode
 
@@ -603,5 +609,6 @@ __all__ = [
     "random_tensor",
     "run_graph",
     "run_program",
+    "run_ranks",
     "simulated_world",
 ]

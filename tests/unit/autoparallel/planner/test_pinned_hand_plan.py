@@ -2,19 +2,17 @@
 same placements, the same graph"), on an MLP that is not LLaMA, at shapes where the cost model
 does not gather everything (1024 -> 4096 -> 1024, batch 4096, dp=2,tp=2).
 
-The pins are the hand plan's parameter placements (``hand_plan_pins``) and its batch split, as
-``evaluate_hand_plan`` pins them. Two things keep them from the hand graph (docs/lean-planned.md):
+The pins are the hand plan's parameter placements (``hand_plan_pins(..., strided=True)``: its
+own layout) and its batch split. Two things kept them from the hand graph (docs/lean-planned.md):
 
-* layout order: on ``dp=2,tp=2`` the pin ``dp:S(0) tp:S(0)`` of the colwise ``up.weight`` is
-  DTensor's dp-major order, while the hand plan holds the FSDP shard of the TP shard (tp-major, a
-  ``_StridedShard`` the planner has no candidate for): the pinned plan gathers the weight over tp
-  too and splits its block locally (74 nodes against 42). On ``tp=2,dp=2`` DTensor's order is the
-  hand plan's, and the graphs match but for the loss (46 nodes against 42);
+* layout order: on ``dp=2,tp=2`` the plain pin ``dp:S(0) tp:S(0)`` of the colwise ``up.weight``
+  is DTensor's dp-major order, while the hand plan holds the FSDP shard of the TP shard: the
+  pinned plan gathered the weight over tp too and split its block locally (74 nodes against 42).
+  The strided pin ``dp:_S(0, 2) tp:S(0)`` (``autoparallel.planner.strided``) is the hand layout;
+  on ``tp=2,dp=2`` DTensor's order is the hand plan's with plain shards;
 * the loss: the planner's loss output is Replicate (the global mean, an all-reduce over dp); the
   hand plan keeps each rank's local mean and averages gradients in the reduce-scatter.
-
-Pinning ``out:loss`` (``LOSS_KEY``) to ``P(avg)`` over dp offers the planner the hand convention.
-The dp,tp test is a strict xfail that states the target; the tp,dp tests pin the part that holds.
+  Pinning ``out:loss`` (``LOSS_KEY``) to ``P(avg)`` over dp offers the planner the hand convention.
 """
 
 from __future__ import annotations
@@ -59,29 +57,34 @@ def _cleanup(model, batch, plan, mesh):
     return P.run_pipeline(model, _mse, batch, plan, mesh, P.PipelineOptions(), until=STEP_CLEANUP).stage(STEP_CLEANUP).graphs
 
 
-def _hand_and_pinned(mesh: str, *, local_loss: bool = False):
-    """Clean-up graphs of the hand plan and of auto pinned to its parameter and input placements."""
+def _hand_and_pinned(mesh: str, *, local_loss: bool = False, strided: bool = True, hand: bool = True):
+    """Clean-up graphs of the hand plan (None with ``hand=False``) and of auto pinned to its
+    parameter and input placements (``strided=False``: the plain, DTensor mesh-order pins)."""
     with torch.device("meta"):
         model = WideMLP()
     g = torch.Generator().manual_seed(0)
     batch = (torch.randn(B, H, generator=g), torch.randn(B, H, generator=g))
     spec = MeshSpec.parse(mesh)
-    pins = dict(hand_plan_pins(HAND, model, spec))
+    pins = dict(hand_plan_pins(HAND, model, spec, strided=strided))
     for i, _ in enumerate(batch):
         pins[roles.input_(i)] = tuple(Shard(0) if n in HAND.data_dims else Replicate() for n in spec.names)
     if local_loss:  # each rank keeps its local mean, as the hand plan does
         pins[LOSS_KEY] = tuple(Partial("avg") if n in HAND.data_dims else Replicate() for n in spec.names)
-    hand = _cleanup(model, batch, HAND, mesh)
+    hand = _cleanup(model, batch, HAND, mesh) if hand else None
     auto = _cleanup(model, batch, ParallelPlan.auto(pins=pins, memory_budget=float("inf"), even_shards=False), mesh)
     return hand, auto
 
 
-@pytest.mark.slow  # two pipeline runs to the clean-up at 4096-wide shapes (~20 s): CI's slow step
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason="issue 44: a dp-major pin of a tp-major hand layout (_StridedShard)")
+@pytest.mark.slow  # three pipeline runs to the clean-up at 4096-wide shapes (~30 s): CI's slow step
 def test_auto_pinned_to_the_hand_placements_gives_the_hand_graph():
+    """On ``dp=2,tp=2`` the strided pin is the hand layout: the hand plan's collectives within 10 %
+    of its nodes. The plain (dp-major) pin of the same weights is not: it gathers over tp too."""
     hand, auto = _hand_and_pinned(MESH, local_loss=True)
     assert _collectives(auto) == _collectives(hand)
     assert len(auto.graph.nodes) <= 1.10 * len(hand.graph.nodes)
+    _, plain = _hand_and_pinned(MESH, local_loss=True, strided=False, hand=False)
+    assert _collectives(plain).get("all_gather", {}).get("tp"), "the dp-major pin no longer gathers over tp: is it still dp-major?"
+    assert len(plain.graph.nodes) > 1.10 * len(hand.graph.nodes)
 
 
 @pytest.mark.slow  # two pipeline runs to the clean-up at 4096-wide shapes (~20 s): CI's slow step
