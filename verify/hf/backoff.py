@@ -2,8 +2,9 @@
 
 Some configs tie attributes to each other (a validator wants two sizes to agree, a forward
 wants a channel count another field sets): shrinking each to its test size may break the tie.
-Only when the shrunk config fails (to build or to run one eager step), :func:`fit` finds which
-shrunk fields cause it: it restores one field at a time to the library's default, the others
+Only when the shrunk config fails (to build or to run one eager step), :func:`fit` first tries the
+repairs it is given (:mod:`verify.hf.repairs`: a failure read as a tie or a missing field), then finds
+which shrunk fields cause it: it restores one field at a time to the library's default, the others
 still shrunk (the rule re-derives what follows them), then tries the other shrink mode (the first
 layers kept instead of one of each kind), and keeps the first candidate that passes within a
 parameter budget. Nothing is cached; the order of the tries is the config's field order, the
@@ -36,17 +37,46 @@ def _mentioned(error: BaseException, default: dict[str, Any], shrunk: dict[str, 
     return any(str(v) in numbers for v in (default.get(key), shrunk.get(key)) if isinstance(v, int))
 
 
+Repair = Callable[[dict[str, Any], dict[str, Any], BaseException], "dict[str, Any] | None"]
+MAX_REPAIRS = 4  # repairs chained at most (each may uncover the next failure)
+
+
+def repair(default: dict[str, Any], shrunk: dict[str, Any], error: BaseException, probe, size, repairs: tuple[Repair, ...],
+           budget: int = BUDGET) -> tuple[dict[str, Any], tuple[str, ...]] | None:
+    """``(dict, the repairs applied)``: ``shrunk`` after the first repair of ``repairs`` that applies
+    to ``error``, chained while each uncovers a new failure (at most :data:`MAX_REPAIRS`), once one
+    passes ``probe`` within ``budget``; None when none leads there."""
+    d, applied = shrunk, ()
+    for _ in range(MAX_REPAIRS):
+        fixed = next(((r.__name__, out) for r in repairs if (out := r(default, d, error)) is not None), None)
+        if fixed is None:
+            return None
+        applied, d = (*applied, fixed[0]), fixed[1]
+        try:
+            error = probe(d) if size(d) <= budget else None
+        except Exception:  # noqa: BLE001 - a repaired dict that cannot even be sized is no fit
+            return None
+        if error is None:
+            return (d, applied) if size(d) <= budget else None
+    return None
+
+
 def fit(default: dict[str, Any], shrink: Callable[..., dict[str, Any]], probe: Callable[[dict[str, Any]], BaseException | None],
         size: Callable[[dict[str, Any]], int], *, budget: int = BUDGET, max_tries: int = MAX_TRIES,
-        label: str = "config") -> tuple[dict[str, Any], tuple[str, ...]]:
+        label: str = "config", repairs: tuple[Repair, ...] = ()) -> tuple[dict[str, Any], tuple[str, ...]]:
     """``(dict, what was backed off)``: ``shrink()`` if ``probe`` passes on it (nothing backed off),
-    else the first candidate that passes with ``size`` within ``budget``. ``shrink(keep=..., first_layers=...)``
-    returns the shrunk dict with the fields of ``keep`` at their default; ``probe`` returns the error or None.
+    else the shrunk dict mended by ``repairs`` (:func:`repair`), else the first candidate that passes
+    with ``size`` within ``budget``. ``shrink(keep=..., first_layers=...)`` returns the shrunk dict with
+    the fields of ``keep`` at their default; ``probe`` returns the error or None.
     Raises the shrunk config's own error when no candidate passes."""
     shrunk = shrink()
     error = probe(shrunk)
     if error is None:
         return shrunk, ()
+    repaired = repair(default, shrunk, error, probe, size, repairs, budget) if repairs else None
+    if repaired is not None:
+        print(f"hf: {label}: builds after the repairs {', '.join(repaired[1])}", file=sys.stderr)
+        return repaired
     fields = changed_fields(default, shrunk)
     fields.sort(key=lambda k: not _mentioned(error, default, shrunk, k))  # stable: the config's order within each
     candidates = [((k,), False) for k in fields] + [((), True)] + [((k,), True) for k in fields]
@@ -65,4 +95,4 @@ def fit(default: dict[str, Any], shrink: Callable[..., dict[str, Any]], probe: C
     raise error
 
 
-__all__ = ["BUDGET", "MAX_TRIES", "changed_fields", "fit"]
+__all__ = ["BUDGET", "MAX_REPAIRS", "MAX_TRIES", "Repair", "changed_fields", "fit", "repair"]

@@ -36,6 +36,8 @@ from __future__ import annotations
 import re
 from typing import Any
 
+from verify.hf.ties import fill_empty_rope, layer_override_sums
+
 VOCAB = 64
 HIDDEN = 32
 FFN = 64
@@ -130,6 +132,8 @@ def _list(fam: str, v: list) -> list:
 # Sizes the library may leave unset (None) that a model needs: these get their test size.
 _UNSET = {"vocab", "top_k", "experts", "one"}
 _UNSET_KEYS = {"head_dim", "num_key_value_heads"}
+# Dicts keyed by an int that is a class label, not a layer index: never cut to the layers kept.
+_LABEL_MAPS = {"id2label", "label2id"}
 
 
 def kept_layers(d: dict[str, Any], count: int, first_layers: bool = False) -> list[int]:
@@ -173,6 +177,7 @@ def shrink_dict(d: dict[str, Any], is_sub_config=lambda key, value: False, keep:
     stage_counts = {len(v) for k, v in d.items() if family(k) == "depths" and isinstance(v, list)}
     layers_before = {v for k, v in d.items() if family(k) == "layers" and _int(v) and v > LAYERS and k not in keep} - stage_counts
     kept = {n: kept_layers(d, n, first_layers) for n in layers_before}
+    layer_maps: dict[str, dict[Any, Any]] = {}  # a layer-keyed dict: {its new layer key: the old one}
     for key, value in d.items():
         fam = family(key)
         if key in keep:
@@ -184,11 +189,13 @@ def shrink_dict(d: dict[str, Any], is_sub_config=lambda key, value: False, keep:
             out[key] = sorted({min(i, last) for i in value if _int(i)})  # clamped to the layers left
         elif isinstance(value, dict) and ("model_type" in value or is_sub_config(key, value)):
             out[key] = shrink_dict(value, first_layers=first_layers)
-        elif isinstance(value, dict) and layers_before and value and all(_layer_index(k) is not None for k in value):
-            keep = min(kept.values(), key=len)  # keyed by layer: those kept, renumbered
-            out[key] = {type(k)(keep.index(_layer_index(k))).zfill(len(k)) if isinstance(k, str) else keep.index(k):
-                        shrink_dict(v) if isinstance(v, dict) else v  # a layer's own sizes shrink too
-                        for k, v in value.items() if _layer_index(k) in keep}
+        elif (isinstance(value, dict) and layers_before and value and key not in _LABEL_MAPS
+              and all(_layer_index(k) is not None for k in value)):
+            layers = min(kept.values(), key=len)  # keyed by layer: those kept, renumbered
+            layer_maps[key] = {type(k)(layers.index(_layer_index(k))).zfill(len(k)) if isinstance(k, str)
+                               else layers.index(k): k for k in value if _layer_index(k) in layers}
+            out[key] = {new: shrink_dict(value[k]) if isinstance(value[k], dict) else value[k]  # a layer's own sizes too
+                        for new, k in layer_maps[key].items()}
         elif fam == "token":
             out[key] = _token(value, VOCAB)
         elif fam == "layers" and _int(value) and value in kept:
@@ -198,12 +205,14 @@ def shrink_dict(d: dict[str, Any], is_sub_config=lambda key, value: False, keep:
         elif fam is not None and _int(value):
             out[key] = _scalar(fam, value)
         elif fam is not None and isinstance(value, list) and value and all(_int(x) for x in value):
-            out[key] = _list(fam, value)
+            per_layer = len(value) in kept and fam not in ("widths", "depths", "layers")  # a size per layer, not per stage
+            out[key] = [_scalar(fam, x) for x in value] if per_layer else _list(fam, value)
         elif value is None and (fam in _UNSET or key in _UNSET_KEYS):
             out[key] = _scalar(fam, 1 << 30)  # unset in the library's default: the test size
         if isinstance(out[key], (list, tuple)) and len(out[key]) in kept and fam not in ("widths", "depths"):
             out[key] = type(out[key])(out[key][i] for i in kept[len(out[key])])  # one entry per layer: those kept
     _ssm(out)
+    layer_override_sums(d, out, layer_maps, family)
     if all(_int(out.get(k)) for k in ("qk_head_dim", "qk_nope_head_dim", "qk_rope_head_dim")):
         out["qk_head_dim"] = out["qk_nope_head_dim"] + out["qk_rope_head_dim"]  # the sum of its parts, as the default
     if "use_cache" in out:
@@ -230,7 +239,10 @@ def shrunk_dict(config, keep: frozenset[str] = frozenset(), first_layers: bool =
     cls = type(config)
     subs = set(getattr(cls, "sub_configs", {}) or {})
     d = shrink_dict(default_dict(config), lambda key, value: key in subs, keep, first_layers)
+    fill_empty_rope(d, cls)
     d.update({k: getattr(config, k) for k in KEEP.get(getattr(config, "model_type", ""), ())})
+    for key, fields in FIXES.get(getattr(config, "model_type", ""), {}).items():
+        d[key] = {**d[key], **fields} if isinstance(d.get(key), dict) else fields
     d.update(overrides)
     return d
 
@@ -251,8 +263,17 @@ KEEP: dict[str, tuple[str, ...]] = {
 }
 
 
+# Values a model type's default config leaves unset that its forward cannot run without (the
+# library's default fails at any size), set where no generic rule can know the value.
+FIXES: dict[str, dict[str, Any]] = {
+    # modeling_dbrx clamps the fused qkv with attn_config.clip_qkv, None by default:
+    # torch.clamp(min=None, max=None) raises. 8.0 is the value of the released dbrx configs.
+    "dbrx": {"attn_config": {"clip_qkv": 8.0}},
+}
+
+
 def num_parameters(model) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
-__all__ = ["KEEP", "VOCAB", "default_dict", "family", "num_parameters", "shrink_config", "shrink_dict", "shrunk_dict"]
+__all__ = ["FIXES", "KEEP", "VOCAB", "default_dict", "family", "num_parameters", "shrink_config", "shrink_dict", "shrunk_dict"]
