@@ -364,8 +364,8 @@ def fitted_config(model, *, batch_per_rank: int = 2, attention_mask: bool = Fals
     def size(d):
         return num_parameters(case(d).build(device="meta"))
 
-    def shrink(keep=frozenset(), first_layers=False):
-        return shrunk_dict(base, keep, first_layers, **overrides)
+    def shrink(keep=frozenset(), first_layers=False, segments=False):
+        return shrunk_dict(base, keep, first_layers, segments, **overrides)
 
     repairs = tuple(functools.wraps(r)(functools.partial(r, cls)) for r in REPAIRS)
     d, _ = fit(default_dict(base), shrink, probe, size, label=base.model_type, repairs=repairs)

@@ -3,10 +3,11 @@
 Some configs tie attributes to each other (a validator wants two sizes to agree, a forward
 wants a channel count another field sets): shrinking each to its test size may break the tie.
 Only when the shrunk config fails (to build or to run one eager step), :func:`fit` first tries the
-repairs it is given (:mod:`verify.hf.repairs`: a failure read as a tie or a missing field), then finds
-which shrunk fields cause it: it restores one field at a time to the library's default, the others
-still shrunk (the rule re-derives what follows them), then tries the other shrink mode (the first
-layers kept instead of one of each kind), and keeps the first candidate that passes within a
+repairs it is given (:mod:`verify.hf.repairs`: a failure read as a tie or a missing field), then the
+segments mode (a count of the last layers splits the kinds kept: :func:`verify.hf.ties.last_segments`),
+then finds which shrunk fields cause it: it restores one field at a time to the library's default,
+the others still shrunk (the rule re-derives what follows them), then tries the other layer mode
+(the first layers kept instead of one of each kind), and keeps the first candidate that passes within a
 parameter budget. Nothing is cached; the order of the tries is the config's field order, the
 fields whose values the error message names first, so the result is deterministic. A config
 that no candidate fixes raises the original error (the cell stays NOT BUILT with it).
@@ -20,7 +21,7 @@ from collections.abc import Callable
 from typing import Any
 
 BUDGET = 5_000_000  # parameters a backed-off tiny model may have
-MAX_TRIES = 64  # candidates probed at most
+MAX_TRIES = 64  # candidates probed at most (one equal to the shrunk dict, or over budget, is not probed)
 
 
 def changed_fields(default: dict[str, Any], shrunk: dict[str, Any]) -> list[str]:
@@ -79,17 +80,25 @@ def fit(default: dict[str, Any], shrink: Callable[..., dict[str, Any]], probe: C
         return repaired
     fields = changed_fields(default, shrunk)
     fields.sort(key=lambda k: not _mentioned(error, default, shrunk, k))  # stable: the config's order within each
-    candidates = [((k,), False) for k in fields] + [((), True)] + [((k,), True) for k in fields]
+    candidates = ([((), False, True)] + [((k,), False, False) for k in fields] + [((), True, False)]
+                  + [((k,), True, False) for k in fields])
     print(f"hf: {label}: the shrunk config fails ({type(error).__name__}); backing off over {len(fields)} fields",
           file=sys.stderr)
-    for keep, first_layers in candidates[:max_tries]:
+    tries = 0
+    for keep, first_layers, segments in candidates:
+        if tries >= max_tries:
+            break
         try:
-            d = shrink(keep=frozenset(keep), first_layers=first_layers)
-            if size(d) > budget or probe(d) is not None:
+            d = shrink(keep=frozenset(keep), first_layers=first_layers, **({"segments": True} if segments else {}))
+            if d == shrunk or size(d) > budget:  # the same dict fails the same way: not probed again
+                continue
+            tries += 1
+            if probe(d) is not None:
                 continue
         except Exception:  # noqa: BLE001 - a candidate that cannot even be sized is no fit
             continue
-        what = (*(f"{k} kept at its default" for k in keep), *(("the first layers kept",) if first_layers else ()))
+        what = (*(f"{k} kept at its default" for k in keep), *(("the first layers kept",) if first_layers else ()),
+                *(("a layer of each kind kept on both sides of a count of the last layers",) if segments else ()))
         print(f"hf: {label}: builds with {', '.join(what)}", file=sys.stderr)
         return d, what
     raise error

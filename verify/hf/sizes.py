@@ -36,7 +36,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from verify.hf.ties import fill_empty_rope, layer_override_sums
+from verify.hf.ties import fill_empty_rope, last_segments, layer_override_sums, segment_marks
 
 VOCAB = 64
 HIDDEN = 32
@@ -136,13 +136,15 @@ _UNSET_KEYS = {"head_dim", "num_key_value_heads"}
 _LABEL_MAPS = {"id2label", "label2id"}
 
 
-def kept_layers(d: dict[str, Any], count: int, first_layers: bool = False) -> list[int]:
+def kept_layers(d: dict[str, Any], count: int, first_layers: bool = False, marks: tuple[list, ...] = ()) -> list[int]:
     """The layers kept of ``count``: the first layer of each kind that ``d``'s per-layer lists of
     names (``layer_types`` ...; lists of strings ``count`` long) tell apart, then the first
     ones, up to :data:`LAYERS` in all unless there are more kinds; ``first_layers``: the first
-    :data:`LAYERS` only (the back-off's other mode, :mod:`verify.hf.backoff`)."""
+    :data:`LAYERS` only (the back-off's other mode, :mod:`verify.hf.backoff`); ``marks``: more
+    per-layer lists that tell kinds apart (:func:`verify.hf.ties.last_segments`)."""
     lists = [] if first_layers else [
         v for v in d.values() if isinstance(v, list) and len(v) == count and all(isinstance(x, str) for x in v)]
+    lists += list(marks)
     first: dict[tuple, int] = {}
     for i in range(count):
         first.setdefault(tuple(v[i] for v in lists), i)
@@ -169,14 +171,18 @@ def _ssm(out: dict[str, Any]) -> None:
 
 
 def shrink_dict(d: dict[str, Any], is_sub_config=lambda key, value: False, keep: frozenset[str] = frozenset(),
-                first_layers: bool = False) -> dict[str, Any]:
+                first_layers: bool = False, segments: bool = False) -> dict[str, Any]:
     """``d`` (a config's ``to_dict()``) with every size replaced by its test size; nested
     configs (dicts that carry a ``model_type``, or keys ``is_sub_config`` names) shrunk too.
-    The fields of ``keep`` stay at their value in ``d``; ``first_layers``: see :func:`kept_layers`."""
+    The fields of ``keep`` stay at their value in ``d``; ``first_layers``: see :func:`kept_layers`;
+    ``segments`` (a back-off mode): counts of the last layers keep a layer of each kind on both
+    sides of their boundary (:func:`verify.hf.ties.last_segments`)."""
     out = dict(d)
     stage_counts = {len(v) for k, v in d.items() if family(k) == "depths" and isinstance(v, list)}
+    counts = {v for k, v in d.items() if family(k) == "layers" and _int(v) and v > LAYERS} - stage_counts  # kept ones too
     layers_before = {v for k, v in d.items() if family(k) == "layers" and _int(v) and v > LAYERS and k not in keep} - stage_counts
-    kept = {n: kept_layers(d, n, first_layers) for n in layers_before}
+    subs = last_segments(d, layers_before, keep, family) if segments else {}
+    kept = {n: kept_layers(d, n, first_layers, tuple(segment_marks(n, subs))) for n in layers_before}
     layer_maps: dict[str, dict[Any, Any]] = {}  # a layer-keyed dict: {its new layer key: the old one}
     for key, value in d.items():
         fam = family(key)
@@ -188,7 +194,7 @@ def shrink_dict(d: dict[str, Any], is_sub_config=lambda key, value: False, keep:
             last = min(len(k) for k in kept.values())
             out[key] = sorted({min(i, last) for i in value if _int(i)})  # clamped to the layers left
         elif isinstance(value, dict) and ("model_type" in value or is_sub_config(key, value)):
-            out[key] = shrink_dict(value, first_layers=first_layers)
+            out[key] = shrink_dict(value, first_layers=first_layers, segments=segments)
         elif (isinstance(value, dict) and layers_before and value and key not in _LABEL_MAPS
               and all(_layer_index(k) is not None for k in value)):
             layers = min(kept.values(), key=len)  # keyed by layer: those kept, renumbered
@@ -198,6 +204,8 @@ def shrink_dict(d: dict[str, Any], is_sub_config=lambda key, value: False, keep:
                         for new, k in layer_maps[key].items()}
         elif fam == "token":
             out[key] = _token(value, VOCAB)
+        elif key in subs:  # the last k of n layers: as many as are kept there
+            out[key] = sum(i >= subs[key][0] - subs[key][1] for i in kept[subs[key][0]])
         elif fam == "layers" and _int(value) and value in kept:
             out[key] = len(kept[value])
         elif fam == "layers" and _int(value) and value in stage_counts:
@@ -205,7 +213,7 @@ def shrink_dict(d: dict[str, Any], is_sub_config=lambda key, value: False, keep:
         elif fam is not None and _int(value):
             out[key] = _scalar(fam, value)
         elif fam is not None and isinstance(value, list) and value and all(_int(x) for x in value):
-            per_layer = len(value) in kept and fam not in ("widths", "depths", "layers")  # a size per layer, not per stage
+            per_layer = len(value) in counts and fam not in ("widths", "depths", "layers")  # a size per layer, not per stage
             out[key] = [_scalar(fam, x) for x in value] if per_layer else _list(fam, value)
         elif value is None and (fam in _UNSET or key in _UNSET_KEYS):
             out[key] = _scalar(fam, 1 << 30)  # unset in the library's default: the test size
@@ -234,11 +242,12 @@ def default_dict(config) -> dict[str, Any]:
     return {**config.to_dict(), **_auto_fields(type(config))}
 
 
-def shrunk_dict(config, keep: frozenset[str] = frozenset(), first_layers: bool = False, **overrides: Any) -> dict[str, Any]:
+def shrunk_dict(config, keep: frozenset[str] = frozenset(), first_layers: bool = False, segments: bool = False,
+                **overrides: Any) -> dict[str, Any]:
     """The dict :func:`shrink_config` builds its config from."""
     cls = type(config)
     subs = set(getattr(cls, "sub_configs", {}) or {})
-    d = shrink_dict(default_dict(config), lambda key, value: key in subs, keep, first_layers)
+    d = shrink_dict(default_dict(config), lambda key, value: key in subs, keep, first_layers, segments)
     fill_empty_rope(d, cls)
     d.update({k: getattr(config, k) for k in KEEP.get(getattr(config, "model_type", ""), ())})
     for key, fields in FIXES.get(getattr(config, "model_type", ""), {}).items():

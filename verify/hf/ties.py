@@ -95,4 +95,25 @@ def follow_equal_sizes(default: dict[str, Any], out: dict[str, Any], family) -> 
                 out[key] = equal.pop()
 
 
-__all__ = ["fill_empty_rope", "follow_equal_sizes", "layer_override_sums", "sums"]
+
+
+def last_segments(d: dict[str, Any], counts: set[int], keep: frozenset[str], family) -> dict[str, tuple[int, int]]:
+    """``{field: (n, k)}``: the layer counts ``k`` of ``d`` smaller than a layer count ``n`` being shrunk,
+    read as the last ``k`` of the ``n`` layers (gemma3n's ``num_kv_shared_layers`` 15 of 35 reuse
+    the cache of an earlier layer of their kind: a kind must be kept on both sides)."""
+    out: dict[str, tuple[int, int]] = {}
+    for key, k in d.items():
+        if family(key) == "layers" and _int(k) and k > 0 and key not in keep:
+            above = [n for n in counts if k < n]
+            if len(above) == 1:  # one count it is part of; several: ambiguous, left to the rule
+                out[key] = (above[0], k)
+    return out
+
+
+def segment_marks(n: int, subs: dict[str, tuple[int, int]]) -> list[list[str]]:
+    """Per-layer lists of names (one per count of :func:`last_segments` of ``n``) marking the last
+    ``k`` layers, so that the shrink keeps a layer of each kind before and within them."""
+    return [["last" if i >= n - k else "first" for i in range(n)] for m, k in subs.values() if m == n]
+
+
+__all__ = ["fill_empty_rope", "follow_equal_sizes", "last_segments", "layer_override_sums", "segment_marks", "sums"]
