@@ -193,3 +193,24 @@ def test_fit_tries_the_segments_mode_before_restoring_a_field():
 
     d, what = fit(SHARED, shrink, probe, lambda d: 1)
     assert d["num_hidden_layers"] == 4 and "both sides" in what[0]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("model_type", "how"), [
+    ("cohere_compass_text", None),  # the rule: empty rope_parameters filled per layer kind
+    ("dbrx", "missing_attribute"),  # a repair: rope_theta copied into the attention sub-config
+])
+def test_library_types_the_ties_and_repairs_make_build(model_type, how, capfd):
+    """A transformers type per new path builds and trains one eager step (slow: HF builds)."""
+    pytest.importorskip("transformers")
+    import torch
+
+    from verify.hf import hf_case
+
+    case = hf_case(model_type)
+    model = case.build()
+    batch = case.batches(2 * case.batch_per_rank, 1)[0]
+    case.loss_fn(model(*batch[:-1]), batch[-1]).backward()
+    assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
+    err = capfd.readouterr().err
+    assert (f"repairs {how}" in err) if how else ("backing off" not in err)
