@@ -28,7 +28,9 @@ also has to keep consistent, found by building every type of transformers 5.24:
 * ``qk_head_dim`` stays the sum of its plain and rotary parts (``qk_nope_head_dim + qk_rope_head_dim``);
 * a field whose declared default is ``"auto"`` (derived in ``__post_init__``) is reset to it;
 * derived fields are recomputed: the shrunk config is built anew from its ``to_dict()`` with the
-  sizes replaced, so ``__post_init__`` runs on the new sizes.
+  sizes replaced, so ``__post_init__`` runs on the new sizes;
+* sizes tied to each other across a layer's overrides, and rope parameters the default leaves
+  empty: :mod:`verify.hf.ties`; a config the library's default cannot run: :data:`FIXES`.
 """
 
 from __future__ import annotations
