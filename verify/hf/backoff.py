@@ -54,11 +54,13 @@ def repair(default: dict[str, Any], shrunk: dict[str, Any], error: BaseException
             return None
         applied, d = (*applied, fixed[0]), fixed[1]
         try:
-            error = probe(d) if size(d) <= budget else None
+            if size(d) > budget:
+                return None
         except Exception:  # noqa: BLE001 - a repaired dict that cannot even be sized is no fit
             return None
+        error = probe(d)
         if error is None:
-            return (d, applied) if size(d) <= budget else None
+            return d, applied
     return None
 
 
