@@ -18,6 +18,7 @@ every type: ``python -m verify sweep`` (``docs/hf-coverage.md``).
 
 from __future__ import annotations
 
+import functools
 import importlib
 import re
 from dataclasses import dataclass, field
@@ -28,6 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from verify.hf.backoff import fit
+from verify.hf.repairs import REPAIRS
 from verify.hf.sizes import IMAGE as GENERIC_IMAGE
 from verify.hf.sizes import default_dict, num_parameters, shrink_config, shrunk_dict
 from verify.model_case import ModelCase
@@ -352,13 +354,21 @@ def fitted_config(model, *, batch_per_rank: int = 2, attention_mask: bool = Fals
         config = cls.from_dict(d)
         return _case("probe", config, task, model_cls_name, _image_shape(config), batch_per_rank, attention_mask)
 
+    def probe(d):
+        try:
+            built = case(d)
+        except Exception as e:  # noqa: BLE001 - a config its validators refuse is the probe's answer too
+            return e
+        return _probe(built)
+
     def size(d):
         return num_parameters(case(d).build(device="meta"))
 
-    def shrink(keep=frozenset(), first_layers=False, unset_tokens=False, rederive=False):
-        return shrunk_dict(base, keep, first_layers, unset_tokens, rederive, **overrides)
+    def shrink(keep=frozenset(), first_layers=False, unset_tokens=False, rederive=False, segments=False):
+        return shrunk_dict(base, keep, first_layers, unset_tokens, rederive, segments, **overrides)
 
-    d, _ = fit(default_dict(base), shrink, lambda d: _probe(case(d)), size, label=base.model_type)
+    repairs = tuple(functools.wraps(r)(functools.partial(r, cls)) for r in REPAIRS)
+    d, _ = fit(default_dict(base), shrink, probe, size, label=base.model_type, repairs=repairs)
     return cls.from_dict(d)
 
 

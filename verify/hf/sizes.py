@@ -31,13 +31,17 @@ also has to keep consistent, found by building every type of transformers 5.24:
 * ``qk_head_dim`` stays the sum of its plain and rotary parts (``qk_nope_head_dim + qk_rope_head_dim``);
 * a field whose declared default is ``"auto"`` (derived in ``__post_init__``) is reset to it;
 * derived fields are recomputed: the shrunk config is built anew from its ``to_dict()`` with the
-  sizes replaced, so ``__post_init__`` runs on the new sizes.
+  sizes replaced, so ``__post_init__`` runs on the new sizes;
+* sizes tied to each other across a layer's overrides, and rope parameters the default leaves
+  empty: :mod:`verify.hf.ties`; a config the library's default cannot run: :data:`OVERRIDES`.
 """
 
 from __future__ import annotations
 
 import re
 from typing import Any
+
+from verify.hf.ties import fill_empty_rope, last_segments, layer_override_sums, segment_marks
 
 VOCAB = 64
 HIDDEN = 32
@@ -133,15 +137,19 @@ def _list(fam: str, v: list) -> list:
 # Sizes the library may leave unset (None) that a model needs: these get their test size.
 _UNSET = {"vocab", "top_k", "experts", "one"}
 _UNSET_KEYS = {"head_dim", "num_key_value_heads"}
+# Dicts keyed by an int that is a class label, not a layer index: never cut to the layers kept.
+_LABEL_MAPS = {"id2label", "label2id"}
 
 
-def kept_layers(d: dict[str, Any], count: int, first_layers: bool = False) -> list[int]:
+def kept_layers(d: dict[str, Any], count: int, first_layers: bool = False, marks: tuple[list, ...] = ()) -> list[int]:
     """The layers kept of ``count``: the first layer of each kind that ``d``'s per-layer lists of
     names (``layer_types`` ...; lists of strings ``count`` long) tell apart, then the first
     ones, up to :data:`LAYERS` in all unless there are more kinds; ``first_layers``: the first
-    :data:`LAYERS` only (the back-off's other mode, :mod:`verify.hf.backoff`)."""
+    :data:`LAYERS` only (the back-off's other mode, :mod:`verify.hf.backoff`); ``marks``: more
+    per-layer lists that tell kinds apart (:func:`verify.hf.ties.last_segments`)."""
     lists = [] if first_layers else [
         v for v in d.values() if isinstance(v, list) and len(v) == count and all(isinstance(x, str) for x in v)]
+    lists += list(marks)
     first: dict[tuple, int] = {}
     for i in range(count):
         first.setdefault(tuple(v[i] for v in lists), i)
@@ -217,15 +225,20 @@ def _default_choice(d: dict[str, Any], out: dict[str, Any]) -> None:
 
 
 def shrink_dict(d: dict[str, Any], is_sub_config=lambda key, value: False, keep: frozenset[str] = frozenset(),
-                first_layers: bool = False, unset_tokens: bool = False) -> dict[str, Any]:
+                first_layers: bool = False, unset_tokens: bool = False, segments: bool = False) -> dict[str, Any]:
     """``d`` (a config's ``to_dict()``) with every size replaced by its test size; nested
     configs (dicts that carry a ``model_type``, or keys ``is_sub_config`` names) shrunk too.
     The fields of ``keep`` stay at their value in ``d``; ``first_layers``: see :func:`kept_layers`;
-    ``unset_tokens``: token ids the library leaves None become 0 (the back-off's token mode)."""
+    ``unset_tokens``: token ids the library leaves None become 0 (the back-off's token mode);
+    ``segments`` (a back-off mode): counts of the last layers keep a layer of each kind on both
+    sides of their boundary (:func:`verify.hf.ties.last_segments`)."""
     out = dict(d)
     stage_counts = {len(v) for k, v in d.items() if family(k) == "depths" and isinstance(v, list)}
+    counts = {v for k, v in d.items() if family(k) == "layers" and _int(v) and v > LAYERS} - stage_counts  # kept ones too
     layers_before = {v for k, v in d.items() if family(k) == "layers" and _int(v) and v > LAYERS and k not in keep} - stage_counts
-    kept = {n: kept_layers(d, n, first_layers) for n in layers_before}
+    subs = last_segments(d, layers_before, keep, family) if segments else {}
+    kept = {n: kept_layers(d, n, first_layers, tuple(segment_marks(n, subs))) for n in layers_before}
+    layer_maps: dict[str, dict[Any, Any]] = {}  # a layer-keyed dict: {its new layer key: the old one}
     for key, value in d.items():
         fam = family(key)
         if key in keep:
@@ -236,16 +249,20 @@ def shrink_dict(d: dict[str, Any], is_sub_config=lambda key, value: False, keep:
             last = min(len(k) for k in kept.values())
             out[key] = sorted({min(i, last) for i in value if _int(i)})  # clamped to the layers left
         elif isinstance(value, dict) and ("model_type" in value or is_sub_config(key, value)):
-            out[key] = shrink_dict(value, first_layers=first_layers, unset_tokens=unset_tokens)
-        elif isinstance(value, dict) and layers_before and value and all(_layer_index(k) is not None for k in value):
-            keep = min(kept.values(), key=len)  # keyed by layer: those kept, renumbered
-            out[key] = {type(k)(keep.index(_layer_index(k))).zfill(len(k)) if isinstance(k, str) else keep.index(k):
-                        shrink_dict(v) if isinstance(v, dict) else v  # a layer's own sizes shrink too
-                        for k, v in value.items() if _layer_index(k) in keep}
+            out[key] = shrink_dict(value, first_layers=first_layers, unset_tokens=unset_tokens, segments=segments)
+        elif (isinstance(value, dict) and layers_before and value and key not in _LABEL_MAPS
+              and all(_layer_index(k) is not None for k in value)):
+            layers = min(kept.values(), key=len)  # keyed by layer: those kept, renumbered
+            layer_maps[key] = {type(k)(layers.index(_layer_index(k))).zfill(len(k)) if isinstance(k, str)
+                               else layers.index(k): k for k in value if _layer_index(k) in layers}
+            out[key] = {new: shrink_dict(value[k]) if isinstance(value[k], dict) else value[k]  # a layer's own sizes too
+                        for new, k in layer_maps[key].items()}
         elif fam == "token" and value is None and unset_tokens:
             out[key] = 0  # an id the batches never draw (they draw from SPECIAL_IDS up)
         elif fam == "token":
             out[key] = _token(value, VOCAB)
+        elif key in subs:  # the last k of n layers: as many as are kept there
+            out[key] = sum(i >= subs[key][0] - subs[key][1] for i in kept[subs[key][0]])
         elif fam == "layers" and _int(value) and value in kept:
             out[key] = len(kept[value])
         elif fam == "layers" and _int(value) and value in stage_counts:
@@ -253,7 +270,8 @@ def shrink_dict(d: dict[str, Any], is_sub_config=lambda key, value: False, keep:
         elif fam is not None and _int(value):
             out[key] = _scalar(fam, value)
         elif fam is not None and isinstance(value, list) and value and all(_int(x) for x in value):
-            out[key] = _list(fam, value)
+            per_layer = len(value) in counts and fam not in ("widths", "depths", "layers")  # a size per layer, not per stage
+            out[key] = [_scalar(fam, x) for x in value] if per_layer else _list(fam, value)
         elif value is None and (fam in _UNSET or key in _UNSET_KEYS):
             out[key] = _scalar(fam, 1 << 30)  # unset in the library's default: the test size
         if isinstance(out[key], (list, tuple)) and len(out[key]) in kept and fam not in ("widths", "depths"):
@@ -262,6 +280,7 @@ def shrink_dict(d: dict[str, Any], is_sub_config=lambda key, value: False, keep:
     _per_block({k: v for k, v in d.items() if k not in keep}, out)
     _default_choice(d, out)
     _ssm(out)
+    layer_override_sums(d, out, layer_maps, family)
     if all(_int(out.get(k)) for k in ("qk_head_dim", "qk_nope_head_dim", "qk_rope_head_dim")):
         out["qk_head_dim"] = out["qk_nope_head_dim"] + out["qk_rope_head_dim"]  # the sum of its parts, as the default
     if "use_cache" in out:
@@ -311,17 +330,19 @@ def _drop_derived(cls, d: dict[str, Any], keep: frozenset[str]) -> None:
 
 
 def shrunk_dict(config, keep: frozenset[str] = frozenset(), first_layers: bool = False, unset_tokens: bool = False,
-                rederive: bool = False, **overrides: Any) -> dict[str, Any]:
+                rederive: bool = False, segments: bool = False, **overrides: Any) -> dict[str, Any]:
     """The dict :func:`shrink_config` builds its config from; ``rederive`` (the back-off's derive
     mode): without the derived fields (:func:`derived_fields`), which the config derives anew."""
     cls = type(config)
     subs = set(getattr(cls, "sub_configs", {}) or {})
-    d = shrink_dict(default_dict(config), lambda key, value: key in subs, keep, first_layers, unset_tokens)
+    d = shrink_dict(default_dict(config), lambda key, value: key in subs, keep, first_layers, unset_tokens, segments)
     if rederive:
         _drop_derived(cls, d, keep)
+    fill_empty_rope(d, cls)
     model_type = getattr(config, "model_type", "")
     d.update({k: getattr(config, k) for k in KEEP.get(model_type, ())})
-    d.update(OVERRIDES.get(model_type, {}))
+    for key, value in OVERRIDES.get(model_type, {}).items():  # a sub-config's fields merge into it
+        d[key] = {**d[key], **value} if isinstance(value, dict) and isinstance(d.get(key), dict) else value
     d.update(overrides)
     return d
 
@@ -341,7 +362,8 @@ KEEP: dict[str, tuple[str, ...]] = {
     "cvt": ("depth",),
 }
 
-# Fields a model type sets where the library's default cannot build at all (any size).
+# Fields a model type sets where the library's default cannot build at all (any size), set where
+# no generic rule can know the value.
 OVERRIDES: dict[str, dict[str, Any]] = {
     # Lfm2MoeConfig leaves layer_types None (unlike lfm2, it derives none), and every decoder layer
     # indexes config.layer_types[layer_idx]: the library's default config builds no model. One layer
@@ -353,6 +375,10 @@ OVERRIDES: dict[str, dict[str, Any]] = {
     # default (B7: widths x 2.0, depths x 3.1, 64 M parameters) with B0's coefficients (1.0):
     # 4.0 M parameters at 4 labels.
     "efficientnet": {"width_coefficient": 1.0, "depth_coefficient": 1.0, "hidden_dim": 1280},
+    # modeling_dbrx clamps the fused qkv with attn_config.clip_qkv, None by default:
+    # torch.clamp(min=None, max=None) raises. 8.0 is the value of the released dbrx configs.
+    # A dict value merges into the sub-config of that name.
+    "dbrx": {"attn_config": {"clip_qkv": 8.0}},
 }
 
 
