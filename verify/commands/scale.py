@@ -31,6 +31,7 @@ from autoparallel.passes.collective import COLLECTIVE_PASS_NAMES
 from autoparallel.pipeline import PLAN, StageResult, run_pipeline, stages_for
 from verify.graphs.stats import graph_stats, human_bytes, partition_stats
 from verify.stages.pipeline_run import pipeline_options, stage_tracer
+from verify.stages.registry import PLANNING
 from verify.stages.scenario import Scenario, check_flags
 
 
@@ -131,7 +132,7 @@ def run_once(scenario: Scenario, bucket_cap_mb: float, progress: Callable[[str],
 
     def record(result: StageResult) -> None:
         entry = {"name": result.label, "seconds": result.seconds, "rss_gib": round(_rss_gib(), 3), "alternative": result.alternative}
-        if result.name == PLAN:
+        if result.name in PLANNING:
             entry["planning"] = _planning_fields(result.report)
         else:
             entry.update(_graph_fields(result.graphs))

@@ -20,7 +20,7 @@ from pathlib import Path
 from autoparallel.compile import SECOND_COMPILE
 from autoparallel.passes.collective import COLLECTIVE_PASSES
 from autoparallel.passes.topo_span_bucketing import TopoSpanConfig
-from autoparallel.pipeline import PLAN, PLANNED_STAGES, STAGES, PipelineRun, Stage, StageResult
+from autoparallel.pipeline import PLANNED_STAGES, STAGES, PipelineRun, Stage, StageResult
 from verify import zoo
 from verify.goldens.text import (
     GOLDENS_DIR,
@@ -31,7 +31,7 @@ from verify.goldens.text import (
 )
 from verify.stages import plan_cases
 from verify.stages.pipeline_run import run_scenario
-from verify.stages.registry import ALONE, REGISTRY, StageChecks, golden_kinds
+from verify.stages.registry import ALONE, PLAN_TEXT, REGISTRY, StageChecks, golden_kinds
 from verify.stages.scenario import Scenario
 
 GOLDEN_SCENARIOS: dict[str, Scenario] = {
@@ -151,7 +151,7 @@ def golden_result(run: PipelineRun, stage: str) -> StageResult:
 
 
 def stage_text(sid: str, result: StageResult) -> str:
-    if result.name == PLAN:
+    if _GOLDEN_KINDS.get(result.name) == PLAN_TEXT:
         return plan_stage_text(sid, result)
     return graph_golden_text(f"{sid} {result.name}", header(GOLDEN_SCENARIOS[sid], result.name), result.graphs)
 

@@ -274,6 +274,10 @@ def conservation_laws(stages: Sequence[Stage] = PLANNED_STAGES, registry: Mappin
 
 #: The conservation law of each graph-in/graph-out stage (see verify.graphs.invariants).
 CONSERVATION: dict[str, Law] = conservation_laws()
+#: The stages whose input is no graph (the plan, the trace): no pass to run against its input.
+WITHOUT_GRAPH_INPUT = frozenset(s.name for s in PLANNED_STAGES) - set(CONSERVATION)
+#: The stages whose output is a plan, not graphs (their golden slot shows plan text).
+PLANNING = frozenset(e.stage.name for e in _ENTRIES if e.golden == PLAN_TEXT)
 
 
 def check_conservation(stage: str, before: Graphs, after: Graphs) -> list[str]:
