@@ -18,7 +18,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from autoparallel.compile import SECOND_COMPILE
-from autoparallel.passes.collective import COLLECTIVE_PASSES
+from autoparallel.passes.collective import COLLECTIVE_PASSES, metric_text
 from autoparallel.passes.topo_span_bucketing import TopoSpanConfig
 from autoparallel.pipeline import PLANNED_STAGES, STAGES, PipelineRun, Stage, StageResult
 from verify import zoo
@@ -188,16 +188,7 @@ def _metrics_lines(name: str, metrics) -> list[str]:
     """What one pass did to each graph (its PipelineMetrics), as deterministic text."""
     lines = []
     for graph, m in metrics.graphs.items():
-        parts = []
-        if m.fused_chains:
-            parts.append(f"fused chains {m.fused_chains}")
-        if m.chains is not None and m.chains.unfused:
-            parts.append(m.chains.summary())
-        if m.pre_overlap is not None:
-            parts += [f"{kind}: {b.summary()}" for kind, b in m.pre_overlap.metrics.items() if b.num_candidates]
-        parts += [f"overlap bucketing: {b.summary()}" for b in m.overlap_bucketing]
-        if m.max_consec_compute_between_rs is not None:
-            parts.append(f"max_consec_compute_between_rs={m.max_consec_compute_between_rs}")
+        parts = metric_text(m)
         lines.append(f"{name} {graph}: " + ("; ".join(parts) or "nothing to do"))
     return lines
 
