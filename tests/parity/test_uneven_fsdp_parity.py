@@ -15,14 +15,13 @@ and one world on real tensors: the dp=2 joint graph on two simulated ranks
 
 Each rank builds every stage's executor from its registry entry (``verify.stages.registry``) on
 its ``RankContext`` (``verify.stages.rank_context``), as ``verify/parity/runs.py`` does, in a
-``run_parity_world`` (reductions rank-ordered); each collective pass's stage is the passes up to
-it, composed (the hand-plan worlds run only all of them).
+``run_parity_world`` (reductions rank-ordered); each collective pass's stage is its input's graphs
+with that pass applied, as the pipeline makes them (the registry's executor runs them composed).
 """
 
 from __future__ import annotations
 
 import functools
-from dataclasses import replace
 
 import pytest
 import torch
@@ -35,8 +34,9 @@ from autoparallel.compile import SECOND_COMPILE
 from autoparallel.fx_utils import WAIT
 from autoparallel.mesh import MeshSpec, build_mesh
 from autoparallel.parallelize import ParallelPlan, ParallelProgram, build_joint_graph, split_batch
-from autoparallel.passes.collective import COLLECTIVE_PASS_NAMES
+from autoparallel.passes.collective import COLLECTIVE_PASS_NAMES, bucket_fw_bw
 from autoparallel.pipeline import JOINT, STAGE_NAMES, STAGES, PipelineOptions, run_pipeline
+from autoparallel.runtime.steps import split_graph_executor
 from verify.graphs.liveness import saved_gathered_values
 from verify.graphs.stats import graph_stats
 from verify.parity.compare import (
@@ -138,20 +138,23 @@ def make_tp_batches(steps: int = STEPS) -> list[tuple[torch.Tensor, torch.Tensor
 
 
 def _rank_every_stage(rank, world_size, spec, run, batches, tp_run):
-    """Eager, then each stage's executor as its registry entry builds it from the rank's context;
-    a collective pass's stage runs the passes up to it, composed, on the rank's rebound
-    second-compile graphs (merged all-gathers bake the rank into the graph). Then, where
-    ``tp_run`` (the fsdp_tp toy's pipeline run, up to its joint graph) is given: eager and its
-    joint graph."""
+    """Eager, then each stage up to the second compile as its registry entry builds it from the
+    rank's context; then each collective pass's stage, as the pipeline makes it: its input's
+    graphs with that pass applied, here on the rank's rebound second-compile graphs (merged
+    all-gathers bake the rank into the graph; the registry's executor runs the passes composed
+    only). Then, where ``tp_run`` (the fsdp_tp toy's pipeline run, up to its joint graph) is
+    given: eager and its joint graph."""
     mesh = build_mesh(spec)
     program = ParallelProgram(make_model(), ParallelPlan.fsdp(), mesh, class_loss)
-    ctx = RankContext.for_program(program, mesh, batches, run=run, collective=PipelineOptions().collective)
+    ctx = RankContext.for_program(program, mesh, batches, run=run)
     traces = {EAGER: ctx.train(ctx.eager())}
     for entry in verification(STAGES):
-        name = entry.stage.name
-        passes = COLLECTIVE_PASS_NAMES[: COLLECTIVE_PASS_NAMES.index(name) + 1] if name in COLLECTIVE_PASS_NAMES else None
-        stage_ctx = replace(ctx, passes=passes)
-        traces[name] = stage_ctx.train(entry.parity.executor(stage_ctx))
+        if entry.stage.name not in COLLECTIVE_PASS_NAMES:
+            traces[entry.stage.name] = ctx.train(entry.parity.executor(ctx))
+    fw, bw = ctx.graphs(SECOND_COMPILE)
+    for p in COLLECTIVE_PASS_NAMES:
+        fw, bw, _ = bucket_fw_bw(fw, bw, PipelineOptions().collective, only=(p,))
+        traces[p] = ctx.train(split_graph_executor(fw, bw, ctx.fresh_buffers()))
     return mesh.coordinate(), traces, (_rank_fsdp_tp(tp_run) if tp_run else None)
 
 

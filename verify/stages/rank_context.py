@@ -39,9 +39,8 @@ class RankContext:
     """One rank of a parity world: its mesh, initial local ``params`` and ``buffers`` (never
     trained: :meth:`train` copies them), its local ``batches`` (one per step), the reference
     executor's factory ``eager``, the generator ``seed`` of ``train_steps``, the pipeline ``run``
-    whose stages' graphs and module the executors take, the collective passes' configuration, and
-    ``passes``: the collective passes the composed executor runs (None: those the configuration
-    switches on). ``rebind``: the run's graphs were traced on a fake world; rebind their groups to
+    whose stages' graphs and module the executors take, and the collective passes' configuration
+    (the passes it switches on run composed). ``rebind``: the run's graphs were traced on a fake world; rebind their groups to
     this rank's (False: the run was made on this world)."""
 
     mesh: ParallelMesh
@@ -52,7 +51,6 @@ class RankContext:
     seed: int | None = None
     run: PipelineRun | None = None
     collective: CollectivePassesConfig = field(default_factory=CollectivePassesConfig)
-    passes: Sequence[str] | None = None
     rebind: bool = True
     _bucketed: dict[str, tuple[fx.GraphModule, fx.GraphModule]] = field(default_factory=dict, init=False, repr=False)
 
@@ -85,7 +83,7 @@ class RankContext:
         all-gathers are rank-specific: every rank runs them on its own graphs); made once."""
         if stage not in self._bucketed:
             fw, bw = self.graphs(stage)
-            self._bucketed[stage] = bucket_fw_bw(fw, bw, self.collective, only=self.passes)[:2]
+            self._bucketed[stage] = bucket_fw_bw(fw, bw, self.collective)[:2]
         return self._bucketed[stage]
 
     def train(self, executor: Executor) -> StepTrace:
