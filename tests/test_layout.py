@@ -8,6 +8,9 @@
   home modules (``meta.py``, ``roles.py``, ``ac.py``);
 * first-party imports inside functions only where a module says why (cheap CLI / pytest plugin);
 * no module imports another's private names;
+* outside ``verify/stages/registry.py``, verify/ neither keys a dict literal by a stage name nor
+  compares a name with one (``==``, ``!=``, ``in (...)``): what to do for a stage comes from its
+  registry entry;
 * every test path listed in code exists (xdist module groups, line-mutation defaults).
 
 Each checker is also fed a small bad source, so a checker that cannot fail fails here.
@@ -26,6 +29,7 @@ import pytest
 
 from autoparallel import ac, roles
 from autoparallel import meta as M
+from autoparallel.pipeline import PLAN, PLANNED_STAGE_NAMES
 from verify.commands.mutation.lines import default_test_paths
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -421,6 +425,64 @@ def test_vocabulary_checks_find_literals():
     assert ac_policy_literals(bad) == ["m.py:6: 'full'", "m.py:7: '_scaled_dot_product_x'"]
     fields = {"m.py": 'row = {"op": name}\nname = row["op"]\npolicy = "op"\n'}
     assert ac_policy_literals(fields) == ["m.py:3: 'op'"]
+
+
+# --- stage names: the registry dispatches --------------------------------------------------------
+
+REGISTRY_HOME = "verify/stages/registry.py"
+# "plan" also names a field, an argument and a command (docs/layout.md, words with two meanings):
+# as a literal it is not taken for the stage; the stage is spelled PLAN.
+_STAGE_LITERALS = frozenset(PLANNED_STAGE_NAMES) - {PLAN}
+
+
+@functools.cache
+def _stage_constants() -> frozenset[str]:
+    """Module-level names in autoparallel/ and verify/ bound to a stage's name (``JOINT``, ``SECOND_COMPILE``, ...)."""
+    out = set()
+    for text in _sources(*PACKAGES).values():
+        for n in _parse(text).body:
+            if isinstance(n, ast.Assign) and isinstance(n.value, ast.Constant) and n.value.value in PLANNED_STAGE_NAMES:
+                out.update(t.id for t in n.targets if isinstance(t, ast.Name))
+    return frozenset(out)
+
+
+def _stage_name(node: ast.AST, constants: frozenset[str]) -> str | None:
+    if isinstance(node, ast.Constant) and node.value in _STAGE_LITERALS:
+        return repr(node.value)
+    name = node.id if isinstance(node, ast.Name) else node.attr if isinstance(node, ast.Attribute) else None
+    return name if name in constants else None
+
+
+def stage_dispatch(sources: dict[str, str], constants: frozenset[str]) -> list[str]:
+    """Dict literals keyed by a stage name, and comparisons with one (``==``/``!=`` with a stage's
+    name, ``in``/``not in`` a literal tuple, list or set holding one)."""
+    out = []
+    for path, text in sources.items():
+        for n in ast.walk(_parse(text)):
+            found: list[ast.AST] = []
+            if isinstance(n, ast.Dict):
+                found = [k for k in n.keys if k is not None]
+            elif isinstance(n, ast.Compare):
+                for op, left, right in zip(n.ops, [n.left, *n.comparators[:-1]], n.comparators, strict=True):
+                    if isinstance(op, ast.Eq | ast.NotEq):
+                        found += [left, right]
+                    elif isinstance(op, ast.In | ast.NotIn) and isinstance(right, ast.Tuple | ast.List | ast.Set):
+                        found += right.elts
+            out += [f"{path}:{n.lineno}: {name}" for name in (_stage_name(k, constants) for k in found) if name]
+    return out
+
+
+def test_only_the_registry_dispatches_on_stage_names():
+    verify = {p: t for p, t in _sources("verify").items() if p != REGISTRY_HOME}
+    assert stage_dispatch(verify, _stage_constants()) == [], f"read what a stage needs from its entry in {REGISTRY_HOME}"
+
+
+def test_stage_dispatch_check_finds_keys_and_comparisons():
+    assert {"JOINT", "SECOND_COMPILE", "STEP_FIRST_PARTITION", "PLAN"} <= _stage_constants()
+    bad = {"m.py": ('d = {JOINT: 1, "cleanup": 2, "plan": 3}\nif r.name == P.SECOND_COMPILE: pass\n'
+                    'ok = name in (STEP_FIRST_PARTITION, "other")\nx = {"fsdp": 1}\nif s != "second_compile": pass\n')}
+    assert stage_dispatch(bad, _stage_constants()) == [
+        "m.py:1: JOINT", "m.py:1: 'cleanup'", "m.py:2: SECOND_COMPILE", "m.py:3: STEP_FIRST_PARTITION", "m.py:5: 'second_compile'"]
 
 
 # --- test paths listed in code ------------------------------------------------------------------

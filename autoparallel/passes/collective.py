@@ -29,7 +29,7 @@ import contextvars
 import importlib
 import logging
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 
 from torch import fx
 
@@ -77,6 +77,68 @@ class GraphPassMetrics:
     max_consec_compute_between_rs: int | None = None
 
 
+Buckets = list[tuple[str | None, BucketingMetrics]]
+
+
+@dataclass(frozen=True)
+class MetricField:
+    """One metric the collective passes report on each graph (a :class:`GraphPassMetrics`
+    attribute), declared once: ``text`` its parts of the golden text (none: nothing to show),
+    ``json`` its entries in ``python -m verify scale``'s JSON, ``buckets`` the bucketing calls it
+    holds (collective kind, or None for the overlap scheduler's), which the HTML page draws."""
+
+    name: str
+    text: Callable[[GraphPassMetrics], list[str]]
+    json: Callable[[GraphPassMetrics], dict]
+    buckets: Callable[[GraphPassMetrics], Buckets] = lambda m: []
+
+
+def _chains_json(m: GraphPassMetrics) -> dict:
+    if m.chains is None:
+        return {}
+    return {"chains_found": m.chains.found, "chains_unfused": [{"chain": c, "reason": why} for c, why in m.chains.unfused]}
+
+
+def _pre_overlap_buckets(m: GraphPassMetrics) -> Buckets:
+    return [] if m.pre_overlap is None else list(m.pre_overlap.metrics.items())
+
+
+#: Every per-graph metric, in the order each view lists them.
+METRIC_FIELDS: tuple[MetricField, ...] = (
+    MetricField("fused_chains", lambda m: [f"fused chains {m.fused_chains}"] if m.fused_chains else [],
+                lambda m: {"fused_chains": m.fused_chains}),
+    MetricField("chains", lambda m: [m.chains.summary()] if m.chains is not None and m.chains.unfused else [], _chains_json),
+    MetricField("pre_overlap", lambda m: [f"{kind}: {b.summary()}" for kind, b in _pre_overlap_buckets(m) if b.num_candidates],
+                lambda m: {} if m.pre_overlap is None else {"pre_overlap": {k: asdict(b) for k, b in _pre_overlap_buckets(m)}},
+                _pre_overlap_buckets),
+    MetricField("overlap_bucketing", lambda m: [f"overlap bucketing: {b.summary()}" for b in m.overlap_bucketing],
+                lambda m: {"overlap_bucketing": [asdict(b) for b in m.overlap_bucketing]} if m.overlap_bucketing else {},
+                lambda m: [(None, b) for b in m.overlap_bucketing]),
+    MetricField("max_consec_compute_between_rs",
+                lambda m: [] if m.max_consec_compute_between_rs is None else [f"max_consec_compute_between_rs={m.max_consec_compute_between_rs}"],
+                # reported beside the overlap scheduler's buckets, as it measures the schedule they make
+                lambda m: {"max_consec_compute_between_rs": m.max_consec_compute_between_rs} if m.overlap_bucketing else {}),
+)
+
+
+def metric_text(m: GraphPassMetrics) -> list[str]:
+    """What the passes did to one graph, as the golden text's parts (every declared field in order)."""
+    return [part for f in METRIC_FIELDS for part in f.text(m)]
+
+
+def metric_json(m: GraphPassMetrics) -> dict:
+    """One graph's collective counts before and after, and every declared field's JSON entries."""
+    out: dict = {"before": m.before, "after": m.after}
+    for f in METRIC_FIELDS:
+        out.update(f.json(m))
+    return out
+
+
+def bucketing_calls(m: GraphPassMetrics) -> Buckets:
+    """Every bucketing call of one graph, with its collective kind (None: the overlap scheduler's)."""
+    return [call for f in METRIC_FIELDS for call in f.buckets(m)]
+
+
 @dataclass
 class PipelineMetrics:
     graphs: dict[str, GraphPassMetrics] = field(default_factory=dict)
@@ -93,12 +155,7 @@ class PipelineMetrics:
     def acted(self) -> int:
         """Collectives the passes rewrote, over all graphs: chains fused, collectives merged into
         pre-overlap buckets and into topo-span buckets. 0 means no pass did anything."""
-        total = 0
-        for g in self.graphs.values():
-            total += g.fused_chains + sum(b.num_bucketed for b in g.overlap_bucketing)
-            if g.pre_overlap is not None:
-                total += sum(b.num_bucketed for b in g.pre_overlap.metrics.values())
-        return total
+        return sum(g.fused_chains + sum(b.num_bucketed for _, b in bucketing_calls(g)) for g in self.graphs.values())
 
     def summary(self) -> str:
         lines = []
@@ -266,8 +323,13 @@ __all__ = [
     "CollectivePass",
     "CollectivePassesConfig",
     "GraphPassMetrics",
+    "METRIC_FIELDS",
+    "MetricField",
     "PipelineMetrics",
     "bucket_fw_bw",
     "bucket_joint",
+    "bucketing_calls",
+    "metric_json",
+    "metric_text",
     "tag_joint",
 ]

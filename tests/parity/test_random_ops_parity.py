@@ -30,6 +30,7 @@ from verify.parity.planned import (
 )
 from verify.parity.random_ops import DROPOUT_OFF
 from verify.parity.runs import COMPILE_EXECUTORS, EAGER, oracle_executor, run_compile_parity
+from verify.stages import rank_context
 from verify.stages.scenario import Scenario
 
 aten = torch.ops.aten
@@ -107,12 +108,12 @@ def test_an_encoder_and_a_decoder_reading_one_embedding_are_bitwise_at_every_sta
 
 def test_without_seeding_the_stages_differ(monkeypatch):
     """The negative side: every executor drawing from wherever the generator stood (as before)."""
-    unseeded = parity_runs.train_steps
+    unseeded = rank_context.train_steps
 
     def train_steps(*args, seed=None, **kwargs):
         return unseeded(*args, **kwargs)
 
-    monkeypatch.setattr(parity_runs, "train_steps", train_steps)
+    monkeypatch.setattr(rank_context, "train_steps", train_steps)
     ranks = run_compile_parity(Scenario(case=CASE, plan="fsdp", mesh="dp=2"))
     assert not parity_runs.compare_with_eager(ranks, "first_partition").bitwise
 

@@ -13,10 +13,10 @@ padding properties (tests/property/test_fsdp_padding_properties.py), the uneven 
 and one world on real tensors: the dp=2 joint graph on two simulated ranks
 (``test_uneven_joint_graph_on_two_simulated_ranks_...``, no process group).
 
-Until issue 14's "check my model" API lands, the stages run through the runtime executors and
-``run_parity_world`` here (the pattern of ``verify/parity/runs.py``: reductions rank-ordered); :func:`_stage_parity_run` is
-the part to replace by that API (model factory, loss, batches, plan, mesh in; per-rank traces per
-stage out), and :func:`_single_device` by its independent oracle.
+Each rank builds every stage's executor from its registry entry (``verify.stages.registry``) on
+its ``RankContext`` (``verify.stages.rank_context``), as ``verify/parity/runs.py`` does, in a
+``run_parity_world`` (reductions rank-ordered); each collective pass's stage is its input's graphs
+with that pass applied, as the pipeline makes them (the registry's executor runs them composed).
 """
 
 from __future__ import annotations
@@ -32,18 +32,11 @@ from autoparallel import meta as M
 from autoparallel import roles
 from autoparallel.compile import SECOND_COMPILE
 from autoparallel.fx_utils import WAIT
-from autoparallel.mesh import MeshSpec, build_mesh, fake_world
+from autoparallel.mesh import MeshSpec, build_mesh
 from autoparallel.parallelize import ParallelPlan, ParallelProgram, build_joint_graph, split_batch
-from autoparallel.passes.collective import COLLECTIVE_PASSES, bucket_fw_bw
-from autoparallel.pipeline import JOINT, STAGE_NAMES, PipelineOptions, run_pipeline
-from autoparallel.runtime.rebind import rebind_groups
-from autoparallel.runtime.steps import (
-    compiled_module_executor,
-    eager_program_executor,
-    joint_graph_executor,
-    split_graph_executor,
-    train_steps,
-)
+from autoparallel.passes.collective import COLLECTIVE_PASS_NAMES, bucket_fw_bw
+from autoparallel.pipeline import JOINT, STAGE_NAMES, STAGES, PipelineOptions, run_pipeline
+from autoparallel.runtime.steps import split_graph_executor
 from verify.graphs.liveness import saved_gathered_values
 from verify.graphs.stats import graph_stats
 from verify.parity.compare import (
@@ -57,6 +50,8 @@ from verify.parity.compare import (
 )
 from verify.parity.differential import Feeds, run_program, simulated_world
 from verify.parity.ordered_collectives import run_parity_world
+from verify.stages.rank_context import RankContext
+from verify.stages.registry import build_executor, verification
 
 STEPS = 3
 EAGER = "eager"
@@ -139,51 +134,35 @@ def make_tp_batches(steps: int = STEPS) -> list[tuple[torch.Tensor, torch.Tensor
     return [(torch.randn(4, 8, generator=g), torch.randn(4, 3, generator=g)) for _ in range(steps)]
 
 
-# --- the run: to be replaced by issue 14's API --------------------------------------------------
+# --- the run: every stage's executor from its registry entry, on each rank's RankContext ------------
 
 
-def _rank_every_stage(rank, world_size, spec, stage_graphs, joint_roles, module, compiled, batches, tp_joint):
-    """Eager, then each stage's graphs (``stage_graphs``: name -> joint graph or (fw, bw)), the
-    compiled module, and the collective passes applied here in turn to the second compile's graphs;
-    then, where ``tp_joint`` (gm, roles) is given, the fsdp_tp toy: eager and its joint graph."""
+def _rank_every_stage(rank, world_size, spec, run, batches, tp_run):
+    """Eager, then each stage up to the second compile as its registry entry builds it from the
+    rank's context; then each collective pass's stage, as the pipeline makes it: its input's
+    graphs with that pass applied, here on the rank's rebound second-compile graphs (merged
+    all-gathers bake the rank into the graph; the registry's executor runs the passes composed
+    only). Then, where ``tp_run`` (the fsdp_tp toy's pipeline run, up to its joint graph) is
+    given: eager and its joint graph."""
     mesh = build_mesh(spec)
-    plan = ParallelPlan.fsdp()
-    program = ParallelProgram(make_model(), plan, mesh, class_loss)
-    coord = mesh.coordinate()
-    local = [split_batch(b, plan, spec, coord) for b in batches]
-    init = {k: v.detach().clone() for k, v in program.local_parameters().items()}
-    fresh = lambda: {k: v.clone() for k, v in init.items()}  # noqa: E731
-    traces = {EAGER: train_steps(eager_program_executor(program), program.local_parameters(), local)}
-    for name, graphs in stage_graphs.items():
-        if name == SECOND_COMPILE:
-            traces[name] = train_steps(compiled_module_executor(module, compiled), fresh(), local)
-        elif isinstance(graphs, tuple):
-            fw, bw = (rebind_groups(g, mesh.group_dims) for g in graphs)
-            traces[name] = train_steps(split_graph_executor(fw, bw, {}), fresh(), local)
-        else:
-            executor = joint_graph_executor(rebind_groups(graphs, mesh.group_dims), *joint_roles, {})
-            traces[name] = train_steps(executor, fresh(), local)
-    # The collective passes run here, in order, on this rank's rebound second-compile graphs:
-    # merged all-gathers bake the rank into the graph (as the pipeline's stages do on rank 0).
-    fw, bw = (rebind_groups(g, mesh.group_dims) for g in stage_graphs[SECOND_COMPILE])
-    config = PipelineOptions().collective
-    for p in COLLECTIVE_PASSES:
-        fw, bw, _ = bucket_fw_bw(fw, bw, config, only=(p.name,))
-        traces[p.name] = train_steps(split_graph_executor(fw, bw, {}), fresh(), local)
-    return coord, traces, (_rank_fsdp_tp(*tp_joint) if tp_joint else None)
+    program = ParallelProgram(make_model(), ParallelPlan.fsdp(), mesh, class_loss)
+    ctx = RankContext.for_program(program, mesh, batches, run=run)
+    traces = {EAGER: ctx.train(ctx.eager())}
+    for entry in verification(STAGES):
+        if entry.stage.name not in COLLECTIVE_PASS_NAMES:
+            traces[entry.stage.name] = ctx.train(entry.parity.executor(ctx))
+    fw, bw = ctx.graphs(SECOND_COMPILE)
+    for p in COLLECTIVE_PASS_NAMES:
+        fw, bw, _ = bucket_fw_bw(fw, bw, PipelineOptions().collective, only=(p,))
+        traces[p] = ctx.train(split_graph_executor(fw, bw, ctx.fresh_buffers()))
+    return mesh.coordinate(), traces, (_rank_fsdp_tp(tp_run) if tp_run else None)
 
 
-def _rank_fsdp_tp(gm, joint_roles):
+def _rank_fsdp_tp(tp_run):
     """A second mesh on the same world (no second world to start): eager vs the joint graph."""
     mesh = build_mesh(TP_MESH)
-    program = ParallelProgram(make_tp_toy(), TP_PLAN, mesh, mse)
-    coord = mesh.coordinate()
-    local = [split_batch(b, TP_PLAN, mesh.spec, coord) for b in make_tp_batches()]
-    init = {k: v.detach().clone() for k, v in program.local_parameters().items()}
-    traces = {EAGER: train_steps(eager_program_executor(program), program.local_parameters(), local)}
-    executor = joint_graph_executor(rebind_groups(gm, mesh.group_dims), *joint_roles, {})
-    traces[JOINT] = train_steps(executor, init, local)
-    return coord, traces
+    ctx = RankContext.for_program(ParallelProgram(make_tp_toy(), TP_PLAN, mesh, mse), mesh, make_tp_batches(), run=tp_run)
+    return mesh.coordinate(), {EAGER: ctx.train(ctx.eager()), JOINT: ctx.train(build_executor(JOINT, ctx))}
 
 
 def _stage_parity_run(spec: str):
@@ -196,17 +175,14 @@ def _stage_parity_run(spec: str):
         run = run_pipeline(make_model(), class_loss, make_batches(1)[0], ParallelPlan.fsdp(), spec, options, until=SECOND_COMPILE)
     finally:
         torch.set_num_threads(threads)
-    stage_graphs = {r.name: r.graphs for r in run.results}
-    roles = (run.joint.input_roles, run.joint.output_roles)
-    tp_joint = None
+    tp_run = None
     if MeshSpec.parse(spec).world_size == MeshSpec.parse(TP_MESH).world_size:
-        with fake_world(TP_MESH) as mesh, build_joint_graph(make_tp_toy(), TP_PLAN, mesh, make_tp_batches(1)[0], mse) as jg:
-            tp_joint = (jg.gm, (jg.input_roles, jg.output_roles))
+        tp_run = run_pipeline(make_tp_toy(), mse, make_tp_batches(1)[0], TP_PLAN, TP_MESH, PipelineOptions(), until=JOINT)
     try:
         ranks = run_parity_world(
             _rank_every_stage,
             MeshSpec.parse(spec).world_size,
-            args=(MeshSpec.parse(spec), stage_graphs, roles, run.module, run.compiled, make_batches(), tp_joint),
+            args=(MeshSpec.parse(spec), run, make_batches(), tp_run),
             num_threads=_RANK_THREADS,
         )
     finally:

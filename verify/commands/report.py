@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 
 from autoparallel.mesh import MeshSpec
-from autoparallel.passes.collective import upstream_info_logs
+from autoparallel.passes.collective import PipelineMetrics, upstream_info_logs
 from autoparallel.runtime.launched import agree_on_status, check_world_size, launched_world
 from autoparallel.pipeline import PLAN, PipelineRun, StageResult
 from verify.parity.bisection import explain_not_bitwise
@@ -46,7 +46,6 @@ from verify.stages.pipeline_run import params_summary, pipeline_options, run_sce
 from verify.stages.scenario import Scenario, check_flags, parameter_count
 
 COLLECTIVE_KINDS = ("all_gather", "reduce_scatter", "all_reduce")
-FUSE_PASS = "fuse_chained_allgathers"
 
 
 def progress(msg: str) -> None:
@@ -122,9 +121,10 @@ def planning_summary(run: PipelineRun) -> dict | None:
         "stage_seconds": round(run.stage(PLAN).seconds, 3),
         "alias_round_trips": {"found": len(rep.aliases.round_trips), "removed": rep.aliases.removed, "aliases_erased": len(rep.aliases.erased)},
     }
-    fuse = [r for r in run.results if r.name == FUSE_PASS]
-    if fuse:
-        chains = [g.chains for g in fuse[0].report.graphs.values() if g.chains is not None]
+    # the chains chained all-gather fusion found: the one collective pass that reports chains
+    chains = [g.chains for r in run.results if isinstance(r.report, PipelineMetrics)
+              for g in r.report.graphs.values() if g.chains is not None]
+    if chains:
         out["chained_all_gathers"] = {"found": sum(c.found for c in chains), "fused": sum(len(c.fused) for c in chains)}
     return out
 

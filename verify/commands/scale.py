@@ -17,7 +17,6 @@ This is a benchmark: figures go to stdout and docs/performance.md, never into ti
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import resource
 import statistics
@@ -27,10 +26,11 @@ import time
 from collections.abc import Callable
 
 from autoparallel.defaults import BUCKET_CAP_MB
-from autoparallel.passes.collective import COLLECTIVE_PASS_NAMES
+from autoparallel.passes.collective import COLLECTIVE_PASS_NAMES, metric_json
 from autoparallel.pipeline import PLAN, StageResult, run_pipeline, stages_for
 from verify.graphs.stats import graph_stats, human_bytes, partition_stats
 from verify.stages.pipeline_run import pipeline_options, stage_tracer
+from verify.stages.registry import PLANNING
 from verify.stages.scenario import Scenario, check_flags
 
 
@@ -69,19 +69,7 @@ def _graph_fields(graphs) -> dict:
 
 
 def _bucketing_fields(metrics) -> dict:
-    out = {}
-    for name, g in metrics.graphs.items():
-        entry: dict = {"before": g.before, "after": g.after, "fused_chains": g.fused_chains}
-        if g.chains is not None:
-            entry["chains_found"] = g.chains.found
-            entry["chains_unfused"] = [{"chain": c, "reason": why} for c, why in g.chains.unfused]
-        if g.pre_overlap is not None:
-            entry["pre_overlap"] = {k: dataclasses.asdict(m) for k, m in g.pre_overlap.metrics.items()}
-        if g.overlap_bucketing:
-            entry["overlap_bucketing"] = [dataclasses.asdict(m) for m in g.overlap_bucketing]
-            entry["max_consec_compute_between_rs"] = g.max_consec_compute_between_rs
-        out[name] = entry
-    return out
+    return {name: metric_json(g) for name, g in metrics.graphs.items()}
 
 
 def _planning_fields(report) -> dict:
@@ -131,7 +119,7 @@ def run_once(scenario: Scenario, bucket_cap_mb: float, progress: Callable[[str],
 
     def record(result: StageResult) -> None:
         entry = {"name": result.label, "seconds": result.seconds, "rss_gib": round(_rss_gib(), 3), "alternative": result.alternative}
-        if result.name == PLAN:
+        if result.name in PLANNING:
             entry["planning"] = _planning_fields(result.report)
         else:
             entry.update(_graph_fields(result.graphs))

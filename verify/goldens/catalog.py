@@ -18,9 +18,9 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from autoparallel.compile import SECOND_COMPILE
-from autoparallel.passes.collective import COLLECTIVE_PASSES
+from autoparallel.passes.collective import COLLECTIVE_PASSES, metric_text
 from autoparallel.passes.topo_span_bucketing import TopoSpanConfig
-from autoparallel.pipeline import PLAN, PLANNED_STAGES, STAGES, PipelineRun, Stage, StageResult
+from autoparallel.pipeline import PLANNED_STAGES, STAGES, PipelineRun, Stage, StageResult
 from verify import zoo
 from verify.goldens.text import (
     GOLDENS_DIR,
@@ -31,7 +31,7 @@ from verify.goldens.text import (
 )
 from verify.stages import plan_cases
 from verify.stages.pipeline_run import run_scenario
-from verify.stages.registry import ALONE, REGISTRY, StageChecks, golden_kinds
+from verify.stages.registry import ALONE, PLAN_TEXT, REGISTRY, StageChecks, golden_kinds
 from verify.stages.scenario import Scenario
 
 GOLDEN_SCENARIOS: dict[str, Scenario] = {
@@ -151,7 +151,7 @@ def golden_result(run: PipelineRun, stage: str) -> StageResult:
 
 
 def stage_text(sid: str, result: StageResult) -> str:
-    if result.name == PLAN:
+    if _GOLDEN_KINDS.get(result.name) == PLAN_TEXT:
         return plan_stage_text(sid, result)
     return graph_golden_text(f"{sid} {result.name}", header(GOLDEN_SCENARIOS[sid], result.name), result.graphs)
 
@@ -188,16 +188,7 @@ def _metrics_lines(name: str, metrics) -> list[str]:
     """What one pass did to each graph (its PipelineMetrics), as deterministic text."""
     lines = []
     for graph, m in metrics.graphs.items():
-        parts = []
-        if m.fused_chains:
-            parts.append(f"fused chains {m.fused_chains}")
-        if m.chains is not None and m.chains.unfused:
-            parts.append(m.chains.summary())
-        if m.pre_overlap is not None:
-            parts += [f"{kind}: {b.summary()}" for kind, b in m.pre_overlap.metrics.items() if b.num_candidates]
-        parts += [f"overlap bucketing: {b.summary()}" for b in m.overlap_bucketing]
-        if m.max_consec_compute_between_rs is not None:
-            parts.append(f"max_consec_compute_between_rs={m.max_consec_compute_between_rs}")
+        parts = metric_text(m)
         lines.append(f"{name} {graph}: " + ("; ".join(parts) or "nothing to do"))
     return lines
 

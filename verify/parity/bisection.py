@@ -21,6 +21,7 @@ from autoparallel import pipeline as P
 from autoparallel.mesh import MeshSpec
 from verify.parity import differential as D
 from verify.parity.compare import ParityReport
+from verify.stages.registry import WITHOUT_GRAPH_INPUT
 
 Graphs = fx.GraphModule | tuple[fx.GraphModule, fx.GraphModule]
 Step = tuple[str, Graphs, Graphs]  # (stage name, what it compares first, what second)
@@ -170,13 +171,13 @@ def explain_not_bitwise(run: P.PipelineRun, mesh: MeshSpec | str, stages: Iterab
         return out, None
     # the passes only: under plan="auto" the joint stage's input is the plan stage's unsharded trace
     try:
-        result = bisect_steps([step for step in run_steps(run) if step[0] != P.JOINT], mesh, seed=seed, given=given)
+        result = bisect_steps([step for step in run_steps(run) if step[0] not in WITHOUT_GRAPH_INPUT], mesh, seed=seed, given=given)
     except (ValueError, NotImplementedError, RuntimeError) as e:
         out.update({s: f"differential execution could not run: {type(e).__name__}: {e}" for s in rest})
         return out, None
     order = [c.name for c in result.checks]
     for stage in rest:
-        upto = order[: order.index(stage) + 1] if stage in order else order if stage != P.JOINT else []
+        upto = order[: order.index(stage) + 1] if stage in order else order if stage not in WITHOUT_GRAPH_INPUT else []
         first = next((c for c in result.checks if c.name in upto and not c.equal), None)
         if first is not None:
             node = first.first_node.describe() if first.first_node is not None else "none located"

@@ -39,16 +39,12 @@ import torch
 import torch._dynamo
 import torch.distributed as dist
 
+from autoparallel.compile import SECOND_COMPILE
 from autoparallel.mesh import build_mesh
-from autoparallel.parallelize import ParallelProgram, split_batch
+from autoparallel.parallelize import ParallelProgram
 from autoparallel.pipeline import run_pipeline
 from autoparallel.runtime import to_cpu
-from autoparallel.runtime.steps import (
-    StepTrace,
-    compiled_module_executor,
-    eager_program_executor,
-    train_steps,
-)
+from autoparallel.runtime.steps import StepTrace
 from verify.hf import hf_case
 from verify.parity.compare import (
     OracleCheck,
@@ -60,6 +56,8 @@ from verify.parity.compare import (
 from verify.parity.ordered_collectives import RANK_ORDERED, run_parity_world
 from verify.parity.runs import compare_with_eager, rank_seed
 from verify.stages.pipeline_run import pipeline_options
+from verify.stages.rank_context import RankContext
+from verify.stages.registry import build_executor
 from verify.stages.scenario import Scenario
 
 EAGER, EAGER_AGAIN = "eager", "eager again"
@@ -218,34 +216,27 @@ def _rank(rank: int, world_size: int, cell: DeviceCell, compilers: tuple[str, ..
 
 def _train_every_executor(rank: int, cell: DeviceCell, compilers: tuple[str, ...], device: str, steps: int) -> DeviceRank:
     scenario = cell.scenario()
-    spec, plan = scenario.mesh_spec, scenario.plan_obj()
+    plan = scenario.plan_obj()
     device_type = torch.device(device).type
-    mesh = build_mesh(spec, device_type)
-    coord = mesh.coordinate()
+    mesh = build_mesh(scenario.mesh_spec, device_type)
     program = ParallelProgram(scenario.model(device=device), plan, mesh, scenario.loss_fn)
     batches = [tuple(t.to(device) for t in b) for b in scenario.batches(steps)]
-    local_batches = [split_batch(b, plan, spec, coord) for b in batches]
-    init = {k: v.detach().clone() for k, v in program.local_parameters().items()}
-    eager = eager_program_executor(program)
-    init_buffers = {k: b.detach().clone() for k, b in eager.buffers.items()}
-    seed = rank_seed(scenario, coord)
+    ctx = RankContext.for_program(program, mesh, batches, seed=rank_seed(scenario, mesh.coordinate()))
     out = DeviceRank(rank, dist.get_backend(), device, {})
 
     def train(name: str, executor) -> None:
-        with torch.no_grad():
-            for k, b in executor.buffers.items():
-                b.copy_(init_buffers[k])
         if device_type == "cuda":
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
         t0 = time.perf_counter()
-        trace = train_steps(executor, {k: v.clone() for k, v in init.items()}, local_batches, seed=seed)
+        trace = ctx.train(executor)
         if device_type == "cuda":
             torch.cuda.synchronize()
             out.peaks[name] = {"allocated": torch.cuda.max_memory_allocated(), "reserved": torch.cuda.max_memory_reserved()}
         out.seconds[name] = time.perf_counter() - t0
         out.traces[name] = to_cpu(trace)  # off the device before the next executor's peak
 
+    eager = ctx.eager()
     train(EAGER, eager)
     train(EAGER_AGAIN, eager)
     loss_fn = None if scenario.model_case is None else scenario.loss_fn
@@ -258,9 +249,9 @@ def _train_every_executor(rank: int, cell: DeviceCell, compilers: tuple[str, ...
         try:
             with torch._inductor.config.patch(config):
                 t0 = time.perf_counter()
-                run = run_pipeline(scenario.model(device=device), loss_fn, example, plan, mesh, options, until="second_compile")
+                ctx.run = run_pipeline(scenario.model(device=device), loss_fn, example, plan, mesh, options, until=SECOND_COMPILE)
                 compile_s = time.perf_counter() - t0
-                train(compiler, compiled_module_executor(run.module, run.compiled))
+                train(compiler, build_executor(SECOND_COMPILE, ctx))
                 out.seconds[f"{compiler} pipeline"] = compile_s
         except Exception:  # the other compilers' verdicts still come back; the caller sees this one's error
             out.errors[compiler] = traceback.format_exc()

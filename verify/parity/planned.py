@@ -40,11 +40,9 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 
 from autoparallel import roles
 from autoparallel.compile import SECOND_COMPILE
-from autoparallel.fx_utils import copy_graph_module
 from autoparallel.mesh import MeshSpec, build_mesh, fake_world
 from autoparallel.parallelize import ParallelPlan, cross_entropy_loss
 from autoparallel.partition import STEP_FIRST_PARTITION
-from autoparallel.passes.collective import bucket_fw_bw
 from autoparallel.pipeline import PLANNED_STAGES, run_pipeline
 from autoparallel.planner.auto import local_inputs, local_params, plan_for_pipeline
 from autoparallel.planner.lower import (
@@ -58,15 +56,10 @@ from autoparallel.planner.plan import Plan
 from autoparallel.runtime.steps import (
     Executor,
     StepTrace,
-    compiled_module_executor,
-    joint_graph_executor,
     loss_and_updates,
-    parallel_module_executor,
     primals_by_role,
     seeded,
-    split_graph_executor,
     step_seed,
-    train_steps,
 )
 from verify.parity import calibration
 from verify.parity.collective_check import agree_on_collectives
@@ -78,9 +71,10 @@ from verify.parity.random_ops import (
     random_nodes,
     random_ops_disabled,
 )
-from verify.parity.runs import COLLECTIVE, JOINT_EXECUTORS, cast_floating, no_recompile, oracle_executor
+from verify.parity.runs import COLLECTIVE, cast_floating, no_recompile, oracle_executor
 from verify.stages.pipeline_run import pipeline_options
-from verify.stages.registry import EAGER, planned_executors
+from verify.stages.rank_context import RankContext
+from verify.stages.registry import EAGER, build_executor, last_needed, parity_executors, planned_executors
 
 # Every rank's generator seed (each executor draws alike). One seed for the whole world: a random op
 # that is not a dropout is replicated (every rank draws the whole tensor), so every rank, and the
@@ -88,6 +82,7 @@ from verify.stages.registry import EAGER, planned_executors
 PLANNED_RNG_SEED = 20_261_127
 TRAIN_LR = 1e-2  # train_steps' AdamW learning rate (the replay uses the same)
 EXECUTORS = planned_executors(PLANNED_STAGES)  # eager (the plan stage's), then one per stage after it
+_COMPILED = frozenset(e.name for e in parity_executors(PLANNED_STAGES) if e.compiled)  # they run the kept compiled module
 
 # Single-device comparison until the "any model" issue's oracle (a per-dtype tolerance derived
 # from the reduction depth) lands: then switch single_device_report to it. fp32 only here.
@@ -185,9 +180,10 @@ def _rank_case(case: PlannedCase, solved: Plan, batches, executors, mesh) -> Pla
     # The second compile's executor runs the module the pipeline compiled (keep_compiled): a
     # second torch.compile here would re-trace and re-partition the same module. Running it in
     # the pipeline needs the model's real values.
-    keep = SECOND_COMPILE in executors
+    keep = bool(_COMPILED & set(executors))
     options = pipeline_options(snapshots=True, alternatives=False, keep_compiled=keep)
-    until = SECOND_COMPILE if {SECOND_COMPILE, COLLECTIVE} & set(executors) else STEP_FIRST_PARTITION
+    # at least the first partition (its module is built there), further where an executor needs it
+    until = last_needed((*executors, STEP_FIRST_PARTITION), PLANNED_STAGES)
     run = run_pipeline(case.model("cpu" if keep else "meta"), case.loss_fn, batches[0], ParallelPlan.auto(plan=solved), mesh,
                        options, until=until)
     plan = run.planned.plan
@@ -200,43 +196,24 @@ def _rank_case(case: PlannedCase, solved: Plan, batches, executors, mesh) -> Pla
         if placement is not None:
             buffers[fqn] = shard_tensor(b, decode(placement, plan.mesh_names), mesh)
     local_batches = [local_inputs(plan, b, mesh) for b in batches]
-    fresh = lambda: {k: v.clone() for k, v in init.items()}  # noqa: E731
-    fresh_buffers = lambda: {k: v.clone() for k, v in buffers.items()}  # noqa: E731
-    mod = run.module
+    ctx = RankContext(mesh, init, buffers, local_batches, eager=lambda: eager_executor(run.planned, mesh, ctx.fresh_buffers()),
+                      seed=PLANNED_RNG_SEED, run=run, collective=options.collective, rebind=False)
     graphs = [row for r in run.results for row in r.graph_rows()]
-    bucketed = None
     if COLLECTIVE in executors:  # the rank's own second-compile graphs through every collective pass
-        fw, bw = (copy_graph_module(g) for g in run.stage(SECOND_COMPILE).graphs)
-        bucketed = bucket_fw_bw(fw, bw, options.collective)[:2]
-        graphs += [(f"{COLLECTIVE} fwd", bucketed[0]), (f"{COLLECTIVE} bwd", bucketed[1])]
+        graphs += list(zip((f"{COLLECTIVE} fwd", f"{COLLECTIVE} bwd"), ctx.bucketed(SECOND_COMPILE), strict=True))
     # Lowered graphs are rank-specific: every rank's collectives must agree before any runs.
     agree_on_collectives(graphs)
-
-    def collective_passes() -> Executor:
-        return split_graph_executor(*bucketed, fresh_buffers())
-
-    runs: dict[str, Callable[[], Executor]] = {
-        EAGER: lambda: eager_executor(run.planned, mesh, fresh_buffers()),
-        **{name: (lambda name=name: joint_graph_executor(
-            run.stage(name).graphs, run.joint.input_roles, run.joint.output_roles, fresh_buffers()))
-           for name in JOINT_EXECUTORS},
-        STEP_FIRST_PARTITION: lambda: parallel_module_executor(mod),
-        SECOND_COMPILE: lambda: compiled_module_executor(mod, run.compiled),
-        COLLECTIVE: collective_passes,
-        DROPOUT_OFF: lambda: eager_executor(
-            run.planned, mesh, fresh_buffers(), graph_without_random_ops(run.planned.pg.gm, keep_others=True)),
-    }
     if EAGER in executors and random_nodes(run.planned.pg.gm):
         executors = (*executors, DROPOUT_OFF)
     traces = {}
     for name in executors:
-        executor = runs[name]()
-        with torch.no_grad():  # every executor starts from the initial buffers (the module's are shared)
-            for fqn, b in executor.buffers.items():
-                if fqn in buffers:
-                    b.copy_(buffers[fqn])
-        with no_recompile("the graphs the pipeline's second compile made") if name == SECOND_COMPILE else contextlib.nullcontext():
-            traces[name] = train_steps(executor, fresh(), local_batches, seed=PLANNED_RNG_SEED)
+        if name == DROPOUT_OFF:
+            executor = eager_executor(run.planned, mesh, ctx.fresh_buffers(), graph_without_random_ops(run.planned.pg.gm, keep_others=True))
+        else:
+            executor = build_executor(name, ctx)
+        compiled = name in _COMPILED
+        with no_recompile("the graphs the pipeline's second compile made") if compiled else contextlib.nullcontext():
+            traces[name] = ctx.train(executor)
     torch._dynamo.reset()
     coord = mesh.coordinate()
     offsets = {}

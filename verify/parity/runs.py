@@ -42,28 +42,15 @@ from autoparallel.compiling_flag import tracing_as_compiling
 from autoparallel.mesh import build_mesh, fake_world
 from autoparallel.parallelize import ParallelProgram, split_batch
 from autoparallel.parallelize.program import cast_forward_inputs
-from autoparallel.passes.collective import CollectivePassesConfig, bucket_fw_bw
+from autoparallel.passes.collective import CollectivePassesConfig
 from autoparallel.pipeline import (
     JOINT,
-    STAGE_NAMES,
     STAGES,
     PipelineOptions,
     PipelineRun,
     run_pipeline,
 )
-from autoparallel.runtime.rebind import rebind_groups
-from autoparallel.runtime.steps import (
-    Executor,
-    StepTrace,
-    compiled_module_executor,
-    eager_program_executor,
-    joint_graph_executor,
-    parallel_module_executor,
-    seeded,
-    split_graph_executor,
-    step_seed,
-    train_steps,
-)
+from autoparallel.runtime.steps import Executor, StepTrace, seeded, step_seed
 from verify.parity import calibration
 from verify.parity.collective_check import agree_on_collectives
 from verify.parity.compare import (
@@ -84,13 +71,12 @@ from verify.parity.random_ops import (
     random_ops_disabled,
 )
 from verify.stages.pipeline_run import intra_op_threads, pipeline_options
+from verify.stages.rank_context import RankContext
 from verify.stages.registry import (
     COLLECTIVE_PASSES_EXECUTOR,
-    COMPILED,
     EAGER,
-    JOINT_GRAPH,
-    MODULE,
-    SPLIT_GRAPHS,
+    build_executor,
+    last_needed,
     parity_executors,
 )
 from verify.stages.scenario import Scenario, dtype_name
@@ -98,10 +84,8 @@ from verify.stages.scenario import Scenario, dtype_name
 # The executors, one per stage (the collective passes composed share one), from the stage registry.
 _EXECUTORS = {e.name: e for e in parity_executors(STAGES)}
 COLLECTIVE = COLLECTIVE_PASSES_EXECUTOR
-JOINT_EXECUTORS = tuple(name for name, e in _EXECUTORS.items() if e.form == JOINT_GRAPH)  # joint-graph forms
-COMPILE_EXECUTORS = (EAGER, *(name for name, e in _EXECUTORS.items() if e.form in (MODULE, COMPILED)))
+COMPILE_EXECUTORS = (EAGER, *(name for name, e in _EXECUTORS.items() if e.module))  # the pipeline's module, as is and compiled
 STAGE_EXECUTORS = (EAGER, *_EXECUTORS)
-FORMS_BUILT = (JOINT_GRAPH, MODULE, COMPILED, SPLIT_GRAPHS)  # the forms _rank_stages' build() makes
 _MODULE_EXECUTORS = frozenset(COMPILE_EXECUTORS[1:])  # they run the pipeline's module (kept compiled)
 _RANK_THREADS = 1
 #: The eager program run with ``torch.compiler.is_compiling()`` true, as the joint trace runs the
@@ -128,15 +112,6 @@ def _options(enable_ac: bool = False, collective: CollectivePassesConfig | None 
     return options if collective is None else replace(options, collective=collective)
 
 
-# The last pipeline stage each executor needs.
-_NEEDS = {EAGER: None, **{name: e.needs for name, e in _EXECUTORS.items()}}
-
-
-def _last_stage(executors) -> str | None:
-    needed = [_NEEDS[e] for e in executors if _NEEDS[e] is not None]
-    return max(needed, key=STAGE_NAMES.index) if needed else None
-
-
 def _pipeline(scenario: Scenario, mesh, enable_ac: bool, collective: CollectivePassesConfig, until: str | None) -> PipelineRun:
     options = _options(enable_ac, collective)
     # The module runs (keep_compiled): a model with values, never meta (verify.stages.pipeline_run.run_scenario).
@@ -155,70 +130,40 @@ def parity_pipeline(
     the last stage they need, every stage's graphs a snapshot, the compiled module kept."""
     collective = collective if collective is not None else pipeline_options().collective
     with intra_op_threads(_RANK_THREADS), fake_world(scenario.mesh_spec) as mesh:
-        return _pipeline(scenario, mesh, enable_ac, collective, _last_stage(executors))
+        return _pipeline(scenario, mesh, enable_ac, collective, last_needed(executors, STAGES))
 
 
 def _rank_stages(rank, world_size, scenario: Scenario, batches, run: PipelineRun, executors, enable_ac, collective):
     spec = scenario.mesh_spec
     mesh = build_mesh(spec)
-    plan = scenario.plan_obj()
-    program = ParallelProgram(scenario.model(), plan, mesh, scenario.loss_fn)
+    program = ParallelProgram(scenario.model(), scenario.plan_obj(), mesh, scenario.loss_fn)
     coord = mesh.coordinate()
-    local_batches = [split_batch(b, plan, spec, coord) for b in batches]
-    init = {k: v.detach().clone() for k, v in program.local_parameters().items()}
-    init_buffers = {k: b.detach().clone() for k, b in eager_program_executor(program).buffers.items()}
+    ctx = RankContext.for_program(program, mesh, batches, seed=rank_seed(scenario, coord), collective=collective)
     # Sub-mesh groups get rank-dependent names on a real world (every rank numbers only the
     # groups it belongs to), so the inherited module may name other groups: then every rank
     # builds its own (together: the compile's first call runs on this world).
     inherited = _on_every_rank(mesh.group_dims == run.group_dims)
     if _MODULE_EXECUTORS & set(executors) and not inherited:
         torch._dynamo.reset()
-        run = _pipeline(scenario, mesh, enable_ac, collective, _last_stage(executors))
-    joint = run.joint
+        run = _pipeline(scenario, mesh, enable_ac, collective, last_needed(executors, STAGES))
+    ctx.run = run
     # Every rank's graphs must issue the same collectives before any runs (a rank that re-ran
     # the pipeline made its own): a mismatch is a named error on every rank, not a gloo abort.
     agree_on_collectives([row for r in run.results for row in r.graph_rows()])
 
-    def fresh_buffers() -> dict[str, torch.Tensor]:
-        return {k: b.clone() for k, b in init_buffers.items()}
-
     if EAGER in executors and dropout_off_in_oracle(scenario, run):
         executors = (*executors, DROPOUT_OFF)
-    if EAGER in executors and joint is not None and joint.compiling_queries:
+    if EAGER in executors and run.joint is not None and run.joint.compiling_queries:
         executors = (*executors, AS_TRACED)
-
-    def build(name: str) -> Executor:
-        if name == EAGER:
-            return eager_program_executor(program)
-        if name == DROPOUT_OFF:
-            return executor_without_random_ops(eager_program_executor(program))
-        if name == AS_TRACED:
-            return executor_as_traced(eager_program_executor(program))
-        form = _EXECUTORS[name].form if name in _EXECUTORS else None
-        if form == JOINT_GRAPH:
-            gm = rebind_groups(run.stage(_EXECUTORS[name].needs).graphs, mesh.group_dims)
-            return joint_graph_executor(gm, joint.input_roles, joint.output_roles, fresh_buffers())
-        if form == MODULE:
-            return parallel_module_executor(run.module)
-        if form == COMPILED:
-            return compiled_module_executor(run.module, run.compiled)
-        if form == SPLIT_GRAPHS:  # the collective passes composed, on the rank's own second-compile graphs
-            fw, bw = (rebind_groups(g, mesh.group_dims) for g in run.stage(_EXECUTORS[name].needs).graphs)
-            fw, bw, _ = bucket_fw_bw(fw, bw, collective)
-            return split_graph_executor(fw, bw, fresh_buffers())
-        raise ValueError(f"unknown executor {name!r}; executors: {list(STAGE_EXECUTORS)}")
+    references = {DROPOUT_OFF: executor_without_random_ops, AS_TRACED: executor_as_traced}
 
     traces, seconds = {}, {}
     for name in executors:
         t0 = time.perf_counter()
-        executor = build(name)
-        with torch.no_grad():
-            for k, b in executor.buffers.items():
-                b.copy_(init_buffers[k])
-        kept = name in _EXECUTORS and _EXECUTORS[name].form == COMPILED and inherited
+        executor = references[name](ctx.eager()) if name in references else build_executor(name, ctx, STAGES)
+        kept = name in _EXECUTORS and _EXECUTORS[name].compiled and inherited
         with no_recompile("the graphs compiled (and captured) on the fake world") if kept else contextlib.nullcontext():
-            traces[name] = train_steps(executor, {k: v.clone() for k, v in init.items()}, local_batches,
-                                       seed=rank_seed(scenario, coord))
+            traces[name] = ctx.train(executor)
         seconds[name] = time.perf_counter() - t0
     return RankParity(tuple(coord[d] for d in spec.names), traces, seconds)
 

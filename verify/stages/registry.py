@@ -3,8 +3,10 @@
 Every verification surface reads its per-stage knowledge from here, so a new stage is one entry
 beside the stage list, and a stage without one fails the surfaces that need it, naming it:
 
-* ``parity``: the executor a hand-plan parity rank trains with (``verify.parity.runs``);
-* ``planned_parity``: the executor of a ``plan="auto"`` parity world (``verify.parity.planned``);
+* ``parity``: how a parity rank runs the stage (:class:`ParityRun`): its executor, built from the
+  rank's :class:`verify.stages.rank_context.RankContext` (hand plans, ``verify.parity.runs``;
+  device worlds; ``plan="auto"``, ``verify.parity.planned``, by the name ``planned_parity`` gives);
+* ``planned_parity``: the name of the executor of a ``plan="auto"`` parity world (``verify.parity.planned``);
 * ``conservation``: the stage's law for collectives (``verify.graphs.invariants``), run by
   :func:`check_conservation` on every golden scenario;
 * ``golden``: which graphs the stage's golden slot shows (``verify.goldens.catalog``);
@@ -27,15 +29,16 @@ from torch import fx
 from autoparallel.compile import SECOND_COMPILE
 from autoparallel.partition import STEP_CLEANUP, STEP_FIRST_PARTITION, STEP_FSDP_TAGS
 from autoparallel.pipeline import JOINT, PLAN, PLANNED_STAGES, Stage
+from autoparallel.runtime.steps import Executor
 from verify.graphs.invariants import merged, partitioned, regrouped, unchanged
+from verify.stages import rank_context
+from verify.stages.rank_context import RankContext
 
 Graphs = fx.GraphModule | tuple[fx.GraphModule, fx.GraphModule]
 Law = Callable[[str, Graphs, Graphs], list[str]]
 
 EAGER = "eager"  # the reference executor of a parity world: every other executor is compared with it
-# The forms a parity rank builds an executor from (verify.parity.runs.build_executor).
-JOINT_GRAPH, MODULE, COMPILED, SPLIT_GRAPHS = "joint graph", "module", "compiled module", "split graphs"
-FORMS = (JOINT_GRAPH, MODULE, COMPILED, SPLIT_GRAPHS)
+Build = Callable[[RankContext, str], Executor]
 # What a stage's golden slot shows (verify.goldens.catalog.golden_result).
 OWN, ALONE, PLAN_TEXT = "own graphs", "the pass alone", "plan text"
 GOLDENS = (OWN, ALONE, PLAN_TEXT)
@@ -57,13 +60,21 @@ class Exempt:
 
 
 @dataclass(frozen=True)
-class Executor:
-    """How a parity rank runs a stage: ``name`` (what parity results are keyed by), ``form``
-    (one of :data:`FORMS`), ``needs`` (the last pipeline stage whose graphs it takes)."""
+class ParityRun:
+    """How a parity rank runs a stage: ``name`` (what parity results are keyed by), ``build`` (a
+    builder of ``verify.stages.rank_context``: the executor, from the rank's context and ``needs``),
+    ``needs`` (the last pipeline stage whose graphs it takes); ``module``: it runs the pipeline's
+    module, not graphs (a rank whose groups the module does not name re-runs the pipeline);
+    ``compiled``: it runs the module the pipeline compiled (a recompile would test other graphs)."""
 
     name: str
-    form: str
+    build: Build
     needs: str
+    module: bool = False
+    compiled: bool = False
+
+    def executor(self, ctx: RankContext) -> Executor:
+        return self.build(ctx, self.needs)
 
 
 @dataclass(frozen=True)
@@ -71,7 +82,7 @@ class StageChecks:
     """How one stage is verified (see the module docstring)."""
 
     stage: Stage
-    parity: Executor | Exempt
+    parity: ParityRun | Exempt
     planned_parity: str | Exempt
     conservation: Law | Exempt
     golden: str
@@ -87,8 +98,8 @@ def problems(entry: StageChecks) -> list[str]:
         value = getattr(entry, f.name)
         if value is None or value == () or value == "" or (isinstance(value, Exempt) and not value.why):
             out.append(f"stage {name!r} has no {f.name} (give one, or Exempt(why))")
-    if isinstance(entry.parity, Executor) and entry.parity.form not in FORMS:
-        out.append(f"stage {name!r}: parity form {entry.parity.form!r} is not one of {FORMS}")
+    if isinstance(entry.parity, ParityRun) and not callable(entry.parity.build):
+        out.append(f"stage {name!r}: parity build {entry.parity.build!r} is not a builder (verify.stages.rank_context)")
     if entry.golden and entry.golden not in GOLDENS:
         out.append(f"stage {name!r}: golden {entry.golden!r} is not one of {GOLDENS}")
     if entry.html and entry.html not in HTML_SECTIONS:
@@ -103,7 +114,7 @@ def _stage(name: str) -> Stage:
 def _collective_pass(name: str, law: Law, tests: tuple[str, ...]) -> StageChecks:
     return StageChecks(
         _stage(name),
-        parity=Executor(COLLECTIVE_PASSES_EXECUTOR, SPLIT_GRAPHS, needs=SECOND_COMPILE),
+        parity=ParityRun(COLLECTIVE_PASSES_EXECUTOR, rank_context.collective_passes, needs=SECOND_COMPILE),
         planned_parity=COLLECTIVE_PASSES_EXECUTOR,
         conservation=law,
         golden=ALONE,
@@ -131,7 +142,7 @@ _ENTRIES = (
     ),
     StageChecks(
         _stage(JOINT),
-        parity=Executor(JOINT, JOINT_GRAPH, needs=JOINT),
+        parity=ParityRun(JOINT, rank_context.joint_graph, needs=JOINT),
         planned_parity=JOINT,
         conservation=Exempt("the trace: its input is the model, not a graph"),
         golden=OWN,
@@ -140,7 +151,7 @@ _ENTRIES = (
     ),
     StageChecks(
         _stage(STEP_CLEANUP),
-        parity=Executor(STEP_CLEANUP, JOINT_GRAPH, needs=STEP_CLEANUP),
+        parity=ParityRun(STEP_CLEANUP, rank_context.joint_graph, needs=STEP_CLEANUP),
         planned_parity=STEP_CLEANUP,
         conservation=unchanged,
         golden=OWN,
@@ -149,7 +160,7 @@ _ENTRIES = (
     ),
     StageChecks(
         _stage(STEP_FSDP_TAGS),
-        parity=Executor(STEP_FSDP_TAGS, JOINT_GRAPH, needs=STEP_FSDP_TAGS),
+        parity=ParityRun(STEP_FSDP_TAGS, rank_context.joint_graph, needs=STEP_FSDP_TAGS),
         planned_parity=STEP_FSDP_TAGS,
         conservation=unchanged,
         golden=OWN,
@@ -158,7 +169,7 @@ _ENTRIES = (
     ),
     StageChecks(
         _stage(STEP_FIRST_PARTITION),
-        parity=Executor(STEP_FIRST_PARTITION, MODULE, needs=STEP_FIRST_PARTITION),
+        parity=ParityRun(STEP_FIRST_PARTITION, rank_context.parallel_module, needs=STEP_FIRST_PARTITION, module=True),
         planned_parity=STEP_FIRST_PARTITION,
         conservation=partitioned,
         golden=OWN,
@@ -167,7 +178,7 @@ _ENTRIES = (
     ),
     StageChecks(
         _stage(SECOND_COMPILE),
-        parity=Executor(SECOND_COMPILE, COMPILED, needs=SECOND_COMPILE),
+        parity=ParityRun(SECOND_COMPILE, rank_context.compiled_module, needs=SECOND_COMPILE, module=True, compiled=True),
         planned_parity=SECOND_COMPILE,
         conservation=unchanged,
         golden=OWN,
@@ -218,13 +229,35 @@ def checks_named(name: str, stages: Sequence[Stage] = PLANNED_STAGES,
 # --- what each surface reads ------------------------------------------------------------------------
 
 
-def parity_executors(stages: Sequence[Stage], registry: Mapping[Stage, StageChecks] = REGISTRY) -> tuple[Executor, ...]:
+def parity_executors(stages: Sequence[Stage], registry: Mapping[Stage, StageChecks] = REGISTRY) -> tuple[ParityRun, ...]:
     """The hand-plan executors of ``stages``, in stage order, each once (the collective passes share one)."""
-    out: dict[str, Executor] = {}
+    out: dict[str, ParityRun] = {}
     for e in verification(stages, registry):
-        if isinstance(e.parity, Executor):
+        if isinstance(e.parity, ParityRun):
             out.setdefault(e.parity.name, e.parity)
     return tuple(out.values())
+
+
+def last_needed(executors: Sequence[str], stages: Sequence[Stage] = PLANNED_STAGES,
+                registry: Mapping[Stage, StageChecks] = REGISTRY) -> str | None:
+    """The last stage of ``stages`` whose graphs one of ``executors`` takes (how far a parity
+    world's pipeline must run); None where none takes any (the reference only)."""
+    needs = {r.name: r.needs for r in parity_executors(stages, registry)}
+    order = [s.name for s in stages]
+    needed = [needs[e] for e in executors if e in needs]
+    return max(needed, key=order.index) if needed else None
+
+
+def build_executor(name: str, ctx: RankContext, stages: Sequence[Stage] = PLANNED_STAGES,
+                   registry: Mapping[Stage, StageChecks] = REGISTRY) -> Executor:
+    """The executor called ``name`` on the rank of ``ctx``: :data:`EAGER` (the context's
+    reference) or a stage's; ValueError naming the known ones."""
+    if name == EAGER:
+        return ctx.eager()
+    runs = {r.name: r for r in parity_executors(stages, registry)}
+    if name not in runs:
+        raise ValueError(f"unknown executor {name!r}; executors: {[EAGER, *runs]}")
+    return runs[name].executor(ctx)
 
 
 def planned_executors(stages: Sequence[Stage], registry: Mapping[Stage, StageChecks] = REGISTRY) -> tuple[str, ...]:
@@ -241,6 +274,10 @@ def conservation_laws(stages: Sequence[Stage] = PLANNED_STAGES, registry: Mappin
 
 #: The conservation law of each graph-in/graph-out stage (see verify.graphs.invariants).
 CONSERVATION: dict[str, Law] = conservation_laws()
+#: The stages whose input is no graph (the plan, the trace): no pass to run against its input.
+WITHOUT_GRAPH_INPUT = frozenset(s.name for s in PLANNED_STAGES) - set(CONSERVATION)
+#: The stages whose output is a plan, not graphs (their golden slot shows plan text).
+PLANNING = frozenset(e.stage.name for e in _ENTRIES if e.golden == PLAN_TEXT)
 
 
 def check_conservation(stage: str, before: Graphs, after: Graphs) -> list[str]:

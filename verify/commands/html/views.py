@@ -16,6 +16,7 @@ from torch.utils import _pytree as pytree
 from autoparallel import meta as M
 from autoparallel.fx_utils import group_arg_index, group_of, group_size_of
 from autoparallel.mesh import MeshSpec, group_dims_of
+from autoparallel.passes.collective import GraphPassMetrics, bucketing_calls
 from autoparallel.passes.overlap_estimator import RooflineEstimator
 from verify.commands.html.records import Parity, StageRecord
 from verify.commands.html.svg import BucketPanel, BucketView
@@ -158,11 +159,7 @@ def _bucket_panels(record: StageRecord) -> tuple[list[BucketPanel] | None, list[
         by_name = {n.name: n for n in src.graph.nodes} if src is not None else {}
         canon = canonical_names(src) if src is not None else {}
         dims = group_dims_of(src) if src is not None else {}
-        calls: list[tuple[str | None, Any]] = []
-        pre = getattr(gm_metrics, "pre_overlap", None)
-        if pre is not None:
-            calls += [(kind, m) for kind, m in pre.metrics.items()]
-        calls += [(None, m) for m in getattr(gm_metrics, "overlap_bucketing", [])]
+        calls = bucketing_calls(gm_metrics) if isinstance(gm_metrics, GraphPassMetrics) else []
         grouped: dict[tuple[str, str], list[BucketView]] = {}
         bounds: dict[tuple[str, str], int | None] = {}
         ran = ran or bool(calls)

@@ -18,6 +18,7 @@ from verify.commands.mutation.lines import SHARED_TESTS, default_test_paths
 from verify.goldens import catalog
 from verify.graphs.invariants import unchanged
 from verify.parity import planned, runs
+from verify.stages import rank_context
 from verify.stages import registry as R
 
 TOY = Stage("toy_pass", lambda state: (state.graphs, None), "a toy pass", acted=report_acted)
@@ -27,7 +28,7 @@ TOY_TESTS = ("tests/unit/autoparallel/passes/test_toy_pass.py",)
 
 def _toy_entry(**change) -> R.StageChecks:
     fields = dict(
-        parity=R.Executor("toy_pass", R.JOINT_GRAPH, needs="toy_pass"),
+        parity=R.ParityRun("toy_pass", rank_context.joint_graph, needs="toy_pass"),
         planned_parity=R.Exempt("a toy"),
         conservation=unchanged,
         golden=R.OWN,
@@ -68,7 +69,7 @@ def test_a_stage_with_an_entry_is_picked_up_by_every_surface():
     reg = _with_toy()
     assert [e.name for e in R.parity_executors(TOY_STAGES, reg)] == [
         "joint", "cleanup", "fsdp_tagging", "first_partition", "toy_pass", "second_compile", "collective_passes"]
-    assert R.parity_executors(TOY_STAGES, reg)[4].form in runs.FORMS_BUILT
+    assert R.parity_executors(TOY_STAGES, reg)[4].build is rank_context.joint_graph
     planned_toy = insert_stage(PLANNED_STAGES, TOY, before=SECOND_COMPILE)
     assert R.planned_executors(planned_toy, reg) == planned.EXECUTORS
     at = planned.EXECUTORS.index(SECOND_COMPILE)
@@ -91,8 +92,8 @@ def test_an_entry_missing_a_check_fails_naming_the_stage_and_the_check(field):
 def test_an_exemption_needs_a_reason_and_kinds_must_be_known():
     with pytest.raises(ValueError, match="stage 'toy_pass' has no conservation"):
         R.verification(TOY_STAGES, _with_toy(conservation=R.Exempt("")))
-    with pytest.raises(ValueError, match="parity form 'graph' is not one of"):
-        R.verification(TOY_STAGES, _with_toy(parity=R.Executor("toy_pass", "graph", needs="toy_pass")))
+    with pytest.raises(ValueError, match="parity build 'joint graph' is not a builder"):
+        R.verification(TOY_STAGES, _with_toy(parity=R.ParityRun("toy_pass", "joint graph", needs="toy_pass")))
     with pytest.raises(ValueError, match="golden 'own' is not one of"):
         R.verification(TOY_STAGES, _with_toy(golden="own"))
     with pytest.raises(ValueError, match="html 'page' is not one of"):
@@ -102,7 +103,7 @@ def test_an_exemption_needs_a_reason_and_kinds_must_be_known():
 def test_the_surfaces_read_the_registry():
     """What each consumer holds is what the registry gives for the pipeline's stages."""
     assert runs.STAGE_EXECUTORS == (R.EAGER, *(e.name for e in R.parity_executors(STAGES)))
-    assert set(runs.FORMS_BUILT) == set(R.FORMS)
+    assert runs.COMPILE_EXECUTORS == (R.EAGER, *(e.name for e in R.parity_executors(STAGES) if e.module))
     assert planned.EXECUTORS == R.planned_executors(PLANNED_STAGES) and planned.EXECUTORS[0] == R.EAGER
     assert set(R.CONSERVATION) == {s.name for s in STAGES} - {"joint"}
     assert catalog.GRAPH_GOLDEN_STAGES == tuple(s.name for s in STAGES)
@@ -114,3 +115,21 @@ def test_html_records_refuse_a_run_with_a_stage_the_registry_does_not_know():
     run = SimpleNamespace(names=["joint", "toy_pass"], results=[], alternatives=[])
     with pytest.raises(ValueError, match=r"stage\(s\) \['toy_pass'\] have no entry in verify.stages.registry"):
         records_from_pipeline_run(run, goldens=False)
+
+
+def _toy_context(**kw) -> rank_context.RankContext:
+    return rank_context.RankContext(mesh=None, params={}, buffers={}, batches=[], eager=lambda: "the reference", **kw)
+
+
+def test_an_executor_is_built_by_its_entry_from_the_rank_context():
+    """The registry dispatches: a name is the context's reference or its stage entry's build, and
+    the toy stage's executor is what its entry's builder makes of the context and ``needs``."""
+    seen = []
+    reg = _with_toy(parity=R.ParityRun("toy_pass", lambda ctx, needs: seen.append((ctx, needs)) or "toy", needs="cleanup"))
+    ctx = _toy_context()
+    assert R.build_executor(R.EAGER, ctx, TOY_STAGES, reg) == "the reference"
+    assert R.build_executor("toy_pass", ctx, TOY_STAGES, reg) == "toy" and seen == [(ctx, "cleanup")]
+    with pytest.raises(ValueError, match=r"unknown executor 'nope'; executors: \['eager', 'joint'"):
+        R.build_executor("nope", ctx, TOY_STAGES, reg)
+    with pytest.raises(ValueError, match="stage 'toy_pass' has no entry"):
+        R.build_executor("joint", ctx, TOY_STAGES, R.REGISTRY)
