@@ -210,10 +210,11 @@ _register(
 )
 _register(
     "value_guards",
-    "a model that reads a tensor's value into Python (.item(), `if t:`, .tolist()) or takes a nonzero is traced "
-    "with the value / row count a real eager run of the rank's batch slice gives (a read downstream of a random "
-    "op stays refused, naming it); each read becomes autoparallel.guard_value on the loss, each nonzero is "
-    "followed by autoparallel.guard_rows: another value at run time raises a named error (module, line, both "
+    "a model that reads a tensor's value into Python (.item(), `if t:`, .tolist()) or takes a nonzero (itself, "
+    "or inside x[mask] / masked_select) is traced with the value / count a real eager run of the rank's batch slice gives (a read downstream of a random "
+    "op that is not a replicated scalar draw stays refused, naming it); each read becomes autoparallel.guard_value "
+    "on the loss, each counted tensor is read through autoparallel.guard_rows: another value at run time raises "
+    "a named error (module, line, both "
     "values) instead of computing the traced branch",
     "the trace refuses the model (REFUSED: 'reads a tensor's value into Python'); upstream's real-value "
     "propagation instead bakes the branch in with no check: another batch computes a wrong result silently",
@@ -221,7 +222,22 @@ _register(
         "tests/unit/autoparallel/passes/test_value_guards.py::test_a_batch_with_the_traced_value_is_bitwise_with_eager",
         "tests/unit/autoparallel/passes/test_value_guards.py::test_a_batch_with_another_value_raises_the_guard",
         "tests/unit/autoparallel/passes/test_value_guards.py::test_a_nonzero_is_traced_with_its_row_count_and_guarded",
+        "tests/unit/autoparallel/passes/test_value_guards.py::test_bool_mask_indexing_is_traced_with_the_count_and_bitwise_with_eager",
+        "tests/parity/test_value_guards_parity.py::test_bool_mask_indexing_is_guarded_and_bitwise_at_every_stage",
         "tests/parity/test_value_guards_parity.py::test_a_value_read_is_guarded_and_bitwise_at_every_stage",
+    ),
+)
+_register(
+    "replicated_draws",
+    "a scalar random draw in forward (a random factory call with no tensor argument and a 0-dim result: a "
+    "layer drop's torch.rand([])) is one draw for the whole batch: every data-parallel rank draws it (its "
+    "generator advancing as in eager) and takes data-parallel rank 0's through an all-gather per data dim; "
+    "a read it decides is then traced with the eager run's outcome and guarded (value_guards)",
+    "each rank keeps its own draw: ranks that take different branches issue different collectives (a hang "
+    "or mispaired all-gathers), so a read a draw decides stays refused (m2m_100, nllb-moe, seamless_m4t*)",
+    (
+        "tests/unit/autoparallel/parallelize/test_replicated_draws.py::test_a_layer_drop_is_traced_with_the_eager_draw_and_bitwise",
+        "tests/parity/test_value_guards_parity.py::test_a_layer_drop_is_replicated_guarded_and_bitwise",
     ),
 )
 _register(

@@ -63,6 +63,8 @@ from autoparallel.kernel_strides import strides_as_kernels
 from autoparallel.eager_kernels import RETRACE_PATCH as EAGER_KERNELS_RETRACE
 from autoparallel.passes.pinned_layouts import PATCH as PINNED_LAYOUTS
 from autoparallel.passes.value_guards import PATCH as VALUE_GUARDS
+from autoparallel.passes.value_guards import counts_as_guarded
+from autoparallel.parallelize.replicated_draws import PATCH as REPLICATED_DRAWS
 from autoparallel.fx_utils import copy_graph_module
 from autoparallel.gc_pauses import fewer_collections
 from autoparallel.mesh import MeshSpec, ParallelMesh, attach_group_dims, fake_world
@@ -341,7 +343,7 @@ def second_compile(
     torch._dynamo.reset()
     compiled = torch.compile(module, backend=backend)
     try:
-        with aot_graph_text_only_when_logged(), strides_as_kernels():
+        with aot_graph_text_only_when_logged(), strides_as_kernels(), counts_as_guarded():
             compiled(*local_inputs)
     except Exception as e:
         if not _caused_by(e, _StopAfterPartition):
@@ -453,13 +455,14 @@ def _collective_stage(p: CollectivePass) -> Stage:
 #: The stage list, in order (see the module docstring).
 STAGES: tuple[Stage, ...] = (
     Stage(JOINT, _joint, "trace the per-rank joint graph (model, loss, plan, mesh)",
-          patches=(TRACE_AS_COMPILING, EAGER_DROPOUT, EAGER_KERNELS, KERNEL_STRIDES, VALUE_GUARDS, PINNED_LAYOUTS, SPLIT_CAT_PATCH)),
+          patches=(TRACE_AS_COMPILING, EAGER_DROPOUT, EAGER_KERNELS, KERNEL_STRIDES, VALUE_GUARDS, REPLICATED_DRAWS,
+                   PINNED_LAYOUTS, SPLIT_CAT_PATCH)),
     *(_placement_stage(s) for s in PLACEMENT_STEPS),
     Stage(
         SECOND_COMPILE,
         _second_compile,
         "torch.compile with autoparallel_backend: replay partition, bucketing tags",
-        patches=(REPLAY_PATCH, EAGER_KERNELS_RETRACE, OVERLAP_PATCH, AOT_GRAPH_TEXT, KERNEL_STRIDES),
+        patches=(REPLAY_PATCH, EAGER_KERNELS_RETRACE, OVERLAP_PATCH, AOT_GRAPH_TEXT, KERNEL_STRIDES, VALUE_GUARDS),
         acted=_saved_values,
     ),
     *(_collective_stage(p) for p in COLLECTIVE_PASSES),

@@ -35,6 +35,7 @@ from autoparallel.passes.pinned_layouts import pin_mixed_layouts
 from autoparallel.passes.value_guards import PATCH as VALUE_GUARDS
 from autoparallel.passes.value_guards import guard_reads
 from autoparallel.patches import disabled_from_env
+from autoparallel.parallelize.replicated_draws import PATCH as REPLICATED_DRAWS
 from autoparallel.parallelize.traced_values import Read, record_reads, replaying
 from autoparallel.validate import DataDependentError, check_input_dtypes, data_dependent_ops_named
 
@@ -145,7 +146,7 @@ def build_joint_graph(
 
             with (annotate_module_paths(program.model), tracing_as_compiling(), compiling_queries() as queried,
                   data_dependent_ops_named(),
-                  replaying(reads) if reads is not None else contextlib.nullcontext(),
+                  replaying(reads, fake_mode) if reads is not None else contextlib.nullcontext(),
                   dropout_as_eager() if eager_dropout else contextlib.nullcontext(),
                   kernels_as_eager() if eager_dropout else contextlib.nullcontext(),
                   strides_as_kernels() if eager_dropout else contextlib.nullcontext()):
@@ -163,7 +164,7 @@ def build_joint_graph(
         # rank's slice gives, each guarded in the graph (a random one stays refused).
         if not (patches.enabled(VALUE_GUARDS) and local_params and all(_is_real(t) for t in local)):
             raise
-        reads = record_reads(model, program.loss_fn, local, plan.param_dtype)
+        reads = record_reads(model, program.loss_fn, local, plan.param_dtype, patches.enabled(REPLICATED_DRAWS))
         jd, stack, queried = trace(reads)
     seconds = time.perf_counter() - t0
     gm = jd.graph_module

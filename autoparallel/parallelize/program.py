@@ -16,6 +16,7 @@ Linear is added once, after its region's all-reduce (see ``autoparallel.parallel
 
 from __future__ import annotations
 
+import contextlib
 import copy
 from collections.abc import Callable, Mapping
 
@@ -24,6 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.utils import parametrize
 
+from autoparallel import patches
 from autoparallel.mesh import MeshSpec, ParallelMesh
 from autoparallel.parallelize.collectives import (
     CopyToTPRegion,
@@ -32,6 +34,8 @@ from autoparallel.parallelize.collectives import (
     ReduceFromTPRegion,
 )
 from autoparallel.parallelize.plan import ParallelPlan, ParamSharding, in_module
+from autoparallel.parallelize.replicated_draws import PATCH as REPLICATED_DRAWS
+from autoparallel.parallelize.replicated_draws import ReplicatedDraws, from_first_rank
 from autoparallel.validate import check_loss
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -107,6 +111,9 @@ class ParallelProgram(nn.Module):
         self.shardings = dict(shardings or plan.resolve(model, mesh.spec))
         coord = mesh.coordinate()
         sizes = {n: s for n, s in mesh.spec.dims}
+        # A scalar draw in forward is one for the whole batch: data-parallel rank 0's (replicated_draws).
+        self._share_draw = from_first_rank([mesh.group_name(d) for d in plan.data_dims if sizes.get(d, 1) > 1])
+        self._replicates_draws = any(sizes.get(d, 1) > 1 for d in plan.data_dims)
         self.model = copy.deepcopy(model)
         regions = plan.region_modules(model) if plan.tp_dim is not None else []
         # Tied parameters (one tensor, several names): the first name holds the shard, the others
@@ -156,7 +163,9 @@ class ParallelProgram(nn.Module):
         model_inputs = cast_forward_inputs(model_inputs, self.plan.param_dtype)
         # A parametrized (gathered) tensor read twice in one forward, e.g. a tied weight, is
         # gathered once.
-        with parametrize.cached():
+        draws = (ReplicatedDraws(self._share_draw) if self._replicates_draws and patches.enabled(REPLICATED_DRAWS)
+                 else contextlib.nullcontext())
+        with parametrize.cached(), draws:
             loss = self.loss_fn(self.model(*model_inputs), target)
         check_loss(loss, needs_grad=False)
         return loss

@@ -12,13 +12,19 @@ wrong result silently (docs/failure-classes.md section 2). Here the answer comes
    unsharded model on the rank's slice is what a data-parallel rank runs, with no collective on
    the fake process group in the way (whose buffers hold garbage).
 2. A read that a random draw alone decides (``torch.rand([]) < p``: a layer drop; no input,
-   parameter or buffer among its ancestors) is a draw, not a property of the data: refused, naming
-   the op and where it drew; a graph holding one branch would fail at random steps. A read of
-   data that passed through a draw (an activation after dropout: ibert's NaN check) is a property
-   of the data, taken and guarded like any other; a step whose draw changes it fails its guard.
+   parameter or buffer among its ancestors) is a draw, not a property of the data. A scalar draw is
+   replicated over the data-parallel ranks (``replicated_draws.py``): every rank takes one branch,
+   so the read is taken like any other, marked random in its description, and its outcome guarded
+   (a step whose draw takes the other branch raises on every rank). Any other draw (or with that
+   patch off) is refused, naming the op and where it drew: ranks drawing different branches would
+   issue different collectives. A read of data that passed through a draw (an activation after
+   dropout: ibert's NaN check) is a property of the data, taken and guarded like any other.
 3. :func:`replaying` answers the trace's reads with the recorded values, site by site (the trace
    runs the forward more than once: the answers repeat in the recorded cycle; reads of constants
    the fake mode computes itself are skipped). A read the eager run did not make there is refused.
+   Data-dependent shapes taken inside ATen's kernels (``x[mask]``, ``masked_select``, ``x[mask] =
+   v``: :data:`MASK_OPS`) are recorded in eager as their mask's count and answered by mask (the
+   backward's ``grad[mask]`` reuses the forward's answer).
 4. ``passes/value_guards.py`` then puts a guard on each read: the graph is correct by construction.
 """
 
@@ -47,6 +53,12 @@ from autoparallel.validate import DataDependentError
 
 READ_OPS = (torch.ops.aten._local_scalar_dense.default, torch.ops.aten.item.default)
 NONZERO = torch.ops.aten.nonzero.default
+# Ops that take a nonzero of a boolean (or uint8) mask inside ATen's kernel, below the dispatcher
+# (``x[mask]``, ``x.masked_select(mask)``, ``x[mask] = v``): in a trace their fake kernels (or,
+# for ``x[mask] = v``, its backward's ``grad[mask]``) take ``nonzero`` of the mask, so the eager run
+# records that mask's count as a nonzero read.
+INDEX_PUTS = (torch.ops.aten.index_put.default, torch.ops.aten.index_put_.default)
+MASK_OPS = (torch.ops.aten.index.Tensor, torch.ops.aten.masked_select.default, *INDEX_PUTS)
 _SKIP = (os.path.dirname(torch.__file__) + os.sep, os.path.dirname(__file__) + os.sep)
 
 
@@ -61,7 +73,10 @@ class Read:
 
     def describe(self) -> str:
         what = "nonzero traced with size" if self.size else "traced with"
-        return f"{self.site}: {what} {self.value!r}"
+        drawn = ""
+        if self.random:  # "aten::rand at <site>": the site named once when the draw is on the read's line
+            drawn = f" (a random draw decides it: {self.random.replace(' at ' + self.site, '')}, replicated over the data-parallel ranks)"
+        return f"{self.site}{drawn}: {what} {self.value!r}"
 
 
 def draws(func, args, kwargs) -> bool:
@@ -76,6 +91,14 @@ def draws(func, args, kwargs) -> bool:
     if any(isinstance(named.get(p), (int, float)) and named[p] == 0 for p in ("dropout_p", "p")):
         return False
     return named.get("train", True) is not False
+
+
+def masks_of(func, args) -> list[torch.Tensor]:
+    """The boolean / uint8 masks ``func`` (one of :data:`MASK_OPS`) takes a nonzero of, in the order
+    its fake kernel does."""
+    if func is torch.ops.aten.masked_select.default:
+        return [args[1]]
+    return [t for t in args[1] if isinstance(t, torch.Tensor) and t.dtype in (torch.bool, torch.uint8)]
 
 
 def model_site() -> str:
@@ -96,6 +119,7 @@ class _Recorder(TorchDispatchMode):
         super().__init__()
         self.reads: list[Read] = []
         self.random: WeakTensorKeyDictionary = WeakTensorKeyDictionary()
+        self.scalar_draws: set[str] = set()  # origins that are scalar draws (replicated_draws' rule)
         self.data: WeakTensorKeyDictionary = WeakTensorKeyDictionary()
         for t in data:
             self.data[t] = True
@@ -107,12 +131,16 @@ class _Recorder(TorchDispatchMode):
         origin = next((self.random[t] for t in ins if t in self.random), None)
         if draws(func, args, kwargs):
             origin = f"{func.name()} at {model_site()}"
+            if not ins and isinstance(out, torch.Tensor) and out.dim() == 0:
+                self.scalar_draws.add(origin)
         from_data = any(t in self.data for t in ins)
         pure_draw = origin if origin is not None and not from_data else None
         if func in READ_OPS:
             self.reads.append(Read(model_site(), out, pure_draw))
         elif func is NONZERO:
             self.reads.append(Read(model_site(), out.shape[0], pure_draw, size=True))
+        elif func in MASK_OPS:
+            self.reads.extend(Read(model_site(), int(m.count_nonzero()), pure_draw, size=True) for m in masks_of(func, args))
         for t in tree_leaves(out):
             if isinstance(t, torch.Tensor):
                 if origin is not None:
@@ -139,10 +167,13 @@ class _ListReads(TorchFunctionMode):
         return out
 
 
-def record_reads(model: nn.Module, loss_fn, inputs: Sequence[torch.Tensor], param_dtype: torch.dtype | None) -> list[Read]:
+def record_reads(model: nn.Module, loss_fn, inputs: Sequence[torch.Tensor], param_dtype: torch.dtype | None,
+                 draws_replicated: bool = False) -> list[Read]:
     """Run ``loss_fn(model(*inputs[:-1]), inputs[-1])`` eagerly on a copy of ``model`` (cast to
     ``param_dtype`` when the plan computes in it) and return its reads. The RNG state is restored,
-    the user's model untouched. A read a random draw alone decides is refused (DataDependentError)."""
+    the user's model untouched. A read a random draw alone decides is taken, marked random, where
+    the program replicates scalar draws over the data-parallel ranks (``draws_replicated``, patch
+    ``replicated_draws``: every rank takes one branch); else refused (DataDependentError)."""
     replica = copy.deepcopy(model)
     if param_dtype is not None:
         replica = replica.to(param_dtype)
@@ -151,13 +182,27 @@ def record_reads(model: nn.Module, loss_fn, inputs: Sequence[torch.Tensor], para
     with torch.random.fork_rng(devices=[]), tracing_as_compiling(), recorder, _ListReads(recorder):
         loss_fn(replica(*cast_forward_inputs(model_inputs, param_dtype)), target)
     for read in recorder.reads:
-        if read.random is not None:
+        if read.random is not None and not (draws_replicated and read.random in recorder.scalar_draws):
             raise DataDependentError(
                 f"the model is not traceable: {read.site} reads a value into Python that a random draw "
                 f"decides ({read.random}; no input or parameter among its ancestors): the branch it takes is a draw, not a property of the data, so one "
-                "graph traced with one branch would fail at random steps. Draw it outside forward, or keep "
-                "it a tensor (torch.where, torch.cond)")
+                "graph traced with one branch would fail at random steps, and data-parallel ranks drawing "
+                "different branches issue different collectives (only a scalar draw is replicated over the "
+                "ranks, with patch replicated_draws on). Draw it "
+                "outside forward, or keep it a tensor (torch.where, torch.cond)")
     return recorder.reads
+
+
+class _FormatsAsEager(TorchFunctionMode):
+    """``f"{t}"`` of a 0-dim tensor reads its value in eager (``Tensor.__format__`` calls ``.item()``
+    for a plain ``Tensor`` only) and prints the tensor's repr for the trace's wrapper subclasses:
+    switch_transformers' ``self[f"expert_{idx}"]`` then looks up another key. Here the trace reads
+    the value as eager does (answered and guarded as any read)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func is torch.Tensor.__format__ and args[0].dim() == 0:
+            return args[0].detach().item().__format__(*args[1:])
+        return func(*args, **(kwargs or {}))
 
 
 def _mark_in_graph(arg: torch.Tensor, read: Read) -> None:
@@ -177,9 +222,11 @@ def _mark_in_graph(arg: torch.Tensor, read: Read) -> None:
 
 
 @contextlib.contextmanager
-def replaying(reads: Sequence[Read]) -> Iterator[list[Read]]:
+def replaying(reads: Sequence[Read], fake_mode=None) -> Iterator[list[Read]]:
     """Within: fake tensors answer each read with the recorded value at the same site, in the
-    recorded cycle. Yields the reads answered during the last full pass (the traced graph's)."""
+    recorded cycle. Yields the reads answered during the last full pass (the traced graph's).
+    ``fake_mode``'s dispatch cache is off inside: ``x[mask] = v`` is cacheable, and a cached output
+    (from the first trace, or an earlier pass) would skip the answer that marks its mask."""
     reads = list(reads)
     cursor = [0]
 
@@ -204,18 +251,55 @@ def replaying(reads: Sequence[Read]) -> Iterator[list[Read]]:
         _mark_in_graph(arg, want)
         return want.value
 
+    # A mask's count, by tensor, within one pass of the trace (one tracer; an input mask is the
+    # same fake tensor in every pass): the backward of ``x[mask]`` takes the nonzero of the same
+    # saved mask again, in a formula with no model frame; it gets the forward's answer (guarded there).
+    counted = WeakTensorKeyDictionary()
+
+    def count(func, mask: torch.Tensor) -> int:
+        tracer = getattr(proxy_tensor._CURRENT_MAKE_FX_TRACER, "fx_tracer", None)
+        if mask not in counted or counted[mask][0] is not tracer:
+            want = next_read(func, size=True)
+            _mark_in_graph(mask, want)
+            counted[mask] = (tracer, int(want.value))
+        return counted[mask][1]
+
     def answer_nonzero(fake_mode, func, arg):
-        want = next_read(func, size=True)
-        _mark_in_graph(arg, want)
-        n = want.value
+        n = count(func, arg)
         return arg.new_empty_strided((n, arg.dim()), (1, max(n, 1)), dtype=torch.int64)  # CPU's layout
 
-    answers = {**{op: answer for op in READ_OPS}, NONZERO: answer_nonzero}
+    def answer_masked_select(fake_mode, func, arg, mask):
+        shape = torch.broadcast_shapes(arg.shape, mask.shape)
+        if tuple(mask.shape) != tuple(shape):
+            raise DataDependentError(
+                f"the model is not traceable: {func} under {model_site()} selects with a mask of shape "
+                f"{tuple(mask.shape)} broadcast to {tuple(shape)}: its output size is not the mask's count, "
+                "which is what the trace specialises and guards. Expand the mask first (mask.expand_as(x))")
+        return arg.new_empty((count(func, mask),))
+
+    def answer_index_put(fake_mode, func, arg, indices, values, accumulate=False):
+        # the forward's ``x[mask] = v`` takes no nonzero in its fake kernel; its backward's
+        # ``grad[mask]`` does, with no model frame: the count is answered (and marked) here
+        for mask in masks_of(func, (arg, indices)):
+            count(func, mask)
+        from torch._meta_registrations import meta_index_put, meta_index_put_
+
+        with fake_mode:
+            return (meta_index_put_ if func is INDEX_PUTS[1] else meta_index_put)(arg, indices, values, accumulate)
+
+    answers = {**{op: answer for op in READ_OPS}, NONZERO: answer_nonzero,
+               torch.ops.aten.masked_select.default: answer_masked_select, **{op: answer_index_put for op in INDEX_PUTS}}
     saved = {op: fake_impls.op_implementations_dict.get(op) for op in answers}
     fake_impls.op_implementations_dict.update(answers)
+    cached = getattr(fake_mode, "cache_enabled", None)
     try:
-        yield reads
+        if fake_mode is not None:
+            fake_mode.cache_enabled = False
+        with _FormatsAsEager():
+            yield reads
     finally:
+        if fake_mode is not None:
+            fake_mode.cache_enabled = cached
         for op, impl in saved.items():
             if impl is None:
                 fake_impls.op_implementations_dict.pop(op, None)
@@ -223,4 +307,4 @@ def replaying(reads: Sequence[Read]) -> Iterator[list[Read]]:
                 fake_impls.op_implementations_dict[op] = impl
 
 
-__all__ = ["NONZERO", "READ_OPS", "Read", "draws", "model_site", "record_reads", "replaying"]
+__all__ = ["INDEX_PUTS", "MASK_OPS", "NONZERO", "READ_OPS", "masks_of", "Read", "draws", "model_site", "record_reads", "replaying"]

@@ -10,7 +10,9 @@ upstream's where upstream has one:
   be compared one to one. Merging identical all-gather chains (tied weights) is also intended.
 * :func:`merge_duplicate_waits`: a collective CSE merged keeps one ``wait_tensor``.
 * ``remove_noop_ops`` (torch._inductor.fx_passes.post_grad): clones/aliases/identity slices,
-  views and casts whose output equals their input; needs ``meta["val"]`` (checked up front).
+  views and casts whose output equals their input; needs ``meta["val"]`` (checked up front), except
+  on an op that returns nothing (``aten._assert_async.msg``: one_hot's range check): a side effect
+  with no value to compare, kept as it is (:func:`has_no_output`).
 * ``eliminate_dead_code``: unused nodes, e.g. the ``detach`` nodes autograd leaves in a trace.
   ``wait_tensor`` is side-effectful to FX and therefore never removed, which is what we want.
 * ``view_to_reshape`` (post_grad): ``aten.view`` -> ``aten.reshape``, because partitioned graphs
@@ -53,6 +55,12 @@ def _op_name(node: fx.Node) -> str:
     return str(t) if not isinstance(t, torch._ops.OpOverload) else f"{t.namespace}.{t._schema.name.split('::')[-1]}"
 
 
+def has_no_output(node: fx.Node) -> bool:
+    """``node`` calls an op whose schema returns nothing (an assert, a print): run for its side
+    effect, it has no value for the no-op removal to compare, and FX's dead-code elimination keeps it."""
+    return isinstance(node.target, torch._ops.OpOverload) and not node.target._schema.returns
+
+
 def merge_duplicate_waits(graph: fx.Graph) -> None:
     """One ``wait_tensor`` per collective: CSE merges two identical collectives (two gradients
     computed alike, as in GPT-NeoX) but never their waits (side-effectful to FX), which left one
@@ -75,7 +83,7 @@ def cleanup_graph(gm: fx.GraphModule) -> CleanupReport:
 
     graph = gm.graph
     for node in graph.nodes:
-        if node.op == "call_function":
+        if node.op == "call_function" and not has_no_output(node):
             node_val(node, "the clean-up's no-op removal (it compares input and output values)")
     before = {n.name: _op_name(n) for n in graph.nodes}
     graph = fx_graph_cse(graph)

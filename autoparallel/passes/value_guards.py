@@ -1,4 +1,4 @@
-"""Guard each value the trace specialised (``aten._local_scalar_dense``): correct by construction.
+"""Guard each value and count the trace specialised (``aten._local_scalar_dense``, nonzero): correct by construction.
 
 The joint trace answers a model's ``.item()`` / ``if t:`` with the value a real run of the rank's
 batch gave (``autoparallel/parallelize/traced_values.py``) and records the branch it took; the read itself is
@@ -14,16 +14,23 @@ gradient, so the partition puts it in the forward graph (the loss depends on it)
 elimination keeps it, and the second compile's re-traces record it again. The joint trace's
 first output is the loss (``label_roles``), so that is the anchor.
 
+A nonzero count (``nonzero``, or a mask that ``x[mask]``, ``masked_select`` or ``x[mask] = v`` counts
+in its kernel) becomes ``autoparallel.guard_rows(mask, rows, message)`` right after the counted
+tensor, which every user of it reads: another count raises before any of them runs.
+
 Disabled: no value is taken from a real run, and the trace refuses the read as before.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
 from torch import fx
+from torch.utils.weak import WeakTensorKeyDictionary
 
 from autoparallel import meta as M
 
@@ -74,16 +81,53 @@ fx.node.has_side_effect(TRACED_READ)  # dead-code elimination keeps the mark unt
 
 
 @torch.library.custom_op("autoparallel::guard_rows", mutates_args=())
-def guard_rows(indices: torch.Tensor, rows: int, message: str) -> torch.Tensor:
-    """``indices`` (a copy) when it has ``rows`` rows; else ValueGuardError(``message``)."""
-    if indices.shape[0] != rows:
-        raise ValueGuardError(f"{message}; this batch gives {indices.shape[0]}, and the graph holds the traced shape only")
-    return indices.clone()
+def guard_rows(mask: torch.Tensor, rows: int, message: str) -> torch.Tensor:
+    """``mask`` (a copy) when it has ``rows`` nonzero entries (the row count of its nonzero, the
+    size of what it selects); else ValueGuardError(``message``)."""
+    got = int(mask.count_nonzero())
+    if got != rows:
+        raise ValueGuardError(f"{message}; this batch gives {got}, and the graph holds the traced shape only")
+    return mask.clone()
+
+
+# The count each guard_rows' fake output holds: a later re-trace of a graph that holds the guard
+# (the second compile's) answers the nonzero of that mask with it (:func:`counts_as_guarded`).
+COUNTS = WeakTensorKeyDictionary()
 
 
 @guard_rows.register_fake
-def _(indices, rows, message):
-    return torch.empty_like(indices)
+def _(mask, rows, message):
+    out = torch.empty_like(mask)
+    COUNTS[out] = rows
+    return out
+
+
+@contextlib.contextmanager
+def counts_as_guarded() -> Iterator[None]:
+    """Within: fake tensors answer the nonzero of a guarded mask (``nonzero``, and inside
+    ``x[mask]`` / ``masked_select``) with the count its guard holds, as the joint trace did; any
+    other keeps the fake kernel's behaviour. For re-traces of graphs that hold the guards."""
+    from torch._subclasses import fake_impls
+
+    nonzero, select = torch.ops.aten.nonzero.default, torch.ops.aten.masked_select.default
+    saved = {op: fake_impls.op_implementations_dict.get(op) for op in (nonzero, select)}
+
+    def answer_nonzero(fake_mode, func, arg):
+        if arg not in COUNTS:
+            return saved[nonzero](fake_mode, func, arg)
+        n = COUNTS[arg]
+        return arg.new_empty_strided((n, arg.dim()), (1, max(n, 1)), dtype=torch.int64)  # CPU's layout
+
+    def answer_select(fake_mode, func, arg, mask):
+        if mask not in COUNTS or tuple(mask.shape) != tuple(arg.shape):
+            return saved[select](fake_mode, func, arg, mask)
+        return arg.new_empty((COUNTS[mask],))
+
+    fake_impls.op_implementations_dict.update({nonzero: answer_nonzero, select: answer_select})
+    try:
+        yield
+    finally:
+        fake_impls.op_implementations_dict.update(saved)
 
 
 GUARD_ROWS = torch.ops.autoparallel.guard_rows.default
@@ -141,21 +185,23 @@ def guard_reads(gm: fx.GraphModule) -> ValueGuardsReport:
 
 
 def _guard_nonzero(graph: fx.Graph, mark: fx.Node) -> str:
-    """The nonzero the trace answered at ``mark`` (of the same tensor; the first not yet guarded) is
-    followed by ``guard_rows``, which every consumer reads: a batch with another row count raises
-    before any of them runs."""
+    """A mark of a nonzero count (a ``nonzero`` of ``read``, or a mask that ``x[mask]``, ``x[mask] =
+    v`` or ``masked_select`` takes one of inside its kernel) becomes ``guard_rows(read)`` right after
+    ``read``; every user of ``read`` (the nonzero, the indexing, its backward) reads the guard's
+    copy, so a batch with another count raises before any of them runs."""
     read, rows, description, _ = mark.args
-    nonzero = next((n for n in read.users if n.target is torch.ops.aten.nonzero.default
-                    and not any(u.target is GUARD_ROWS for u in n.users)), None)
-    if nonzero is None:
-        raise ValueError(f"no nonzero of {read.name} after the mark of {description}: the graph holds an unguarded shape")
     where = f"{(mark.meta.get(M.CUSTOM) or {}).get(M.MODULE_PATH, '')} {description}".strip()
-    with graph.inserting_after(nonzero):
-        guard = graph.call_function(GUARD_ROWS, (nonzero, int(rows), f"value guard: {where}"))
-    nonzero.replace_all_uses_with(guard, delete_user_cb=lambda user: user is not guard)
-    guard.meta.update(nonzero.meta)
+    with graph.inserting_after(read):
+        guard = graph.call_function(GUARD_ROWS, (read, int(rows), f"value guard: {where}"))
+    guard.meta.update({k: v for k, v in read.meta.items() if k in (M.VAL, "tensor_meta")})
+    guard.meta.update({k: v for k, v in mark.meta.items() if k not in (M.VAL, "tensor_meta")})
+    users = [u for u in read.users if u is not guard and u is not mark]
+    if not users:
+        raise ValueError(f"no user of {read.name} but the mark of {description}: the graph holds an unguarded shape")
+    for user in users:
+        user.replace_input_with(read, guard)
     graph.erase_node(mark)
     return where
 
 
-__all__ = ["GUARD", "GUARD_ROWS", "PATCH", "TRACED_READ", "ValueGuardError", "ValueGuardsReport", "guard_reads", "guard_value", "same_value", "traced_read"]
+__all__ = ["COUNTS", "GUARD", "GUARD_ROWS", "counts_as_guarded", "PATCH", "TRACED_READ", "ValueGuardError", "ValueGuardsReport", "guard_reads", "guard_value", "same_value", "traced_read"]

@@ -37,11 +37,13 @@ import torch._dynamo
 import torch.distributed as dist
 from torch._dynamo.utils import counters
 
-from autoparallel import roles
+from autoparallel import patches, roles
 from autoparallel.compiling_flag import tracing_as_compiling
 from autoparallel.mesh import build_mesh, fake_world
 from autoparallel.parallelize import ParallelProgram, split_batch
 from autoparallel.parallelize.program import cast_forward_inputs
+from autoparallel.parallelize.replicated_draws import PATCH as REPLICATED_DRAWS
+from autoparallel.parallelize.replicated_draws import first_slice_draws
 from autoparallel.passes.collective import CollectivePassesConfig
 from autoparallel.pipeline import (
     JOINT,
@@ -346,6 +348,8 @@ def single_device_reference(
     coords = data_coordinates(scenario)
     losses, buffers = [], {}
     grads: dict[str, torch.Tensor] = {}
+    # a scalar draw is one for the whole batch: every slice takes the first slice's (replicated_draws)
+    one_slice = first_slice_draws() if patches.enabled(REPLICATED_DRAWS) else contextlib.nullcontext
     for coord in coords:
         model = scenario.model()
         *inputs, target = split_batch(batch, plan, spec, {d: coord.get(d, 0) for d in spec.names})
@@ -353,7 +357,7 @@ def single_device_reference(
         if dtype is not None:
             model, inputs, target = cast_floating((model.to(dtype), inputs, target), dtype)
         # the slice's rank draws these masks (or none, dropout off)
-        with random_ops_disabled() if dropout_off else seeded(step_seed(rank_seed(scenario, coord), 0)):
+        with random_ops_disabled() if dropout_off else seeded(step_seed(rank_seed(scenario, coord), 0)), one_slice():
             loss = scenario.loss_fn(model(*inputs), target)
             loss.backward()
         losses.append(loss.detach())

@@ -83,3 +83,34 @@ def test_a_collective_merged_by_cse_keeps_one_wait(mesh):
     assert list(gm.graph.output_node().args[0]) == [waits[0], waits[0]]
     assert report.removed["_c10d_functional.wait_tensor"] == 1
     gm.graph.lint()
+
+
+def _traced_with_an_assert():
+    """one_hot's range check (longcat_flash's router): ``aten._assert_async.msg``, an op that returns
+    nothing, traced without ``meta['val']``."""
+    def f(x):
+        torch._assert_async((x >= 0).all(), "Class values must be non-negative.")
+        return x.clone() * 2
+
+    gm = make_fx(f, tracing_mode="fake")(torch.randn(4))
+    (check,) = gm.graph.find_nodes(op="call_function", target=aten._assert_async.msg)
+    check.meta.pop(M.VAL, None)  # AOT's trace leaves it none (make_fx stores None)
+    return gm
+
+
+def test_an_op_that_returns_nothing_passes_the_cleanup_and_is_kept():
+    gm = _traced_with_an_assert()
+    report = cleanup_graph(gm)
+    assert gm.graph.find_nodes(op="call_function", target=aten._assert_async.msg), "the assert was removed"
+    assert report.removed == {"aten.clone": 1}
+    assert torch.equal(gm(torch.ones(4)), torch.full((4,), 2.0))
+    with pytest.raises(RuntimeError):
+        gm(-torch.ones(4))  # the kept check still fires
+
+
+def test_an_op_with_an_output_and_no_val_is_still_rejected():
+    gm = _traced_with_an_assert()
+    mul = next(n for n in gm.graph.nodes if n.target is aten.mul.Tensor)
+    del mul.meta[M.VAL]
+    with pytest.raises(ValueError, match="node 'mul' .* has no meta\\['val'\\]"):
+        cleanup_graph(gm)

@@ -1,7 +1,11 @@
 """Patch value_guards: a model that reads a tensor's value into Python is traced with a real run's
-value and guarded (autoparallel/parallelize/traced_values.py, autoparallel/passes/value_guards.py)."""
+value and guarded (autoparallel/parallelize/traced_values.py, autoparallel/passes/value_guards.py);
+boolean-mask indexing (a nonzero inside ATen's kernel) is specialised on the mask's count."""
 
 from __future__ import annotations
+
+import contextlib
+import inspect
 
 import pytest
 import torch
@@ -13,7 +17,8 @@ from torch import fx, nn
 from autoparallel import patches
 from autoparallel.mesh import fake_world
 from autoparallel.parallelize import ParallelPlan, ParallelProgram, build_joint_graph, split_batch
-from autoparallel.passes.value_guards import GUARD, PATCH, TRACED_READ, ValueGuardError, guard_reads, same_value
+from autoparallel.parallelize.replicated_draws import PATCH as REPLICATED_DRAWS
+from autoparallel.passes.value_guards import GUARD, GUARD_ROWS, PATCH, TRACED_READ, ValueGuardError, guard_reads, same_value
 from autoparallel.runtime.steps import joint_graph_executor
 from autoparallel.validate import DataDependentError
 
@@ -103,10 +108,23 @@ def test_a_batch_with_another_value_raises_the_guard(model):
         _joint_step(model, traced, other)
 
 
-def test_a_read_of_a_random_draw_stays_refused():
+class VectorDrop(RandomDrop):
+    """Skips its layer on the sum of a vector draw: not a scalar draw, so not replicated."""
+
+    def forward(self, x, mask):
+        if torch.rand(2).sum() < 1.0:
+            return x
+        return self.proj(x)
+
+
+@pytest.mark.parametrize("model_class, replicated", [(RandomDrop, False), (VectorDrop, True)])
+def test_a_read_a_draw_decides_is_refused_where_the_draw_is_not_replicated(model_class, replicated):
+    """A scalar draw is replicated over the ranks (patch replicated_draws, its own tests); a read
+    of an unreplicated draw would take different branches on different ranks: refused, named."""
     torch.manual_seed(0)
-    with pytest.raises(DataDependentError, match=r"a random draw decides \(aten::rand at .*test_value_guards.py"):
-        _joint_step(RandomDrop(), _batch([[True] * 4] * 2), _batch([[True] * 4] * 2))
+    off = patches.disabled(REPLICATED_DRAWS) if not replicated else contextlib.nullcontext()
+    with off, pytest.raises(DataDependentError, match=r"a random draw decides \(aten::rand at .*test_value_guards.py"):
+        _joint_step(model_class(), _batch([[True] * 4] * 2), _batch([[True] * 4] * 2))
 
 
 class CheckedDropout(nn.Module):
@@ -246,3 +264,135 @@ def test_never_a_silent_wrong_result(traced, run_on):
         return
     want_loss, want = _eager(model, batch)
     assert torch.equal(loss, want_loss) and all(torch.equal(g, want[n]) for n, g in grads.items())
+
+
+# Boolean-mask indexing: ``x[mask]`` and ``masked_select`` take a nonzero inside ATen's kernel, which
+# the eager run records as the mask's count (blt's ``padded_indices[padded_mask]``, t5gemma2).
+
+
+class MaskedRows(nn.Module):
+    """Picks the masked entries (``y[mask]``), scales them when there are more than two (a size that
+    decides a branch: what makes the plain trace refuse), writes them back and adds the sum of a
+    ``masked_select`` of the other entries."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(4, 4)
+
+    def forward(self, x, mask):
+        y = self.proj(x)
+        picked = y[mask]
+        if picked.shape[0] > 2:
+            picked = picked * 2
+        y = y.clone()
+        y[mask] = picked
+        return y + y.masked_select(~mask).sum()
+
+
+def _line(text: str) -> int:
+    lines = inspect.getsource(MaskedRows.forward).splitlines()
+    return MaskedRows.forward.__code__.co_firstlineno + next(i for i, line in enumerate(lines) if text in line)
+
+
+def _mask(rows):
+    return _batch([[bool(v) for v in r] for r in rows])
+
+
+@pytest.fixture
+def masked_rows():
+    torch.manual_seed(0)
+    return MaskedRows()
+
+
+def test_bool_mask_indexing_is_traced_with_the_count_and_bitwise_with_eager(masked_rows):
+    traced = _mask([[1, 0, 1, 1], [0, 1, 0, 0]])
+    same = _mask([[0, 1, 0, 0], [1, 1, 1, 0]])  # other rows, the same count (4)
+    for batch in (traced, same):
+        joint, loss, grads = _joint_step(masked_rows, traced, batch)
+        want_loss, want = _eager(masked_rows, batch)
+        assert torch.equal(loss, want_loss)
+        assert all(torch.equal(g, want[n]) for n, g in grads.items())
+    assert [r.rsplit(": ", 1)[1] for r in joint.specialised_reads] == ["nonzero traced with size 4"] * 2
+    assert [int(r.split(":")[1].split(" ")[0]) for r in joint.specialised_reads] == [_line("y[mask]"), _line("masked_select")]
+    assert len(joint.gm.graph.find_nodes(op="call_function", target=GUARD_ROWS)) == 2
+
+
+def test_another_count_raises_naming_the_line_and_both_counts(masked_rows):
+    with pytest.raises(ValueGuardError, match=rf"test_value_guards.py:{_line('y[mask]')} \(picked = y\[mask\]\): "
+                       r"nonzero traced with size 4; this batch gives 2"):
+        _joint_step(masked_rows, _mask([[1, 0, 1, 1], [0, 1, 0, 0]]), _mask([[1, 0, 0, 0], [0, 1, 0, 0]]))
+
+
+def test_without_the_patch_bool_mask_indexing_is_refused(masked_rows):
+    traced = _mask([[1, 0, 1, 1], [0, 1, 0, 0]])
+    with patches.disabled(PATCH), pytest.raises(DataDependentError, match="not traceable"):
+        _joint_step(masked_rows, traced, traced)
+
+
+class BroadcastSelect(nn.Module):
+    """``masked_select`` with a mask that broadcasts: its output size is not the mask's count."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(4, 4)
+
+    def forward(self, x, mask):
+        y = self.proj(x)
+        picked = y.masked_select(mask[:, :1])
+        if picked.shape[0] > 2:
+            return y * 2
+        return y
+
+
+def test_a_broadcast_masked_select_is_refused_by_name():
+    torch.manual_seed(0)
+    batch = _mask([[1, 0, 1, 1], [0, 1, 0, 0]])
+    with pytest.raises(DataDependentError, match=r"selects with a mask of shape \(2, 1\) broadcast to \(2, 4\)"):
+        _joint_step(BroadcastSelect(), batch, batch)
+
+
+
+@settings(max_examples=4, deadline=None, derandomize=True)
+@given(traced=masks, run_on=masks)
+def test_never_a_silent_wrong_result_on_masks(traced, run_on):
+    """Traced on one mask, run on another: eager's loss and gradients bitwise, or the guard's error
+    (exactly when the counts differ)."""
+    torch.manual_seed(0)
+    model = MaskedRows()
+    batch = _batch(run_on)
+    try:
+        _, loss, grads = _joint_step(model, _batch(traced), batch)
+    except ValueGuardError:
+        assert sum(map(sum, traced)) != sum(map(sum, run_on))
+        return
+    want_loss, want = _eager(model, batch)
+    assert torch.equal(loss, want_loss) and all(torch.equal(g, want[n]) for n, g in grads.items())
+
+
+class MaskedWrite(nn.Module):
+    """Writes one value into the masked entries (``out[mask] = v``: t5gemma2's scatter), whose
+    backward takes ``grad[mask]``, a nonzero in a formula with no model frame."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(4, 4)
+
+    def forward(self, x, mask):
+        y = self.proj(x)
+        if mask.any():
+            y = y * 2
+        out = y.clone()
+        out[mask] = y.sum()
+        return out
+
+
+def test_a_masked_write_is_guarded_on_its_count_for_its_backward():
+    torch.manual_seed(0)
+    model = MaskedWrite()
+    traced = _mask([[1, 0, 1, 1], [0, 1, 0, 0]])
+    joint, loss, grads = _joint_step(model, traced, traced)
+    want_loss, want = _eager(model, traced)
+    assert torch.equal(loss, want_loss) and all(torch.equal(g, want[n]) for n, g in grads.items())
+    assert any(r.endswith("(out[mask] = y.sum()): nonzero traced with size 4") for r in joint.specialised_reads)
+    with pytest.raises(ValueGuardError, match=r"out\[mask\] = y.sum\(\)\): nonzero traced with size 4; this batch gives 1"):
+        _joint_step(model, traced, _mask([[1, 0, 0, 0], [0, 0, 0, 0]]))
