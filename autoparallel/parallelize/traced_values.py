@@ -24,7 +24,7 @@ wrong result silently (docs/failure-classes.md section 2). Here the answer comes
    the reads on every slice of the batch too: a read whose value differs between slices (an MoE
    router's token count per expert, jetmoe's ``expert_size.tolist()``) would fail its guard on
    another rank at the first step, so the trace refuses it there, naming the read and both values,
-   instead of a run failing later (docs/failure-classes.md section 2b).
+   instead of a run failing later (docs/failure-classes.md section 10b).
 """
 
 from __future__ import annotations
