@@ -121,6 +121,8 @@ def test_an_unset_layer_count_is_the_length_of_the_per_layer_list_of_names():
     out = shrink_dict({"num_hidden_layers": None, "layers_block_type": kinds, "mtp_layers_block_type": ["attention", "moe"]})
     assert out["layers_block_type"] == ["mamba", "moe", "attention"] and out["num_hidden_layers"] is None
     assert out["mtp_layers_block_type"] == ["attention", "moe"]  # not as long: another list, kept
+    absent = shrink_dict({"layers_block_type": kinds})  # the count left out of to_dict() altogether
+    assert absent["layers_block_type"] == ["mamba", "moe", "attention"] and "num_hidden_layers" not in absent
     assert shrink_dict({"num_hidden_layers": None, "block_names": kinds})["block_names"] == kinds  # no layer list: kept
     assert shrink_dict({"num_hidden_layers": None, "layer_types": kinds}, keep=frozenset({"num_hidden_layers"}))[
         "layer_types"] == kinds  # the count kept at its default: the list too
