@@ -29,14 +29,14 @@ from autoparallel.kernel_strides import strides_as_kernels
 from autoparallel.mesh import ParallelMesh, attach_group_dims
 from autoparallel.parallelize.module_paths import annotate_module_paths
 from autoparallel.parallelize.plan import ParallelPlan, ParamSharding
-from autoparallel.parallelize.program import LossFn, ParallelProgram, clean_fqn, split_batch
+from autoparallel.parallelize.program import LossFn, ParallelProgram, clean_fqn, data_slices, split_batch
 from autoparallel.passes.pinned_layouts import PATCH as PINNED_LAYOUTS
 from autoparallel.passes.pinned_layouts import pin_mixed_layouts
 from autoparallel.passes.value_guards import PATCH as VALUE_GUARDS
 from autoparallel.passes.value_guards import guard_reads
 from autoparallel.patches import disabled_from_env
 from autoparallel.parallelize.replicated_draws import PATCH as REPLICATED_DRAWS
-from autoparallel.parallelize.traced_values import Read, record_reads, replaying
+from autoparallel.parallelize.traced_values import Read, reads_agree, record_reads, replaying
 from autoparallel.validate import DataDependentError, check_input_dtypes, data_dependent_ops_named
 
 log = logging.getLogger(__name__)
@@ -164,7 +164,11 @@ def build_joint_graph(
         # rank's slice gives, each guarded in the graph (a random one stays refused).
         if not (patches.enabled(VALUE_GUARDS) and local_params and all(_is_real(t) for t in local)):
             raise
-        reads = record_reads(model, program.loss_fn, local, plan.param_dtype, patches.enabled(REPLICATED_DRAWS))
+        replicated = patches.enabled(REPLICATED_DRAWS)
+        reads = record_reads(model, program.loss_fn, local, plan.param_dtype, replicated)
+        if all(_is_real(t) for t in example_inputs):
+            others = data_slices(tuple(example_inputs), plan, mesh.spec)[1:]
+            reads_agree(reads, [record_reads(model, program.loss_fn, s, plan.param_dtype, replicated) for s in others])
         jd, stack, queried = trace(reads)
     seconds = time.perf_counter() - t0
     gm = jd.graph_module

@@ -18,7 +18,8 @@ from __future__ import annotations
 
 import contextlib
 import copy
-from collections.abc import Callable, Mapping
+import itertools
+from collections.abc import Callable, Iterator, Mapping
 
 import torch
 import torch.nn.functional as F
@@ -165,10 +166,33 @@ class ParallelProgram(nn.Module):
         # gathered once.
         draws = (ReplicatedDraws(self._share_draw) if self._replicates_draws and patches.enabled(REPLICATED_DRAWS)
                  else contextlib.nullcontext())
-        with parametrize.cached(), draws:
+        with parametrize.cached(), draws, buffers_updated_in_place(self.model):
             loss = self.loss_fn(self.model(*model_inputs), target)
         check_loss(loss, needs_grad=False)
         return loss
+
+
+@contextlib.contextmanager
+def buffers_updated_in_place(model: nn.Module) -> Iterator[None]:
+    """A buffer the model reassigns in forward (``self.x_max = torch.max(self.x_max, x.max())``:
+    ibert's activation ranges) is copied into the buffer it replaced, which is put back. Eager
+    PyTorch keeps the new tensor; a trace records only mutations of its inputs, so a reassigned
+    buffer would silently keep its old value in every graph (and in an executor holding the old
+    tensor). As an in-place update the graph returns it like batch norm's running stats. A
+    reassignment with another shape or dtype cannot be an update: ValueError naming it."""
+    before = [(mod, name, buf) for mod in model.modules() for name, buf in mod._buffers.items() if buf is not None]
+    yield
+    for mod, name, old in before:
+        new = mod._buffers.get(name)
+        if new is old or new is None:
+            continue
+        if new.shape != old.shape or new.dtype != old.dtype:
+            raise ValueError(
+                f"{type(mod).__name__}.{name}: forward replaces a buffer of shape {tuple(old.shape)} {old.dtype} by one of "
+                f"{tuple(new.shape)} {new.dtype}; a compiled step updates buffers in place: keep its shape and dtype")
+        with torch.no_grad():
+            old.copy_(new)
+        mod._buffers[name] = old
 
 
 def cast_forward_inputs(inputs, param_dtype: torch.dtype | None):
@@ -258,3 +282,11 @@ def split_batch(inputs, plan: ParallelPlan, spec: MeshSpec, coord: Mapping[str, 
             )
         out.append(t.chunk(chunks, dim=0)[index])
     return tuple(out)
+
+
+def data_slices(inputs, plan: ParallelPlan, spec: MeshSpec) -> list[tuple]:
+    """Every data-parallel rank's slice of the global batch (:func:`split_batch`), the first
+    being the one of coordinate 0 on every data dim."""
+    dims = list(plan.data_dims)
+    coords = itertools.product(*(range(spec.size(d)) for d in dims))
+    return [split_batch(inputs, plan, spec, dict(zip(dims, c, strict=True))) for c in coords]

@@ -26,12 +26,18 @@ wrong result silently (docs/failure-classes.md section 2). Here the answer comes
    v``: :data:`MASK_OPS`) are recorded in eager as their mask's count and answered by mask (the
    backward's ``grad[mask]`` reuses the forward's answer).
 4. ``passes/value_guards.py`` then puts a guard on each read: the graph is correct by construction.
+5. Every rank runs the graph traced on the first data-parallel slice. :func:`reads_agree` records
+   the reads on every slice of the batch too: a read whose value differs between slices (an MoE
+   router's token count per expert, jetmoe's ``expert_size.tolist()``) would fail its guard on
+   another rank at the first step, so the trace refuses it there, naming the read and both values,
+   instead of a run failing later (docs/failure-classes.md section 11b).
 """
 
 from __future__ import annotations
 
 import contextlib
 import copy
+import itertools
 import os
 import traceback
 from collections.abc import Iterator, Sequence
@@ -48,7 +54,7 @@ from torch.utils.weak import WeakTensorKeyDictionary
 
 from autoparallel.compiling_flag import tracing_as_compiling
 from autoparallel.parallelize.program import cast_forward_inputs
-from autoparallel.passes.value_guards import TRACED_READ
+from autoparallel.passes.value_guards import TRACED_READ, same_value
 from autoparallel.validate import DataDependentError
 
 READ_OPS = (torch.ops.aten._local_scalar_dense.default, torch.ops.aten.item.default)
@@ -205,6 +211,25 @@ class _FormatsAsEager(TorchFunctionMode):
         return func(*args, **(kwargs or {}))
 
 
+def reads_agree(first: Sequence[Read], others: Sequence[Sequence[Read]]) -> None:
+    """Refuse (DataDependentError) when another data-parallel slice of the batch reads another
+    value, or another sequence of reads, than the first slice (``first``), which the graph is
+    traced with: one graph, each read guarded, could not serve that slice's rank."""
+    for k, reads in enumerate(others, start=1):
+        for i, (a, b) in enumerate(itertools.zip_longest(first, reads)):
+            if a is not None and b is not None and a.site == b.site and a.size == b.size and same_value(b.value, a.value):
+                continue
+            what = (f"{a.site} reads {a.value!r} on data-parallel slice 0 and {b.value!r} on slice {k}"
+                    if a is not None and b is not None and a.site == b.site else
+                    f"data-parallel slices 0 and {k} make different reads (read {i}: "
+                    f"{a.describe() if a else 'none'} vs {b.describe() if b else 'none'})")
+            raise DataDependentError(
+                f"the model is not traceable as one graph for every rank: {what} of the same batch. The graph holds "
+                "one value per read (each guarded), so another rank's step would fail its guard: a value that "
+                "changes with the data (token counts per expert in an MoE router) needs sizes traced as dynamic, "
+                "which the stack does not do yet")
+
+
 def _mark_in_graph(arg: torch.Tensor, read: Read) -> None:
     """Under a make_fx trace: record ``traced_read(arg, value, description, rows)`` in the graph, a
     side-effecting node dead-code elimination keeps (the read itself is dead code once its answer
@@ -307,4 +332,4 @@ def replaying(reads: Sequence[Read], fake_mode=None) -> Iterator[list[Read]]:
                 fake_impls.op_implementations_dict[op] = impl
 
 
-__all__ = ["INDEX_PUTS", "MASK_OPS", "NONZERO", "READ_OPS", "masks_of", "Read", "draws", "model_site", "record_reads", "replaying"]
+__all__ = ["INDEX_PUTS", "MASK_OPS", "NONZERO", "READ_OPS", "masks_of", "Read", "draws", "model_site", "reads_agree", "record_reads", "replaying"]

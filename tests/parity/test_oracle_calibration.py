@@ -69,6 +69,25 @@ def test_calibrated_keeps_the_analytic_verdict_when_the_fp64_reference_cannot_ru
     assert not out.passed and out.calibration.startswith("not calibrated: the float64 reference failed (RuntimeError")
 
 
+def test_the_spread_is_the_farthest_fp32_summation_order_from_fp64():
+    """fp32 run once per intra-op thread count (another summation order each): the bound takes the
+    farthest from fp64, not whichever one the oracle's process happened to run (levit: 8x apart)."""
+    report = _report(OracleCheck("g", 3e-3, 1e-4, 1.0))
+    seen = []
+
+    def reference(dtype):
+        seen.append((dtype, torch.get_num_threads()))
+        off = {1: 1e-3, 2: 1e-4}[torch.get_num_threads()] if dtype == torch.float32 else 0.0
+        return {"g": torch.tensor([1.0 + off], dtype=dtype)}
+
+    out = calibration.calibrated(report, reference)
+    assert sorted(n for d, n in seen if d == torch.float32) == sorted(calibration.THREADS)
+    assert out.checks[0].bound == pytest.approx(4e-3, rel=1e-3) and out.passed
+    assert "the farthest of 2 summation orders" in out.checks[0].note
+    # one sample only (the 2-thread order): 4 x 1e-4 would not cover the other order's 3e-3
+    assert not calibration.recheck(report.checks[0], 1e-4).passed
+
+
 def test_calibration_applies_to_fp32_programs_without_mixed_precision_only():
     assert calibration.applies(TOL, None)
     assert not calibration.applies(TOL, torch.bfloat16)

@@ -44,6 +44,8 @@ REASON_CLASSES: tuple[tuple[str, str], ...] = (
     ("random op", r"\brandom ops?\b"),
     ("undivisible dim", r"not divisible|divisible by"),
     ("data-dependent", r"not traceable|reads a tensor's value"),  # .item() / a branch on a tensor in forward
+    # a read traced with one value (and guarded) gives another at a later step: the graph holds the traced one
+    ("value guard", r"\bValueGuardError\b"),
 )
 OTHER = "other"
 CLASS_NAMES = tuple(name for name, _ in REASON_CLASSES) + (OTHER,)

@@ -21,6 +21,8 @@ also has to keep consistent, found by building every type of transformers 5.24:
   then the first ones up to :data:`LAYERS`: a hybrid keeps one layer of each kind (a validator may
   want an attention layer beside the recurrent ones, a cache or rope table one of each);
 * a layer count that equals the length of a per-stage ``depths`` list counts stages: kept;
+* no layer count (unset, or absent from the dict) beside a per-layer list of kinds
+  (``layers_block_type``, ``layer_types``): the list's length is the count, cut as any per-layer list;
 * a backbone's ``out_features`` name stages that may be gone: reset to the default (the last);
   ``out_indices`` (some configs forbid None) are clamped to the layers left;
 * a size the library leaves unset (None) that the model needs (vocabulary, experts per token,
@@ -83,6 +85,8 @@ _RULES: tuple[tuple[str, str], ...] = (
     (r"num_mel_bins|feature_size", "none"),  # audio inputs: sized by the batch, left at the default
 )
 _COMPILED = tuple((re.compile(pattern), family) for pattern, family in _RULES)
+# A per-layer list of layer kinds, which counts the layers where no count field does.
+_LAYER_KINDS = re.compile(r"(.*_)?layers?_(block_)?types?")
 
 
 def family(key: str) -> str | None:
@@ -236,6 +240,11 @@ def shrink_dict(d: dict[str, Any], is_sub_config=lambda key, value: False, keep:
     stage_counts = {len(v) for k, v in d.items() if family(k) == "depths" and isinstance(v, list)}
     counts = {v for k, v in d.items() if family(k) == "layers" and _int(v) and v > LAYERS} - stage_counts  # kept ones too
     layers_before = {v for k, v in d.items() if family(k) == "layers" and _int(v) and v > LAYERS and k not in keep} - stage_counts
+    if not layers_before and not any(family(k) == "layers" and k in keep for k in d):
+        # no layer count (unset or left out of the dict) where a per-layer list of names is the count
+        # (nemotron_h: num_hidden_layers is deprecated, its layers_block_type's length counts): that length
+        layers_before = {len(v) for k, v in d.items() if _LAYER_KINDS.fullmatch(k) and isinstance(v, list)
+                         and len(v) > LAYERS and all(isinstance(x, str) for x in v)} - stage_counts
     subs = last_segments(d, layers_before, keep, family) if segments else {}
     kept = {n: kept_layers(d, n, first_layers, tuple(segment_marks(n, subs))) for n in layers_before}
     layer_maps: dict[str, dict[Any, Any]] = {}  # a layer-keyed dict: {its new layer key: the old one}

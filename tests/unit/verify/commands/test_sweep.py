@@ -40,6 +40,8 @@ REASONS = {
     "random op": "RandomOpError: random op aten.randperm.default (node randperm) is not a dropout: the oracle cannot switch it",
     "undivisible dim": "parameter 'model.lm_head.weight': dim 0 of size 7 is not divisible by mesh dim 'tp' of size 2",
     "data-dependent": "the model is not traceable: aten._local_scalar_dense.default at m.py:579 (if p < self.layerdrop:) reads a tensor's value",
+    "value guard": ("RankFailedError: rank 1 of the world raised ValueGuardError during fn: value guard: m.py:178 "
+                    "(if self.x_min.min() > -1.1e-5): traced with True; this batch gives False"),
     "other": "RuntimeError: something nobody foresaw",
 }
 META = {"transformers": "5.24.0", "commit": "abc123", "date": "2026-11-28 00:00 UTC", "command": "python -m verify sweep", "note": ""}

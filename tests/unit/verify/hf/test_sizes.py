@@ -114,6 +114,20 @@ def test_the_layers_kept_are_one_of_each_kind_then_the_first():
     assert same["layer_types"] == ["a", "a"] and same["num_hidden_layers"] == LAYERS  # one kind: the first layers
 
 
+def test_an_unset_layer_count_is_the_length_of_the_per_layer_list_of_names():
+    """nemotron_h (nemo_speechlm's text config): num_hidden_layers None, 52 layers named in
+    layers_block_type; before, the 52 layers were kept (the cell spent its 300 s building)."""
+    kinds = ["mamba", "moe", "mamba", "attention", "moe", "mamba"] * 2
+    out = shrink_dict({"num_hidden_layers": None, "layers_block_type": kinds, "mtp_layers_block_type": ["attention", "moe"]})
+    assert out["layers_block_type"] == ["mamba", "moe", "attention"] and out["num_hidden_layers"] is None
+    assert out["mtp_layers_block_type"] == ["attention", "moe"]  # not as long: another list, kept
+    absent = shrink_dict({"layers_block_type": kinds})  # the count left out of to_dict() altogether
+    assert absent["layers_block_type"] == ["mamba", "moe", "attention"] and "num_hidden_layers" not in absent
+    assert shrink_dict({"num_hidden_layers": None, "block_names": kinds})["block_names"] == kinds  # no layer list: kept
+    assert shrink_dict({"num_hidden_layers": None, "layer_types": kinds}, keep=frozenset({"num_hidden_layers"}))[
+        "layer_types"] == kinds  # the count kept at its default: the list too
+
+
 def test_a_layer_count_that_counts_the_stages_is_kept():
     out = shrink_dict({"num_layers": 4, "depths": [2, 2, 6, 2], "num_heads": [3, 6, 12, 24]})
     assert out["num_layers"] == 4 and out["num_heads"] == [2, 2, 2, 2]
