@@ -21,8 +21,8 @@ from autoparallel.runtime import steps
 from verify.check import check_model
 from verify.hf import KeywordInputs, token_loss
 from verify.model_case import ModelCase
-from verify.parity import runs
 from verify.parity.runs import EAGER, JOINT, compare_with_eager, oracle_check, run_stage_parity
+from verify.stages import rank_context
 from verify.stages.registry import check_conservation
 from verify.stages.scenario import Scenario
 
@@ -207,7 +207,8 @@ def _giving_zero_grads(make):
 
 @pytest.mark.xdist_group("gradless-parity-tier")
 def test_a_graph_that_gives_a_frozen_parameter_a_gradient_fails_parity(monkeypatch):
-    monkeypatch.setattr(runs, "joint_graph_executor", _giving_zero_grads(runs.joint_graph_executor))
+    # the joint stages' executors are built by the registry from verify.stages.rank_context
+    monkeypatch.setattr(rank_context, "joint_graph_executor", _giving_zero_grads(rank_context.joint_graph_executor))
     ranks = run_stage_parity(FROZEN_FSDP, 2, executors=(EAGER, JOINT))
     bad = {d.name for d in compare_with_eager(ranks, JOINT).mismatches()}
     frozen = [f"rank{r}/{{}}:{fqn}" for r in range(2) for fqn in ("base.weight", "base.bias")]
@@ -218,7 +219,7 @@ def test_a_graph_that_gives_a_frozen_parameter_a_gradient_fails_parity(monkeypat
 
 @pytest.mark.xdist_group("gradless-parity-tier")
 def test_an_eager_program_that_gives_a_gradient_the_model_does_not_fails_parity_and_the_oracle(monkeypatch):
-    monkeypatch.setattr(runs, "eager_program_executor", _giving_zero_grads(runs.eager_program_executor))
+    monkeypatch.setattr(rank_context, "eager_program_executor", _giving_zero_grads(rank_context.eager_program_executor))
     ranks = run_stage_parity(FROZEN_FSDP, 2, executors=(EAGER, JOINT))
     assert not compare_with_eager(ranks, JOINT).bitwise
     oracle = oracle_check(FROZEN_FSDP, ranks)
@@ -230,7 +231,7 @@ def test_an_eager_program_that_gives_a_gradient_the_model_does_not_fails_parity_
 def test_a_frozen_parameter_changed_without_any_gradient_fails_parity(monkeypatch):
     """No gradient anywhere and every loss equal (the write lands after the last forward): only
     the final values tell."""
-    make = runs.joint_graph_executor
+    make = rank_context.joint_graph_executor
 
     def writing(*args, **kwargs):
         inner = make(*args, **kwargs)
@@ -243,7 +244,7 @@ def test_a_frozen_parameter_changed_without_any_gradient_fails_parity(monkeypatc
 
         return steps.Executor(step, inner.buffers)
 
-    monkeypatch.setattr(runs, "joint_graph_executor", writing)
+    monkeypatch.setattr(rank_context, "joint_graph_executor", writing)
     ranks = run_stage_parity(FROZEN_FSDP, 1, executors=(EAGER, JOINT))
     assert {d.name for d in compare_with_eager(ranks, JOINT).mismatches()} == {"rank0/final/param:base.bias",
                                                                                "rank1/final/param:base.bias"}

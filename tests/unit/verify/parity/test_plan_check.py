@@ -235,7 +235,7 @@ def _unplaced_loss_and_a_gradient_that_moves(p):
 MORE = {
     "output count": (_drop_output, [f"[structure] {NORM}: 2 output placements for 3 outputs"]),
     "input count": (_extra_input, [f"[structure] {GELU}: 2 input placements for 1 tensor inputs"]),
-    "unreadable": (_unreadable, [f"[structure] {GELU}: unreadable placement: bad placement 'S(x)': expected R, S(d), P(op) or MaskP(op, shape, dim)"]),
+    "unreadable": (_unreadable, [f"[structure] {GELU}: unreadable placement: bad placement 'S(x)': expected R, S(d), _S(d, split_factor), P(op) or MaskP(op, shape, dim)"]),
     "unplaced output": (_unplaced_output, [f"[structure] {NORM}: output 1: placement None for a tensor",
                                            f"[multi_output] -/fwd/getitem#1: reads output 1 of {NORM}, which has no placement"]),
     "alias moves": (_alias_moves, ["[flow] input:0/alias: an alias moves nothing: in dp:R tp:R, out dp:S(0) tp:R"]),
