@@ -31,11 +31,14 @@ class MaskBranch(nn.Module):
         super().__init__()
         self.proj = nn.Linear(4, 4)
 
-    def forward(self, x, mask):
+    def doubled_if_any(self, x, mask):
         y = self.proj(x)
         if mask.any():
             y = y * 2
-        return y * (1 + int(mask.sum().item()))
+        return y
+
+    def forward(self, x, mask):
+        return self.doubled_if_any(x, mask) * (1 + int(mask.sum().item()))
 
 
 class RandomDrop(nn.Module):
@@ -369,18 +372,12 @@ def test_never_a_silent_wrong_result_on_masks(traced, run_on):
     assert torch.equal(loss, want_loss) and all(torch.equal(g, want[n]) for n, g in grads.items())
 
 
-class MaskedWrite(nn.Module):
+class MaskedWrite(MaskBranch):
     """Writes one value into the masked entries (``out[mask] = v``: t5gemma2's scatter), whose
     backward takes ``grad[mask]``, a nonzero in a formula with no model frame."""
 
-    def __init__(self):
-        super().__init__()
-        self.proj = nn.Linear(4, 4)
-
     def forward(self, x, mask):
-        y = self.proj(x)
-        if mask.any():
-            y = y * 2
+        y = self.doubled_if_any(x, mask)
         out = y.clone()
         out[mask] = y.sum()
         return out
