@@ -54,6 +54,7 @@ from autoparallel.pipeline import (
 )
 from autoparallel.runtime.steps import Executor, StepTrace, seeded, step_seed
 from verify.parity import calibration
+from verify.parity.buffer_scales import buffer_scales, owner_input_scales
 from verify.parity.collective_check import agree_on_collectives
 from verify.parity.compare import (
     OracleReport,
@@ -294,11 +295,13 @@ class SingleDeviceReference:
     """The unsharded model on one process, one training step from the same initial weights, on
     each data-parallel slice of the first batch: the mean of the slices' losses and gradients
     (what data parallelism computes), and the buffers each slice leaves (keyed by the slice's
-    data-parallel coordinate, in ``plan.data_dims`` order)."""
+    data-parallel coordinate, in ``plan.data_dims`` order); ``input_scales``: per module owning
+    buffers, the largest floating input entry it saw (a buffer's scale, ``verify.parity.buffer_scales``)."""
 
     loss: torch.Tensor
     grads: dict[str, torch.Tensor]
     buffers: dict[tuple[int, ...], dict[str, torch.Tensor]]
+    input_scales: dict[str, float] = field(default_factory=dict)
 
 
 def data_coordinates(scenario: Scenario) -> list[dict[str, int]]:
@@ -348,6 +351,7 @@ def single_device_reference(
     coords = data_coordinates(scenario)
     losses, buffers = [], {}
     grads: dict[str, torch.Tensor] = {}
+    input_scales: dict[str, float] = {}
     # a scalar draw is one for the whole batch: every slice takes the first slice's (replicated_draws)
     one_slice = first_slice_draws() if patches.enabled(REPLICATED_DRAWS) else contextlib.nullcontext
     for coord in coords:
@@ -357,7 +361,8 @@ def single_device_reference(
         if dtype is not None:
             model, inputs, target = cast_floating((model.to(dtype), inputs, target), dtype)
         # the slice's rank draws these masks (or none, dropout off)
-        with random_ops_disabled() if dropout_off else seeded(step_seed(rank_seed(scenario, coord), 0)), one_slice():
+        draws = random_ops_disabled() if dropout_off else seeded(step_seed(rank_seed(scenario, coord), 0))
+        with draws, one_slice(), owner_input_scales(model, input_scales):
             loss = scenario.loss_fn(model(*inputs), target)
             loss.backward()
         losses.append(loss.detach())
@@ -366,7 +371,8 @@ def single_device_reference(
         buffers[tuple(coord[d] for d in plan.data_dims)] = {k: b.detach().clone() for k, b in model.named_buffers()}
     n = len(coords)
     return SingleDeviceReference(
-        torch.stack(losses).sum() / n, {k: None if g is None else g / n for k, g in grads.items()}, buffers
+        torch.stack(losses).sum() / n, {k: None if g is None else g / n for k, g in grads.items()}, buffers,
+        input_scales,
     )
 
 
@@ -492,8 +498,9 @@ def oracle_check(
         trace = r.traces[executor]
         got = trace.buffers[0] if trace.buffers else {}
         want = ref.buffers[slice_of(r)]
+        sizes = buffer_scales(want, ref.input_scales)
         for name in sorted(set(got) | set(want)):
-            report.checks.append(check_within(f"rank{i}/{roles.buffer(name)}", want.get(name), got.get(name), tolerance.rtol))
+            report.checks.append(check_within(f"rank{i}/{roles.buffer(name)}", want.get(name), got.get(name), tolerance.rtol, sizes.get(name)))
     if not report.passed and calibration.applies(tolerance, plan.param_dtype):
 
         def named(reference: SingleDeviceReference) -> dict[str, torch.Tensor | None]:

@@ -1,0 +1,57 @@
+"""The oracle's scale for a buffer: what its module reads, not only its own value.
+
+A gradient's bound uses its module's largest gradient entry (``compare.module_scales``): a
+gradient made of cancelling terms is ~0 while its rounding is not. A buffer a forward updates has
+the same problem: a running mean of a map that is zero-mean in exact arithmetic (a batch norm
+after a normalisation; mobilevit's ``conv_kxk.normalization``) is 0.0 in one summation order and
+1e-12 in another, and a bound relative to its own value (0) fails on rounding alone. Its rounding
+error scales with the activations it averages, the input of the module that owns it; so a
+floating buffer's scale is the larger of its own largest entry and the largest floating input
+entry its owning module saw in the reference's forward (max over the data-parallel slices).
+A buffer of a module without floating inputs (position ids, tables indexed by tokens) keeps its
+own scale; integer buffers stay exact (``compare.check_within``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Mapping
+
+import torch
+from torch.utils import _pytree as pytree
+
+
+@contextlib.contextmanager
+def owner_input_scales(model: torch.nn.Module, scales: dict[str, float]) -> Iterator[dict[str, float]]:
+    """While open, ``scales[module fqn]`` is kept at the largest |entry| of the floating tensors
+    passed to each module of ``model`` that owns buffers directly (positional and keyword)."""
+
+    def hook(name: str):
+        def record(module, args, kwargs):
+            leaves = [t for t in pytree.tree_leaves((args, kwargs))
+                      if isinstance(t, torch.Tensor) and t.is_floating_point() and t.numel()]
+            if leaves:
+                size = max(float(t.detach().abs().max()) for t in leaves)
+                scales[name] = max(scales.get(name, 0.0), size)
+
+        return record
+
+    handles = [m.register_forward_pre_hook(hook(name), with_kwargs=True)
+               for name, m in model.named_modules() if next(m.buffers(recurse=False), None) is not None]
+    try:
+        yield scales
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def buffer_scales(buffers: Mapping[str, torch.Tensor], input_scales: Mapping[str, float]) -> dict[str, float]:
+    """Per floating buffer of ``buffers`` (one slice's, by fqn), max(its largest |entry|, the
+    largest input entry of its owning module in ``input_scales``); integer buffers are left out."""
+    out = {}
+    for fqn, b in buffers.items():
+        if b is None or not b.is_floating_point():
+            continue
+        own = float(b.detach().abs().max()) if b.numel() else 0.0
+        out[fqn] = max(own, input_scales.get(fqn.rpartition(".")[0], 0.0))
+    return out
