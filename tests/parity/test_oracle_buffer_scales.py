@@ -119,3 +119,51 @@ def test_a_planted_error_in_a_zero_mean_running_statistic_still_fails(ranks, mon
     assert {c.name for c in plain.failures()} == {f"rank0/{MEAN}"}, plain.summary()
     assert calibrated.calibration.startswith("calibrated:")
     assert f"rank0/{MEAN}" in {c.name for c in calibrated.failures()}, calibrated.summary()
+
+
+def test_a_buffer_the_step_leaves_unchanged_keeps_its_own_scale():
+    """Only an updated buffer accumulates rounding; a constant one gets no wider bound than its own."""
+    buffers = {"bn.running_mean": torch.zeros(3), "bn.gain": torch.full((3,), 0.5)}
+    assert buffer_scales(buffers, {"bn": 50.0}, {"bn.running_mean"}) == {"bn.running_mean": 50.0, "bn.gain": 0.5}
+    assert buffer_scales(buffers, {"bn": 50.0}) == {"bn.running_mean": 50.0, "bn.gain": 50.0}  # None: every one updated
+
+
+class GainedCenteredNorm(CenteredNorm):
+    """CenteredNorm with a constant buffer on the root module (whose input, x, is large): a gain
+    the forward reads and never writes."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("gain", torch.full((4,), 0.5))
+
+    def forward(self, x):
+        return super().forward(x) * self.gain
+
+
+GAINED = Scenario(case=ModelCase("gained_centered_norm", GainedCenteredNorm, mse_loss, _batch, batch_per_rank=4),
+                  plan="fsdp", mesh="dp=2")
+
+
+@pytest.mark.xdist_group("oracle-calibration")
+def test_a_planted_error_in_a_constant_buffer_fails_though_its_module_input_is_large():
+    """The negative of the rule's guard: 5x the buffer's own bound planted in the constant gain
+    fails the oracle; the module-input scale (the root's input, ~20x the gain) would have passed it."""
+    ranks = run_stage_parity(GAINED, 1, executors=(EAGER,))
+    ref = single_device_reference(GAINED)
+    assert "gain" not in ref.updated and "bn.running_mean" in ref.updated
+    assert ref.input_scales[""] > 5 * 0.5
+    buffers = ranks[0].traces[EAGER].buffers[0]
+    report = oracle_check(GAINED, ranks)
+    assert report.passed, report.summary()
+    bound = next(c for c in report.checks if c.name == f"rank0/{roles.buffer('gain')}")
+    assert bound.scale == pytest.approx(0.5)
+    planted = buffers["gain"] + 5 * bound.bound
+    kept = buffers["gain"]
+    buffers["gain"] = planted
+    try:
+        failed = oracle_check(GAINED, ranks)
+    finally:
+        buffers["gain"] = kept
+    assert f"rank0/{roles.buffer('gain')}" in {c.name for c in failed.failures()}, failed.summary()
+    wide = buffer_scales(ref.buffers[(0,)], ref.input_scales)["gain"]
+    assert check_within("gain", ref.buffers[(0,)]["gain"], planted, bound.bound / bound.scale, wide).passed

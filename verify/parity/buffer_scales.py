@@ -9,13 +9,16 @@ error scales with the activations it averages, the input of the module that owns
 floating buffer's scale is the larger of its own largest entry and the largest floating input
 entry its owning module saw in the reference's forward (max over the data-parallel slices).
 A buffer of a module without floating inputs (position ids, tables indexed by tokens) keeps its
-own scale; integer buffers stay exact (``compare.check_within``).
+own scale; integer buffers stay exact (``compare.check_within``). So does a buffer the step leaves
+unchanged in the reference (a constant table, a frozen statistic in eval mode): nothing was
+accumulated into it, so any difference is an error of the program, not rounding, and the wider
+bound would hide it.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Mapping
+from collections.abc import Collection, Iterator, Mapping
 
 import torch
 from torch.utils import _pytree as pytree
@@ -45,13 +48,17 @@ def owner_input_scales(model: torch.nn.Module, scales: dict[str, float]) -> Iter
             h.remove()
 
 
-def buffer_scales(buffers: Mapping[str, torch.Tensor], input_scales: Mapping[str, float]) -> dict[str, float]:
+def buffer_scales(buffers: Mapping[str, torch.Tensor], input_scales: Mapping[str, float],
+                  updated: Collection[str] | None = None) -> dict[str, float]:
     """Per floating buffer of ``buffers`` (one slice's, by fqn), max(its largest |entry|, the
-    largest input entry of its owning module in ``input_scales``); integer buffers are left out."""
+    largest input entry of its owning module in ``input_scales``); integer buffers are left out.
+    ``updated``: the buffers the reference's step changed; any other keeps its own scale (None:
+    every buffer counts as updated)."""
     out = {}
     for fqn, b in buffers.items():
         if b is None or not b.is_floating_point():
             continue
         own = float(b.detach().abs().max()) if b.numel() else 0.0
-        out[fqn] = max(own, input_scales.get(fqn.rpartition(".")[0], 0.0))
+        widen = updated is None or fqn in updated
+        out[fqn] = max(own, input_scales.get(fqn.rpartition(".")[0], 0.0)) if widen else own
     return out

@@ -296,12 +296,14 @@ class SingleDeviceReference:
     each data-parallel slice of the first batch: the mean of the slices' losses and gradients
     (what data parallelism computes), and the buffers each slice leaves (keyed by the slice's
     data-parallel coordinate, in ``plan.data_dims`` order); ``input_scales``: per module owning
-    buffers, the largest floating input entry it saw (a buffer's scale, ``verify.parity.buffer_scales``)."""
+    buffers, the largest floating input entry it saw, and ``updated``: the buffers the step changed
+    (a buffer's scale, ``verify.parity.buffer_scales``)."""
 
     loss: torch.Tensor
     grads: dict[str, torch.Tensor]
     buffers: dict[tuple[int, ...], dict[str, torch.Tensor]]
     input_scales: dict[str, float] = field(default_factory=dict)
+    updated: frozenset[str] | None = None  # the buffers the step changed (on any slice)
 
 
 def data_coordinates(scenario: Scenario) -> list[dict[str, int]]:
@@ -352,6 +354,7 @@ def single_device_reference(
     losses, buffers = [], {}
     grads: dict[str, torch.Tensor] = {}
     input_scales: dict[str, float] = {}
+    updated: set[str] = set()
     # a scalar draw is one for the whole batch: every slice takes the first slice's (replicated_draws)
     one_slice = first_slice_draws() if patches.enabled(REPLICATED_DRAWS) else contextlib.nullcontext
     for coord in coords:
@@ -362,17 +365,19 @@ def single_device_reference(
             model, inputs, target = cast_floating((model.to(dtype), inputs, target), dtype)
         # the slice's rank draws these masks (or none, dropout off)
         draws = random_ops_disabled() if dropout_off else seeded(step_seed(rank_seed(scenario, coord), 0))
+        before = {k: b.detach().clone() for k, b in model.named_buffers()}
         with draws, one_slice(), owner_input_scales(model, input_scales):
             loss = scenario.loss_fn(model(*inputs), target)
             loss.backward()
         losses.append(loss.detach())
         for fqn, p in model.named_parameters():
             grads[fqn] = _add_grad(grads.get(fqn), p.grad, fqn, fqn in grads)
-        buffers[tuple(coord[d] for d in plan.data_dims)] = {k: b.detach().clone() for k, b in model.named_buffers()}
+        after = buffers[tuple(coord[d] for d in plan.data_dims)] = {k: b.detach().clone() for k, b in model.named_buffers()}
+        updated |= {k for k, b in after.items() if k not in before or not torch.equal(b, before[k])}
     n = len(coords)
     return SingleDeviceReference(
         torch.stack(losses).sum() / n, {k: None if g is None else g / n for k, g in grads.items()}, buffers,
-        input_scales,
+        input_scales, frozenset(updated),
     )
 
 
@@ -498,7 +503,7 @@ def oracle_check(
         trace = r.traces[executor]
         got = trace.buffers[0] if trace.buffers else {}
         want = ref.buffers[slice_of(r)]
-        sizes = buffer_scales(want, ref.input_scales)
+        sizes = buffer_scales(want, ref.input_scales, ref.updated)
         for name in sorted(set(got) | set(want)):
             report.checks.append(check_within(f"rank{i}/{roles.buffer(name)}", want.get(name), got.get(name), tolerance.rtol, sizes.get(name)))
     if not report.passed and calibration.applies(tolerance, plan.param_dtype):
