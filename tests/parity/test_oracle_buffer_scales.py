@@ -167,3 +167,20 @@ def test_a_planted_error_in_a_constant_buffer_fails_though_its_module_input_is_l
     assert f"rank0/{roles.buffer('gain')}" in {c.name for c in failed.failures()}, failed.summary()
     wide = buffer_scales(ref.buffers[(0,)], ref.input_scales)["gain"]
     assert check_within("gain", ref.buffers[(0,)]["gain"], planted, bound.bound / bound.scale, wide).passed
+
+
+class ZeroMeanNorm(CenteredNorm):
+    """The batch norm sees an exactly zero map: its running mean is written and stays 0.0."""
+
+    def forward(self, x):
+        h = self.fc(x)
+        return self.head(torch.tanh(self.bn(h - h)))
+
+
+def test_a_buffer_written_with_its_own_value_counts_as_updated():
+    """Written means written (a version bump), not changed: mobilevit's running mean is exactly 0.0
+    before and after, and on its own scale (0) its rounding-level difference would fail at ratio inf."""
+    scenario = Scenario(case=ModelCase("zero_mean_norm", ZeroMeanNorm, mse_loss, _batch, batch_per_rank=4), plan="fsdp", mesh="dp=2")
+    ref = single_device_reference(scenario)
+    assert not ref.buffers[(0,)]["bn.running_mean"].any()
+    assert {"bn.running_mean", "bn.running_var", "bn.num_batches_tracked"} <= ref.updated

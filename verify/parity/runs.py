@@ -54,7 +54,7 @@ from autoparallel.pipeline import (
 )
 from autoparallel.runtime.steps import Executor, StepTrace, seeded, step_seed
 from verify.parity import calibration
-from verify.parity.buffer_scales import buffer_scales, owner_input_scales
+from verify.parity.buffer_scales import buffer_scales, owner_input_scales, written_buffers
 from verify.parity.collective_check import agree_on_collectives
 from verify.parity.compare import (
     OracleReport,
@@ -296,14 +296,14 @@ class SingleDeviceReference:
     each data-parallel slice of the first batch: the mean of the slices' losses and gradients
     (what data parallelism computes), and the buffers each slice leaves (keyed by the slice's
     data-parallel coordinate, in ``plan.data_dims`` order); ``input_scales``: per module owning
-    buffers, the largest floating input entry it saw, and ``updated``: the buffers the step changed
+    buffers, the largest floating input entry it saw, and ``updated``: the buffers the step wrote
     (a buffer's scale, ``verify.parity.buffer_scales``)."""
 
     loss: torch.Tensor
     grads: dict[str, torch.Tensor]
     buffers: dict[tuple[int, ...], dict[str, torch.Tensor]]
     input_scales: dict[str, float] = field(default_factory=dict)
-    updated: frozenset[str] | None = None  # the buffers the step changed (on any slice)
+    updated: frozenset[str] | None = None  # the buffers the step wrote (on any slice)
 
 
 def data_coordinates(scenario: Scenario) -> list[dict[str, int]]:
@@ -365,15 +365,14 @@ def single_device_reference(
             model, inputs, target = cast_floating((model.to(dtype), inputs, target), dtype)
         # the slice's rank draws these masks (or none, dropout off)
         draws = random_ops_disabled() if dropout_off else seeded(step_seed(rank_seed(scenario, coord), 0))
-        before = {k: b.detach().clone() for k, b in model.named_buffers()}
-        with draws, one_slice(), owner_input_scales(model, input_scales):
+        with draws, one_slice(), owner_input_scales(model, input_scales), written_buffers(model) as written:
             loss = scenario.loss_fn(model(*inputs), target)
             loss.backward()
+        updated |= written
         losses.append(loss.detach())
         for fqn, p in model.named_parameters():
             grads[fqn] = _add_grad(grads.get(fqn), p.grad, fqn, fqn in grads)
-        after = buffers[tuple(coord[d] for d in plan.data_dims)] = {k: b.detach().clone() for k, b in model.named_buffers()}
-        updated |= {k for k, b in after.items() if k not in before or not torch.equal(b, before[k])}
+        buffers[tuple(coord[d] for d in plan.data_dims)] = {k: b.detach().clone() for k, b in model.named_buffers()}
     n = len(coords)
     return SingleDeviceReference(
         torch.stack(losses).sum() / n, {k: None if g is None else g / n for k, g in grads.items()}, buffers,
@@ -515,5 +514,10 @@ def oracle_check(
                 out.update((f"rank{i}/{roles.buffer(k)}", b) for k, b in reference.buffers[slice_of(r)].items())
             return out
 
-        report = calibration.calibrated(report, lambda dtype: named(single_device_reference(scenario, dropout_off=True, dtype=dtype)))
+        def in_dtype(dropout_off: bool):
+            return lambda dtype: named(single_device_reference(scenario, dropout_off=dropout_off, dtype=dtype))
+
+        # the program the oracle compared: with the ranks' masks unless it ran with dropout off
+        draws = executor != DROPOUT_OFF
+        report = calibration.calibrated(report, in_dtype(not draws), in_dtype(True) if draws else None)
     return report
