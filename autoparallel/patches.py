@@ -303,6 +303,19 @@ _register(
     ),
 )
 _register(
+    "unread_saves_dropped",
+    "the replay partition leaves out saved values that only dead code of the backward reads (a dead "
+    "forward draw the backward's extraction copied with its chain, random ops being impure) and "
+    "extracts the graphs again",
+    "such a chain's placeholders stay saved for the backward; one the forward updates in place (a "
+    "BatchNorm running stat before a dropout) fails autograd's version check in the second compile's "
+    "backward (efficientnet under fsdp dp=2: 'is at version 8; expected version 7')",
+    (
+        "tests/unit/autoparallel/test_unread_saves.py::test_batchnorm_before_dropout_trains_bitwise_in_the_second_compile",
+        "tests/unit/autoparallel/test_unread_saves.py::test_the_second_compile_saves_no_buffer_its_backward_does_not_read",
+    ),
+)
+_register(
     "random_op_order",
     "after each collective pass, the graph's random ops (dropout, bernoulli, rand) are put back in "
     "the order they drew in before it (a stable topological sort with each random op after the "

@@ -71,7 +71,7 @@ from autoparallel.mesh import MeshSpec, ParallelMesh, attach_group_dims, fake_wo
 from autoparallel.parallelize import JointGraph, ParallelPlan, build_joint_graph, split_batch
 from autoparallel.parallelize.program import LossFn
 from autoparallel.partition import PLACEMENT_STEPS, PlacementState, PlacementStep, placement
-from autoparallel.replay_partition import REPLAY_PATCH
+from autoparallel.replay_partition import REPLAY_PATCH, UNREAD_SAVES_PATCH
 from autoparallel.passes.collective import (
     COLLECTIVE_PASSES,
     CollectivePass,
@@ -462,7 +462,7 @@ STAGES: tuple[Stage, ...] = (
         SECOND_COMPILE,
         _second_compile,
         "torch.compile with autoparallel_backend: replay partition, bucketing tags",
-        patches=(REPLAY_PATCH, EAGER_KERNELS_RETRACE, OVERLAP_PATCH, AOT_GRAPH_TEXT, KERNEL_STRIDES, VALUE_GUARDS),
+        patches=(REPLAY_PATCH, UNREAD_SAVES_PATCH, EAGER_KERNELS_RETRACE, OVERLAP_PATCH, AOT_GRAPH_TEXT, KERNEL_STRIDES, VALUE_GUARDS),
         acted=_saved_values,
     ),
     *(_collective_stage(p) for p in COLLECTIVE_PASSES),

@@ -14,9 +14,11 @@ from torch._inductor.custom_graph_pass import CustomPartitionerFn
 from torch.utils.checkpoint import CheckpointPolicy
 
 from autoparallel import meta as M
+from autoparallel import patches
 from autoparallel.passes.kept_random_draws import restore_dropped_random_ops
 
 REPLAY_PATCH = "replay_saves_partitioner"
+UNREAD_SAVES_PATCH = "unread_saves_dropped"
 
 
 def _custom(node: fx.Node) -> dict:
@@ -131,6 +133,27 @@ def choose_replay_saves(gm: fx.GraphModule, node_info) -> tuple[list[fx.Node], l
     return dedup(saved), dedup(saved_sym), dedup(saved_opaque)
 
 
+def unread_saves(bw: fx.GraphModule) -> set[str]:
+    """Names of ``bw``'s placeholders that only dead code reads.
+
+    With ``fallback_random`` set, dead-code elimination keeps random ops, so the backward's
+    extraction copies a forward draw it can compute (a dropout's ``bernoulli`` on
+    ``empty_like(batch_norm(...))``) with the whole chain it needs, and the chain's placeholders
+    stay saved for the backward though nothing live reads them. A saved input that the forward
+    also updates in place (a BatchNorm running stat, ``copy_`` after the forward) then fails
+    autograd's version check in the backward (efficientnet: "[torch.FloatTensor [24]] is at
+    version 8; expected version 7"); any other holds memory for nothing. Live: what the output
+    or an impure op other than a draw reads."""
+    live: set[fx.Node] = set()
+    stack = [n for n in bw.graph.nodes if n.op == "output" or (n.op == "call_function" and n.is_impure(impure_random=False))]
+    while stack:
+        node = stack.pop()
+        if node not in live:
+            live.add(node)
+            stack.extend(node.all_input_nodes)
+    return {n.name for n in bw.graph.find_nodes(op="placeholder") if n not in live}
+
+
 class ReplaySavesPartitioner(CustomPartitionerFn):
     """Second-compile partitioner that saves exactly what the first partition saved.
 
@@ -147,7 +170,9 @@ class ReplaySavesPartitioner(CustomPartitionerFn):
     occurrence's meta); upstream's recompute-tag clean-up and force-save rules; ``classify_nodes``
     for the forward/backward boundary (topology, so backward ops interleaved into the forward
     region are handled); ``choose_replay_saves``; ``_extract_fwd_bwd_modules``; upstream's
-    post-processing (RNG functionalisation, backward reordering, getitem raising).
+    post-processing (RNG functionalisation, backward reordering, getitem raising). Saved values
+    only dead code of the backward reads (:func:`unread_saves`) are left out and the graphs
+    extracted again (patch ``unread_saves_dropped``).
     """
 
     def __call__(self, gm: fx.GraphModule, joint_inputs: Sequence[object], **kwargs: Any):
@@ -191,14 +216,23 @@ class ReplaySavesPartitioner(CustomPartitionerFn):
         saved, saved_sym, saved_opaque = choose_replay_saves(gm, node_info)
         # torch 2.11 (the GPU machines' CUDA build) has no opaque values, nor the argument for them.
         opaque = {"saved_opaque_nodes": saved_opaque} if saved_opaque else {}
-        fw, bw = _extract_fwd_bwd_modules(
-            gm,
-            saved,
-            saved_sym_nodes=saved_sym,
-            num_fwd_outputs=num_fwd_outputs,
-            static_lifetime_input_nodes=node_info.static_lifetime_input_nodes,
-            **opaque,
-        )
+
+        def extract(unread=frozenset()):
+            # Copies: the extraction edits the lists it is given.
+            keep = lambda xs: [n for n in xs if n.name not in unread]  # noqa: E731
+            return _extract_fwd_bwd_modules(
+                gm,
+                keep(saved),
+                saved_sym_nodes=keep(saved_sym),
+                num_fwd_outputs=num_fwd_outputs,
+                static_lifetime_input_nodes=node_info.static_lifetime_input_nodes,
+                **opaque,
+            )
+
+        fw, bw = extract()
+        unread = unread_saves(bw) if patches.enabled(UNREAD_SAVES_PATCH) else set()
+        if unread:
+            fw, bw = extract(frozenset(unread))
         restore_dropped_random_ops(gm, fw, bw)
         if recomputable and has_recomputable_rng_ops(gm):
             fw, bw = functionalize_rng_ops(gm, fw, bw, len(saved_sym))

@@ -165,7 +165,7 @@ def build_joint_graph(
         if not (patches.enabled(VALUE_GUARDS) and local_params and all(_is_real(t) for t in local)):
             raise
         replicated = patches.enabled(REPLICATED_DRAWS)
-        reads = record_reads(model, program.loss_fn, local, plan.param_dtype, replicated)
+        reads = record_reads(model, program.loss_fn, local, plan.param_dtype, replicated, again=True)
         if all(_is_real(t) for t in example_inputs):
             others = data_slices(tuple(example_inputs), plan, mesh.spec)[1:]
             reads_agree(reads, [record_reads(model, program.loss_fn, s, plan.param_dtype, replicated) for s in others])

@@ -30,7 +30,9 @@ wrong result silently (docs/failure-classes.md section 2). Here the answer comes
    the reads on every slice of the batch too: a read whose value differs between slices (an MoE
    router's token count per expert, jetmoe's ``expert_size.tolist()``) would fail its guard on
    another rank at the first step, so the trace refuses it there, naming the read and both values,
-   instead of a run failing later (docs/failure-classes.md section 11b).
+   instead of a run failing later (docs/failure-classes.md section 11b). The first slice's step
+   also runs twice (:func:`reads_stay`): a read that changes with the state the forward updates
+   (ibert's "initialised yet?" branch on its buffers) is refused too (section 11f).
 """
 
 from __future__ import annotations
@@ -174,19 +176,28 @@ class _ListReads(TorchFunctionMode):
 
 
 def record_reads(model: nn.Module, loss_fn, inputs: Sequence[torch.Tensor], param_dtype: torch.dtype | None,
-                 draws_replicated: bool = False) -> list[Read]:
+                 draws_replicated: bool = False, again: bool = False) -> list[Read]:
     """Run ``loss_fn(model(*inputs[:-1]), inputs[-1])`` eagerly on a copy of ``model`` (cast to
     ``param_dtype`` when the plan computes in it) and return its reads. The RNG state is restored,
     the user's model untouched. A read a random draw alone decides is taken, marked random, where
     the program replicates scalar draws over the data-parallel ranks (``draws_replicated``, patch
-    ``replicated_draws``: every rank takes one branch); else refused (DataDependentError)."""
+    ``replicated_draws``: every rank takes one branch); else refused (DataDependentError).
+    ``again``: the replica then runs the same step a second time, on the state its first forward
+    left (buffers, module attributes), and a read that changes is refused (:func:`reads_stay`)."""
     replica = copy.deepcopy(model)
     if param_dtype is not None:
         replica = replica.to(param_dtype)
     *model_inputs, target = inputs
-    recorder = _Recorder([*model_inputs, *replica.parameters(), *replica.buffers()])
-    with torch.random.fork_rng(devices=[]), tracing_as_compiling(), recorder, _ListReads(recorder):
-        loss_fn(replica(*cast_forward_inputs(model_inputs, param_dtype)), target)
+
+    def run() -> _Recorder:
+        recorder = _Recorder([*model_inputs, *replica.parameters(), *replica.buffers()])
+        with torch.random.fork_rng(devices=[]), tracing_as_compiling(), recorder, _ListReads(recorder):
+            loss_fn(replica(*cast_forward_inputs(model_inputs, param_dtype)), target)
+        return recorder
+
+    recorder = run()
+    if again:
+        reads_stay(recorder.reads, run().reads)
     for read in recorder.reads:
         if read.random is not None and not (draws_replicated and read.random in recorder.scalar_draws):
             raise DataDependentError(
@@ -211,23 +222,46 @@ class _FormatsAsEager(TorchFunctionMode):
         return func(*args, **(kwargs or {}))
 
 
+def _first_difference(first: Sequence[Read], other: Sequence[Read], this: str, that: str, both: str) -> str | None:
+    """How ``other`` differs from ``first`` (the first read that does), or None; ``this`` and
+    ``that`` name the two runs, ``both`` the pair."""
+    for i, (a, b) in enumerate(itertools.zip_longest(first, other)):
+        if a is not None and b is not None and a.site == b.site and a.size == b.size and same_value(b.value, a.value):
+            continue
+        if a is not None and b is not None and a.site == b.site:
+            return f"{a.site} reads {a.value!r} on {this} and {b.value!r} on {that}"
+        return (f"{both} make different reads (read {i}: "
+                f"{a.describe() if a else 'none'} vs {b.describe() if b else 'none'})")
+    return None
+
+
 def reads_agree(first: Sequence[Read], others: Sequence[Sequence[Read]]) -> None:
     """Refuse (DataDependentError) when another data-parallel slice of the batch reads another
     value, or another sequence of reads, than the first slice (``first``), which the graph is
     traced with: one graph, each read guarded, could not serve that slice's rank."""
     for k, reads in enumerate(others, start=1):
-        for i, (a, b) in enumerate(itertools.zip_longest(first, reads)):
-            if a is not None and b is not None and a.site == b.site and a.size == b.size and same_value(b.value, a.value):
-                continue
-            what = (f"{a.site} reads {a.value!r} on data-parallel slice 0 and {b.value!r} on slice {k}"
-                    if a is not None and b is not None and a.site == b.site else
-                    f"data-parallel slices 0 and {k} make different reads (read {i}: "
-                    f"{a.describe() if a else 'none'} vs {b.describe() if b else 'none'})")
+        what = _first_difference(first, reads, "data-parallel slice 0", f"slice {k}", f"data-parallel slices 0 and {k}")
+        if what is not None:
             raise DataDependentError(
                 f"the model is not traceable as one graph for every rank: {what} of the same batch. The graph holds "
                 "one value per read (each guarded), so another rank's step would fail its guard: a value that "
                 "changes with the data (token counts per expert in an MoE router) needs sizes traced as dynamic, "
                 "which the stack does not do yet")
+
+
+def reads_stay(first: Sequence[Read], second: Sequence[Read]) -> None:
+    """Refuse (DataDependentError) when the same step, run again on the state the first run's
+    forward left, reads another value: the model branches on state it updates itself (ibert's
+    QuantAct: ``if self.x_min.min() > -1.1e-5 ...`` initialises its activation range on the first
+    step only). The graph holds one value per read, each guarded, so the next step would fail its
+    guard; torch.compile would compile a second graph for the new state, which the stack does not do."""
+    what = _first_difference(first, second, "the first step", "the same step run again after it", "the two runs")
+    if what is not None:
+        raise DataDependentError(
+            f"the model is not traceable as one graph for every step: {what} (same batch, same parameters). "
+            "Its forward updates state (buffers or module attributes) that a value it reads into Python depends on, "
+            "so the next step takes another branch; the graph holds one value per read (each guarded) and the stack "
+            "traces one graph per program. Keep the branch a tensor (torch.where), or decide it outside forward")
 
 
 def _mark_in_graph(arg: torch.Tensor, read: Read) -> None:
@@ -332,4 +366,4 @@ def replaying(reads: Sequence[Read], fake_mode=None) -> Iterator[list[Read]]:
                 fake_impls.op_implementations_dict[op] = impl
 
 
-__all__ = ["INDEX_PUTS", "MASK_OPS", "NONZERO", "READ_OPS", "masks_of", "Read", "draws", "model_site", "reads_agree", "record_reads", "replaying"]
+__all__ = ["INDEX_PUTS", "MASK_OPS", "NONZERO", "READ_OPS", "masks_of", "Read", "draws", "model_site", "reads_agree", "reads_stay", "record_reads", "replaying"]

@@ -158,3 +158,45 @@ def test_a_one_percent_gradient_error_still_fails_on_the_calibrated_bound(ranks,
     print(report.summary())
     assert report.calibration.startswith("calibrated:")
     assert roles.grad(fqn) in {c.name for c in report.failures()}
+
+
+def _drawing_reference(spread_by_dtype, seed_by_dtype):
+    """A reference that draws a dropout mask (seeded per dtype; drawn in float32 either way: CPU
+    bernoulli draws another stream for a float64 tensor) and returns g = 1 + the dtype's spread."""
+
+    def reference(dtype):
+        g = torch.Generator().manual_seed(seed_by_dtype(dtype))
+        torch.bernoulli(torch.full((64,), 0.5), generator=g)
+        return {"g": torch.tensor([1.0 + spread_by_dtype(dtype)], dtype=dtype)}
+
+    return reference
+
+
+def test_the_calibration_measures_the_program_with_its_masks_when_they_agree():
+    report = _report(OracleCheck("g", 3e-3, 1e-4, 1.0))
+    on = _drawing_reference(lambda d: 1e-3 if d == torch.float32 else 0.0, lambda d: 0)
+    off_called = []
+    out = calibration.calibrated(report, on, lambda dtype: off_called.append(dtype) or {"g": torch.ones(1, dtype=dtype)})
+    assert out.passed and out.checks[0].bound == pytest.approx(4e-3, rel=1e-3) and not off_called
+
+
+def test_masks_that_differ_between_fp32_and_fp64_fall_back_to_random_ops_off_and_say_so():
+    """The negative: fp64 drawing other masks measures the masks' effect, not rounding (a blind
+    oracle); the spread then comes from the reference without draws, which here covers nothing."""
+    report = _report(OracleCheck("g", 3e-3, 1e-4, 1.0))
+    on = _drawing_reference(lambda d: 1.0 if d == torch.float32 else 0.0, lambda d: 0 if d == torch.float32 else 1)
+    off = lambda dtype: {"g": torch.ones(1, dtype=dtype)}  # noqa: E731 - rounding-free without draws
+    out = calibration.calibrated(report, on, off)
+    assert not out.passed and out.calibration.endswith("with random ops off (float32 and float64 drew different masks)")
+    alone = calibration.calibrated(report, on)
+    assert not alone.passed and alone.calibration == "not calibrated: the float32 and float64 references drew different random masks"
+
+
+def test_recorded_draws_keeps_each_random_ops_nonzero_pattern_in_order():
+    g = torch.Generator().manual_seed(0)
+    with calibration.recorded_draws() as masks:
+        a = torch.bernoulli(torch.full((8,), 0.5), generator=g)
+        torch.ones(3) * 2  # not a draw
+        b = torch.rand(4, generator=g)
+    assert len(masks) == 2 and torch.equal(masks[0], a != 0) and torch.equal(masks[1], b != 0)
+    assert calibration.same_draws(masks, [a != 0, b != 0]) and not calibration.same_draws(masks, [a != 0])

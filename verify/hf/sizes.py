@@ -61,7 +61,9 @@ SPECIAL_IDS = 3  # ids 0, 1, 2 are kept for special tokens; batches draw 3 ..
 
 # (pattern over a field's name, the family it belongs to); the first match wins.
 _RULES: tuple[tuple[str, str], ...] = (
-    (r"(.*_)?vocab_size(_.*)?", "vocab"),
+    # a hashed n-gram vocabulary (blt's encoder_hash_byte_group_vocab, 500002 rows per hash)
+    # is named without "_size": 96M parameters in the "tiny" model until it matched
+    (r"(.*_)?vocab(_size(_.*)?)?", "vocab"),
     (r"(.*_)?(token_id|token_ids|token_index)", "token"),
     (r"num_experts_per_tok(en)?|moe_topk|num_selected_experts|top_k|moe_k", "top_k"),
     (r"num_(local_|routed_)?experts|n_routed_experts|moe_num_experts|num_experts_total", "experts"),

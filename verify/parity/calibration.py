@@ -6,8 +6,13 @@ the same order (batch norm over 2 values per channel, a tiny config's last stage
 far beyond that: there single-device fp32 eager is itself farther from the exact result than the
 bound allows, so no fp32 program can pass it (docs/failure-classes.md section 4).
 
-When the analytic check fails, the reference runs once more in float32 and in float64 (random
-ops off in both, so both draw nothing), and each tensor's bound becomes
+When the analytic check fails, the reference runs once more in float32 and in float64, as the
+oracle's program runs: with the ranks' dropout masks where it compares the eager program (the
+masks change which terms a gradient sums: mobilevit's bias gradients were 100x nearer fp64 with
+dropout off, which is not what the oracle compared; docs/oracle-failures.md). Every draw of the
+fp32 runs must equal the fp64 run's (:func:`recorded_draws`: a CPU generator may draw another
+stream for float64); if one differs, the calibration falls back to random ops off in both, which
+draw nothing, and says so. Each tensor's bound becomes
 
     max(analytic bound, CALIBRATION_SAFETY * max |single-device fp32 - single-device fp64|)
 
@@ -28,11 +33,14 @@ model). Costs nothing where the analytic bound holds: it runs only after a failu
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 from verify.parity.compare import OracleCheck, OracleReport, OracleTolerance
 from verify.stages.pipeline_run import intra_op_threads
@@ -73,18 +81,58 @@ def recheck(check: OracleCheck, measured: float | None) -> OracleCheck:
     return dataclasses.replace(check, bound=widened, note="; ".join(filter(None, (check.note, note))))
 
 
-def calibrated(report: OracleReport, reference: Callable[[torch.dtype], Mapping[str, torch.Tensor | None]]) -> OracleReport:
+class _Draws(TorchDispatchMode):
+    """Keeps which entries each random op's output made nonzero (a dropout's mask)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.masks: list[torch.Tensor] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if torch.Tag.nondeterministic_seeded in func.tags:
+            self.masks.extend(t.detach() != 0 for t in tree_leaves(out) if isinstance(t, torch.Tensor))
+        return out
+
+
+@contextlib.contextmanager
+def recorded_draws() -> Iterator[list[torch.Tensor]]:
+    """While open, the list it yields gets each random op's nonzero pattern, in draw order."""
+    mode = _Draws()
+    with mode:
+        yield mode.masks
+
+
+def same_draws(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
+    """Whether two runs drew the same masks, one for one."""
+    return len(a) == len(b) and all(x.shape == y.shape and torch.equal(x, y) for x, y in zip(a, b, strict=True))
+
+
+def calibrated(report: OracleReport, reference: Callable[[torch.dtype], Mapping[str, torch.Tensor | None]],
+               without_draws: Callable[[torch.dtype], Mapping[str, torch.Tensor | None]] | None = None) -> OracleReport:
     """``report`` rechecked on the calibrated bounds; ``reference(dtype)`` gives the single-device
-    reference's tensors by check name, computed in ``dtype`` with random ops off (fp32 once per
-    count of :data:`THREADS`, the largest distance from fp64 per tensor kept). If the fp64
-    reference cannot run (a model that hard-codes float32), the report stays as it was and says why."""
+    reference's tensors by check name, computed in ``dtype`` as the oracle's program runs (fp32
+    once per count of :data:`THREADS`, the largest distance from fp64 per tensor kept). Where an
+    fp32 run draws other masks than the fp64 one, ``without_draws`` (the reference with random ops
+    off) is calibrated instead, and the report says so; without it the report stays as it was.
+    If the fp64 reference cannot run (a model that hard-codes float32), the report stays as it was
+    and says why."""
     try:
-        r64 = reference(torch.float64)
+        with recorded_draws() as draws64:
+            r64 = reference(torch.float64)
         measured: dict[str, float] = {}
         for n in THREADS:
-            with intra_op_threads(n):
-                for name, d in spread(reference(torch.float32), r64).items():
-                    measured[name] = max(d, measured.get(name, 0.0))
+            with intra_op_threads(n), recorded_draws() as draws32:
+                r32 = reference(torch.float32)
+            if not same_draws(draws32, draws64):
+                if without_draws is None:
+                    report.calibration = "not calibrated: the float32 and float64 references drew different random masks"
+                    return report
+                out = calibrated(report, without_draws)
+                out.calibration += "; with random ops off (float32 and float64 drew different masks)"
+                return out
+            for name, d in spread(r32, r64).items():
+                measured[name] = max(d, measured.get(name, 0.0))
     except Exception as e:  # noqa: BLE001 - any failure leaves the analytic verdict standing
         report.calibration = f"not calibrated: the float64 reference failed ({type(e).__name__}: {str(e)[:200]})"
         return report

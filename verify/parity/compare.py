@@ -248,7 +248,9 @@ def merge_reports(reports: Sequence[ParityReport], prefixes: Sequence[str]) -> P
 # * scale: the reference value's magnitude: |loss|; for a gradient, the largest gradient entry
 #   of its module (a bias followed by a normalisation has an exactly-zero gradient made of
 #   cancelling terms, so its own magnitude says nothing about the rounding in it); for a buffer,
-#   its largest entry; integer buffers must match exactly;
+#   the larger of its largest entry and its module's largest input entry (a running mean of a
+#   zero-mean map is ~0 while its rounding scales with what it averages: verify.parity.buffer_scales);
+#   integer buffers must match exactly;
 # * ORACLE_SAFETY = 4: measured errors on the zoo and the LLaMA presets in fp32 sit at 0.1-0.3
 #   of the bound without it (~1e-7 relative), so a correct lowering passes with >10x margin,
 #   while the bugs above are off by 1e-2 to 1e0 relative, 10^3x over it.

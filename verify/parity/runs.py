@@ -54,6 +54,7 @@ from autoparallel.pipeline import (
 )
 from autoparallel.runtime.steps import Executor, StepTrace, seeded, step_seed
 from verify.parity import calibration
+from verify.parity.buffer_scales import buffer_scales, owner_input_scales, written_buffers
 from verify.parity.collective_check import agree_on_collectives
 from verify.parity.compare import (
     OracleReport,
@@ -294,11 +295,15 @@ class SingleDeviceReference:
     """The unsharded model on one process, one training step from the same initial weights, on
     each data-parallel slice of the first batch: the mean of the slices' losses and gradients
     (what data parallelism computes), and the buffers each slice leaves (keyed by the slice's
-    data-parallel coordinate, in ``plan.data_dims`` order)."""
+    data-parallel coordinate, in ``plan.data_dims`` order); ``input_scales``: per module owning
+    buffers, the largest floating input entry it saw, and ``updated``: the buffers the step wrote
+    (a buffer's scale, ``verify.parity.buffer_scales``)."""
 
     loss: torch.Tensor
     grads: dict[str, torch.Tensor]
     buffers: dict[tuple[int, ...], dict[str, torch.Tensor]]
+    input_scales: dict[str, float] = field(default_factory=dict)
+    updated: frozenset[str] | None = None  # the buffers the step wrote (on any slice)
 
 
 def data_coordinates(scenario: Scenario) -> list[dict[str, int]]:
@@ -348,6 +353,8 @@ def single_device_reference(
     coords = data_coordinates(scenario)
     losses, buffers = [], {}
     grads: dict[str, torch.Tensor] = {}
+    input_scales: dict[str, float] = {}
+    updated: set[str] = set()
     # a scalar draw is one for the whole batch: every slice takes the first slice's (replicated_draws)
     one_slice = first_slice_draws() if patches.enabled(REPLICATED_DRAWS) else contextlib.nullcontext
     for coord in coords:
@@ -357,16 +364,19 @@ def single_device_reference(
         if dtype is not None:
             model, inputs, target = cast_floating((model.to(dtype), inputs, target), dtype)
         # the slice's rank draws these masks (or none, dropout off)
-        with random_ops_disabled() if dropout_off else seeded(step_seed(rank_seed(scenario, coord), 0)), one_slice():
+        draws = random_ops_disabled() if dropout_off else seeded(step_seed(rank_seed(scenario, coord), 0))
+        with draws, one_slice(), owner_input_scales(model, input_scales), written_buffers(model) as written:
             loss = scenario.loss_fn(model(*inputs), target)
             loss.backward()
+        updated |= written
         losses.append(loss.detach())
         for fqn, p in model.named_parameters():
             grads[fqn] = _add_grad(grads.get(fqn), p.grad, fqn, fqn in grads)
         buffers[tuple(coord[d] for d in plan.data_dims)] = {k: b.detach().clone() for k, b in model.named_buffers()}
     n = len(coords)
     return SingleDeviceReference(
-        torch.stack(losses).sum() / n, {k: None if g is None else g / n for k, g in grads.items()}, buffers
+        torch.stack(losses).sum() / n, {k: None if g is None else g / n for k, g in grads.items()}, buffers,
+        input_scales, frozenset(updated),
     )
 
 
@@ -492,8 +502,9 @@ def oracle_check(
         trace = r.traces[executor]
         got = trace.buffers[0] if trace.buffers else {}
         want = ref.buffers[slice_of(r)]
+        sizes = buffer_scales(want, ref.input_scales, ref.updated)
         for name in sorted(set(got) | set(want)):
-            report.checks.append(check_within(f"rank{i}/{roles.buffer(name)}", want.get(name), got.get(name), tolerance.rtol))
+            report.checks.append(check_within(f"rank{i}/{roles.buffer(name)}", want.get(name), got.get(name), tolerance.rtol, sizes.get(name)))
     if not report.passed and calibration.applies(tolerance, plan.param_dtype):
 
         def named(reference: SingleDeviceReference) -> dict[str, torch.Tensor | None]:
@@ -503,5 +514,10 @@ def oracle_check(
                 out.update((f"rank{i}/{roles.buffer(k)}", b) for k, b in reference.buffers[slice_of(r)].items())
             return out
 
-        report = calibration.calibrated(report, lambda dtype: named(single_device_reference(scenario, dropout_off=True, dtype=dtype)))
+        def in_dtype(dropout_off: bool):
+            return lambda dtype: named(single_device_reference(scenario, dropout_off=dropout_off, dtype=dtype))
+
+        # the program the oracle compared: with the ranks' masks unless it ran with dropout off
+        draws = executor != DROPOUT_OFF
+        report = calibration.calibrated(report, in_dtype(not draws), in_dtype(True) if draws else None)
     return report

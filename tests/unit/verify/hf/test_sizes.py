@@ -21,6 +21,7 @@ BUDGET = 2_000_000  # parameters of a tiny model
     ("num_attention_heads", "heads"), ("num_key_value_heads", "heads"), ("head_dim", "head_dim"), ("d_kv", "head_dim"),
     ("intermediate_size", "ffn"), ("moe_intermediate_size", "ffn"), ("d_ff", "ffn"),
     ("num_local_experts", "experts"), ("num_experts_per_tok", "top_k"), ("vocab_size", "vocab"),
+    ("encoder_hash_byte_group_vocab", "vocab"),
     ("pad_token_id", "token"), ("eos_token_id", "token"), ("image_token_index", "token"),
     ("max_position_embeddings", "positions"), ("image_size", "image"), ("hidden_sizes", "widths"),
 ])
@@ -28,7 +29,8 @@ def test_a_fields_name_says_its_size_family(key, fam):
     assert family(key) == fam
 
 
-@pytest.mark.parametrize("key", ["hidden_act", "dropout", "initializer_range", "rms_norm_eps", "tie_word_embeddings", "num_labels"])
+@pytest.mark.parametrize("key", ["hidden_act", "dropout", "initializer_range", "rms_norm_eps", "tie_word_embeddings", "num_labels",
+                                 "vocab_file", "vocabulary_files"])
 def test_fields_that_are_not_sizes_have_no_family(key):
     assert family(key) is None
 
@@ -40,6 +42,16 @@ def test_sizes_shrink_and_nothing_else_changes():
     assert out == {"hidden_size": HIDDEN, "num_hidden_layers": LAYERS, "num_attention_heads": 2, "intermediate_size": 64,
                    "vocab_size": VOCAB, "hidden_dropout_prob": 0.1, "hidden_act": "gelu", "num_channels": 3, "use_cache": False}
     assert shrink_dict({"hidden_size": 8, "num_attention_heads": 1})["hidden_size"] == 8  # never grown
+
+
+def test_a_hashed_vocabulary_shrinks_with_the_token_vocabulary():
+    """blt's hash n-gram embedding has encoder_hash_byte_group_vocab rows per group size (500002 x 6
+    x 32: 96M parameters, an OOM-killed rank) and no "_size" in its name."""
+    d = {"vocab_size": 260, "encoder_hash_byte_group_vocab": 500002, "encoder_hash_byte_group_size": [3, 4, 5, 6, 7, 8],
+         "encoder_hash_byte_group_nb_functions": 1}
+    out = shrink_dict(d)
+    assert out["encoder_hash_byte_group_vocab"] == VOCAB
+    assert out["encoder_hash_byte_group_size"] == [3, 4, 5, 6, 7, 8] and out["encoder_hash_byte_group_nb_functions"] == 1
 
 
 def test_token_ids_beyond_the_vocabulary_are_mapped_into_it():
