@@ -31,11 +31,11 @@ from torch import nn
 from verify.hf.backoff import fit
 from verify.hf.repairs import REPAIRS
 from verify.hf.sizes import IMAGE as GENERIC_IMAGE
+from verify.hf.sizes import SEQ  # noqa: F401 - verify.hf.SEQ: the batches' sequence length
 from verify.hf.sizes import default_dict, num_parameters, shrink_config, shrunk_dict
 from verify.model_case import ModelCase
 
 VOCAB = 64
-SEQ = 8
 IMAGE = 16
 LABELS = 4
 
@@ -230,6 +230,7 @@ def _inputs(task: str, attention_mask: bool) -> tuple[str, ...]:
         "seq2seq": ("input_ids", *mask, "decoder_input_ids"),
         "image": ("pixel_values",),
         "image_tokens": ("input_ids", *mask),
+        "image_patches": ("pixel_values", "pixel_attention_mask", "spatial_shapes"),
     }[task]
 
 
@@ -249,6 +250,10 @@ def _batch(task: str, attention_mask: bool, image: tuple[int, int, int] = (3, IM
     inputs and targets have ``rows`` rows per example (:func:`rows_per_example`)."""
     if task == "image":
         return lambda n: (torch.randn(n, *image), torch.randint(0, LABELS, (n,)))
+    if task == "image_patches":  # image = (grid side, features per patch): a full side x side grid
+        side, features = image[0], image[1]
+        return lambda n: (torch.randn(n, side * side, features), torch.ones(n, side * side, dtype=torch.long),
+                          torch.full((n, 2), side, dtype=torch.long), torch.randint(0, LABELS, (n,)))
     if task == "image_tokens":
         return lambda n: (_tokens(n), *((_mask(n),) if attention_mask else ()), torch.randint(0, LABELS, (n,)))
     seq2seq = task == "seq2seq"
@@ -292,13 +297,27 @@ class KeywordInputs(nn.Module):
 
 def input_task(task: str, model_cls) -> str:
     """``task``, or ``"image_tokens"`` for an image classifier whose forward takes tokens and no
-    pixels (ImageGPT classifies sequences of colour-cluster ids): its inputs are tokens."""
+    pixels (ImageGPT classifies sequences of colour-cluster ids): its inputs are tokens; or
+    ``"image_patches"`` for one that takes ``spatial_shapes`` (siglip2's native-resolution pixels
+    come cut into patches, a sequence of ``channels * patch**2`` features, with each image's grid)."""
     import inspect
 
     params = inspect.signature(model_cls.forward).parameters
     if task == "image" and "pixel_values" not in params and "input_ids" in params:
         return "image_tokens"
+    if task == "image" and {"pixel_values", "spatial_shapes"} <= set(params):
+        return "image_patches"
     return task
+
+
+PATCH_GRID = 4  # an image of patches: a 4 x 4 grid
+
+
+def _patch_shape(config) -> tuple[int, int]:
+    """(grid side, features per patch: channels x patch size^2) of a patch-sequence image model's
+    inputs (:func:`input_task`), from its (or its vision config's) ``num_channels`` and ``patch_size``."""
+    c = getattr(config, "vision_config", None) or config
+    return PATCH_GRID, getattr(c, "num_channels", 3) * getattr(c, "patch_size") ** 2
 
 
 def model_config(model_cls, config):
@@ -318,6 +337,8 @@ def _case(label: str, config, task: str, model_cls_name: str, image, batch_per_r
     model_cls = getattr(_transformers(), model_cls_name)
     config = model_config(model_cls, config)
     task = input_task(task, model_cls)
+    if task == "image_patches":
+        image = _patch_shape(config)
     loss = class_loss if task.startswith("image") else token_loss
     names = _inputs(task, attention_mask)
     suffix = "+mask" if attention_mask and task != "image" else ""

@@ -54,6 +54,7 @@ HEAD_DIM = HIDDEN // HEADS
 EXPERTS = 4
 EXPERTS_PER_TOKEN = 2
 POSITIONS = 64
+SEQ = 8  # the batches' sequence length (verify.hf)
 IMAGE = 32
 PATCH = 4
 STAGE_WIDTH = 16  # a vision backbone's first stage; later stages double it
@@ -73,12 +74,13 @@ _RULES: tuple[tuple[str, str], ...] = (
     (r"rotary_dim|rotary_emb_dim", "rotary"),
     (r"depths?", "depths"),
     (r"(.*_)?(num_)?(hidden_|encoder_|decoder_|text_|vision_)?layers|n_layers?|num_(decoder|encoder)_layers", "layers"),
+    (r"num_self_attends_per_block", "layers"),  # perceiver: the latent self-attention layers
     (r"(.*_)?(attention_heads|num_heads|n_heads?|key_value_heads|kv_heads)|(num|n)_[a-z]+_heads", "heads"),
     (r"(.*_)?(num_groups|n_groups|ngroups)", "one"),
     (r"(.*_)?d_ssm", "ffn"),
     (r"hidden_sizes|embed_dims|dims|widths|embedding_sizes|channels_list", "widths"),
     (r"(.*_)?(intermediate_size|ffn_dim|d_ff|hidden_dim|mlp_dim|inner_dim|n_inner|ffn_hidden_size)", "ffn"),
-    (r"(.*_)?(hidden_size|d_model|n_embd|embed_dim|embedding_size|embedding_dim|word_embed_proj_dim|projection_dim|dim|d_embed|width)|(.*_)?hidden_size(_.*)?", "hidden"),
+    (r"(.*_)?(hidden_size|d_model|n_embd|embed_dim|embedding_size|embedding_dim|word_embed_proj_dim|projection_dim|dim|d_embed|width|d_latents)|(.*_)?hidden_size(_.*)?", "hidden"),
     (r"(.*_)?(max_position_embeddings|n_positions|max_seq_len|max_sequence_length|n_ctx)", "positions"),
     (r"image_size|img_size", "image"),
     (r"patch_size", "patch"),

@@ -99,6 +99,7 @@ def test_a_composites_head_gets_the_sub_config_of_its_class():
 def test_an_image_classifier_that_takes_tokens_gets_tokens():
     assert input_task("image", transformers.ImageGPTForImageClassification) == "image_tokens"
     assert input_task("image", transformers.ViTForImageClassification) == "image"
+    assert input_task("image", transformers.Siglip2ForImageClassification) == "image_patches"
     assert input_task("causal", transformers.MistralForCausalLM) == "causal"
     case = hf_case("imagegpt")
     inputs, target = (b := case.batches(2, 1)[0])[:-1], b[-1]

@@ -199,6 +199,10 @@ def test_fit_tries_the_segments_mode_before_restoring_a_field():
 @pytest.mark.parametrize(("model_type", "how"), [
     ("cohere_compass_text", None),  # the rule: empty rope_parameters filled per layer kind
     ("dbrx", "missing_attribute"),  # a repair: rope_theta copied into the attention sub-config
+    ("dory", "layer_sums"),  # input + recurrent + output sections = num_hidden_layers
+    ("reformer", "list_sums, position_grid"),  # axial position embeddings: dims sum, shape multiplies
+    ("perceiver", "output_positions"),  # the decoder predicts every configured position
+    ("siglip2", None),  # the rule: pixels come as a sequence of patches with their grid
 ])
 def test_library_types_the_ties_and_repairs_make_build(model_type, how, capfd):
     """A transformers type per new path builds and trains one eager step (slow: HF builds)."""
