@@ -36,6 +36,7 @@ from autoparallel.passes.value_guards import PATCH as VALUE_GUARDS
 from autoparallel.passes.value_guards import guard_reads
 from autoparallel.patches import disabled_from_env
 from autoparallel.parallelize.replicated_draws import PATCH as REPLICATED_DRAWS
+from autoparallel.parallelize.reseeds import reseeds_refused
 from autoparallel.parallelize.traced_values import Read, reads_agree, record_reads, replaying
 from autoparallel.validate import DataDependentError, check_input_dtypes, data_dependent_ops_named
 
@@ -145,7 +146,7 @@ def build_joint_graph(
             from torch._functorch.aot_autograd import aot_export_joint_with_descriptors
 
             with (annotate_module_paths(program.model), tracing_as_compiling(), compiling_queries() as queried,
-                  data_dependent_ops_named(),
+                  data_dependent_ops_named(), reseeds_refused(),
                   replaying(reads, fake_mode) if reads is not None else contextlib.nullcontext(),
                   dropout_as_eager() if eager_dropout else contextlib.nullcontext(),
                   kernels_as_eager() if eager_dropout else contextlib.nullcontext(),

@@ -43,6 +43,7 @@ REASON_CLASSES: tuple[tuple[str, str], ...] = (
     ("no strategy", r"no sharding strategy|no strategy"),
     ("random op", r"\brandom ops?\b"),
     ("undivisible dim", r"not divisible|divisible by"),
+    ("RNG reseed", r"reseeds the global RNG"),  # a forward calling torch.seed / torch.manual_seed
     ("data-dependent", r"not traceable|reads a tensor's value"),  # .item() / a branch on a tensor in forward
     # a read traced with one value (and guarded) gives another at a later step: the graph holds the traced one
     ("value guard", r"\bValueGuardError\b"),

@@ -1,15 +1,17 @@
 """The exact reductions (autoparallel/planner/iopddl/reduce.py) against brute force on tiny instances."""
 
 import itertools
+from pathlib import Path
 
 import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from autoparallel.planner.iopddl.instance import from_dict
+from autoparallel.planner.iopddl.instance import forbid_unsupported, from_dict, load
 from autoparallel.planner.iopddl.reduce import reduce
 from autoparallel.planner.iopddl.search import cost, profile
+from autoparallel.planner.iopddl.solve import solve
 
 
 def make(intervals, costs, usages, edges, limit):
@@ -114,10 +116,6 @@ def test_lift_rejects_bad_plans():
 
 
 def test_committed_instance_b_shrinks():
-    from pathlib import Path
-
-    from autoparallel.planner.iopddl.instance import forbid_unsupported, load
-
     inst = load(str(Path(__file__).parents[3] / "data/iopddl/asplos-2025-iopddl-B.json.gz"))
     forbid_unsupported(inst)
     red = reduce(inst)
@@ -127,8 +125,6 @@ def test_committed_instance_b_shrinks():
 
 
 def test_solve_through_the_reduction_lifts_an_optimal_plan():
-    from autoparallel.planner.iopddl.solve import solve
-
     # a path 0-1-2 whose leaves fold; the solve on the reduced instance must come back as a plan
     # of the original with the brute-force optimum.
     inst = make([[0, 2], [0, 2], [1, 3]], [[1, 2], [3, 1], [4, 0]], [[1, 1], [1, 1], [2, 2]],
