@@ -1,0 +1,157 @@
+"""A graph per rank and per step for a model whose reads differ (an MoE router's token counts).
+
+``build_joint_graph`` answers the values a model reads into Python (``.tolist()``, ``nonzero``,
+``if t:``) with the ones a real run of one rank's slice gives, each guarded: the graph holds those
+values only (docs/failure-classes.md sections 2 and 11b). An MoE router's counts per expert differ
+between the ranks' slices of one batch and between steps. Under FSDP and DDP the collectives
+depend on the parameters only, not on the counts, so a correct result exists: each rank runs a
+graph traced with its own values, and a step whose values differ gets a new trace, as
+``torch.compile`` recompiles when a guard fails. In a parity world (``verify.parity.runs``):
+
+1. the eager program trains first, keeping each step's local parameters (:func:`keeping_params`);
+2. per step, every rank gathers the full parameters (every rank together), records the reads of
+   its slice of the step's batch (one eager forward) and looks them up in its graph cache; where
+   any rank misses, every rank runs the pipeline for that step together (the second compile runs
+   one forward on the world), on a model holding the step's parameters (:func:`graphs_per_step`);
+3. every new run's collectives are compared with the other ranks' before any of them runs
+   (``agree_on_collectives``): a plan whose collectives depend on the values (a tensor-parallel
+   collective over routed tokens: sizes that differ per rank) stops there with
+   ``CollectiveMismatchError`` naming the first differing collective, never a gloo abort;
+4. each executor runs step ``s`` with the graphs of step ``s`` (:func:`per_step`).
+
+Where one graph must serve every rank (``build_joint_graph`` by default, ``plan="auto"``'s
+planner), differing reads stay refused at trace time (``reads_agree``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+from collections.abc import Callable, Mapping, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from autoparallel.parallelize import split_batch
+from autoparallel.parallelize.plan import ParamSharding
+from autoparallel.parallelize.replicated_draws import PATCH as REPLICATED_DRAWS
+from autoparallel.parallelize.traced_values import Read, record_reads
+from autoparallel import patches
+from autoparallel.kernel_strides import strides_as_kernels
+from autoparallel.passes.value_guards import counts_as_guarded
+from autoparallel.pipeline import PipelineRun
+from autoparallel.runtime.steps import Executor, seeded, step_seed
+from verify.parity.collective_check import agree_on_collectives
+
+
+def reads_key(reads: Sequence[Read]) -> tuple:
+    """What a graph traced with ``reads`` holds: each read's site, kind and value."""
+    return tuple((r.site, r.size, float(r.value)) for r in reads)
+
+
+def keeping_params(executor: Executor) -> tuple[Executor, list[dict[str, torch.Tensor]]]:
+    """``executor`` that keeps a copy of the parameters it is given at each step (the list)."""
+    kept: list[dict[str, torch.Tensor]] = []
+
+    def step(params, inputs):
+        kept.append({k: v.detach().clone() for k, v in params.items()})
+        return executor.step(params, inputs)
+
+    return Executor(step, executor.buffers), kept
+
+
+def full_params(local: Mapping[str, torch.Tensor], shardings: Mapping[str, ParamSharding], spec, coord: tuple) -> dict:
+    """Every parameter whole, from every rank's ``local`` shards (all ranks call it together)."""
+    gathered: list = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, (coord, dict(local)))
+    return {fqn: shardings[fqn].unshard({c: pieces[fqn] for c, pieces in gathered}, spec) for fqn in local}
+
+
+def model_with(make_model: Callable[[], nn.Module], params: Mapping[str, torch.Tensor]) -> nn.Module:
+    """A fresh model holding ``params`` (by FQN; a tied parameter under each of its names)."""
+    model = make_model()
+    own = dict(model.named_parameters(remove_duplicate=False))
+    missing = sorted(set(params) - set(own))
+    if missing:
+        raise ValueError(f"the model has no parameters {missing[:3]} that the program trained")
+    with torch.no_grad():
+        for fqn, value in params.items():
+            own[fqn].copy_(value)
+    return model
+
+
+def on_every_rank(flag: bool) -> bool:
+    """``flag`` holds on every rank of the world (all ranks call it together)."""
+    t = torch.tensor([0 if flag else 1])
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return not bool(t.item())
+
+
+def graphs_per_step(
+    run: PipelineRun,
+    scenario,
+    mesh,
+    batches: Sequence[tuple],
+    kept_params: Sequence[Mapping[str, torch.Tensor]],
+    pipeline: Callable[[nn.Module, tuple], PipelineRun],
+    seed: int | None = None,
+) -> list[PipelineRun]:
+    """The pipeline run whose graphs serve each step on this rank (see the module docstring).
+    ``run``: the run made before the world (rank 0's slice of the first batch); ``pipeline(model,
+    batch)``: this rank's run on the world for that model and global batch; ``seed``: the rank's
+    generator seed of ``train_steps`` (a read after a random draw, a router's jitter, reads the
+    step's draws)."""
+    spec, plan = scenario.mesh_spec, scenario.plan_obj()
+    coord = mesh.coordinate()
+    coord_t = tuple(coord[d] for d in spec.names)
+    # The run made before the world serves any rank whose values are the ones it holds (under
+    # FSDP/DDP the graphs of two slices with the same reads are the same program).
+    cache = {reads_key(run.joint.traced_reads): run}
+    out: list[PipelineRun] = []
+    for s, (batch, local) in enumerate(zip(batches, kept_params, strict=True)):
+        model = model_with(scenario.model, full_params(local, run.joint.shardings, spec, coord_t))
+        mine = split_batch(batch, plan, spec, coord)
+        with seeded(step_seed(seed, s)) if seed is not None else contextlib.nullcontext():
+            reads = record_reads(model, scenario.loss_fn, mine, plan.param_dtype, patches.enabled(REPLICATED_DRAWS))
+        key = reads_key(reads)
+        if not on_every_rank(key in cache):
+            print(f"retrace: step {s}: rank {dist.get_rank()} traces for its reads ({len(reads)} values)",
+                  file=sys.stderr, flush=True)
+            new = pipeline(model, batch)
+            if reads_key(new.joint.traced_reads) != key:
+                raise RuntimeError(f"retrace: step {s}: the pipeline traced other reads than this rank's eager run made")
+            # Before any of it runs: every rank's graphs issue the same collectives.
+            agree_on_collectives([row for r in new.results for row in r.graph_rows()])
+            cache[key] = new
+        out.append(cache[key])
+    return out
+
+
+def per_step(executors: Sequence[Executor]) -> Executor:
+    """One executor that runs step ``s`` with ``executors[s]``; the buffers the steps update
+    carry from one to the next (the first one's dict holds them, as ``train_steps`` records)."""
+    shared = executors[0].buffers
+    calls = [0]
+
+    def step(params, inputs):
+        ex = executors[calls[0]]
+        calls[0] += 1
+        if ex.buffers is not shared:
+            with torch.no_grad():
+                for k, b in ex.buffers.items():
+                    b.copy_(shared[k])
+        # A later run's second compile reset Dynamo: a compiled module recompiles at its first
+        # step with the same backend, under the contexts the second compile traced it in.
+        with strides_as_kernels(), counts_as_guarded():
+            out = ex.step(params, inputs)
+        if ex.buffers is not shared:
+            with torch.no_grad():
+                for k, b in ex.buffers.items():
+                    shared[k].copy_(b)
+        return out
+
+    return Executor(step, shared)
+
+
+__all__ = ["full_params", "graphs_per_step", "keeping_params", "model_with", "on_every_rank", "per_step", "reads_key"]
