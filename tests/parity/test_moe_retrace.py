@@ -64,9 +64,7 @@ def test_slices_and_steps_that_route_differently_pass_bitwise(capfd):
 def test_without_a_retrace_a_later_step_fails_its_guard(monkeypatch):
     """What the re-trace answers: every step run with the graphs traced for the first batch
     (rank 0's slice) fails a guard, named, on a rank whose counts differ."""
-    from verify.parity import runs
-
-    monkeypatch.setattr(runs, "graphs_per_step", lambda run, scenario, mesh, batches, *a, **k: [run] * len(batches))
+    monkeypatch.setattr(retrace.StepGraphs, "make", lambda self, local: self.runs.append(self.run))
     with pytest.raises(Exception, match=r"ValueGuardError: value guard: .*tolist\(\)\): traced with \d+; this batch gives \d+"):
         check_model(CASE, plan="fsdp", mesh="dp=2", steps=2, world_timeout_s=300)
 
@@ -74,7 +72,7 @@ def test_without_a_retrace_a_later_step_fails_its_guard(monkeypatch):
 @pytest.mark.slow
 def test_a_collective_that_differs_between_ranks_is_caught_before_any_run(monkeypatch):
     """Planted: one rank's retraced graph gets an extra collective; every rank raises naming it."""
-    real = retrace.graphs_per_step.__globals__["agree_on_collectives"]
+    real = retrace.agree_on_collectives
 
     def planted(graphs, group=None):
         import torch.distributed as dist
@@ -88,6 +86,42 @@ def test_a_collective_that_differs_between_ranks_is_caught_before_any_run(monkey
     monkeypatch.setattr(retrace, "agree_on_collectives", planted)
     with pytest.raises(Exception, match=r"CollectiveMismatchError: the ranks' graphs issue different collectives.*graph 'joint', collective #0"):
         check_model(CASE, plan="fsdp", mesh="dp=2", steps=1, world_timeout_s=300)
+
+
+class SkippingMoE(TinyMoE):
+    """Runs only the experts some token reaches (switch_transformers' ``for expert_idx in
+    expert_hit``): an expert no token of a rank's slice reaches is not read there, so the program
+    gathers its parameters on the other rank only."""
+
+    def __init__(self):
+        super().__init__()
+        with torch.no_grad():
+            self.router.weight.copy_(torch.tensor([[1.0, 0, 0, 0], [-1.0, 0, 0, 0]]))
+
+    def forward(self, x):
+        gate, expert = self.router(x).softmax(-1).max(-1)
+        order = expert.argsort(stable=True)
+        sizes = torch.stack([(expert == e).sum() for e in range(2)]).tolist()
+        parts = x.index_select(0, order).split(sizes)
+        out = torch.cat([e(p) if n else p for e, p, n in zip(self.experts, parts, sizes, strict=True)])
+        return torch.empty_like(out).index_copy(0, order, out) * gate.unsqueeze(-1)
+
+
+def _skewed_batch(n):
+    """The first half of the rows (data-parallel slice 0) all go to expert 0; the rest to either."""
+    x = torch.randn(n, 4)
+    x[: n // 2, 0] = x[: n // 2, 0].abs() + 0.1
+    x[n // 2:, 0] = torch.tensor([1.0, -1.0]).repeat(n // 4)
+    return x, torch.randn(n, 4)
+
+
+@pytest.mark.slow
+def test_an_expert_one_rank_skips_is_a_named_collective_mismatch_not_an_abort():
+    """Where the collectives do depend on the values (expert 1's parameters gathered on rank 1
+    only), the refusal is right: named, before any of them runs, on every rank."""
+    case = ModelCase("skipping_moe", SkippingMoE, F.mse_loss, _skewed_batch, batch_per_rank=4)
+    with pytest.raises(Exception, match=r"(?s)CollectiveMismatchError: the ranks' graphs issue different collectives.*graph 'joint'.*experts\.1"):
+        check_model(case, plan="fsdp", mesh="dp=2", steps=1, world_timeout_s=300)
 
 
 def _with_extra_all_reduce(gm):

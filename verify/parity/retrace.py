@@ -8,15 +8,18 @@ depend on the parameters only, not on the counts, so a correct result exists: ea
 graph traced with its own values, and a step whose values differ gets a new trace, as
 ``torch.compile`` recompiles when a guard fails. In a parity world (``verify.parity.runs``):
 
-1. the eager program trains first, keeping each step's local parameters (:func:`keeping_params`);
-2. per step, every rank gathers the full parameters (every rank together), records the reads of
-   its slice of the step's batch (one eager forward) and looks them up in its graph cache; where
-   any rank misses, every rank runs the pipeline for that step together (the second compile runs
-   one forward on the world), on a model holding the step's parameters (:func:`graphs_per_step`);
-3. every new run's collectives are compared with the other ranks' before any of them runs
-   (``agree_on_collectives``): a plan whose collectives depend on the values (a tensor-parallel
-   collective over routed tokens: sizes that differ per rank) stops there with
-   ``CollectiveMismatchError`` naming the first differing collective, never a gloo abort;
+1. the eager program trains first; before each of its steps, every rank gathers the full
+   parameters (every rank together), records the reads of its slice of the step's batch (one
+   eager forward) and looks them up in its graph cache; where any rank misses, every rank runs
+   the pipeline for that step together (the second compile runs one forward on the world), on a
+   model holding the step's parameters (:class:`StepGraphs`);
+2. every new run's collectives are compared with the other ranks' before any of them runs, and
+   before the eager program's step (``agree_on_collectives``): where the collectives depend on the
+   values it stops with ``CollectiveMismatchError`` naming the first differing collective, never
+   a gloo abort. The program gathers a parameter where the model reads it, so an MoE that skips
+   an expert no token reaches (switch_transformers' ``for expert_idx in expert_hit``) gathers
+   that expert on some ranks only: stopped here (docs/failure-classes.md section 11b);
+3. a step whose values are in the cache reuses its graphs;
 4. each executor runs step ``s`` with the graphs of step ``s`` (:func:`per_step`).
 
 Where one graph must serve every rank (``build_joint_graph`` by default, ``plan="auto"``'s
@@ -40,7 +43,7 @@ from autoparallel.parallelize.traced_values import Read, record_reads
 from autoparallel import patches
 from autoparallel.kernel_strides import strides_as_kernels
 from autoparallel.passes.value_guards import counts_as_guarded
-from autoparallel.pipeline import PipelineRun
+from autoparallel.pipeline import JOINT, PipelineRun
 from autoparallel.runtime.steps import Executor, seeded, step_seed
 from verify.parity.collective_check import agree_on_collectives
 
@@ -48,17 +51,6 @@ from verify.parity.collective_check import agree_on_collectives
 def reads_key(reads: Sequence[Read]) -> tuple:
     """What a graph traced with ``reads`` holds: each read's site, kind and value."""
     return tuple((r.site, r.size, float(r.value)) for r in reads)
-
-
-def keeping_params(executor: Executor) -> tuple[Executor, list[dict[str, torch.Tensor]]]:
-    """``executor`` that keeps a copy of the parameters it is given at each step (the list)."""
-    kept: list[dict[str, torch.Tensor]] = []
-
-    def step(params, inputs):
-        kept.append({k: v.detach().clone() for k, v in params.items()})
-        return executor.step(params, inputs)
-
-    return Executor(step, executor.buffers), kept
 
 
 def full_params(local: Mapping[str, torch.Tensor], shardings: Mapping[str, ParamSharding], spec, coord: tuple) -> dict:
@@ -88,44 +80,61 @@ def on_every_rank(flag: bool) -> bool:
     return not bool(t.item())
 
 
-def graphs_per_step(
-    run: PipelineRun,
-    scenario,
-    mesh,
-    batches: Sequence[tuple],
-    kept_params: Sequence[Mapping[str, torch.Tensor]],
-    pipeline: Callable[[nn.Module, tuple], PipelineRun],
-    seed: int | None = None,
-) -> list[PipelineRun]:
-    """The pipeline run whose graphs serve each step on this rank (see the module docstring).
-    ``run``: the run made before the world (rank 0's slice of the first batch); ``pipeline(model,
-    batch)``: this rank's run on the world for that model and global batch; ``seed``: the rank's
-    generator seed of ``train_steps`` (a read after a random draw, a router's jitter, reads the
-    step's draws)."""
-    spec, plan = scenario.mesh_spec, scenario.plan_obj()
-    coord = mesh.coordinate()
-    coord_t = tuple(coord[d] for d in spec.names)
-    # The run made before the world serves any rank whose values are the ones it holds (under
-    # FSDP/DDP the graphs of two slices with the same reads are the same program).
-    cache = {reads_key(run.joint.traced_reads): run}
-    out: list[PipelineRun] = []
-    for s, (batch, local) in enumerate(zip(batches, kept_params, strict=True)):
-        model = model_with(scenario.model, full_params(local, run.joint.shardings, spec, coord_t))
-        mine = split_batch(batch, plan, spec, coord)
-        with seeded(step_seed(seed, s)) if seed is not None else contextlib.nullcontext():
-            reads = record_reads(model, scenario.loss_fn, mine, plan.param_dtype, patches.enabled(REPLICATED_DRAWS))
+class StepGraphs:
+    """The pipeline run whose graphs serve each step on this rank (see the module docstring),
+    made ahead of the eager program's step (:meth:`ahead_of`), so that every rank's collectives
+    for that step are compared before the eager program issues them too (it gathers each
+    parameter where the model reads it: an expert no token reaches on one rank is gathered on
+    the other only). ``run``: the run made before the world (rank 0's slice of the first batch);
+    ``pipeline(model, batch, observers)``: this rank's run on the world for that model and global
+    batch; ``seed``: the rank's generator seed of ``train_steps`` (a read after a random draw, a
+    router's jitter, reads the step's draws). ``runs``: one per step made so far."""
+
+    def __init__(self, run: PipelineRun, scenario, mesh, batches: Sequence[tuple],
+                 pipeline: Callable[..., PipelineRun], seed: int | None = None) -> None:
+        self.run, self.scenario, self.mesh, self.batches, self.pipeline, self.seed = run, scenario, mesh, batches, pipeline, seed
+        # The run made before the world serves any rank whose values are the ones it holds (under
+        # FSDP/DDP the graphs of two slices with the same reads are the same program).
+        self.cache = {reads_key(run.joint.traced_reads): run}
+        self.runs: list[PipelineRun] = []
+
+    def ahead_of(self, executor: Executor) -> Executor:
+        """``executor`` (the eager program's) with this step's graphs made before each step."""
+
+        def step(params, inputs):
+            self.make(params)
+            return executor.step(params, inputs)
+
+        return Executor(step, executor.buffers)
+
+    def make(self, local: Mapping[str, torch.Tensor]) -> PipelineRun:
+        """The run for the next step, whose local parameters are ``local`` (every rank together)."""
+        s, spec, plan = len(self.runs), self.scenario.mesh_spec, self.scenario.plan_obj()
+        coord = self.mesh.coordinate()
+        full = full_params(local, self.run.joint.shardings, spec, tuple(coord[d] for d in spec.names))
+        model = model_with(self.scenario.model, full)
+        mine = split_batch(self.batches[s], plan, spec, coord)
+        with seeded(step_seed(self.seed, s)) if self.seed is not None else contextlib.nullcontext():
+            reads = record_reads(model, self.scenario.loss_fn, mine, plan.param_dtype, patches.enabled(REPLICATED_DRAWS))
         key = reads_key(reads)
-        if not on_every_rank(key in cache):
+        if not on_every_rank(key in self.cache):
             print(f"retrace: step {s}: rank {dist.get_rank()} traces for its reads ({len(reads)} values)",
                   file=sys.stderr, flush=True)
-            new = pipeline(model, batch)
+            # The joint graph's collectives are compared before the second compile's forward runs
+            # any; every stage's after the run, before any step does.
+            new = self.pipeline(model, self.batches[s], [_joint_agrees])
             if reads_key(new.joint.traced_reads) != key:
                 raise RuntimeError(f"retrace: step {s}: the pipeline traced other reads than this rank's eager run made")
-            # Before any of it runs: every rank's graphs issue the same collectives.
             agree_on_collectives([row for r in new.results for row in r.graph_rows()])
-            cache[key] = new
-        out.append(cache[key])
-    return out
+            self.cache[key] = new
+        self.runs.append(self.cache[key])
+        return self.runs[-1]
+
+
+def _joint_agrees(result) -> None:
+    """Pipeline observer: every rank's joint graph issues the same collectives (all ranks together)."""
+    if result.name == JOINT:
+        agree_on_collectives(result.graph_rows())
 
 
 def per_step(executors: Sequence[Executor]) -> Executor:
@@ -154,4 +163,4 @@ def per_step(executors: Sequence[Executor]) -> Executor:
     return Executor(step, shared)
 
 
-__all__ = ["full_params", "graphs_per_step", "keeping_params", "model_with", "on_every_rank", "per_step", "reads_key"]
+__all__ = ["StepGraphs", "full_params", "model_with", "on_every_rank", "per_step", "reads_key"]

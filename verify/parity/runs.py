@@ -68,7 +68,7 @@ from verify.parity.compare import (
     oracle_tolerance,
 )
 from verify.parity.ordered_collectives import run_parity_world
-from verify.parity.retrace import graphs_per_step, keeping_params, on_every_rank, per_step
+from verify.parity.retrace import StepGraphs, on_every_rank, per_step
 from verify.parity.random_ops import (
     DROPOUT_OFF,
     executor_without_random_ops,
@@ -118,14 +118,14 @@ def _options(enable_ac: bool = False, collective: CollectivePassesConfig | None 
 
 
 def _pipeline(scenario: Scenario, mesh, enable_ac: bool, collective: CollectivePassesConfig, until: str | None,
-              model=None, batch=None) -> PipelineRun:
+              model=None, batch=None, observers=()) -> PipelineRun:
     """The run's pipeline on ``mesh``; ``model`` / ``batch``: another model (the step's
     parameters) and global batch than the scenario's first (``verify.parity.retrace``)."""
     options = _options(enable_ac, collective)
     # The module runs (keep_compiled): a model with values, never meta (verify.stages.pipeline_run.run_scenario).
     own_model, loss_fn, own_batch, plan = scenario.pipeline_inputs("cpu")[:4] if model is None else (None, *scenario.pipeline_inputs("meta")[1:4])
     return run_pipeline(model if model is not None else own_model, loss_fn, batch if batch is not None else own_batch,
-                        plan, mesh, options, until=until or JOINT)
+                        plan, mesh, options, until=until or JOINT, observers=observers)
 
 
 def parity_pipeline(
@@ -170,7 +170,6 @@ def _rank_stages(rank, world_size, scenario: Scenario, batches, run: PipelineRun
     # A model whose reads (MoE token counts) may differ per rank and step: a graph per rank and step.
     retrace = EAGER in executors and run.joint is not None and bool(run.joint.traced_reads)
     steps: list[PipelineRun] | None = None
-    kept_params: list = []
     traces, seconds = {}, {}
     for name in executors:
         t0 = time.perf_counter()
@@ -181,15 +180,15 @@ def _rank_stages(rank, world_size, scenario: Scenario, batches, run: PipelineRun
         else:
             executor = build_executor(name, ctx, STAGES)
         if name == EAGER and retrace:
-            executor, kept_params = keeping_params(executor)
+            until = last_needed(executors, STAGES)
+            graphs = StepGraphs(run, scenario, mesh, batches, seed=ctx.seed,
+                                pipeline=lambda m, b, obs: _pipeline(scenario, mesh, enable_ac, collective, until, m, b, obs))
+            executor = graphs.ahead_of(executor)
         kept = name in _EXECUTORS and _EXECUTORS[name].compiled and inherited and steps is None
         with no_recompile("the graphs compiled (and captured) on the fake world") if kept else contextlib.nullcontext():
             traces[name] = ctx.train(executor)
         if name == EAGER and retrace:
-            until = last_needed(executors, STAGES)
-            steps = graphs_per_step(run, scenario, mesh, batches, kept_params, seed=ctx.seed,
-                                    pipeline=lambda m, b: _pipeline(scenario, mesh, enable_ac, collective, until, m, b))
-            steps = None if all(r is run for r in steps) else steps  # every step's values are the traced ones
+            steps = None if all(r is run for r in graphs.runs) else graphs.runs  # None: every step's values are the traced ones
         seconds[name] = time.perf_counter() - t0
     return RankParity(tuple(coord[d] for d in spec.names), traces, seconds)
 
