@@ -23,7 +23,11 @@ graph traced with its own values, and a step whose values differ gets a new trac
 4. each executor runs step ``s`` with the graphs of step ``s`` (:func:`per_step`).
 
 Where one graph must serve every rank (``build_joint_graph`` by default, ``plan="auto"``'s
-planner), differing reads stay refused at trace time (``reads_agree``).
+planner), differing reads stay refused at trace time (``reads_agree``). A model with a read that a
+replicated random draw decides (a layer drop: m2m_100, nllb-moe) keeps one graph for every rank as
+before: the program gives every rank rank 0's draw, and a rank's own record of its reads (and the
+second compile's warm-up forward) would draw its own; the traced values would need to be handed to
+the pipeline and drawn replicated here first (not done).
 """
 
 from __future__ import annotations

@@ -168,7 +168,10 @@ def _rank_stages(rank, world_size, scenario: Scenario, batches, run: PipelineRun
     references = {DROPOUT_OFF: executor_without_random_ops, AS_TRACED: executor_as_traced}
 
     # A model whose reads (MoE token counts) may differ per rank and step: a graph per rank and step.
-    retrace = EAGER in executors and run.joint is not None and bool(run.joint.traced_reads)
+    # Not where a read is a (replicated) random draw's (a layer drop): every rank takes rank 0's
+    # draw in the program, which a rank's own record of its reads does not (verify.parity.retrace).
+    reads = run.joint.traced_reads if run.joint is not None else ()
+    retrace = EAGER in executors and bool(reads) and not any(r.random for r in reads)
     steps: list[PipelineRun] | None = None
     traces, seconds = {}, {}
     for name in executors:
