@@ -64,16 +64,22 @@ def full_params(local: Mapping[str, torch.Tensor], shardings: Mapping[str, Param
     return {fqn: shardings[fqn].unshard({c: pieces[fqn] for c, pieces in gathered}, spec) for fqn in local}
 
 
-def model_with(make_model: Callable[[], nn.Module], params: Mapping[str, torch.Tensor]) -> nn.Module:
-    """A fresh model holding ``params`` (by FQN; a tied parameter under each of its names)."""
+def model_with(make_model: Callable[[], nn.Module], params: Mapping[str, torch.Tensor],
+               buffers: Mapping[str, torch.Tensor] | None = None) -> nn.Module:
+    """A fresh model holding ``params`` (by FQN; a tied parameter under each of its names) and
+    this rank's ``buffers`` (those a forward updates: ibert's ranges, a norm's running stats)."""
     model = make_model()
     own = dict(model.named_parameters(remove_duplicate=False))
     missing = sorted(set(params) - set(own))
     if missing:
         raise ValueError(f"the model has no parameters {missing[:3]} that the program trained")
+    own_buffers = dict(model.named_buffers(remove_duplicate=False))
     with torch.no_grad():
         for fqn, value in params.items():
             own[fqn].copy_(value)
+        for fqn, value in (buffers or {}).items():
+            if fqn in own_buffers and own_buffers[fqn].shape == value.shape:
+                own_buffers[fqn].copy_(value)
     return model
 
 
@@ -106,17 +112,18 @@ class StepGraphs:
         """``executor`` (the eager program's) with this step's graphs made before each step."""
 
         def step(params, inputs):
-            self.make(params)
+            self.make(params, executor.buffers)
             return executor.step(params, inputs)
 
         return Executor(step, executor.buffers)
 
-    def make(self, local: Mapping[str, torch.Tensor]) -> PipelineRun:
-        """The run for the next step, whose local parameters are ``local`` (every rank together)."""
+    def make(self, local: Mapping[str, torch.Tensor], buffers: Mapping[str, torch.Tensor] | None = None) -> PipelineRun:
+        """The run for the next step, whose local parameters are ``local`` and this rank's
+        buffers ``buffers`` (every rank together)."""
         s, spec, plan = len(self.runs), self.scenario.mesh_spec, self.scenario.plan_obj()
         coord = self.mesh.coordinate()
         full = full_params(local, self.run.joint.shardings, spec, tuple(coord[d] for d in spec.names))
-        model = model_with(self.scenario.model, full)
+        model = model_with(self.scenario.model, full, buffers)
         mine = split_batch(self.batches[s], plan, spec, coord)
         with seeded(step_seed(self.seed, s)) if self.seed is not None else contextlib.nullcontext():
             reads = record_reads(model, self.scenario.loss_fn, mine, plan.param_dtype, patches.enabled(REPLICATED_DRAWS))
