@@ -78,6 +78,9 @@ class JointGraph:
     # Values the model read into Python that the graph holds as traced, each guarded at run time
     # (patch value_guards): "module file:line (source): traced with value".
     specialised_reads: tuple[str, ...] = ()
+    # The reads the trace answered (empty where the model reads nothing): a rank's graph for
+    # another batch is keyed by them (``verify.parity.retrace``).
+    traced_reads: tuple[Read, ...] = ()
     _stack: contextlib.ExitStack = field(repr=False, default_factory=contextlib.ExitStack)
     # Holds the export's fake mode off the dispatch stack between the trace and the compile.
     _suspended: contextlib.ExitStack = field(repr=False, default_factory=contextlib.ExitStack)
@@ -117,6 +120,7 @@ def build_joint_graph(
     loss_fn: LossFn | None = None,
     *,
     eager_dropout: bool = True,
+    reads_per_rank: bool = False,
 ) -> JointGraph:
     """Trace ``loss_fn(model(*inputs[:-1]), inputs[-1])`` as run by one rank under ``plan``.
 
@@ -126,6 +130,13 @@ def build_joint_graph(
 
     ``model`` may live on ``meta``, on cpu, or on fake tensors; ``example_inputs`` are the
     global batch (only shapes and dtypes are used); each rank sees its data-parallel slice.
+
+    A model that reads values into Python is traced with the values of the first data-parallel
+    slice, and refused when another slice reads other values (one graph serves every rank).
+    ``reads_per_rank=True``: the caller traces a graph per rank instead (each with its own slice's
+    values, on a world whose rank is that rank: ``fake_world(spec, rank=r)`` or a real one) and
+    compares their collectives before any runs (``verify.parity.retrace``); the slices' reads are
+    then not compared here.
     """
     if not example_inputs:
         raise ValueError("example_inputs must hold the model inputs followed by the loss target")
@@ -133,7 +144,8 @@ def build_joint_graph(
     shardings = plan.resolve(model, mesh.spec)
     check_input_dtypes(model, example_inputs[:-1], plan.param_dtype)
     fake_mode = detect_fake_mode(list(model.parameters()) + list(example_inputs)) or FakeTensorMode()
-    local = split_batch(tuple(example_inputs), plan, mesh.spec, {d: 0 for d in mesh.spec.names})
+    coordinate = mesh.coordinate() if reads_per_rank else {d: 0 for d in mesh.spec.names}
+    local = split_batch(tuple(example_inputs), plan, mesh.spec, coordinate)
     program = ParallelProgram(model, plan, mesh, loss_fn, shardings=shardings)
     local_params, local_buffers = _real_local_values(program)
     frozen = tuple(fqn for fqn, p in program.local_parameters().items() if not p.requires_grad)
@@ -166,8 +178,11 @@ def build_joint_graph(
         if not (patches.enabled(VALUE_GUARDS) and local_params and all(_is_real(t) for t in local)):
             raise
         replicated = patches.enabled(REPLICATED_DRAWS)
-        reads = record_reads(model, program.loss_fn, local, plan.param_dtype, replicated, again=True)
-        if all(_is_real(t) for t in example_inputs):
+        # With reads_per_rank the caller re-traces per rank and per step (verify.parity.retrace), so
+        # a read that differs between slices, or changes with state the forward updates, gets its
+        # own graph; one graph for every rank must refuse both here.
+        reads = record_reads(model, program.loss_fn, local, plan.param_dtype, replicated, again=not reads_per_rank)
+        if not reads_per_rank and all(_is_real(t) for t in example_inputs):
             others = data_slices(tuple(example_inputs), plan, mesh.spec)[1:]
             reads_agree(reads, [record_reads(model, program.loss_fn, s, plan.param_dtype, replicated) for s in others])
         jd, stack, queried = trace(reads)
@@ -207,6 +222,7 @@ def build_joint_graph(
         params_without_grad=without_grad,
         compiling_queries=tuple(queried),
         specialised_reads=tuple(specialised),
+        traced_reads=tuple(reads or ()),
         _stack=stack,
         _suspended=suspended,
     )

@@ -26,13 +26,17 @@ wrong result silently (docs/failure-classes.md section 2). Here the answer comes
    v``: :data:`MASK_OPS`) are recorded in eager as their mask's count and answered by mask (the
    backward's ``grad[mask]`` reuses the forward's answer).
 4. ``passes/value_guards.py`` then puts a guard on each read: the graph is correct by construction.
-5. Every rank runs the graph traced on the first data-parallel slice. :func:`reads_agree` records
-   the reads on every slice of the batch too: a read whose value differs between slices (an MoE
-   router's token count per expert, jetmoe's ``expert_size.tolist()``) would fail its guard on
-   another rank at the first step, so the trace refuses it there, naming the read and both values,
-   instead of a run failing later (docs/failure-classes.md section 11b). The first slice's step
-   also runs twice (:func:`reads_stay`): a read that changes with the state the forward updates
-   (ibert's "initialised yet?" branch on its buffers) is refused too (section 11f).
+5. Where one graph serves every rank (``build_joint_graph``'s default: the graph traced on the
+   first data-parallel slice), :func:`reads_agree` records the reads on every slice of the batch
+   too: a read whose value differs between slices (an MoE router's token count per expert,
+   jetmoe's ``expert_size.tolist()``) would fail its guard on another rank at the first step, so
+   the trace refuses it there, naming the read and both values, instead of a run failing later
+   (docs/failure-classes.md section 11b). With ``reads_per_rank`` the caller traces a graph per
+   rank (and per step) instead and compares their collectives before any runs
+   (``verify.parity.retrace``). With one graph, the first slice's step also runs twice
+   (:func:`reads_stay`): a read that changes with the state the forward updates (ibert's
+   "initialised yet?" branch on its buffers) is refused too (section 11g); per rank and per
+   step, the re-trace gives that state its own graph.
 """
 
 from __future__ import annotations

@@ -175,7 +175,8 @@ def check_agreement(per_rank: Sequence[Mapping[str, Sequence[CollectiveCall]]]) 
         raise CollectiveMismatchError(
             f"the ranks' graphs issue different collectives, which the backend would abort on: {diff}. "
             "Every rank must issue the same collectives with the same sizes (a shard that does not divide "
-            "evenly, or a pass that decides differently per rank, breaks that)"
+            "evenly, a pass that decides differently per rank, or a parameter the model reads on some ranks' "
+            "data only, an MoE expert no token of a rank's slice reaches, breaks that)"
         )
 
 

@@ -243,7 +243,9 @@ def _train_every_executor(rank: int, cell: DeviceCell, compilers: tuple[str, ...
     example = tuple(t.to(device) for t in scenario.example_inputs())
     for compiler in compilers:
         torch._dynamo.reset()
-        options = replace(pipeline_options(keep_compiled=True, alternatives=False), compiler=compiler)
+        # One graph per rank for every step here (no re-trace per step: verify.parity.retrace is
+        # the gloo world's): a model whose reads differ between slices stays refused at trace time.
+        options = replace(pipeline_options(keep_compiled=True, alternatives=False, reads_per_rank=False), compiler=compiler)
         # Inductor replaces random ops by its own generator unless told to fall back to ATen's.
         config = {"fallback_random": True} if compiler == "inductor" else {}
         try:

@@ -19,7 +19,10 @@ every form of the program the pipeline makes, each from the same initial paramet
 The graphs are traced, partitioned and compiled once, in this process on a fake world of the same
 mesh (graphs are rank-agnostic; compiling on fake tensors does not communicate); the forked ranks
 inherit them. A rank whose process groups are named otherwise (the sub-meshes of an N-D mesh)
-runs the pipeline for itself. :func:`run_joint_parity` / :func:`run_compile_parity` are subsets.
+runs the pipeline for itself. So does every rank of a model whose values read into Python (an MoE
+router's token counts) differ between the ranks' slices or steps: a graph per rank and step,
+their collectives compared before any runs (``verify.parity.retrace``). :func:`run_joint_parity` /
+:func:`run_compile_parity` are subsets.
 
 :func:`single_device_reference` is the independent oracle's side: the unsharded model on one
 process (see ``verify.parity.compare.oracle_report``).
@@ -34,7 +37,6 @@ from dataclasses import dataclass, field, replace
 
 import torch
 import torch._dynamo
-import torch.distributed as dist
 from torch._dynamo.utils import counters
 
 from autoparallel import patches, roles
@@ -67,6 +69,7 @@ from verify.parity.compare import (
     oracle_tolerance,
 )
 from verify.parity.ordered_collectives import run_parity_world
+from verify.parity.retrace import StepGraphs, on_every_rank, per_step
 from verify.parity.random_ops import (
     DROPOUT_OFF,
     executor_without_random_ops,
@@ -115,10 +118,15 @@ def _options(enable_ac: bool = False, collective: CollectivePassesConfig | None 
     return options if collective is None else replace(options, collective=collective)
 
 
-def _pipeline(scenario: Scenario, mesh, enable_ac: bool, collective: CollectivePassesConfig, until: str | None) -> PipelineRun:
+def _pipeline(scenario: Scenario, mesh, enable_ac: bool, collective: CollectivePassesConfig, until: str | None,
+              model=None, batch=None, observers=()) -> PipelineRun:
+    """The run's pipeline on ``mesh``; ``model`` / ``batch``: another model (the step's
+    parameters) and global batch than the scenario's first (``verify.parity.retrace``)."""
     options = _options(enable_ac, collective)
     # The module runs (keep_compiled): a model with values, never meta (verify.stages.pipeline_run.run_scenario).
-    return run_pipeline(*scenario.pipeline_inputs("cpu")[:4], mesh, options, until=until or JOINT)
+    own_model, loss_fn, own_batch, plan = scenario.pipeline_inputs("cpu")[:4] if model is None else (None, *scenario.pipeline_inputs("meta")[1:4])
+    return run_pipeline(model if model is not None else own_model, loss_fn, batch if batch is not None else own_batch,
+                        plan, mesh, options, until=until or JOINT, observers=observers)
 
 
 def parity_pipeline(
@@ -145,7 +153,7 @@ def _rank_stages(rank, world_size, scenario: Scenario, batches, run: PipelineRun
     # Sub-mesh groups get rank-dependent names on a real world (every rank numbers only the
     # groups it belongs to), so the inherited module may name other groups: then every rank
     # builds its own (together: the compile's first call runs on this world).
-    inherited = _on_every_rank(mesh.group_dims == run.group_dims)
+    inherited = on_every_rank(mesh.group_dims == run.group_dims)
     if _MODULE_EXECUTORS & set(executors) and not inherited:
         torch._dynamo.reset()
         run = _pipeline(scenario, mesh, enable_ac, collective, last_needed(executors, STAGES))
@@ -160,15 +168,42 @@ def _rank_stages(rank, world_size, scenario: Scenario, batches, run: PipelineRun
         executors = (*executors, AS_TRACED)
     references = {DROPOUT_OFF: executor_without_random_ops, AS_TRACED: executor_as_traced}
 
+    # A model whose reads (MoE token counts) may differ per rank and step: a graph per rank and step.
+    # Not where a read is a (replicated) random draw's (a layer drop): every rank takes rank 0's
+    # draw in the program, which a rank's own record of its reads does not (verify.parity.retrace).
+    reads = run.joint.traced_reads if run.joint is not None else ()
+    retrace = EAGER in executors and bool(reads) and not any(r.random for r in reads)
+    steps: list[PipelineRun] | None = None
     traces, seconds = {}, {}
     for name in executors:
         t0 = time.perf_counter()
-        executor = references[name](ctx.eager()) if name in references else build_executor(name, ctx, STAGES)
-        kept = name in _EXECUTORS and _EXECUTORS[name].compiled and inherited
+        if name in references:
+            executor = references[name](ctx.eager())
+        elif steps is not None:
+            executor = per_step(_per_run(steps, lambda r: build_executor(name, replace(ctx, run=r), STAGES)))
+        else:
+            executor = build_executor(name, ctx, STAGES)
+        if name == EAGER and retrace:
+            until = last_needed(executors, STAGES)
+            graphs = StepGraphs(run, scenario, mesh, batches, seed=ctx.seed,
+                                pipeline=lambda m, b, obs: _pipeline(scenario, mesh, enable_ac, collective, until, m, b, obs))
+            executor = graphs.ahead_of(executor)
+        kept = name in _EXECUTORS and _EXECUTORS[name].compiled and inherited and steps is None
         with no_recompile("the graphs compiled (and captured) on the fake world") if kept else contextlib.nullcontext():
             traces[name] = ctx.train(executor)
+        if name == EAGER and retrace:
+            steps = None if all(r is run for r in graphs.runs) else graphs.runs  # None: every step's values are the traced ones
         seconds[name] = time.perf_counter() - t0
     return RankParity(tuple(coord[d] for d in spec.names), traces, seconds)
+
+
+def _per_run(runs: Sequence[PipelineRun], build) -> list[Executor]:
+    """``build(run)`` per step, one executor per distinct run."""
+    made: dict[int, Executor] = {}
+    for r in runs:
+        if id(r) not in made:
+            made[id(r)] = build(r)
+    return [made[id(r)] for r in runs]
 
 
 def executor_as_traced(executor: Executor) -> Executor:
@@ -218,12 +253,6 @@ def rank_seed(scenario: Scenario, coord: dict[str, int]) -> int:
     for d in plan.data_dims:
         index = index * spec.size(d) + coord.get(d, 0)
     return RNG_SEED + 1000 * scenario.seed + index
-
-
-def _on_every_rank(flag: bool) -> bool:
-    t = torch.tensor([0 if flag else 1])
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return not bool(t.item())
 
 
 def run_stage_parity(

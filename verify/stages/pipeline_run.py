@@ -36,7 +36,8 @@ def pipeline_options(bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB, topo_span=Non
         topo_span=topo_span if topo_span is not None else TopoSpanConfig(),
         schedule_overlap=True,
     )
-    return P.PipelineOptions(**{"collective": collective, "alternatives": True, **kw})
+    # reads_per_rank: a parity world traces a graph per rank where a model's reads differ (verify.parity.retrace)
+    return P.PipelineOptions(**{"collective": collective, "alternatives": True, "reads_per_rank": True, **kw})
 
 
 def params_summary(run: P.PipelineRun) -> dict:

@@ -202,6 +202,12 @@ _ENTRIES = (
 REGISTRY: Mapping[Stage, StageChecks] = {e.stage: e for e in _ENTRIES}
 
 
+def is_joint(name: str) -> bool:
+    """Whether ``name`` is the joint trace's stage: the first graph every rank makes, where a
+    per-rank re-trace (verify.parity.retrace) compares the ranks' collectives before the rest."""
+    return name == JOINT
+
+
 def verification(stages: Sequence[Stage] = PLANNED_STAGES, registry: Mapping[Stage, StageChecks] = REGISTRY) -> tuple[StageChecks, ...]:
     """The entries of ``stages``, in order; ValueError naming every stage without an entry or
     with an incomplete one."""

@@ -98,3 +98,17 @@ def test_reads_agree_names_the_first_difference(other, match):
     reads_agree(first, [first, first])  # the same reads on every slice: no error
     with pytest.raises(DataDependentError, match=match):
         reads_agree(first, [first, other])
+
+
+def test_reads_per_rank_traces_each_rank_with_its_own_slice():
+    """``reads_per_rank``: no refusal; rank r's graph holds slice r's counts (a parity world traces
+    one per rank and compares their collectives: verify.parity.retrace)."""
+    torch.manual_seed(0)
+    model, batch = TinyMoE(), _batch([1.0, 1.0, 1.0, -1.0])  # slice 0: counts [2, 0]; slice 1: [1, 1]
+    held = []
+    for rank in (0, 1):
+        with fake_world("dp=2", rank=rank) as mesh, \
+                build_joint_graph(model, ParallelPlan.fsdp(), mesh, batch, _mse, reads_per_rank=True) as joint:
+            held.append([r.rsplit(": ", 1)[1] for r in joint.specialised_reads])
+            assert [r.value for r in joint.traced_reads] == ([2, 0] if rank == 0 else [1, 1])
+    assert held == [["traced with 2", "traced with 0"], ["traced with 1", "traced with 1"]]

@@ -1,0 +1,154 @@
+"""An MoE whose token counts per expert differ between the ranks' slices and between steps, through
+every stage on a gloo world: each rank traces its own graph, a step with other counts re-traces,
+and every rank's collectives are compared before any runs (verify.parity.retrace)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from autoparallel.fx_utils import copy_graph_module
+from autoparallel.parallelize.traced_values import Read
+from autoparallel.runtime.steps import Executor
+from verify.check import check_model
+from verify.model_case import ModelCase
+from verify.parity import retrace
+
+
+class TinyMoE(nn.Module):
+    """Top-1 MoE as jetmoe routes it: rows sorted by expert, split by counts read with
+    ``.tolist()``, each expert applied to its rows (the router is trained: counts move with it)."""
+
+    def __init__(self):
+        super().__init__()
+        self.router = nn.Linear(4, 2, bias=False)
+        self.experts = nn.ModuleList(nn.Linear(4, 4) for _ in range(2))
+
+    def forward(self, x):
+        gate, expert = self.router(x).softmax(-1).max(-1)
+        order = expert.argsort(stable=True)
+        sizes = torch.stack([(expert == e).sum() for e in range(2)]).tolist()
+        parts = x.index_select(0, order).split(sizes)
+        out = torch.cat([e(p) for e, p in zip(self.experts, parts, strict=True)])
+        return torch.empty_like(out).index_copy(0, order, out) * gate.unsqueeze(-1)
+
+
+def _batch(n):
+    return torch.randn(n, 4), torch.randn(n, 4)
+
+
+CASE = ModelCase("tiny_moe", TinyMoE, F.mse_loss, _batch, batch_per_rank=8)
+
+
+@pytest.mark.slow
+def test_slices_and_steps_that_route_differently_pass_bitwise(capfd):
+    result = check_model(CASE, plan="fsdp", mesh="dp=2", steps=2)
+    assert result.ok, result.failures()
+    assert result.parity and all(rep.bitwise for rep in result.parity.values())
+    err = capfd.readouterr().err
+    assert "retrace: step 0" in err  # rank 1's slice routes otherwise than rank 0's: it traced its own
+    assert "retrace: step 1" in err  # a later batch (and a trained router) routes otherwise: a new trace
+
+
+@pytest.mark.slow
+def test_without_a_retrace_a_later_step_fails_its_guard(monkeypatch):
+    """What the re-trace answers: every step run with the graphs traced for the first batch
+    (rank 0's slice) fails a guard, named, on a rank whose counts differ."""
+    monkeypatch.setattr(retrace.StepGraphs, "make", lambda self, local, buffers=None: self.runs.append(self.run))
+    with pytest.raises(Exception, match=r"ValueGuardError: value guard: .*tolist\(\)\): traced with \d+; this batch gives \d+"):
+        check_model(CASE, plan="fsdp", mesh="dp=2", steps=2, world_timeout_s=300)
+
+
+@pytest.mark.slow
+def test_a_collective_that_differs_between_ranks_is_caught_before_any_run(monkeypatch):
+    """Planted: one rank's retraced graph gets an extra collective; every rank raises naming it."""
+    real = retrace.agree_on_collectives
+
+    def planted(graphs, group=None):
+        import torch.distributed as dist
+
+        if dist.get_rank() == 1:
+            label, gm = graphs[0]
+            gm = _with_extra_all_reduce(gm)
+            graphs = [(label, gm), *graphs[1:]]
+        return real(graphs, group)
+
+    monkeypatch.setattr(retrace, "agree_on_collectives", planted)
+    with pytest.raises(Exception, match=r"CollectiveMismatchError: the ranks' graphs issue different collectives.*graph 'joint', collective #0"):
+        check_model(CASE, plan="fsdp", mesh="dp=2", steps=1, world_timeout_s=300)
+
+
+class SkippingMoE(TinyMoE):
+    """Runs only the experts some token reaches (switch_transformers' ``for expert_idx in
+    expert_hit``): an expert no token of a rank's slice reaches is not read there, so the program
+    gathers its parameters on the other rank only."""
+
+    def __init__(self):
+        super().__init__()
+        with torch.no_grad():
+            self.router.weight.copy_(torch.tensor([[1.0, 0, 0, 0], [-1.0, 0, 0, 0]]))
+
+    def forward(self, x):
+        gate, expert = self.router(x).softmax(-1).max(-1)
+        order = expert.argsort(stable=True)
+        sizes = torch.stack([(expert == e).sum() for e in range(2)]).tolist()
+        parts = x.index_select(0, order).split(sizes)
+        out = torch.cat([e(p) if n else p for e, p, n in zip(self.experts, parts, sizes, strict=True)])
+        return torch.empty_like(out).index_copy(0, order, out) * gate.unsqueeze(-1)
+
+
+def _skewed_batch(n):
+    """The first half of the rows (data-parallel slice 0) all go to expert 0; the rest to either."""
+    x = torch.randn(n, 4)
+    x[: n // 2, 0] = x[: n // 2, 0].abs() + 0.1
+    x[n // 2:, 0] = torch.tensor([1.0, -1.0]).repeat(n // 4)
+    return x, torch.randn(n, 4)
+
+
+@pytest.mark.slow
+def test_an_expert_one_rank_skips_is_a_named_collective_mismatch_not_an_abort():
+    """Where the collectives do depend on the values (expert 1's parameters gathered on rank 1
+    only), the refusal is right: named, before any of them runs, on every rank."""
+    case = ModelCase("skipping_moe", SkippingMoE, F.mse_loss, _skewed_batch, batch_per_rank=4)
+    with pytest.raises(Exception, match=r"(?s)CollectiveMismatchError: the ranks' graphs issue different collectives.*graph 'joint'.*experts\.1.*a parameter the model reads on some ranks' data only"):
+        check_model(case, plan="fsdp", mesh="dp=2", steps=1, world_timeout_s=300)
+
+
+def _with_extra_all_reduce(gm):
+    gm = copy_graph_module(gm)
+    g = gm.graph
+    x = next(n for n in g.nodes if n.op == "placeholder")
+    group = next(n.args for n in g.nodes if n.op == "call_function" and "all_gather" in str(n.target))
+    with g.inserting_after(x):
+        g.call_function(torch.ops._c10d_functional.all_reduce.default, (x, "sum", group[-1]))
+    gm.recompile()
+    return gm
+
+
+def test_per_step_runs_each_step_with_its_executor_and_carries_buffers():
+    calls = []
+
+    def make(i):
+        buf = {"b": torch.zeros(1)}
+
+        def step(params, inputs):
+            calls.append((i, float(buf["b"])))
+            buf["b"] += 1
+            return torch.zeros(()), {}
+
+        return Executor(step, buf)
+
+    a, b = make(0), make(1)
+    run = retrace.per_step([a, b, a])
+    for _ in range(3):
+        run({}, ())
+    assert calls == [(0, 0.0), (1, 1.0), (0, 2.0)]
+    assert float(run.buffers["b"]) == 3.0
+
+
+def test_reads_key_tells_values_apart():
+    assert retrace.reads_key([Read("m.py:1", 2)]) == retrace.reads_key([Read("m.py:1", 2)])
+    assert retrace.reads_key([Read("m.py:1", 2)]) != retrace.reads_key([Read("m.py:1", 3)])
+    assert retrace.reads_key([Read("m.py:1", 2)]) != retrace.reads_key([Read("m.py:1", 2, size=True)])

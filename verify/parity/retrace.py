@@ -1,0 +1,178 @@
+"""A graph per rank and per step for a model whose reads differ (an MoE router's token counts).
+
+``build_joint_graph`` answers the values a model reads into Python (``.tolist()``, ``nonzero``,
+``if t:``) with the ones a real run of one rank's slice gives, each guarded: the graph holds those
+values only (docs/failure-classes.md sections 2 and 11b). An MoE router's counts per expert differ
+between the ranks' slices of one batch and between steps. Under FSDP and DDP the collectives
+depend on the parameters only, not on the counts, so a correct result exists: each rank runs a
+graph traced with its own values, and a step whose values differ gets a new trace, as
+``torch.compile`` recompiles when a guard fails. In a parity world (``verify.parity.runs``):
+
+1. the eager program trains first; before each of its steps, every rank gathers the full
+   parameters (every rank together), records the reads of its slice of the step's batch (one
+   eager forward) and looks them up in its graph cache; where any rank misses, every rank runs
+   the pipeline for that step together (the second compile runs one forward on the world), on a
+   model holding the step's parameters (:class:`StepGraphs`);
+2. every new run's collectives are compared with the other ranks' before any of them runs, and
+   before the eager program's step (``agree_on_collectives``): where the collectives depend on the
+   values it stops with ``CollectiveMismatchError`` naming the first differing collective, never
+   a gloo abort. The program gathers a parameter where the model reads it, so an MoE that skips
+   an expert no token reaches (switch_transformers' ``for expert_idx in expert_hit``) gathers
+   that expert on some ranks only: stopped here (docs/failure-classes.md section 11b);
+3. a step whose values are in the cache reuses its graphs;
+4. each executor runs step ``s`` with the graphs of step ``s`` (:func:`per_step`).
+
+Where one graph must serve every rank (``build_joint_graph`` by default, ``plan="auto"``'s
+planner), differing reads stay refused at trace time (``reads_agree``). A model with a read that a
+replicated random draw decides (a layer drop: m2m_100, nllb-moe) keeps one graph for every rank as
+before: the program gives every rank rank 0's draw, and a rank's own record of its reads (and the
+second compile's warm-up forward) would draw its own; the traced values would need to be handed to
+the pipeline and drawn replicated here first (not done).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+from collections.abc import Callable, Mapping, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from autoparallel.parallelize import split_batch
+from autoparallel.parallelize.plan import ParamSharding
+from autoparallel.parallelize.replicated_draws import PATCH as REPLICATED_DRAWS
+from autoparallel.parallelize.traced_values import Read, record_reads
+from autoparallel import patches
+from autoparallel.kernel_strides import strides_as_kernels
+from autoparallel.passes.value_guards import counts_as_guarded
+from autoparallel.pipeline import PipelineRun
+from autoparallel.runtime.steps import Executor, seeded, step_seed
+from verify.parity.collective_check import agree_on_collectives
+from verify.stages.registry import is_joint
+
+
+def reads_key(reads: Sequence[Read]) -> tuple:
+    """What a graph traced with ``reads`` holds: each read's site, kind and value."""
+    return tuple((r.site, r.size, float(r.value)) for r in reads)
+
+
+def full_params(local: Mapping[str, torch.Tensor], shardings: Mapping[str, ParamSharding], spec, coord: tuple) -> dict:
+    """Every parameter whole, from every rank's ``local`` shards (all ranks call it together)."""
+    gathered: list = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, (coord, dict(local)))
+    return {fqn: shardings[fqn].unshard({c: pieces[fqn] for c, pieces in gathered}, spec) for fqn in local}
+
+
+def model_with(make_model: Callable[[], nn.Module], params: Mapping[str, torch.Tensor],
+               buffers: Mapping[str, torch.Tensor] | None = None) -> nn.Module:
+    """A fresh model holding ``params`` (by FQN; a tied parameter under each of its names) and
+    this rank's ``buffers`` (those a forward updates: ibert's ranges, a norm's running stats)."""
+    model = make_model()
+    own = dict(model.named_parameters(remove_duplicate=False))
+    missing = sorted(set(params) - set(own))
+    if missing:
+        raise ValueError(f"the model has no parameters {missing[:3]} that the program trained")
+    own_buffers = dict(model.named_buffers(remove_duplicate=False))
+    with torch.no_grad():
+        for fqn, value in params.items():
+            own[fqn].copy_(value)
+        for fqn, value in (buffers or {}).items():
+            if fqn in own_buffers and own_buffers[fqn].shape == value.shape:
+                own_buffers[fqn].copy_(value)
+    return model
+
+
+def on_every_rank(flag: bool) -> bool:
+    """``flag`` holds on every rank of the world (all ranks call it together)."""
+    t = torch.tensor([0 if flag else 1])
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return not bool(t.item())
+
+
+class StepGraphs:
+    """The pipeline run whose graphs serve each step on this rank (see the module docstring),
+    made ahead of the eager program's step (:meth:`ahead_of`), so that every rank's collectives
+    for that step are compared before the eager program issues them too (it gathers each
+    parameter where the model reads it: an expert no token reaches on one rank is gathered on
+    the other only). ``run``: the run made before the world (rank 0's slice of the first batch);
+    ``pipeline(model, batch, observers)``: this rank's run on the world for that model and global
+    batch; ``seed``: the rank's generator seed of ``train_steps`` (a read after a random draw, a
+    router's jitter, reads the step's draws). ``runs``: one per step made so far."""
+
+    def __init__(self, run: PipelineRun, scenario, mesh, batches: Sequence[tuple],
+                 pipeline: Callable[..., PipelineRun], seed: int | None = None) -> None:
+        self.run, self.scenario, self.mesh, self.batches, self.pipeline, self.seed = run, scenario, mesh, batches, pipeline, seed
+        # The run made before the world serves any rank whose values are the ones it holds (under
+        # FSDP/DDP the graphs of two slices with the same reads are the same program).
+        self.cache = {reads_key(run.joint.traced_reads): run}
+        self.runs: list[PipelineRun] = []
+
+    def ahead_of(self, executor: Executor) -> Executor:
+        """``executor`` (the eager program's) with this step's graphs made before each step."""
+
+        def step(params, inputs):
+            self.make(params, executor.buffers)
+            return executor.step(params, inputs)
+
+        return Executor(step, executor.buffers)
+
+    def make(self, local: Mapping[str, torch.Tensor], buffers: Mapping[str, torch.Tensor] | None = None) -> PipelineRun:
+        """The run for the next step, whose local parameters are ``local`` and this rank's
+        buffers ``buffers`` (every rank together)."""
+        s, spec, plan = len(self.runs), self.scenario.mesh_spec, self.scenario.plan_obj()
+        coord = self.mesh.coordinate()
+        full = full_params(local, self.run.joint.shardings, spec, tuple(coord[d] for d in spec.names))
+        model = model_with(self.scenario.model, full, buffers)
+        mine = split_batch(self.batches[s], plan, spec, coord)
+        with seeded(step_seed(self.seed, s)) if self.seed is not None else contextlib.nullcontext():
+            reads = record_reads(model, self.scenario.loss_fn, mine, plan.param_dtype, patches.enabled(REPLICATED_DRAWS))
+        key = reads_key(reads)
+        if not on_every_rank(key in self.cache):
+            print(f"retrace: step {s}: rank {dist.get_rank()} traces for its reads ({len(reads)} values)",
+                  file=sys.stderr, flush=True)
+            # The joint graph's collectives are compared before the second compile's forward runs
+            # any; every stage's after the run, before any step does.
+            new = self.pipeline(model, self.batches[s], [_joint_agrees])
+            if reads_key(new.joint.traced_reads) != key:
+                raise RuntimeError(f"retrace: step {s}: the pipeline traced other reads than this rank's eager run made")
+            agree_on_collectives([row for r in new.results for row in r.graph_rows()])
+            self.cache[key] = new
+        self.runs.append(self.cache[key])
+        return self.runs[-1]
+
+
+def _joint_agrees(result) -> None:
+    """Pipeline observer: every rank's joint graph issues the same collectives (all ranks together)."""
+    if is_joint(result.name):
+        agree_on_collectives(result.graph_rows())
+
+
+def per_step(executors: Sequence[Executor]) -> Executor:
+    """One executor that runs step ``s`` with ``executors[s]``; the buffers the steps update
+    carry from one to the next (the first one's dict holds them, as ``train_steps`` records)."""
+    shared = executors[0].buffers
+    calls = [0]
+
+    def step(params, inputs):
+        ex = executors[calls[0]]
+        calls[0] += 1
+        if ex.buffers is not shared:
+            with torch.no_grad():
+                for k, b in ex.buffers.items():
+                    b.copy_(shared[k])
+        # A later run's second compile reset Dynamo: a compiled module recompiles at its first
+        # step with the same backend, under the contexts the second compile traced it in.
+        with strides_as_kernels(), counts_as_guarded():
+            out = ex.step(params, inputs)
+        if ex.buffers is not shared:
+            with torch.no_grad():
+                for k, b in ex.buffers.items():
+                    shared[k].copy_(b)
+        return out
+
+    return Executor(step, shared)
+
+
+__all__ = ["StepGraphs", "full_params", "model_with", "on_every_rank", "per_step", "reads_key"]
