@@ -10,6 +10,7 @@ import pytest
 import torch
 from torch import nn
 
+from autoparallel import meta as M
 from autoparallel import roles
 from autoparallel.mesh import fake_world
 from autoparallel.parallelize import ParallelPlan
@@ -36,10 +37,11 @@ def run():
     torch.manual_seed(0)
     model = ClampedCoefs()
     with fake_world("dp=2,tp=2") as mesh:
-        # the lowered graph: AOTAutograd's epilogue copies the new value into the rank's piece at
-        # run time (gemma3n's second compile failed there: "size of tensor a (4) must match ... (16)")
+        # the lowered graph, tagged: AOTAutograd's epilogue copies the new value into the rank's
+        # piece at run time (gemma3n's second compile failed there: "size of tensor a (4) must
+        # match ... (16)", then, with the placement fixed, "modified by an inplace operation")
         return run_pipeline(model, mse, (torch.randn(8, 16), torch.randn(8, 8)), ParallelPlan.auto(), mesh,
-                            until="joint", trace=None)
+                            until="fsdp_tagging", trace=None)
 
 
 def test_a_parameter_updated_in_place_gets_its_new_value_in_its_own_placement(run):
@@ -55,3 +57,20 @@ def test_the_lowered_graph_returns_the_new_value_shaped_as_the_rank_s_piece(run)
     (i,) = [k for k, r in enumerate(joint.output_roles) if r == roles.mutated(FQN)]
     (ph,) = [n for n, r in zip(joint.gm.graph.find_nodes(op="placeholder"), joint.input_roles) if r == roles.param(FQN)]
     assert values[i].meta["val"].shape == ph.meta["val"].shape
+
+
+def test_the_gathers_of_a_parameter_updated_in_place_are_saved_not_recomputed(run):
+    """A backward that gathered the parameter again would read it after the epilogue's update,
+    which autograd refuses ("modified by an inplace operation"); the other parameters' gathers
+    are recomputed as FSDP's reshard-after-forward asks."""
+    report = run.stage("fsdp_tagging").report
+    source = {}
+    for ag in report.all_gathers:
+        cur = ag.args[0]
+        while cur.op != "placeholder":
+            cur = cur.all_input_nodes[0]
+        source[ag] = roles.name(cur.meta[M.ROLE])
+    assert set(source.values()) >= {FQN, "head.weight"}
+    recomputed = {source[ag] for ag in report.all_gathers if ag in report.recomputed}
+    assert FQN not in recomputed and "head.weight" in recomputed
+    assert report.saved
