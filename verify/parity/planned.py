@@ -169,7 +169,7 @@ def eager_executor(planned, mesh, buffers, gm: fx.GraphModule | None = None) -> 
             outs = PlacedInterpreter(graph, placed, mesh, pg.keys, plan.fallbacks).run(*_primals(pg, params, buffers, inputs), enable_io_processing=False)
         # By role: a model that updates buffers (BatchNorm) returns their new values ahead of the
         # loss; they are copied into ``buffers``, as every stage's executor does.
-        loss = loss_and_updates(outs, pg.output_roles, buffers, "the plan's eager placements")
+        loss = loss_and_updates(outs, pg.output_roles, buffers, "the plan's eager placements", params)
         # None (or no output) for a parameter without a gradient: frozen, or the loss does not reach it
         return loss.detach(), {**dict.fromkeys(param_fqns), **{fqn: outs[i] for i, fqn in grad_fqns}}
 

@@ -15,6 +15,7 @@ from autoparallel import roles
 from autoparallel.mesh import fake_world
 from autoparallel.parallelize import ParallelPlan
 from autoparallel.pipeline import run_pipeline
+from autoparallel.runtime.steps import loss_and_updates
 from verify.zoo import mse_loss as mse
 
 FQN = "coefs.weight"
@@ -74,3 +75,15 @@ def test_the_gathers_of_a_parameter_updated_in_place_are_saved_not_recomputed(ru
     recomputed = {source[ag] for ag in report.all_gathers if ag in report.recomputed}
     assert FQN not in recomputed and "head.weight" in recomputed
     assert report.saved
+
+
+def test_a_step_copies_a_parameter_s_new_value_into_it_and_names_an_unknown_one():
+    """Every executor reads the forward's outputs through ``loss_and_updates``: a parameter's new
+    value lands in the parameter (a buffer's in the buffer), as the compiled module's epilogue does."""
+    params, buffers = {FQN: torch.zeros(2)}, {"stats": torch.zeros(1)}
+    outs = [torch.ones(2), torch.full((1,), 3.0), torch.tensor(5.0)]
+    out_roles = [roles.mutated(FQN), roles.mutated("stats"), roles.LOSS]
+    assert loss_and_updates(outs, out_roles, buffers, "step", params).item() == 5.0
+    assert params[FQN].tolist() == [1.0, 1.0] and buffers["stats"].tolist() == [3.0]
+    with pytest.raises(KeyError, match=r"step: output 'mutated:gone' updates 'gone', which is no buffer or parameter"):
+        loss_and_updates([torch.ones(1), torch.tensor(1.0)], [roles.mutated("gone"), roles.LOSS], buffers, "step", params)
