@@ -225,6 +225,8 @@ _register(
         "tests/unit/autoparallel/passes/test_value_guards.py::test_bool_mask_indexing_is_traced_with_the_count_and_bitwise_with_eager",
         "tests/parity/test_value_guards_parity.py::test_bool_mask_indexing_is_guarded_and_bitwise_at_every_stage",
         "tests/parity/test_value_guards_parity.py::test_a_value_read_is_guarded_and_bitwise_at_every_stage",
+        "tests/unit/autoparallel/planner/test_planned_value_guards.py::test_the_lowered_graph_holds_the_guard_and_is_bitwise_with_eager",
+        "tests/unit/autoparallel/planner/test_planned_value_guards.py::test_a_batch_that_takes_the_other_branch_raises_the_guard",
     ),
 )
 _register(

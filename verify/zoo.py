@@ -28,7 +28,7 @@ from torch import nn
 from autoparallel.parallelize.plan import TPRule
 from verify.model_case import ModelCase
 
-__all__ = ["ZOO", "DropPath", "MaskFromPythonData", "Prototypes", "convnet", "gpt2", "ln_mlp"]
+__all__ = ["ZOO", "DropPath", "LogSigmoidGate", "MaskFromPythonData", "Prototypes", "convnet", "gpt2", "ln_mlp"]
 
 
 # --- GPT-2 style -------------------------------------------------------------------------------
@@ -236,6 +236,18 @@ class Prototypes(nn.Module):
 
     def forward(self, x):
         return self.head(torch.cdist(self.lin(x), self.protos))
+
+
+class LogSigmoidGate(nn.Module):
+    """A gate through ``logsigmoid`` (inkling's router): ``aten.log_sigmoid_forward`` has no
+    registered DTensor strategy on torch 2.13, only a decomposition, which the planner places by."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc, self.head = nn.Linear(16, 32), nn.Linear(32, 8)
+
+    def forward(self, x):
+        return self.head(nn.functional.logsigmoid(self.fc(x)))
 
 
 class DropPath(nn.Module):

@@ -94,6 +94,22 @@ def is_fsdp_all_gather(node: fx.Node) -> bool:
     return False
 
 
+def _source_placeholder(ag: fx.Node) -> fx.Node:
+    cur = ag.args[0]
+    while cur.op != "placeholder":
+        cur = cur.all_input_nodes[0]
+    return cur
+
+
+def _mutated_params(graph: fx.Graph) -> set[str]:
+    """FQNs of the parameters the graph updates in place (a ``mutated:<fqn>`` output: gemma3n clamps
+    ``weight.data`` in forward). AOTAutograd copies the new value into the parameter after the
+    forward, so a backward that gathered it again would read the updated parameter, which autograd
+    refuses ("modified by an inplace operation"): such a gather is saved, not recomputed."""
+    out = graph.output_node().meta.get(M.ROLE) or []
+    return {roles.name(r) for r in out if roles.is_mutated(r)}
+
+
 def _check_waits(graph: fx.Graph) -> None:
     for node in graph.nodes:
         if node.op != "call_function" or node.target is not WAIT:
@@ -175,6 +191,7 @@ def mark_fsdp_all_gather_recomputation(graph: fx.Graph | fx.GraphModule, reshard
     chain_fix = patches.enabled(PATCH)
     report = FsdpTagReport()
     position = {n: i for i, n in enumerate(graph.nodes)}
+    mutated = _mutated_params(graph)
     for ag in list(graph.nodes):
         if not is_fsdp_all_gather(ag):
             continue
@@ -182,7 +199,8 @@ def mark_fsdp_all_gather_recomputation(graph: fx.Graph | fx.GraphModule, reshard
         wait = _wait_of(ag)
         report.all_gathers.append(ag)
         report.gathered_bytes += tensor_bytes(val)
-        if reshard_after_forward:
+        role = _source_placeholder(ag).meta.get(M.ROLE)
+        if reshard_after_forward and not (role is not None and roles.is_param(role) and roles.name(role) in mutated):
             tagged = [ag, wait]
             if chain_fix:
                 if is_dtype_cast(ag.args[0]):

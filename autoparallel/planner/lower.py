@@ -63,9 +63,10 @@ from autoparallel.mesh import ParallelMesh, attach_group_dims
 from autoparallel.parallelize.joint import JointGraph, label_roles, params_without_grad
 from autoparallel.parallelize.plan import ParallelPlan
 from autoparallel.passes.permuted_split_cat import permuted_split_cat
+from autoparallel.passes.value_guards import counts_as_guarded
 from autoparallel.planner.graph import ALIAS, PlanningGraph
 from autoparallel.planner.plan import Plan, parse_placement
-from autoparallel.planner.strategies import PLANNER_RULES, divides, is_undroppable_random
+from autoparallel.planner.strategies import PLANNER_RULES, divides, is_undroppable_random, planned_by_decomposition
 from autoparallel.planner.strided import has_strided, piece, sharded_dim
 
 log = logging.getLogger(__name__)
@@ -271,8 +272,9 @@ class PlacedInterpreter(fx.Interpreter):
             # A factory op: make the global value, keep this rank's piece of it.
             out = super().call_function(target, args, kwargs)
             return self.move(out, node.meta[M.VAL], tuple(Replicate() for _ in self.mesh.spec.names), planned[0])
-        if target in PLANNER_RULES:
-            # No DTensor strategy: the planner's rule shards dims the op treats independently.
+        if target in PLANNER_RULES or planned_by_decomposition(target):
+            # No DTensor strategy: the planner's rule shards dims the op treats independently, or
+            # DTensor's decomposition placed it where its ops run on local pieces, no collective.
             return super().call_function(target, args, kwargs)
         if self.keys.get(node.name) in self.fallbacks or is_undroppable_random(target):
             return self._replicated(node, target, args, kwargs, tensors, planned)
@@ -502,7 +504,8 @@ def lower_plan(pg: PlanningGraph, plan: Plan, parallel_plan: ParallelPlan) -> tu
     def run(*a):
         return interp.run(*a, enable_io_processing=False)
 
-    with fake_mode, fx_traceback.preserve_node_meta(), torch.no_grad():
+    # counts_as_guarded: a mask's count (x[mask] after its value guard) is the guard's, as traced
+    with fake_mode, fx_traceback.preserve_node_meta(), torch.no_grad(), counts_as_guarded():
         gm = make_fx(run, tracing_mode="real")(*args)
     _rename_placeholders_like(pg.gm, gm)
     _drop_unused_getitems(gm)
@@ -528,7 +531,11 @@ def lower_plan(pg: PlanningGraph, plan: Plan, parallel_plan: ParallelPlan) -> tu
         fake_mode=fake_mode,
         frozen_params=jg.frozen_params,
         params_without_grad=tuple(params_without_grad(gm, input_roles, output_roles)),
+        specialised_reads=jg.specialised_reads,  # each guarded in the planning graph, lowered with it
         _stack=jg._stack,
+        # the trace's fake mode, held off the dispatch stack until the first partition resumes it
+        # (left with the planning trace, only its garbage collection would put it back)
+        _suspended=jg._suspended,
     )
     pg.joint = None  # the export now belongs to the lowered graph
     return lowered, interp.report

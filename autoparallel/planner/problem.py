@@ -189,8 +189,9 @@ def build_nodes(pg: PlanningGraph, costs: CostModel, enumerator: StrategyEnumera
         meta = prod.metas[0]
         role = role or roles.user_output(i)
         twin = by_desc.get(desc.grad_of) if isinstance(desc, D.GradAOTOutput) else None
-        if roles.is_mutated(role):  # a buffer's new value is copied into the buffer's local piece
-            twin = by_role.get(roles.buffer(roles.name(role)))
+        if roles.is_mutated(role):  # a buffer's (or a parameter's: an in-place clamp_) new value is copied into its local piece
+            fqn = roles.name(role)
+            twin = by_role.get(roles.buffer(fqn), by_role.get(roles.param(fqn)))
         if twin is not None:
             placements = nodes[twin].out_placements()
         elif role == LOSS_ROLE:

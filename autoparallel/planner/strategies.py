@@ -15,6 +15,7 @@ outputs and the placements it needs its tensor inputs in), in a deterministic or
   every rank runs the unsharded op; the edges into it price the gathers, the op's compute is
   the whole op's). So does a random op that is not a dropout (``torch.rand``, ``bernoulli`` of
   a drop path): every rank draws the whole tensor, the single-device draw, and keeps its piece.
+  So does an op that reads its input's data (:func:`reads_data`: a value guard, a mask's count).
   :attr:`StrategyEnumerator.fallbacks` names every node that took it, and why.
 * Tensor constants (``get_attr``: a tensor the model makes from Python data in forward, lifted
   into the graph): replicated, as every rank holds the whole constant.
@@ -50,6 +51,8 @@ from torch.distributed.tensor.placement_types import (
 
 from autoparallel import meta as M
 from autoparallel.ac import is_random
+from autoparallel.parallelize.traced_values import MASK_OPS, NONZERO
+from autoparallel.passes.value_guards import GUARD, GUARD_ROWS
 from autoparallel.planner.graph import ALIAS, tensor_args
 from autoparallel.planner.strided import sharded_dim, strided_variants
 
@@ -79,6 +82,8 @@ class _NoRule(NoStrategyError):
 # Why a node took the replicated fallback (``StrategyEnumerator.fallbacks``, ``Plan.fallbacks``).
 NO_STRATEGY = "no sharding strategy: inputs gathered to Replicate, the whole op on every rank"
 RANDOM_OP = "random op, not a dropout: every rank draws the whole tensor (the single-device draw)"
+DATA_DEPENDENT = ("reads its input's data (a value guard, or a mask's count as the output's size): inputs gathered "
+                  "to Replicate, the whole op on every rank, as the trace read it on the whole batch")
 
 
 def is_dropout(op) -> bool:
@@ -92,6 +97,35 @@ def is_undroppable_random(op) -> bool:
     """A random op that is not a dropout: nothing switches it off, so a rank must draw exactly what
     the unsharded program draws (the replicated fallback; the lowering refuses any other placement)."""
     return is_random(op) and not is_dropout(op)
+
+
+def reads_data(node: fx.Node) -> bool:
+    """A value guard, or an op whose output size is a mask's count (``nonzero``, ``x[mask]``,
+    ``masked_select``, ``x[mask] = v``): the trace answered the read with the value or count of the
+    whole, unsharded tensor (patch value_guards) and the guard checks that, so a shard of it would
+    compute another size (or fail its guard) on each rank. Replicated, whatever DTensor offers."""
+    op = node.target
+    if op in (GUARD, GUARD_ROWS, NONZERO):
+        return True
+    if op not in MASK_OPS:
+        return False
+    masks = [node.args[1]] if op is aten.masked_select.default else list(node.args[1])
+    return any(isinstance(m, fx.Node) and m.meta[M.VAL].dtype in (torch.bool, torch.uint8) for m in masks)
+
+
+def planned_by_decomposition(op) -> bool:
+    """The planner takes ``op``'s candidates from DTensor's decomposition strategy (no registered
+    strategy, no planner rule): each is a placement under which the decomposition's ops run on
+    the local pieces with no collective (one that would need a redistribution is left out), so a
+    rank runs the op itself on its pieces. DTensor's own dispatch does not always find those
+    placements at run time (``log_sigmoid_forward``, ``polar``: "does not have a sharding strategy
+    registered"), so the lowering runs the op locally instead (``lower.PlacedInterpreter``)."""
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor._decompositions import DecompShardingStrategy
+
+    prop = DTensor._op_dispatcher.sharding_propagator
+    return (isinstance(op, torch._ops.OpOverload) and op not in PLANNER_RULES and op not in prop.op_single_dim_strategy_funcs
+            and op not in prop.op_strategy_funcs and DecompShardingStrategy.has_decomp(op))
 
 
 def replicated(n: int) -> Placements:
@@ -263,6 +297,8 @@ class StrategyEnumerator:
         op = node.target
         if is_undroppable_random(op):
             return [self.replicated_fallback(metas_out, metas_in)], RANDOM_OP
+        if reads_data(node):
+            return [self.replicated_fallback(metas_out, metas_in)], DATA_DEPENDENT
         try:
             cands = self._op_candidates(node, producer_placements, metas_out, metas_in)
         except _NoRule:  # an op with tensor inputs (factories are replicated above)

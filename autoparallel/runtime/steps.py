@@ -123,17 +123,23 @@ def primals_by_role(
 
 
 def loss_and_updates(
-    values: Sequence[object], output_roles: Sequence[str | None], buffers: Mapping[str, torch.Tensor], where: str
+    values: Sequence[object], output_roles: Sequence[str | None], buffers: Mapping[str, torch.Tensor], where: str,
+    params: Mapping[str, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """The loss among a forward's outputs (by role); each ``mutated:<fqn>`` output is copied into
-    its buffer."""
+    its buffer, or its parameter (a model that updates a weight in place in forward: gemma3n's
+    clamp of ``weight.data``), as AOTAutograd's epilogue does in a compiled module."""
     loss = None
     for value, role in zip(values, output_roles, strict=False):
         if role == roles.LOSS:
             loss = value
         elif roles.is_mutated(role):
+            fqn = roles.name(role)
+            target = buffers.get(fqn, (params or {}).get(fqn))
+            if target is None:
+                raise KeyError(f"{where}: output {role!r} updates {fqn!r}, which is no buffer or parameter given to the step")
             with torch.no_grad():
-                buffers[roles.name(role)].copy_(value)
+                target.copy_(value)
     if loss is None:
         raise ValueError(f"{where}: no output has the role {roles.LOSS!r} (output roles: {list(output_roles)})")
     return loss
@@ -189,7 +195,7 @@ def joint_graph_executor(
                 outs = [*fw_out, *grads]
             else:
                 outs = list(gm(*primals, *tangents))
-        loss = loss_and_updates(outs, output_roles, buffers, "joint graph")
+        loss = loss_and_updates(outs, output_roles, buffers, "joint graph", params)
         return loss.detach(), _named_grads(outs, output_roles, "joint graph", input_roles)
 
     return Executor(run, buffers)
@@ -216,7 +222,7 @@ def split_graph_executor(fw: fx.GraphModule, bw: fx.GraphModule, buffers: Mappin
         primals = primals_by_role(fw_roles, params, buffers, inputs)
         with torch.no_grad():
             outs = fw(*primals)
-            loss = loss_and_updates(outs, fw_out_roles, buffers, "forward graph")
+            loss = loss_and_updates(outs, fw_out_roles, buffers, "forward graph", params)
             saved = {r: v for v, r in zip(outs, fw_out_roles, strict=True) if roles.is_saved(r)}
             bw_in = []
             for r in bw_roles:

@@ -25,7 +25,7 @@ from verify.parity.planned import EXECUTORS, planned_case, planned_oracle, run_p
 from verify.parity.random_ops import DROPOUT_OFF
 from verify.parity.runs import compare_with_eager, oracle_executor
 from verify.stages.scenario import Scenario
-from verify.zoo import DropPath, MaskFromPythonData, Prototypes
+from verify.zoo import DropPath, LogSigmoidGate, MaskFromPythonData, Prototypes
 from verify.zoo import mse_loss as mse
 
 MESH = "dp=2,tp=2"
@@ -121,3 +121,12 @@ def test_a_hugging_face_model_called_with_tokens_only(arch, makes_constants, mod
                      lambda n: (tokens(n), tokens(n)), batch_per_rank=2)
     result = model_check(case, plan="auto", mesh=MESH)
     assert bool(result.run.planned.plan.constants) == makes_constants
+
+
+def test_an_op_planned_by_its_decomposition_runs_on_the_local_pieces(model_check):
+    """Placed by DTensor's decomposition strategy, run by the lowering on the rank's pieces
+    (``strategies.planned_by_decomposition``); bitwise at every stage, the oracle passing."""
+    result = model_check(ModelCase("log_sigmoid_gate", LogSigmoidGate, mse, _batch(8), batch_per_rank=2), plan="auto", mesh=MESH)
+    pg = result.run.planned.pg
+    (node,) = pg.gm.graph.find_nodes(op="call_function", target=torch.ops.aten.log_sigmoid_forward.default)
+    assert pg.keys[node.name] not in result.run.planned.plan.fallbacks

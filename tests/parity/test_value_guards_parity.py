@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from autoparallel.passes.value_guards import GUARD, GUARD_ROWS
+from autoparallel.planner.strategies import DATA_DEPENDENT
 from verify.check import check_model
 from verify.model_case import ModelCase
 
@@ -119,3 +120,21 @@ def test_bool_mask_indexing_is_guarded_and_bitwise_at_every_stage():
     for stage in result.run.results:
         graphs = stage.graphs if isinstance(stage.graphs, tuple) else (stage.graphs,)
         assert any(n.target is GUARD_ROWS for n in graphs[0].graph.nodes), stage.name
+
+
+@pytest.mark.slow  # a dp=2,tp=2 gloo world (plan="auto": each rank plans, lowers and compiles)
+def test_under_auto_a_read_is_guarded_replicated_and_bitwise_at_every_stage():
+    """plan="auto": the planning trace reads the whole batch, the planner replicates the guard as a
+    fallback; every stage bitwise, the oracle passing. (A mask's count under auto, and a batch
+    that takes the other branch: tests/unit/autoparallel/planner/test_planned_value_guards.py.)"""
+    guard = GUARD
+    result = check_model(CASE, plan="auto", mesh="dp=2,tp=2", steps=2)
+    assert result.ok, result.failures()
+    assert result.parity and all(rep.bitwise for rep in result.parity.values())
+    (read,) = result.specialised_reads()
+    assert read.endswith("traced with True")
+    plan = result.run.planned.plan
+    assert any(why == DATA_DEPENDENT and guard.name().split("::")[1] in key for key, why in plan.fallbacks.items())
+    for stage in result.run.results[1:]:  # the plan stage has no graph
+        graphs = stage.graphs if isinstance(stage.graphs, tuple) else (stage.graphs,)
+        assert any(n.target is guard for n in graphs[0].graph.nodes), stage.name

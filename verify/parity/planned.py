@@ -72,7 +72,7 @@ from verify.parity.random_ops import (
     random_ops_disabled,
 )
 from verify.parity.runs import COLLECTIVE, cast_floating, no_recompile, oracle_executor
-from verify.stages.pipeline_run import pipeline_options
+from verify.stages.pipeline_run import on_meta_else_real, pipeline_options
 from verify.stages.rank_context import RankContext
 from verify.stages.registry import EAGER, build_executor, last_needed, parity_executors, planned_executors
 
@@ -137,7 +137,8 @@ def solve(case: PlannedCase) -> Plan:
     A random op that is not a dropout placed on a shard (each rank would draw its own numbers, no
     slice of the single-device draw) is an error here, before any rank starts."""
     with fake_world(case.spec) as mesh:
-        planned = plan_for_pipeline(case.model("meta"), case.loss_fn, case.batches(1)[0], mesh, ParallelPlan.auto(**case.planner))
+        planned = on_meta_else_real(lambda device: plan_for_pipeline(case.model(device), case.loss_fn, case.batches(1)[0], mesh,
+                                                                     ParallelPlan.auto(**case.planner)))
         planned.pg.joint.close()
     check_replicated_fallbacks(planned.pg, planned.solved)
     return planned.solved
@@ -168,7 +169,7 @@ def eager_executor(planned, mesh, buffers, gm: fx.GraphModule | None = None) -> 
             outs = PlacedInterpreter(graph, placed, mesh, pg.keys, plan.fallbacks).run(*_primals(pg, params, buffers, inputs), enable_io_processing=False)
         # By role: a model that updates buffers (BatchNorm) returns their new values ahead of the
         # loss; they are copied into ``buffers``, as every stage's executor does.
-        loss = loss_and_updates(outs, pg.output_roles, buffers, "the plan's eager placements")
+        loss = loss_and_updates(outs, pg.output_roles, buffers, "the plan's eager placements", params)
         # None (or no output) for a parameter without a gradient: frozen, or the loss does not reach it
         return loss.detach(), {**dict.fromkeys(param_fqns), **{fqn: outs[i] for i, fqn in grad_fqns}}
 
@@ -184,8 +185,8 @@ def _rank_case(case: PlannedCase, solved: Plan, batches, executors, mesh) -> Pla
     options = pipeline_options(snapshots=True, alternatives=False, keep_compiled=keep)
     # at least the first partition (its module is built there), further where an executor needs it
     until = last_needed((*executors, STEP_FIRST_PARTITION), PLANNED_STAGES)
-    run = run_pipeline(case.model("cpu" if keep else "meta"), case.loss_fn, batches[0], ParallelPlan.auto(plan=solved), mesh,
-                       options, until=until)
+    run = on_meta_else_real(lambda device: run_pipeline(case.model(device), case.loss_fn, batches[0], ParallelPlan.auto(plan=solved),
+                                                        mesh, options, until=until), real=keep)
     plan = run.planned.plan
     model = case.model("cpu")
     full = {fqn: p.detach() for fqn, p in model.named_parameters()}

@@ -10,7 +10,8 @@ itself, which the composed sequence hides once an earlier pass has changed the g
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import TypeVar
 
 import torch
 
@@ -20,11 +21,13 @@ from autoparallel.passes.collective import CollectivePassesConfig
 from autoparallel.passes.pre_overlap_bucketing import PreOverlapConfig
 from autoparallel.passes.topo_span_bucketing import TopoSpanConfig
 from autoparallel.trace import StageTracer
+from autoparallel.validate import DataDependentError
 from verify.graphs.canon import canonicalize
 from verify.graphs.stats import graph_stats, partition_stats
 from verify.stages.scenario import Scenario
 
 DEFAULT_BUCKET_CAP_MB = BUCKET_CAP_MB
+T = TypeVar("T")
 
 
 def pipeline_options(bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB, topo_span=None, **kw) -> P.PipelineOptions:
@@ -143,6 +146,19 @@ def _serves(names: list[str], shared: tuple, until: str | None, keep_compiled: b
     return not (keep_compiled and (not kept or run.compiled is None))
 
 
+def on_meta_else_real(trace: Callable[[str], T], *, real: bool = False) -> T:
+    """``trace("meta")`` (graphs only: no values needed), or ``trace("cpu")`` where ``real`` or where
+    the model reads a tensor's value into Python (DataDependentError on meta): the trace then takes
+    the value from a real run of the batch and guards it (patch value_guards), which a model on
+    meta cannot make. The graphs are the same, with the read answered and guarded."""
+    if real:
+        return trace("cpu")
+    try:
+        return trace("meta")
+    except DataDependentError:
+        return trace("cpu")
+
+
 def run_scenario(
     scenario: Scenario,
     *,
@@ -175,8 +191,8 @@ def run_scenario(
     with intra_op_threads(1) if keep_compiled else contextlib.nullcontext():
         # A kept module runs: its model is built with values (on meta it would run on memory
         # nobody wrote, e.g. the buffers a model computes in __init__).
-        run = P.run_pipeline(*scenario.pipeline_inputs("cpu" if keep_compiled else "meta"), options, until=until,
-                             trace=stage_tracer)
+        run = on_meta_else_real(lambda device: P.run_pipeline(*scenario.pipeline_inputs(device), options, until=until,
+                                                              trace=stage_tracer), real=keep_compiled)
     if _shared_runs is not None:
         _shared_runs.setdefault(key, []).append((until, keep_compiled, alternatives, run))
     return run
