@@ -84,6 +84,7 @@ from autoparallel.planner.auto import local_inputs as planned_local_inputs
 from autoparallel.planner.auto import local_values as planned_local_values
 from autoparallel.planner.auto import plan_for_pipeline
 from autoparallel.planner.lower import lower_plan
+from autoparallel.planner.replay import check_lowering
 from autoparallel.runtime.parallel_module import ParallelModule
 from autoparallel.trace import StageTracer
 
@@ -109,7 +110,9 @@ class PipelineOptions:
     reordered, so not bitwise); ``alternatives``: also run each collective pass alone on ``second_compile``'s graphs (review:
     what one pass does by itself); ``snapshots``: each result holds its own copy of the graphs
     (off: results hold the live graphs, which later stages rewrite; observers still see each
-    stage's graphs when it ends)."""
+    stage's graphs when it ends); ``lowering``: how the joint stage lowers a plan="auto" plan
+    (``"dtensor"``: every op through DTensor's dispatch; ``"replay"``: the ops the plan fully
+    determines as their local op, ``autoparallel.planner.replay``)."""
 
     collective: CollectivePassesConfig = field(default_factory=lambda: CollectivePassesConfig(schedule_overlap=True))
     enable_ac: bool = False
@@ -117,6 +120,10 @@ class PipelineOptions:
     compiler: Compiler = "aot_eager"
     alternatives: bool = False
     snapshots: bool = True
+    lowering: str = "dtensor"
+
+    def __post_init__(self):
+        check_lowering(self.lowering)
 
 
 @dataclass
@@ -387,7 +394,8 @@ def _joint(state: PipelineState) -> tuple[Graphs, Any]:
     if state.plan.is_auto:
         if state.planned is None:
             raise ValueError("plan='auto' needs the plan stage ahead of 'joint': run PLANNED_STAGES (run_pipeline's default for it)")
-        state.joint, report = lower_plan(state.planned.pg, state.planned.plan, state.plan)
+        state.joint, report = lower_plan(state.planned.pg, state.planned.plan, state.plan,
+                                           replay=state.options.lowering == "replay")
         params, buffers = planned_local_values(state.planned.plan, state.model, state.mesh)
         state.joint.local_params.update(params)
         state.joint.local_buffers.update(buffers)

@@ -15,7 +15,7 @@ module makes it:
   The op then runs through DTensor's dispatch on the redistributed inputs, so shape arguments of
   views and reductions are localized by DTensor's own rules; ops with no DTensor strategy (the
   planner's own rules: CPU SDPA) run on the local tensors directly, and so, with
-  ``AUTOPARALLEL_LOWERING=replay``, do the ops the plan fully determines
+  ``lower_plan(..., replay=True)`` (``PipelineOptions(lowering="replay")``), do the ops the plan fully determines
   (``autoparallel.planner.replay``: elementwise ops in their output's placement, matmuls,
   transpositions). So do the plan's replicated
   fallbacks (``Plan.fallbacks``: an op with no strategy, a random op that is not a dropout) on
@@ -69,7 +69,7 @@ from autoparallel.passes.permuted_split_cat import permuted_split_cat
 from autoparallel.planner.graph import ALIAS, PlanningGraph
 from autoparallel.planner.plan import Plan, parse_placement
 from autoparallel.planner.strategies import PLANNER_RULES, divides, is_undroppable_random
-from autoparallel.planner.replay import replay_enabled, replays
+from autoparallel.planner.replay import replays
 from autoparallel.planner.strided import has_strided, piece, sharded_dim
 
 log = logging.getLogger(__name__)
@@ -100,7 +100,7 @@ class LoweringReport:
     nodes_after: int = 0
     seconds: float = 0.0
     split_cats: int = 0  # split -> getitems -> cat moves made one permuted copy (passes/permuted_split_cat.py)
-    replayed: int = 0  # ops run as their local op, not through DTensor (planner/replay.py, AUTOPARALLEL_LOWERING=replay)
+    replayed: int = 0  # ops run as their local op, not through DTensor (planner/replay.py, lowering="replay")
 
     def summary(self) -> str:
         fixed = f", {len(self.fixed_outputs)} outputs redistributed to the plan" if self.fixed_outputs else ""
@@ -485,11 +485,11 @@ def _swap_into_export(jd, gm: fx.GraphModule) -> None:
     state.fw_metadata.subclass_tangent_meta = create_subclass_meta(tangents, count_symints=False, with_memory_format=True)
 
 
-def lower_plan(pg: PlanningGraph, plan: Plan, parallel_plan: ParallelPlan, *, replay: bool | None = None) -> tuple[JointGraph, LoweringReport]:
+def lower_plan(pg: PlanningGraph, plan: Plan, parallel_plan: ParallelPlan, *, replay: bool = False) -> tuple[JointGraph, LoweringReport]:
     """The per-rank joint graph of ``plan`` on ``pg`` (traced with ``keep_joint=True``), as a
     :class:`JointGraph` every later stage takes; consumes ``pg.joint`` (its export now compiles
-    the lowered graph). ``replay`` (None: ``AUTOPARALLEL_LOWERING``) runs the ops
-    ``autoparallel.planner.replay`` names as their local op."""
+    the lowered graph). ``replay``: the ops ``autoparallel.planner.replay`` names run as their
+    local op (the pipeline passes ``PipelineOptions.lowering == "replay"``)."""
     from torch.fx.experimental.proxy_tensor import make_fx
 
     jg = pg.joint
@@ -508,7 +508,7 @@ def lower_plan(pg: PlanningGraph, plan: Plan, parallel_plan: ParallelPlan, *, re
     args = local_placeholders(pg, placed, fake_local)
     sink_placeholder_aliases(pg.graph)
     _mark_planned_nodes(pg)
-    interp = PlacedInterpreter(pg.gm, placed, pg.mesh, pg.keys, plan.fallbacks, replay=replay_enabled() if replay is None else replay)
+    interp = PlacedInterpreter(pg.gm, placed, pg.mesh, pg.keys, plan.fallbacks, replay=replay)
 
     def run(*a):
         return interp.run(*a, enable_io_processing=False)

@@ -7,8 +7,11 @@ propagation per op, and under ``make_fx`` DTensor propagates uncached (``_are_we
 once the inputs sit in the candidate's placements, the op on the local tensors, with the traced
 arguments unchanged, *is* what DTensor runs (its rule changes no argument and its output placement
 is the candidate's). :func:`replays` names those ops; every other op goes through DTensor's
-dispatch as before (the fallback per node). The switch is ``AUTOPARALLEL_LOWERING=replay``
-(:func:`replay_enabled`); the default stays ``dtensor``.
+dispatch as before (the fallback per node). The switch is an explicit argument:
+``PipelineOptions(lowering="replay")`` (``python -m verify scale --lowering replay``), checked by
+:func:`check_lowering`; the default stays ``dtensor``. No environment variable: a switch read
+deep inside the lowering is invisible to every cache of runs (``reuse_pipeline_runs`` served a
+DTensor run to a replay request, issue 44), an option is part of the run's arguments.
 
 An op replays when
 
@@ -26,30 +29,28 @@ goldens hold unchanged.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Sequence
 
 import torch
 from torch import fx
 
 from autoparallel import meta as M
+from autoparallel.defaults import LOWERINGS
 from autoparallel.planner.strategies import Placements, is_undroppable_random
 
 aten = torch.ops.aten
 
-ENV = "AUTOPARALLEL_LOWERING"
-MODES = ("dtensor", "replay")
+MODES = LOWERINGS  # "dtensor" (the default), "replay"
 
 _ELEMENTWISE = frozenset({aten._to_copy.default, torch.ops.prims.convert_element_type.default, aten.detach.default})
 _SIZE_FREE = frozenset({aten.mm.default, aten.bmm.default, aten.t.default, aten.transpose.int, aten.permute.default})
 
 
-def replay_enabled() -> bool:
-    """``AUTOPARALLEL_LOWERING``: ``replay`` or ``dtensor`` (the default); ValueError otherwise."""
-    mode = os.environ.get(ENV, "dtensor").strip() or "dtensor"
+def check_lowering(mode: str) -> str:
+    """``mode`` if it names a lowering (:data:`MODES`); ValueError naming the choices otherwise."""
     if mode not in MODES:
-        raise ValueError(f"{ENV}={mode!r}: expected one of {list(MODES)}")
-    return mode == "replay"
+        raise ValueError(f"lowering={mode!r}: expected one of {list(MODES)}")
+    return mode
 
 
 def _elementwise(op) -> bool:
@@ -75,4 +76,4 @@ def replays(node: fx.Node, ins: Sequence[object], want: Sequence[Placements], ou
     return True
 
 
-__all__ = ["ENV", "MODES", "replay_enabled", "replays"]
+__all__ = ["MODES", "check_lowering", "replays"]
