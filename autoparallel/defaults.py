@@ -10,3 +10,4 @@ BUCKET_CAP_MB = 25.0  # pre-overlap bucketing: the byte cap of one bucket, in MB
 FSDP, FSDP_TP, DDP, AUTO = "fsdp", "fsdp_tp", "ddp", "auto"  # ParallelPlan.preset names
 HAND_PLANS = (FSDP, FSDP_TP, DDP)
 PLANS = (*HAND_PLANS, AUTO)  # AUTO: the ILP planner places everything
+LOWERINGS = ("dtensor", "replay")  # PipelineOptions.lowering: how the joint stage lowers a plan="auto" plan

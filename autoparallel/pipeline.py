@@ -84,6 +84,7 @@ from autoparallel.planner.auto import local_inputs as planned_local_inputs
 from autoparallel.planner.auto import local_values as planned_local_values
 from autoparallel.planner.auto import plan_for_pipeline
 from autoparallel.planner.lower import lower_plan
+from autoparallel.planner.replay import check_lowering
 from autoparallel.runtime.parallel_module import ParallelModule
 from autoparallel.trace import StageTracer
 
@@ -110,7 +111,10 @@ class PipelineOptions:
     what one pass does by itself); ``snapshots``: each result holds its own copy of the graphs
     (off: results hold the live graphs, which later stages rewrite; observers still see each
     stage's graphs when it ends); ``reads_per_rank``: a model's reads are this rank's values, not
-    compared between ranks (the caller traces a graph per rank: ``build_joint_graph``)."""
+    compared between ranks (the caller traces a graph per rank: ``build_joint_graph``);
+    ``lowering``: how the joint stage lowers a plan="auto" plan (``"dtensor"``: every op through
+    DTensor's dispatch; ``"replay"``: the ops the plan fully determines as their local op,
+    ``autoparallel.planner.replay``)."""
 
     collective: CollectivePassesConfig = field(default_factory=lambda: CollectivePassesConfig(schedule_overlap=True))
     enable_ac: bool = False
@@ -119,6 +123,10 @@ class PipelineOptions:
     alternatives: bool = False
     snapshots: bool = True
     reads_per_rank: bool = False
+    lowering: str = "dtensor"
+
+    def __post_init__(self):
+        check_lowering(self.lowering)
 
 
 @dataclass
@@ -398,7 +406,8 @@ def _joint(state: PipelineState) -> tuple[Graphs, Any]:
     if state.plan.is_auto:
         if state.planned is None:
             raise ValueError("plan='auto' needs the plan stage ahead of 'joint': run PLANNED_STAGES (run_pipeline's default for it)")
-        state.joint, report = lower_plan(state.planned.pg, state.planned.plan, state.plan)
+        state.joint, report = lower_plan(state.planned.pg, state.planned.plan, state.plan,
+                                           replay=state.options.lowering == "replay")
         params, buffers = planned_local_values(state.planned.plan, state.model, state.mesh)
         state.joint.local_params.update(params)
         state.joint.local_buffers.update(buffers)

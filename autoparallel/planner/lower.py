@@ -14,7 +14,10 @@ module makes it:
   ``fuse_chained_allgathers`` fuses later and that the plan's predicted bytes count per dim).
   The op then runs through DTensor's dispatch on the redistributed inputs, so shape arguments of
   views and reductions are localized by DTensor's own rules; ops with no DTensor strategy (the
-  planner's own rules: CPU SDPA) run on the local tensors directly. So do the plan's replicated
+  planner's own rules: CPU SDPA) run on the local tensors directly, and so, with
+  ``lower_plan(..., replay=True)`` (``PipelineOptions(lowering="replay")``), do the ops the plan fully determines
+  (``autoparallel.planner.replay``: elementwise ops in their output's placement, matmuls,
+  transpositions). So do the plan's replicated
   fallbacks (``Plan.fallbacks``: an op with no strategy, a random op that is not a dropout) on
   inputs gathered to ``Replicate``: the whole op on every rank, its output then split to the
   plan's placement; a plan that feeds one a sharded input is refused (a random op would draw on a
@@ -66,6 +69,7 @@ from autoparallel.passes.permuted_split_cat import permuted_split_cat
 from autoparallel.passes.value_guards import counts_as_guarded
 from autoparallel.planner.graph import ALIAS, PlanningGraph
 from autoparallel.planner.plan import Plan, parse_placement
+from autoparallel.planner.replay import replays
 from autoparallel.planner.strategies import PLANNER_RULES, divides, is_undroppable_random, planned_by_decomposition
 from autoparallel.planner.strided import has_strided, piece, sharded_dim
 
@@ -97,11 +101,13 @@ class LoweringReport:
     nodes_after: int = 0
     seconds: float = 0.0
     split_cats: int = 0  # split -> getitems -> cat moves made one permuted copy (passes/permuted_split_cat.py)
+    replayed: int = 0  # ops run as their local op, not through DTensor (planner/replay.py, lowering="replay")
 
     def summary(self) -> str:
         fixed = f", {len(self.fixed_outputs)} outputs redistributed to the plan" if self.fixed_outputs else ""
         copies = f", {self.split_cats} split -> cat moves as permuted copies" if self.split_cats else ""
-        return f"{self.nodes_before} unsharded nodes -> {self.nodes_after} per-rank nodes; {self.moved_inputs} inputs redistributed{fixed}{copies}"
+        replayed = f", {self.replayed} ops replayed locally" if self.replayed else ""
+        return f"{self.nodes_before} unsharded nodes -> {self.nodes_after} per-rank nodes; {self.moved_inputs} inputs redistributed{fixed}{copies}{replayed}"
 
 
 def decode(d: Mapping[str, str] | None, names: Sequence[str]) -> Placements | None:
@@ -197,12 +203,13 @@ class PlacedInterpreter(fx.Interpreter):
     """
 
     def __init__(self, gm: fx.GraphModule, placed: Mapping[fx.Node, NodePlacements], mesh: ParallelMesh, keys: Mapping[str, str],
-                 fallbacks: Collection[str] = ()):
+                 fallbacks: Collection[str] = (), *, replay: bool = False):
         super().__init__(gm, garbage_collect_values=True)
         self.placed = placed
         self.mesh = mesh
         self.keys = keys
         self.fallbacks = frozenset(fallbacks)  # canonical keys of the plan's replicated fallbacks
+        self.replay = replay  # ops that autoparallel.planner.replay names run as their local op, not through DTensor
         self.report = LoweringReport(nodes_before=len(gm.graph.nodes))
         self._node: fx.Node | None = None
 
@@ -278,6 +285,9 @@ class PlacedInterpreter(fx.Interpreter):
             return super().call_function(target, args, kwargs)
         if self.keys.get(node.name) in self.fallbacks or is_undroppable_random(target):
             return self._replicated(node, target, args, kwargs, tensors, planned)
+        if self.replay and replays(node, [v for _, v, _ in tensors], [pl for _, _, pl in tensors], planned):
+            self.report.replayed += 1
+            return super().call_function(target, args, kwargs)
         return self._via_dtensor(node, target, args, kwargs, planned)
 
     def get_attr(self, target, args, kwargs):
@@ -477,10 +487,11 @@ def _swap_into_export(jd, gm: fx.GraphModule) -> None:
     state.fw_metadata.subclass_tangent_meta = create_subclass_meta(tangents, count_symints=False, with_memory_format=True)
 
 
-def lower_plan(pg: PlanningGraph, plan: Plan, parallel_plan: ParallelPlan) -> tuple[JointGraph, LoweringReport]:
+def lower_plan(pg: PlanningGraph, plan: Plan, parallel_plan: ParallelPlan, *, replay: bool = False) -> tuple[JointGraph, LoweringReport]:
     """The per-rank joint graph of ``plan`` on ``pg`` (traced with ``keep_joint=True``), as a
     :class:`JointGraph` every later stage takes; consumes ``pg.joint`` (its export now compiles
-    the lowered graph)."""
+    the lowered graph). ``replay``: the ops ``autoparallel.planner.replay`` names run as their
+    local op (the pipeline passes ``PipelineOptions.lowering == "replay"``)."""
     from torch.fx.experimental.proxy_tensor import make_fx
 
     jg = pg.joint
@@ -499,7 +510,7 @@ def lower_plan(pg: PlanningGraph, plan: Plan, parallel_plan: ParallelPlan) -> tu
     args = local_placeholders(pg, placed, fake_local)
     sink_placeholder_aliases(pg.graph)
     _mark_planned_nodes(pg)
-    interp = PlacedInterpreter(pg.gm, placed, pg.mesh, pg.keys, plan.fallbacks)
+    interp = PlacedInterpreter(pg.gm, placed, pg.mesh, pg.keys, plan.fallbacks, replay=replay)
 
     def run(*a):
         return interp.run(*a, enable_io_processing=False)

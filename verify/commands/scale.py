@@ -109,7 +109,7 @@ def import_stage_modules() -> float:
     return time.perf_counter() - t0
 
 
-def run_once(scenario: Scenario, bucket_cap_mb: float, progress: Callable[[str], None]) -> list[dict]:
+def run_once(scenario: Scenario, bucket_cap_mb: float, progress: Callable[[str], None], lowering: str = "dtensor") -> list[dict]:
     """One pass over every stage, then the alternatives; a list of stage dicts (seconds, metrics).
 
     Stats are taken by an observer as each stage ends, on the live graphs (no copies: at 8B size
@@ -128,7 +128,7 @@ def run_once(scenario: Scenario, bucket_cap_mb: float, progress: Callable[[str],
         stages.append(entry)
         progress(f"[{len(stages)}/{n}] {entry['name']:<32} {result.seconds:7.2f}s  rss {entry['rss_gib']:.2f} GiB")
 
-    options = pipeline_options(bucket_cap_mb, snapshots=False)
+    options = pipeline_options(bucket_cap_mb, snapshots=False, lowering=lowering)
     run_pipeline(*scenario.pipeline_inputs(), options, observers=[record], trace=stage_tracer)
     # The alternatives run right after the second compile (they read its graphs before the
     # sequence rewrites them); the table lists the sequence first.
@@ -151,7 +151,8 @@ def pipeline_over_trace(stages: list[dict], import_seconds: float) -> float | No
     return (import_seconds + sum(s["seconds"] for s in stages if not s["alternative"])) / trace
 
 
-def run_scale(scenario: Scenario, *, repeat: int = 1, bucket_cap_mb: float = BUCKET_CAP_MB, progress=lambda m: None) -> dict:
+def run_scale(scenario: Scenario, *, repeat: int = 1, bucket_cap_mb: float = BUCKET_CAP_MB, progress=lambda m: None,
+              lowering: str = "dtensor") -> dict:
     t0 = time.perf_counter()
     import_seconds = import_stage_modules()
     progress(f"imports {import_seconds:.2f}s (once per process, in no stage)")
@@ -159,7 +160,7 @@ def run_scale(scenario: Scenario, *, repeat: int = 1, bucket_cap_mb: float = BUC
     for i in range(repeat):
         if repeat > 1:
             progress(f"repeat {i + 1}/{repeat}")
-        runs.append(run_once(scenario, bucket_cap_mb, progress))
+        runs.append(run_once(scenario, bucket_cap_mb, progress, lowering))
     ratios = [r for r in (pipeline_over_trace(run, import_seconds) for run in runs) if r is not None]
     stages = runs[-1]
     for j, stage in enumerate(stages):
@@ -174,6 +175,7 @@ def run_scale(scenario: Scenario, *, repeat: int = 1, bucket_cap_mb: float = BUC
         "plan": scenario.plan_obj().describe(),
         "repeat": repeat,
         "bucket_cap_mb": bucket_cap_mb,
+        "lowering": lowering,
         "import_seconds": round(import_seconds, 3),
         "stages": stages,
         # What one cold run costs: the imports plus every stage (median of the repeats).
@@ -293,7 +295,7 @@ def main(args) -> int:
             progress(f"--- {n} layers (fresh process) ---")
             cmd = [sys.executable, "-m", "verify", "scale", "--preset", args.preset, "--layers", str(n),
                    "--mesh", args.mesh, "--plan", args.plan, "--repeat", str(args.repeat),
-                   "--bucket-cap-mb", str(args.bucket_cap_mb), "--json"]
+                   "--bucket-cap-mb", str(args.bucket_cap_mb), "--lowering", args.lowering, "--json"]
             for flag, value in (("--param-dtype", args.param_dtype), ("--reduce-dtype", args.reduce_dtype)):
                 if value:
                     cmd += [flag, value]
@@ -317,6 +319,6 @@ def main(args) -> int:
     )
     check_flags(scenario)
     progress(f"{scenario.header()}: {len(stages_for(scenario.plan_obj()))} stages and {len(COLLECTIVE_PASS_NAMES)} alternatives")
-    result = run_scale(scenario, repeat=args.repeat, bucket_cap_mb=args.bucket_cap_mb, progress=progress)
+    result = run_scale(scenario, repeat=args.repeat, bucket_cap_mb=args.bucket_cap_mb, progress=progress, lowering=args.lowering)
     print(json.dumps(result, indent=2) if args.json else format_scale(result))
     return 0

@@ -111,7 +111,7 @@ def intra_op_threads(n: int = 1) -> Iterator[None]:
         torch.set_num_threads(old)
 
 
-_shared_runs: dict | None = None  # while reuse_pipeline_runs() is entered: arguments -> [(until, kept, alternatives, run)]
+_shared_runs: dict | None = None  # while reuse_pipeline_runs() is entered: (scenario, cap, span, lowering) -> [(until, kept, alternatives, run)]
 
 
 @contextlib.contextmanager
@@ -167,6 +167,7 @@ def run_scenario(
     until: str | None = None,
     keep_compiled: bool = False,
     alternatives: bool = True,
+    lowering: str = "dtensor",
 ) -> P.PipelineRun:
     """Every stage of ``autoparallel.pipeline.STAGES`` for ``scenario`` on one fake world (graphs
     of rank 0: bucketing is rank-specific), plus the alternatives, each stage's graphs copied.
@@ -176,17 +177,19 @@ def run_scenario(
     use it; it runs one forward on the fake world, so keep it off for models too large to run); a
     shared run that kept it also serves requests without, until a parity run consumed its
     compiled module. ``alternatives=False``: without them (``check_model`` reads only the
-    stages; they cost about a fifth of a small model's run)."""
+    stages; they cost about a fifth of a small model's run). ``lowering``: ``PipelineOptions.lowering``
+    (part of the shared runs' key: a DTensor run never answers a replay request)."""
     names = [stage.name for stage in P.stages_for(scenario.plan_obj())]
     if until is not None and until not in names:
         raise ValueError(f"until={until!r} is no stage; stages: {names}")
-    key = (scenario, bucket_cap_mb, topo_span)
+    key = (scenario, bucket_cap_mb, topo_span, lowering)
     if _shared_runs is not None:
         for shared in _shared_runs.get(key, ()):
             if _serves(names, shared, until, keep_compiled, alternatives):
                 return shared[-1]
     alternatives = alternatives and until is None
-    options = pipeline_options(bucket_cap_mb, topo_span, keep_compiled=keep_compiled, alternatives=alternatives)
+    options = pipeline_options(bucket_cap_mb, topo_span, keep_compiled=keep_compiled, alternatives=alternatives,
+                               lowering=lowering)
     # A kept module is for gloo ranks with one intra-op thread each (Dynamo guards on it).
     with intra_op_threads(1) if keep_compiled else contextlib.nullcontext():
         # A kept module runs: its model is built with values (on meta it would run on memory

@@ -16,7 +16,7 @@ def test_scale_json_has_every_stage_and_field(capsys):
     result = json.loads(capsys.readouterr().out)
     alternatives = [f"{name} (alone)" for name in COLLECTIVE_PASS_NAMES]
     assert [s["name"] for s in result["stages"]] == [*STAGE_NAMES, *alternatives]
-    assert result["layers"] == 1 and result["mesh"] == "dp=4,tp=2"
+    assert result["layers"] == 1 and result["mesh"] == "dp=4,tp=2" and result["lowering"] == "dtensor"
     for stage in result["stages"]:
         assert {"seconds", "rss_gib", "nodes", "collectives", "max_consec_compute_between_rs"} <= set(stage)
         assert stage["seconds"] >= 0
@@ -38,6 +38,14 @@ def test_scale_json_has_every_stage_and_field(capsys):
     ratio = result["pipeline_seconds"] / trace
     assert result["pipeline_over_trace"] == pytest.approx(ratio, abs=0.005 * (1 + ratio) / trace + 0.005 + 1e-9)
     assert result["pipeline_over_trace_samples"] == [result["pipeline_over_trace"]]
+
+
+def test_an_unknown_lowering_is_refused_with_the_choices(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["scale", "--preset", "tiny", "--lowering", "fast"])
+    assert exit_info.value.code == 2
+    line = next(x for x in capsys.readouterr().err.splitlines() if "--lowering" in x and "invalid choice" in x)
+    assert "'fast'" in line and "dtensor" in line and "replay" in line
 
 
 def test_scaling_table_ratios():

@@ -73,6 +73,19 @@ def test_a_run_without_alternatives_serves_only_requests_that_do_not_want_them(m
     assert len(calls) == 2
 
 
+def test_a_shared_run_answers_only_requests_for_its_lowering(monkeypatch):
+    """The lowering is part of a shared run's key (issue 44: a DTensor run served to a replay
+    request reported replayed=0 in CI, where the session fixture shares runs)."""
+    calls = _counting_runs(monkeypatch)
+    sc = catalog.GOLDEN_SCENARIOS[SID]
+    with reuse_pipeline_runs():
+        dtensor = run_scenario(sc, until="joint")
+        replay = run_scenario(sc, until="joint", lowering="replay")
+        assert replay is not dtensor and [o.lowering for o in calls] == ["dtensor", "replay"]
+        assert run_scenario(sc, until="joint", lowering="replay") is replay and run_scenario(sc, until="joint") is dtensor
+    assert len(calls) == 2
+
+
 def test_check_model_runs_no_alternatives(monkeypatch):
     """check_model runs the alternatives (each collective pass alone: about a fifth of a small
     model's pipeline run) only for the goldens that show them."""
