@@ -25,7 +25,7 @@ stage list is data: a stage can be inserted (:func:`insert_stage`), and ``until=
 stage. ``plan="auto"`` (``ParallelPlan.auto(...)``) runs :data:`PLANNED_STAGES`, which is
 :data:`STAGES` with :data:`PLAN_STAGE` ahead of ``joint``::
 
-    plan                     model + loss + mesh -> a Plan (planner: trace, ILP, alias round trips)
+    plan                     model + loss + mesh -> a Solution (planner: trace, ILP, alias round trips)
 
 and ``joint`` then lowers that plan instead of tracing a hand plan; every later stage is the
 same. Observers (``observers=[fn]``) see each :class:`StageResult` as soon as its stage ends

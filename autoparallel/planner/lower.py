@@ -15,7 +15,7 @@ module makes it:
   The op then runs through DTensor's dispatch on the redistributed inputs, so shape arguments of
   views and reductions are localized by DTensor's own rules; ops with no DTensor strategy (the
   planner's own rules: CPU SDPA) run on the local tensors directly. So do the plan's replicated
-  fallbacks (``Plan.fallbacks``: an op with no strategy, a random op that is not a dropout) on
+  fallbacks (``Solution.fallbacks``: an op with no strategy, a random op that is not a dropout) on
   inputs gathered to ``Replicate``: the whole op on every rank, its output then split to the
   plan's placement; a plan that feeds one a sharded input is refused (a random op would draw on a
   shard, no slice of the single-device draw). A lifted tensor constant (``get_attr``) is whole on
@@ -64,7 +64,7 @@ from autoparallel.parallelize.joint import JointGraph, label_roles, params_witho
 from autoparallel.parallelize.plan import ParallelPlan
 from autoparallel.passes.permuted_split_cat import permuted_split_cat
 from autoparallel.planner.graph import ALIAS, PlanningGraph
-from autoparallel.planner.plan import Plan, parse_placement
+from autoparallel.planner.solution import Solution, parse_placement
 from autoparallel.planner.strategies import PLANNER_RULES, divides, is_undroppable_random
 from autoparallel.planner.strided import has_strided, piece, sharded_dim
 
@@ -109,7 +109,7 @@ def decode(d: Mapping[str, str] | None, names: Sequence[str]) -> Placements | No
     return tuple(parse_placement(d[n]) for n in names)
 
 
-def node_placements(pg: PlanningGraph, plan: Plan) -> dict[fx.Node, NodePlacements]:
+def node_placements(pg: PlanningGraph, plan: Solution) -> dict[fx.Node, NodePlacements]:
     """Every node's (and the output node's) planned placements; LoweringError naming a node the
     plan does not place, or a plan made for another mesh."""
     names = list(pg.mesh.spec.names)
@@ -371,7 +371,7 @@ def refuse_sharded_inputs(node: fx.Node, key: str | None, ins: Sequence[Placemen
                 + ". Its inputs must be Replicate (the planner's replicated fallback); plan again instead of editing the plan")
 
 
-def check_replicated_fallbacks(pg: PlanningGraph, plan: Plan) -> None:
+def check_replicated_fallbacks(pg: PlanningGraph, plan: Solution) -> None:
     """Before any rank runs: every replicated fallback of ``plan`` (and every random op that is
     not a dropout) takes its inputs Replicate (:func:`refuse_sharded_inputs`)."""
     placed = node_placements(pg, plan)
@@ -475,7 +475,7 @@ def _swap_into_export(jd, gm: fx.GraphModule) -> None:
     state.fw_metadata.subclass_tangent_meta = create_subclass_meta(tangents, count_symints=False, with_memory_format=True)
 
 
-def lower_plan(pg: PlanningGraph, plan: Plan, parallel_plan: ParallelPlan) -> tuple[JointGraph, LoweringReport]:
+def lower_plan(pg: PlanningGraph, plan: Solution, parallel_plan: ParallelPlan) -> tuple[JointGraph, LoweringReport]:
     """The per-rank joint graph of ``plan`` on ``pg`` (traced with ``keep_joint=True``), as a
     :class:`JointGraph` every later stage takes; consumes ``pg.joint`` (its export now compiles
     the lowered graph)."""

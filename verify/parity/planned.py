@@ -52,7 +52,7 @@ from autoparallel.planner.lower import (
     node_placements,
     shard_tensor,
 )
-from autoparallel.planner.plan import Plan
+from autoparallel.planner.solution import Solution
 from autoparallel.runtime.steps import (
     Executor,
     StepTrace,
@@ -132,7 +132,7 @@ def planned_case(scenario) -> PlannedCase:
     )
 
 
-def solve(case: PlannedCase) -> Plan:
+def solve(case: PlannedCase) -> Solution:
     """The solver's plan for ``case``, made on a fake world of its mesh (what every rank lowers).
     A random op that is not a dropout placed on a shard (each rank would draw its own numbers, no
     slice of the single-device draw) is an error here, before any rank starts."""
@@ -175,7 +175,7 @@ def eager_executor(planned, mesh, buffers, gm: fx.GraphModule | None = None) -> 
     return Executor(run, buffers)
 
 
-def _rank_case(case: PlannedCase, solved: Plan, batches, executors, mesh) -> PlannedRank:
+def _rank_case(case: PlannedCase, solved: Solution, batches, executors, mesh) -> PlannedRank:
     torch._dynamo.reset()
     # The second compile's executor runs the module the pipeline compiled (keep_compiled): a
     # second torch.compile here would re-trace and re-partition the same module. Running it in
@@ -234,7 +234,7 @@ def run_planned_parity(
     *,
     executors: Sequence[str] = EXECUTORS,
     timeout_s: float = 300.0,
-) -> list[tuple[Plan, list[PlannedRank]]]:
+) -> list[tuple[Solution, list[PlannedRank]]]:
     """Plan each case, then train ``steps`` steps with each of ``executors`` on every rank of one
     gloo world of their (common) mesh; per case: (the solver's plan, per-rank traces)."""
     cases = [cases] if isinstance(cases, PlannedCase) else list(cases)

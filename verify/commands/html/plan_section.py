@@ -2,7 +2,7 @@
 section, written for a reader, not for the solver: first the objective (the predicted step time and
 whether the solver proved it), then what was placed where (parameters grouped by placement, and
 every op replicated by the fallback or a lifted constant, with why), then the costliest nodes with
-``Plan.explain`` (where a reader asks "why this placement?" first). The solver's own statistics
+``Solution.explain`` (where a reader asks "why this placement?" first). The solver's own statistics
 and seconds are collapsed under one details element at the end."""
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ from torch import nn
 from autoparallel import pipeline as P
 from autoparallel.mesh import fake_world
 from autoparallel.parallelize import ParallelPlan
-from autoparallel.planner import Plan
+from autoparallel.planner import Solution
 from autoparallel.planner.auto import (
     _check_reduce_dtype,
     local_params,
@@ -56,7 +56,7 @@ def test_the_plan_stage_reports_the_solvers_seconds_and_keeps_its_plan(mlp, mlp_
     assert seconds["solve"] == stats["lp_seconds"] + stats["solve_seconds"]
     assert seconds["trace"] > 0 and seconds["alias_round_trips"] > 0
     solved = planned.solved
-    assert isinstance(solved, Plan) and solved is not planned.plan and solved._context is None
+    assert isinstance(solved, Solution) and solved is not planned.plan and solved._context is None
     assert solved.params == planned.plan.params and solved.mesh == planned.plan.mesh
 
 

@@ -10,7 +10,7 @@ from html import escape
 import pytest
 
 from autoparallel.pipeline import PLAN
-from autoparallel.planner.plan import Plan
+from autoparallel.planner.solution import Solution
 from verify.commands.html import build_report_page, records_from_pipeline_run
 from verify.commands.html.page import page_sections
 from verify.commands.html.plan_section import COSTLIEST, plan_section
@@ -78,7 +78,7 @@ def test_a_time_limited_plan_says_it_is_not_proven_and_a_plan_from_json_cannot_e
     report = planned_run.stage(PLAN).report
     limited = dataclasses.replace(report, proven_optimal=False)
     assert escape("NOT proven optimal: the solver's time limit returned its best plan so far") in plan_section(limited)
-    loaded = dataclasses.replace(report, plan=Plan.from_json(report.plan.to_json()))
+    loaded = dataclasses.replace(report, plan=Solution.from_json(report.plan.to_json()))
     html = plan_section(loaded)
     assert "explain: not available" in html and "class=explain" not in html
     with pytest.raises(ValueError, match="carries no plan"):
@@ -103,7 +103,7 @@ def test_on_a_2d_mesh_each_parameter_has_a_column_per_mesh_dim(planned_run):
     data["mesh"] = [*data["mesh"], ["tp", 2]]
     first = next(iter(data["params"]))
     data["params"][first] = {**data["params"][first], "tp": "S(1)"}
-    html = plan_section(dataclasses.replace(report, plan=Plan.from_json(data)))
+    html = plan_section(dataclasses.replace(report, plan=Solution.from_json(data)))
     table = html.split("plan-params")[1].split("</table>")[0]
     assert re.findall(r"<th>([^<]+)</th>", table) == ["parameter", "dp", "tp"]
     rows = re.findall(r"<tr><td>([^<]+)</td><td>([^<]+)</td><td>([^<]+)</td></tr>", table)
