@@ -177,7 +177,7 @@ class PipelineState:
     def local_inputs(self) -> tuple[torch.Tensor, ...]:
         """This rank's slice of the example inputs (for plan="auto": its piece under the plan)."""
         if self.planned is not None:
-            return planned_local_inputs(self.planned.plan, self.example_inputs, self.mesh)
+            return planned_local_inputs(self.planned.solution, self.example_inputs, self.mesh)
         return split_batch(self.example_inputs, self.plan, self.mesh.spec, self.mesh.coordinate())
 
 
@@ -387,8 +387,8 @@ def _joint(state: PipelineState) -> tuple[Graphs, Any]:
     if state.plan.is_auto:
         if state.planned is None:
             raise ValueError("plan='auto' needs the plan stage ahead of 'joint': run PLANNED_STAGES (run_pipeline's default for it)")
-        state.joint, report = lower_plan(state.planned.pg, state.planned.plan, state.plan)
-        params, buffers = planned_local_values(state.planned.plan, state.model, state.mesh)
+        state.joint, report = lower_plan(state.planned.pg, state.planned.solution, state.plan)
+        params, buffers = planned_local_values(state.planned.solution, state.model, state.mesh)
         state.joint.local_params.update(params)
         state.joint.local_buffers.update(buffers)
     else:

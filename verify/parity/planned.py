@@ -21,7 +21,7 @@ per stage of ``PLANNED_STAGES`` after the plan, as the hand plans' parity runs t
 (the second compile's graphs through every collective pass, composed). The plan is made once, in
 this process, on a fake world of the same mesh; each rank lowers it for itself (lowered graphs are
 rank-specific: a local split keeps the rank's piece) by running the pipeline on the real world
-with ``ParallelPlan.auto(plan=<the solver's plan>)``, every stage's graphs a snapshot; the second
+with ``ParallelPlan.auto(solution=<the solver's plan>)``, every stage's graphs a snapshot; the second
 compile keeps its compiled module, which the ``second_compile`` executor runs (a recompile there
 is an error: it would test other graphs than the pipeline made).
 """
@@ -154,7 +154,7 @@ def eager_executor(planned, mesh, buffers, gm: fx.GraphModule | None = None) -> 
     buffers a model updates in place (its ``mutated:<fqn>`` outputs) are written back, and recorded
     like every executor's. ``gm``: another form of the planning graph, with its node names (the
     oracle's, dropout off)."""
-    pg, plan = planned.pg, planned.plan
+    pg, plan = planned.pg, planned.solution
     graph = pg.gm if gm is None else gm
     placed = node_placements(pg, plan)
     if gm is not None:  # the same placements, by node name
@@ -184,9 +184,9 @@ def _rank_case(case: PlannedCase, solved: Solution, batches, executors, mesh) ->
     options = pipeline_options(snapshots=True, alternatives=False, keep_compiled=keep)
     # at least the first partition (its module is built there), further where an executor needs it
     until = last_needed((*executors, STEP_FIRST_PARTITION), PLANNED_STAGES)
-    run = run_pipeline(case.model("cpu" if keep else "meta"), case.loss_fn, batches[0], ParallelPlan.auto(plan=solved), mesh,
+    run = run_pipeline(case.model("cpu" if keep else "meta"), case.loss_fn, batches[0], ParallelPlan.auto(solution=solved), mesh,
                        options, until=until)
-    plan = run.planned.plan
+    plan = run.planned.solution
     model = case.model("cpu")
     full = {fqn: p.detach() for fqn, p in model.named_parameters()}
     init = local_params(plan, full, mesh)

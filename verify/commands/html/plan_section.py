@@ -86,8 +86,8 @@ def _explained(plan: Any, n: int) -> str:
 
 
 def plan_section(report: Any, *, costliest: int = COSTLIEST) -> str:
-    """The section's HTML for a ``PlanningReport`` whose ``plan`` is set (the stage's output)."""
-    plan = report.plan
+    """The section's HTML for a ``PlanningReport`` whose ``solution`` is set (the stage's output)."""
+    plan = report.solution
     if plan is None:
         raise ValueError("the plan stage's report carries no plan: nothing to show")
     return "".join([

@@ -523,7 +523,7 @@ def test_a_buffers_new_value_placed_apart_from_the_buffer_is_named():
     with fake_world("dp=2,tp=2") as mesh:
         run = P.run_pipeline(model, case.loss_fn, case.batch(4),
                              ParallelPlan.auto(pins={"buffer:bn.running_mean": "dp:R,tp:S(0)"}), mesh, until=P.PLAN)
-    good = run.planned.plan
+    good = run.planned.solution
     assert "fwd_bwd" not in check_plan(good, *traced_graph(good), semantics=False).groups()
 
     def apart(p):
@@ -542,7 +542,7 @@ def test_ops_with_missing_outputs_run_on_simulated_ranks():
     with torch.device("meta"):
         model = case.factory()
     with fake_world("dp=2") as mesh:
-        plan = P.run_pipeline(model, case.loss_fn, case.batch(4), "auto", mesh, until=P.PLAN).planned.plan
+        plan = P.run_pipeline(model, case.loss_fn, case.batch(4), "auto", mesh, until=P.PLAN).planned.solution
     gm, _ = traced_graph(plan)
     missing = {n.name: [m is None for m in plan_semantics.tensor_metas(n)] for n in gm.graph.nodes if n.op == "call_function"
                and any(m is None for m in plan_semantics.tensor_metas(n))}
