@@ -17,7 +17,7 @@ from torch import fx
 from autoparallel import meta as M
 from autoparallel import patches
 from autoparallel.planner.alias_round_trips import PATCH, eliminate_alias_round_trips
-from autoparallel.planner.costs import Redistribution, Step
+from autoparallel.planner.costs import Redistribution, Move
 from autoparallel.planner.graph import ALIAS, insert_aliases
 from autoparallel.planner.solution import NodePlacement, Solution
 
@@ -77,7 +77,7 @@ class Built:
 
 def one_gather(val, src, dst):
     """A stand-in cost model: every move is one 64-byte tp all-gather of 5 us."""
-    return Redistribution(5.0, (Step("all_gather", "tp", 64, 5.0),))
+    return Redistribution(5.0, (Move("all_gather", "tp", 64, 5.0),))
 
 
 def test_consumer_wanting_the_producer_placement_is_rewired():
