@@ -17,8 +17,8 @@ from autoparallel.planner.api import (
     plan_model,
 )
 from autoparallel.planner.ilp import InfeasiblePlanError, PlannerError, SolverTimeout
-from autoparallel.planner.solution import Solution, diff, parse_placement
 from autoparallel.planner.profile import PROFILES, DeviceProfile, Link, get_profile
+from autoparallel.planner.solution import Solution, diff, parse_placement
 from autoparallel.planner.strategies import NoStrategyError
 
 __all__ = [
@@ -27,10 +27,10 @@ __all__ = [
     "InfeasiblePlanError",
     "Link",
     "NoStrategyError",
-    "Solution",
     "Planner",
     "PlannerConfig",
     "PlannerError",
+    "Solution",
     "SolverTimeout",
     "diff",
     "evaluate_hand_plan",

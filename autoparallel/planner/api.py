@@ -34,7 +34,6 @@ from autoparallel.planner.even_shards import param_bytes_floor, with_even_shards
 from autoparallel.planner.graph import PlanningGraph, find_block_container, trace_planning_graph
 from autoparallel.planner.ilp import IlpResult, solve
 from autoparallel.planner.memory import peak_of, peak_rows
-from autoparallel.planner.solution import NodePlacement, Solution, by_dim, natural_key, parse_placement
 from autoparallel.planner.problem import (
     CONSTANT,
     GETITEM,
@@ -53,6 +52,7 @@ from autoparallel.planner.problem import (
     param_local_bytes,
 )
 from autoparallel.planner.profile import DeviceProfile, get_profile
+from autoparallel.planner.solution import NodePlacement, Solution, by_dim, natural_key, parse_placement
 from autoparallel.planner.strategies import StrategyEnumerator, placements_str
 from autoparallel.planner.strided import has_strided, strided_variants
 

@@ -35,8 +35,8 @@ from autoparallel.planner.api import Planner, PlannerConfig
 from autoparallel.planner.costs import CostModel
 from autoparallel.planner.graph import PlanningGraph, trace_planning_graph
 from autoparallel.planner.lower import decode, shard_tensor
-from autoparallel.planner.solution import Solution
 from autoparallel.planner.profile import get_profile
+from autoparallel.planner.solution import Solution
 
 log = logging.getLogger(__name__)
 

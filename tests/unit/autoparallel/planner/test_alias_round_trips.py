@@ -17,7 +17,7 @@ from torch import fx
 from autoparallel import meta as M
 from autoparallel import patches
 from autoparallel.planner.alias_round_trips import PATCH, eliminate_alias_round_trips
-from autoparallel.planner.costs import Redistribution, Move
+from autoparallel.planner.costs import Move, Redistribution
 from autoparallel.planner.graph import ALIAS, insert_aliases
 from autoparallel.planner.solution import NodePlacement, Solution
 

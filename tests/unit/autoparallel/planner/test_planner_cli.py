@@ -55,3 +55,16 @@ def test_an_infeasible_budget_is_reported_with_the_smallest_feasible_one(capsys)
     assert main(["solve", "--preset", "tiny", "--mesh", "dp=8", "--memory-budget", "0.00000001"]) == 2
     err = capsys.readouterr().err
     assert "constraint group 'param_memory' cannot be met" in err and "raise the budget to at least" in err
+
+
+def test_plan_is_an_alias_that_runs_exactly_as_solve(capsys):
+    """README and issue 42 run ``python -m verify plan``: the alias gives solve's output and errors."""
+    got = {}
+    for command in ("solve", "plan"):
+        assert main([command, "--model", "ln_mlp", "--mesh", "dp=2", "--text"]) == 0
+        out = capsys.readouterr().out
+        with pytest.raises(SystemExit) as e:  # a preset's size flag with --model: the same check
+            main([command, "--model", "ln_mlp", "--layers", "2"])
+        got[command] = (out, e.value.code, capsys.readouterr().err)
+    assert got["plan"] == got["solve"]
+    assert got["solve"][0].startswith("model: ") and got["solve"][1] == 2 and "--layers: sizes a LLaMA-3 preset" in got["solve"][2]

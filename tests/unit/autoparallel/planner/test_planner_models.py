@@ -24,9 +24,9 @@ from autoparallel.mesh import fake_world
 from autoparallel.parallelize import ParallelPlan
 from autoparallel.planner import (
     InfeasiblePlanError,
-    Solution,
     Planner,
     PlannerConfig,
+    Solution,
     diff,
     evaluate_hand_plan,
     parse_placement,

@@ -25,7 +25,7 @@ from autoparallel import pipeline as P
 from autoparallel.fx_utils import copy_graph_module
 from autoparallel.mesh import fake_world
 from autoparallel.parallelize import ParallelPlan
-from autoparallel.planner import Solution, Planner, PlannerConfig
+from autoparallel.planner import Planner, PlannerConfig, Solution
 from autoparallel.planner import problem as planner_problem
 from autoparallel.planner import strategies as planner_strategies
 from verify import zoo
