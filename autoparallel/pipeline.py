@@ -25,7 +25,7 @@ stage list is data: a stage can be inserted (:func:`insert_stage`), and ``until=
 stage. ``plan="auto"`` (``ParallelPlan.auto(...)``) runs :data:`PLANNED_STAGES`, which is
 :data:`STAGES` with :data:`PLAN_STAGE` ahead of ``joint``::
 
-    plan                     model + loss + mesh -> a Plan (planner: trace, ILP, alias round trips)
+    plan                     model + loss + mesh -> a Solution (planner: trace, ILP, alias round trips)
 
 and ``joint`` then lowers that plan instead of tracing a hand plan; every later stage is the
 same. Observers (``observers=[fn]``) see each :class:`StageResult` as soon as its stage ends
@@ -187,7 +187,7 @@ class PipelineState:
     def local_inputs(self) -> tuple[torch.Tensor, ...]:
         """This rank's slice of the example inputs (for plan="auto": its piece under the plan)."""
         if self.planned is not None:
-            return planned_local_inputs(self.planned.plan, self.example_inputs, self.mesh)
+            return planned_local_inputs(self.planned.solution, self.example_inputs, self.mesh)
         return split_batch(self.example_inputs, self.plan, self.mesh.spec, self.mesh.coordinate())
 
 
@@ -406,9 +406,9 @@ def _joint(state: PipelineState) -> tuple[Graphs, Any]:
     if state.plan.is_auto:
         if state.planned is None:
             raise ValueError("plan='auto' needs the plan stage ahead of 'joint': run PLANNED_STAGES (run_pipeline's default for it)")
-        state.joint, report = lower_plan(state.planned.pg, state.planned.plan, state.plan,
+        state.joint, report = lower_plan(state.planned.pg, state.planned.solution, state.plan,
                                            replay=state.options.lowering == "replay")
-        params, buffers = planned_local_values(state.planned.plan, state.model, state.mesh)
+        params, buffers = planned_local_values(state.planned.solution, state.model, state.mesh)
         state.joint.local_params.update(params)
         state.joint.local_buffers.update(buffers)
     else:

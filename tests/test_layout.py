@@ -11,7 +11,8 @@
 * outside ``verify/stages/registry.py``, verify/ neither keys a dict literal by a stage name nor
   compares a name with one (``==``, ``!=``, ``in (...)``): what to do for a stage comes from its
   registry entry;
-* every test path listed in code exists (xdist module groups, line-mutation defaults).
+* every test path listed in code exists (xdist module groups, line-mutation defaults);
+* names retired by docs/layout.md's "Words with two meanings" stay gone (code, tests and docs).
 
 Each checker is also fed a small bad source, so a checker that cannot fail fails here.
 """
@@ -483,6 +484,65 @@ def test_stage_dispatch_check_finds_keys_and_comparisons():
                     'ok = name in (STEP_FIRST_PARTITION, "other")\nx = {"fsdp": 1}\nif s != "second_compile": pass\n')}
     assert stage_dispatch(bad, _stage_constants()) == [
         "m.py:1: JOINT", "m.py:1: 'cleanup'", "m.py:2: SECOND_COMPILE", "m.py:3: STEP_FIRST_PARTITION", "m.py:5: 'second_compile'"]
+
+
+# --- retired names (docs/layout.md, "Words with two meanings") ---------------------------------
+
+# The planner's result was ``Plan`` in ``autoparallel.planner.plan``; now "plan" names a ParallelPlan
+# only. Pieces of a name, so that this file does not match itself.
+RETIRED_NAMES = {"Pl" + "an": "Solution"}
+RETIRED_MODULES = {"autoparallel.planner." + "plan": "autoparallel.planner.solution"}
+_RETIRED_IN_DOCS = re.compile("|".join(("`Pl" + r"an\b", r"\bPl" + r"an\.[a-z]", r"autoparallel\.planner\.pl" + r"an\b",
+                                        r"planner/pl" + r"an\.py")))
+# Only a source that spells a retired name somewhere is parsed (tests/ is not in _sources' cache).
+_RETIRED_TEXT = re.compile("|".join(rf"\b{re.escape(n)}\b" for n in [*RETIRED_NAMES, *RETIRED_MODULES]))
+
+
+def retired_names(sources: dict[str, str]) -> list[str]:
+    """Identifiers (names, attributes, definitions, imported names) and module names (imports,
+    string constants) that docs/layout.md's table retired, in line order."""
+    out: list[tuple[str, int, str]] = []
+    for path, text in sources.items():
+        if not _RETIRED_TEXT.search(text):
+            continue
+        for n in ast.walk(_parse(text)):
+            names: list[str] = []
+            if isinstance(n, ast.Name):
+                names = [n.id]
+            elif isinstance(n, ast.Attribute):
+                names = [n.attr]
+            elif isinstance(n, ast.ClassDef | ast.FunctionDef):
+                names = [n.name]
+            elif isinstance(n, ast.Import):
+                names = [a.name for a in n.names]
+            elif isinstance(n, ast.ImportFrom):
+                names = [n.module or "", *(a.name for a in n.names), *(f"{n.module}.{a.name}" for a in n.names)]
+            elif isinstance(n, ast.Constant) and isinstance(n.value, str):
+                names = [n.value]
+            hits = [x for x in names if x in RETIRED_NAMES or x in RETIRED_MODULES]
+            out += [(path, n.lineno, x) for x in dict.fromkeys(hits)]
+    return [f"{path}:{line}: {x}" for path, line, x in sorted(out)]
+
+
+def retired_in_docs(texts: dict[str, str]) -> list[str]:
+    return [f"{path}:{i}: {m.group(0)}" for path, text in texts.items()
+            for i, line in enumerate(text.splitlines(), 1) for m in _RETIRED_IN_DOCS.finditer(line)]
+
+
+def test_retired_names_are_gone():
+    assert retired_names(_sources(*PACKAGES, "tests")) == [], f"renamed: {RETIRED_NAMES | RETIRED_MODULES}"
+    docs = {str(p.relative_to(ROOT)): p.read_text() for p in [*sorted((ROOT / "docs").glob("*.md")), ROOT / "ARCHITECTURE.md", ROOT / "README.md"]}
+    assert retired_in_docs(docs) == [], f"renamed: {RETIRED_NAMES | RETIRED_MODULES}"
+
+
+def test_retired_name_checks_find_each_form():
+    old, mod = "Pl" + "an", "autoparallel.planner." + "plan"
+    bad = {"m.py": (f"from autoparallel.planner import {old}\nfrom {mod} import diff\nimport {mod}\nx: {old} = p.{old}\n"
+                    f"class {old}: pass\nok = {{{mod!r}}}\nPlanner, plan, Solution, ParallelPlan\n")}
+    assert retired_names(bad) == [f"m.py:1: {old}", f"m.py:2: {mod}", f"m.py:3: {mod}", f"m.py:4: {old}",
+                                  f"m.py:4: {old}", f"m.py:5: {old}", f"m.py:6: {mod}"]
+    doc = {"d.md": f"`{old}.text` and {old}.load\nsee {mod}.diff and autoparallel/planner/{'plan'}.py\n{old} a model; a `ParallelPlan`\n"}
+    assert [r.split(": ", 1)[0] for r in retired_in_docs(doc)] == ["d.md:1", "d.md:1", "d.md:2", "d.md:2"]
 
 
 # --- test paths listed in code ------------------------------------------------------------------

@@ -1,4 +1,4 @@
-"""``python -m verify {report, plan, goldens, mutate, scale, bisect, sweep}``: the equivalence layer's command line.
+"""``python -m verify {report, solve (alias: plan), goldens, mutate, scale, bisect, sweep}``: the equivalence layer's command line.
 
 Every flag is checked where it is parsed, so a bad value is one line that names the flag
 (``argument --layers: ...``), never a traceback or a bare ``int()`` message. ``$AUTOPARALLEL_DISABLE``
@@ -172,7 +172,7 @@ def _parser() -> argparse.ArgumentParser:
                    help="the graph trainer's stages (single-device training step, graph SAC, remat) "
                         "with measured CPU memory, instead of the parallel pipeline")
 
-    pl = sub.add_parser("plan", help="automatic placement: plan a preset on a fake world with the ILP planner")
+    pl = sub.add_parser("solve", aliases=["plan"], help="automatic placement: solve a preset's placement on a fake world with the ILP planner (alias: plan)")
     from verify.commands.planning import add_arguments as add_plan_arguments
 
     add_model_selector(pl, "tiny")
@@ -264,7 +264,7 @@ def _name_list(text: str) -> list[str]:
 
 REPORT_DEFAULTS = {"preset": PRESET, "plan": PLAN, "mesh": MESH}
 # Flags that size a LLaMA-3 preset: a model case (--model, --hf) brings its own sizes.
-PRESET_ONLY = {"plan": ("layers", "seq", "batch"), "scale": ("layers",)}
+PRESET_ONLY = {"solve": ("layers", "seq", "batch"), "scale": ("layers",)}
 
 
 def _preset_only_flags(parser: argparse.ArgumentParser, args) -> None:
@@ -292,6 +292,8 @@ def _report_defaults(parser: argparse.ArgumentParser, args) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
+    if args.command == "plan":  # the alias runs exactly as `solve`
+        args.command = "solve"
     if args.command == "report":
         _report_defaults(parser, args)
     _preset_only_flags(parser, args)
@@ -309,7 +311,7 @@ def main(argv: list[str] | None = None) -> int:
             from verify.commands.report import main as report_main
 
             return report_main(args)
-        if args.command == "plan":
+        if args.command == "solve":
             from verify.commands.planning import main as plan_main
 
             return plan_main(args)

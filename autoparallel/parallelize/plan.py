@@ -211,7 +211,7 @@ class ParallelPlan:
     ``ParallelPlan.auto(...)`` (``plan="auto"``) leaves every placement to the planner: the
     pipeline's ``plan`` stage plans the model (``autoparallel.planner``) and lowers the plan to the
     per-rank joint graph. ``planner`` holds what that stage is told: ``PlannerConfig`` fields by
-    name, or under ``"plan"`` a finished ``autoparallel.planner.Plan`` to lower as it is. A hand
+    name, or under ``"solution"`` a finished ``autoparallel.planner.Solution`` to lower as it is. A hand
     plan has ``planner=None``.
     """
 
@@ -229,7 +229,7 @@ class ParallelPlan:
     @classmethod
     def auto(cls, **planner: Any) -> ParallelPlan:
         """Placements chosen by the planner (see the class docstring); ``planner``: PlannerConfig
-        fields (``profile``, ``memory_budget``, ``pins``, ...) or ``plan=<Plan>``. ``param_dtype``
+        fields (``profile``, ``memory_budget``, ``pins``, ...) or ``solution=<Solution>``. ``param_dtype``
         / ``reduce_dtype`` are this plan's mixed precision, as for the hand plans."""
         kw = {k: planner.pop(k) for k in ("param_dtype", "reduce_dtype", "reshard_after_forward") if k in planner}
         return cls(name=AUTO, tp_rules={}, tp_regions=(), planner=dict(planner), **kw)

@@ -4,9 +4,9 @@
 graph on fake tensors, enumerates candidate placements per node from DTensor's op-strategy
 registry, prices them for an explicit device profile (roofline compute, alpha-beta collectives
 along DTensor's redistribute plans), merges identical transformer blocks, and solves an ILP with
-HiGHS under a parameter-memory budget. The result is a :class:`Plan`: placements per node (by a
+HiGHS under a parameter-memory budget. The result is a :class:`Solution`: placements per node (by a
 canonical key that survives re-tracing), per parameter and per input, by mesh-dim name, with
-the predicted collectives. ``python -m verify plan`` is its command line.
+the predicted collectives. ``python -m verify solve`` is its command line.
 """
 
 from autoparallel.planner.api import (
@@ -17,8 +17,8 @@ from autoparallel.planner.api import (
     plan_model,
 )
 from autoparallel.planner.ilp import InfeasiblePlanError, PlannerError, SolverTimeout
-from autoparallel.planner.plan import Plan, diff, parse_placement
 from autoparallel.planner.profile import PROFILES, DeviceProfile, Link, get_profile
+from autoparallel.planner.solution import Solution, diff, parse_placement
 from autoparallel.planner.strategies import NoStrategyError
 
 __all__ = [
@@ -27,10 +27,10 @@ __all__ = [
     "InfeasiblePlanError",
     "Link",
     "NoStrategyError",
-    "Plan",
     "Planner",
     "PlannerConfig",
     "PlannerError",
+    "Solution",
     "SolverTimeout",
     "diff",
     "evaluate_hand_plan",

@@ -39,7 +39,7 @@ from torch.utils import _pytree as pytree
 from autoparallel import meta as M
 from autoparallel import patches, roles
 from autoparallel.planner.graph import ALIAS, tensor_args
-from autoparallel.planner.plan import NodePlacement, Plan, parse_placement
+from autoparallel.planner.solution import NodePlacement, Solution, parse_placement
 
 log = logging.getLogger(__name__)
 
@@ -97,7 +97,7 @@ def _rewire_positions(node: fx.Node, old: fx.Node, new: fx.Node, positions: set[
     node.args, node.kwargs = tuple(args), dict(kwargs)
 
 
-def _wanted(consumer: fx.Node, plan: Plan, keys: Mapping[str, str], names, output_keys: Sequence[str | None]) -> list[Placements | None]:
+def _wanted(consumer: fx.Node, plan: Solution, keys: Mapping[str, str], names, output_keys: Sequence[str | None]) -> list[Placements | None]:
     """The placement ``consumer`` wants for each of its tensor inputs (None where the plan has none)."""
     if consumer.op == "output":
         return [_decode(plan.nodes[k].out[0], names) if k in plan.nodes else None for k in output_keys]
@@ -114,7 +114,7 @@ def _clear_move(entry: NodePlacement, pos: int) -> None:
             entry.comm = []
 
 
-def _uncount(plan: Plan, redistribution) -> None:
+def _uncount(plan: Solution, redistribution) -> None:
     for step in redistribution.steps:
         slot = plan.comm.get(step.kind, {}).get(step.mesh_dim)
         if slot is None:
@@ -132,7 +132,7 @@ def _uncount(plan: Plan, redistribution) -> None:
 def eliminate_alias_round_trips(
     graph: fx.Graph,
     keys: Mapping[str, str],
-    plan: Plan,
+    plan: Solution,
     *,
     output_roles: Sequence[str | None] = (),
     redistribute: Redistribute | None = None,

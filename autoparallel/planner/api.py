@@ -1,4 +1,4 @@
-"""``plan_model``: model + mesh + example inputs -> :class:`~autoparallel.planner.plan.Plan`.
+"""``plan_model``: model + mesh + example inputs -> :class:`~autoparallel.planner.solution.Solution`.
 
 Trace the unsharded joint graph, enumerate candidates, price them for a device profile, merge
 identical blocks, solve the ILP, and write the plan: per node, per parameter, per input, with
@@ -32,9 +32,8 @@ from autoparallel.planner.blocks import (
 from autoparallel.planner.costs import CostModel
 from autoparallel.planner.even_shards import param_bytes_floor, with_even_shards
 from autoparallel.planner.graph import PlanningGraph, find_block_container, trace_planning_graph
-from autoparallel.planner.ilp import Solution, solve
+from autoparallel.planner.ilp import IlpResult, solve
 from autoparallel.planner.memory import peak_of, peak_rows
-from autoparallel.planner.plan import NodePlacement, Plan, by_dim, natural_key, parse_placement
 from autoparallel.planner.problem import (
     CONSTANT,
     GETITEM,
@@ -53,6 +52,7 @@ from autoparallel.planner.problem import (
     param_local_bytes,
 )
 from autoparallel.planner.profile import DeviceProfile, get_profile
+from autoparallel.planner.solution import NodePlacement, Solution, by_dim, natural_key, parse_placement
 from autoparallel.planner.strategies import StrategyEnumerator, placements_str
 from autoparallel.planner.strided import has_strided, strided_variants
 
@@ -100,7 +100,7 @@ def plan_model(
     *,
     description: str | None = None,
     progress: Progress | None = None,
-) -> Plan:
+) -> Solution:
     """Plan ``loss_fn(model(*inputs[:-1]), inputs[-1])`` on ``mesh`` (a fake world is fine)."""
     config = config or PlannerConfig()
     with fewer_collections():
@@ -204,7 +204,7 @@ class Planner:
             self._graphs[key] = (graph, costs, seconds)
         return self._graphs[key]
 
-    def plan(self, mesh: ParallelMesh | None = None, config: PlannerConfig | None = None, *, progress: Progress | None = None) -> Plan:
+    def plan(self, mesh: ParallelMesh | None = None, config: PlannerConfig | None = None, *, progress: Progress | None = None) -> Solution:
         config = config or PlannerConfig()
         mesh = mesh or self.pg.mesh
         say = progress or (lambda msg: log.info("%s", msg))
@@ -309,7 +309,7 @@ def _split_top(text: str) -> list[str]:
     return out
 
 
-def make_plan(graph: Graph, costs: CostModel, choice: np.ndarray, solution: Solution | None, budget: float | None, description: str, profile: DeviceProfile) -> Plan:
+def make_plan(graph: Graph, costs: CostModel, choice: np.ndarray, solution: IlpResult | None, budget: float | None, description: str, profile: DeviceProfile) -> Solution:
     names = list(graph.mesh_names)
     nodes = graph.nodes
     params, inputs, placed = {}, {}, {}
@@ -353,7 +353,7 @@ def make_plan(graph: Graph, costs: CostModel, choice: np.ndarray, solution: Solu
         st = solution.stats
         stats = {k: getattr(st, k) for k in st.__dataclass_fields__}
         stats["gap"] = solution.gap
-    return Plan(
+    return Solution(
         model=description,
         mesh=[(n, s) for n, s in zip(names, graph.mesh_sizes, strict=True)],
         profile=profile.name,
@@ -381,7 +381,7 @@ def make_plan(graph: Graph, costs: CostModel, choice: np.ndarray, solution: Solu
 
 @dataclass
 class PlanContext:
-    """What ``Plan.explain`` needs: the planned graph, its cost model and the solution."""
+    """What ``Solution.explain`` needs: the planned graph, its cost model and the solution."""
 
     graph: Graph
     costs: CostModel
@@ -545,7 +545,7 @@ def evaluate_hand_plan(
     planner: Planner | None = None,
     description: str | None = None,
     progress: Progress | None = None,
-) -> Plan:
+) -> Solution:
     """The cost of a hand ``ParallelPlan``: its parameter placements and batch split pinned,
     every other placement chosen at best under the same cost model, with no memory budget
     (the hand plan's own parameter bytes are what they are). ``planner`` reuses a trace of the

@@ -6,7 +6,7 @@ The pipeline's ``plan`` stage (``autoparallel.pipeline.PLAN_STAGE``) calls :func
    (``trace_planning_graph(..., keep_joint=True)``): the planner plans on it and the lowering
    swaps the per-rank graph into that same export, so a planned pipeline traces once, like a
    hand-planned one;
-2. solve (``Planner.plan``), unless the plan was given (``ParallelPlan.auto(plan=...)``: a plan
+2. solve (``Planner.plan``), unless the plan was given (``ParallelPlan.auto(solution=...)``: a plan
    made earlier for the same model and inputs, e.g. loaded from JSON or shared between tests);
 3. :func:`~autoparallel.planner.alias_round_trips.eliminate_alias_round_trips` on plan + graph.
 
@@ -35,12 +35,12 @@ from autoparallel.planner.api import Planner, PlannerConfig
 from autoparallel.planner.costs import CostModel
 from autoparallel.planner.graph import PlanningGraph, trace_planning_graph
 from autoparallel.planner.lower import decode, shard_tensor
-from autoparallel.planner.plan import Plan
 from autoparallel.planner.profile import get_profile
+from autoparallel.planner.solution import Solution
 
 log = logging.getLogger(__name__)
 
-GIVEN_PLAN = "plan"  # ParallelPlan.auto(plan=...): lower this plan instead of solving
+GIVEN_SOLUTION = "solution"  # ParallelPlan.auto(solution=...): lower this plan instead of solving
 
 
 @dataclass
@@ -57,7 +57,7 @@ class PlanningReport:
     aliases: AliasRoundTripReport
     seconds: dict[str, float] = field(default_factory=dict)
     solver: dict = field(default_factory=dict)
-    plan: Plan | None = field(default=None, repr=False)  # the stage's output (round trips removed)
+    solution: Solution | None = field(default=None, repr=False)  # the stage's output (round trips removed)
 
     def summary(self) -> str:
         how = "given plan" if self.given else ("optimal" if self.proven_optimal else "NOT proven optimal (time limit)")
@@ -71,23 +71,23 @@ class PlanningReport:
 class Planned:
     """What the plan stage hands the ``joint`` stage: the plan (alias round trips removed), the
     planning graph (its export still open), the stage's report, and ``solved``: the plan as the
-    solver returned it (what ``ParallelPlan.auto(plan=...)`` takes to plan the same model again
+    solver returned it (what ``ParallelPlan.auto(solution=...)`` takes to plan the same model again
     elsewhere, e.g. on each rank of a real world)."""
 
-    plan: Plan
+    solution: Solution
     pg: PlanningGraph
     report: PlanningReport
-    solved: Plan
+    solved: Solution
 
 
 def planner_config(parallel_plan: ParallelPlan) -> PlannerConfig:
     """The PlannerConfig of an auto plan; ValueError naming an option PlannerConfig lacks or a
     reduce dtype the planner cannot honour."""
-    opts = {k: v for k, v in (parallel_plan.planner or {}).items() if k != GIVEN_PLAN}
+    opts = {k: v for k, v in (parallel_plan.planner or {}).items() if k != GIVEN_SOLUTION}
     known = {f.name for f in fields(PlannerConfig)}
     unknown = sorted(set(opts) - known)
     if unknown:
-        raise ValueError(f"plan 'auto': unknown planner option(s) {unknown}; options: {sorted(known)} (or plan=<Plan>)")
+        raise ValueError(f"plan 'auto': unknown planner option(s) {unknown}; options: {sorted(known)} (or solution=<Solution>)")
     if parallel_plan.param_dtype is not None:
         opts.setdefault("param_dtype", parallel_plan.param_dtype)
     return PlannerConfig(**opts)
@@ -123,9 +123,9 @@ def plan_for_pipeline(
     config = planner_config(parallel_plan)
     _check_reduce_dtype(parallel_plan, model)
     # A given plan is a solver's plan (Planned.solved): its aliases are removed here, on this trace.
-    given = (parallel_plan.planner or {}).get(GIVEN_PLAN)
-    if given is not None and not isinstance(given, Plan):
-        raise ValueError(f"plan 'auto': plan= takes an autoparallel.planner.Plan, got {type(given).__name__}")
+    given = (parallel_plan.planner or {}).get(GIVEN_SOLUTION)
+    if given is not None and not isinstance(given, Solution):
+        raise ValueError(f"plan 'auto': solution= takes an autoparallel.planner.Solution, got {type(given).__name__}")
     t0 = time.perf_counter()
     pg = trace_planning_graph(
         model, mesh, example_inputs, loss_fn, param_dtype=config.param_dtype, block_container=config.block_container, keep_joint=True
@@ -166,17 +166,17 @@ def plan_for_pipeline(
         aliases=aliases,
         seconds=seconds,
         solver={} if given is not None else dict(plan.stats),
-        plan=plan,
+        solution=plan,
     )
     return Planned(plan, pg, report, solved)
 
 
-def _copy(plan: Plan) -> Plan:
+def _copy(plan: Solution) -> Solution:
     """A copy of ``plan``'s placements and predictions (not its solver context)."""
-    return Plan.from_json(copy.deepcopy(plan.to_json()))
+    return Solution.from_json(copy.deepcopy(plan.to_json()))
 
 
-def local_inputs(plan: Plan, inputs: Sequence[torch.Tensor], mesh: ParallelMesh) -> tuple[torch.Tensor, ...]:
+def local_inputs(plan: Solution, inputs: Sequence[torch.Tensor], mesh: ParallelMesh) -> tuple[torch.Tensor, ...]:
     """This rank's pieces of the global ``inputs`` (model inputs, then the target) under ``plan``."""
     out = []
     for i, t in enumerate(inputs):
@@ -187,7 +187,7 @@ def local_inputs(plan: Plan, inputs: Sequence[torch.Tensor], mesh: ParallelMesh)
     return tuple(out)
 
 
-def local_params(plan: Plan, full: Mapping[str, torch.Tensor], mesh: ParallelMesh) -> dict[str, torch.Tensor]:
+def local_params(plan: Solution, full: Mapping[str, torch.Tensor], mesh: ParallelMesh) -> dict[str, torch.Tensor]:
     """This rank's pieces of full parameters (by FQN) under ``plan``."""
     missing = sorted(set(plan.params) - set(full))
     if missing:
@@ -195,7 +195,7 @@ def local_params(plan: Plan, full: Mapping[str, torch.Tensor], mesh: ParallelMes
     return {fqn: shard_tensor(full[fqn], decode(plan.params[fqn], plan.mesh_names), mesh) for fqn in plan.params}
 
 
-def local_values(plan: Plan, model: nn.Module, mesh: ParallelMesh) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+def local_values(plan: Solution, model: nn.Module, mesh: ParallelMesh) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     """(params, buffers): this rank's pieces of ``model``'s parameters and of the buffers the plan
     places, by FQN, where every parameter and buffer of ``model`` is a real tensor; nothing for a
     model on meta or fake tensors (graph work only). The lowered module runs on these: a second
@@ -215,7 +215,7 @@ def local_values(plan: Plan, model: nn.Module, mesh: ParallelMesh) -> tuple[dict
 
 
 __all__ = [
-    "GIVEN_PLAN",
+    "GIVEN_SOLUTION",
     "Planned",
     "PlanningReport",
     "local_inputs",

@@ -45,7 +45,7 @@ _WIRE_FACTOR = {ALL_GATHER: 1.0, REDUCE_SCATTER: 1.0, ALL_REDUCE: 2.0, ALL_TO_AL
 
 
 @dataclass(frozen=True)
-class Step:
+class Move:
     """One collective of a redistribution: its kind, mesh dim, per-rank buffer bytes and time."""
 
     kind: str
@@ -57,7 +57,7 @@ class Step:
 @dataclass(frozen=True)
 class Redistribution:
     us: float
-    steps: tuple[Step, ...]
+    steps: tuple[Move, ...]
 
     @property
     def possible(self) -> bool:
@@ -197,7 +197,7 @@ class CostModel:
         if transforms is None:
             return IMPOSSIBLE
         current = list(src)
-        steps: list[Step] = []
+        steps: list[Move] = []
         total = 0.0
         for i, a, b in transforms:
             before = self._local_bytes(shape, itemsize, tuple(current))
@@ -209,7 +209,7 @@ class CostModel:
                     return IMPOSSIBLE
                 continue  # local step
             us = self.collective_us(kind, i, buf)
-            steps.append(Step(kind, self.names[i], buf, us))
+            steps.append(Move(kind, self.names[i], buf, us))
             total += us
         return Redistribution(total, tuple(steps))
 

@@ -83,7 +83,7 @@ class SolveStats:
 
 
 @dataclass
-class Solution:
+class IlpResult:
     choice: np.ndarray  # one choice per class
     objective_us: float  # without the tie-breaker
     stats: SolveStats
@@ -370,7 +370,7 @@ def _s_integral(problem: Problem, f: Formulation, x: np.ndarray, tol: float = 1e
     return out
 
 
-def solve(problem: Problem, *, time_limit: float | None = 120.0, lp_bound: bool = True, method: str = "lp_first") -> Solution:
+def solve(problem: Problem, *, time_limit: float | None = 120.0, lp_bound: bool = True, method: str = "lp_first") -> IlpResult:
     """Optimal (or, on time-out, the best found) assignment; :class:`PlannerError` otherwise.
 
     ``method="lp_first"`` (default) solves the LP relaxation first: if it is integral it is the
@@ -486,7 +486,7 @@ def solve(problem: Problem, *, time_limit: float | None = 120.0, lp_bound: bool 
         mip_nodes=mip_nodes,
         fixed_by_reduced_cost=fixed,
     )
-    return Solution(choice, objective(problem, choice), stats)
+    return IlpResult(choice, objective(problem, choice), stats)
 
 
 def _feasible(problem: Problem) -> bool:

@@ -18,7 +18,7 @@ module makes it:
   ``lower_plan(..., replay=True)`` (``PipelineOptions(lowering="replay")``), do the ops the plan fully determines
   (``autoparallel.planner.replay``: elementwise ops in their output's placement, matmuls,
   transpositions). So do the plan's replicated
-  fallbacks (``Plan.fallbacks``: an op with no strategy, a random op that is not a dropout) on
+  fallbacks (``Solution.fallbacks``: an op with no strategy, a random op that is not a dropout) on
   inputs gathered to ``Replicate``: the whole op on every rank, its output then split to the
   plan's placement; a plan that feeds one a sharded input is refused (a random op would draw on a
   shard, no slice of the single-device draw). A lifted tensor constant (``get_attr``) is whole on
@@ -68,7 +68,7 @@ from autoparallel.parallelize.plan import ParallelPlan
 from autoparallel.passes.permuted_split_cat import permuted_split_cat
 from autoparallel.passes.value_guards import counts_as_guarded
 from autoparallel.planner.graph import ALIAS, PlanningGraph
-from autoparallel.planner.plan import Plan, parse_placement
+from autoparallel.planner.solution import Solution, parse_placement
 from autoparallel.planner.replay import replays
 from autoparallel.planner.strategies import PLANNER_RULES, divides, is_undroppable_random, planned_by_decomposition
 from autoparallel.planner.strided import has_strided, piece, sharded_dim
@@ -116,7 +116,7 @@ def decode(d: Mapping[str, str] | None, names: Sequence[str]) -> Placements | No
     return tuple(parse_placement(d[n]) for n in names)
 
 
-def node_placements(pg: PlanningGraph, plan: Plan) -> dict[fx.Node, NodePlacements]:
+def node_placements(pg: PlanningGraph, plan: Solution) -> dict[fx.Node, NodePlacements]:
     """Every node's (and the output node's) planned placements; LoweringError naming a node the
     plan does not place, or a plan made for another mesh."""
     names = list(pg.mesh.spec.names)
@@ -383,7 +383,7 @@ def refuse_sharded_inputs(node: fx.Node, key: str | None, ins: Sequence[Placemen
                 + ". Its inputs must be Replicate (the planner's replicated fallback); plan again instead of editing the plan")
 
 
-def check_replicated_fallbacks(pg: PlanningGraph, plan: Plan) -> None:
+def check_replicated_fallbacks(pg: PlanningGraph, plan: Solution) -> None:
     """Before any rank runs: every replicated fallback of ``plan`` (and every random op that is
     not a dropout) takes its inputs Replicate (:func:`refuse_sharded_inputs`)."""
     placed = node_placements(pg, plan)
@@ -487,7 +487,7 @@ def _swap_into_export(jd, gm: fx.GraphModule) -> None:
     state.fw_metadata.subclass_tangent_meta = create_subclass_meta(tangents, count_symints=False, with_memory_format=True)
 
 
-def lower_plan(pg: PlanningGraph, plan: Plan, parallel_plan: ParallelPlan, *, replay: bool = False) -> tuple[JointGraph, LoweringReport]:
+def lower_plan(pg: PlanningGraph, plan: Solution, parallel_plan: ParallelPlan, *, replay: bool = False) -> tuple[JointGraph, LoweringReport]:
     """The per-rank joint graph of ``plan`` on ``pg`` (traced with ``keep_joint=True``), as a
     :class:`JointGraph` every later stage takes; consumes ``pg.joint`` (its export now compiles
     the lowered graph). ``replay``: the ops ``autoparallel.planner.replay`` names run as their

@@ -79,7 +79,7 @@ class _NoRule(NoStrategyError):
     """Neither DTensor's registry nor PLANNER_RULES lists the op (the replicated fallback's case)."""
 
 
-# Why a node took the replicated fallback (``StrategyEnumerator.fallbacks``, ``Plan.fallbacks``).
+# Why a node took the replicated fallback (``StrategyEnumerator.fallbacks``, ``Solution.fallbacks``).
 NO_STRATEGY = "no sharding strategy: inputs gathered to Replicate, the whole op on every rank"
 RANDOM_OP = "random op, not a dropout: every rank draws the whole tensor (the single-device draw)"
 DATA_DEPENDENT = ("reads its input's data (a value guard, or a mask's count as the output's size): inputs gathered "

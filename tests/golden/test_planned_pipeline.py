@@ -45,7 +45,7 @@ def _grouped(sids):
 
 
 def _costs(run):
-    plan = run.planned.plan
+    plan = run.planned.solution
     with fake_world(",".join(f"{n}={s}" for n, s in plan.mesh)) as mesh:
         return CostModel(get_profile(plan.profile), mesh.spec, mesh.device_mesh), dict(plan.mesh)
 
@@ -54,7 +54,7 @@ def _costs(run):
 def test_predicted_collectives_are_the_lowered_graphs(sid, shared_pipeline_runs):
     run = golden_run(sid)
     assert run.names == list(PLANNED_STAGE_NAMES)
-    plan, joint = run.planned.plan, run.stage("joint").graphs
+    plan, joint = run.planned.solution, run.stage("joint").graphs
     costs, sizes = _costs(run)
     assert traced_comm(joint) == expected_on(plan.comm, "cpu", sizes)
     assert plan.comm, "the plan communicates: the comparison compares something"
@@ -71,7 +71,7 @@ def test_a_wrong_prediction_names_the_node(sid, shared_pipeline_runs):
     costs, _ = _costs(run)
     joint = run.stage("joint").graphs
     # The plan says the first parameter all-gather's consumer reads its input as it is produced.
-    plan = copy.deepcopy(run.planned.plan)
+    plan = copy.deepcopy(run.planned.solution)
     ag = next(n for n in joint.graph.nodes if n.target is ALL_GATHER)
     key = ag.meta[M.CUSTOM][M.PLANNED_NODE]
     entry = plan.nodes[key]
@@ -85,7 +85,7 @@ def test_a_wrong_prediction_names_the_node(sid, shared_pipeline_runs):
     g2 = copy.deepcopy(joint)
     stray = next(n for n in g2.graph.nodes if n.target is ALL_GATHER)
     stray.meta[M.CUSTOM] = {k: v for k, v in stray.meta[M.CUSTOM].items() if k != M.PLANNED_NODE}
-    lines = mismatches(predicted_by_node(pg, run.planned.plan, costs), traced_by_node(g2))
+    lines = mismatches(predicted_by_node(pg, run.planned.solution, costs), traced_by_node(g2))
     assert sorted(line.split(":")[0] for line in lines) == sorted(["node ?", f"node {key}"])
 
 
@@ -105,7 +105,7 @@ def test_fsdp_tagging_recognises_planned_all_gather_chains(sid, shared_pipeline_
         assert ag.meta[M.RECOMPUTE] == CheckpointPolicy.MUST_RECOMPUTE, ag.name
         (wait,) = ag.users
         assert wait.meta[M.RECOMPUTE] == CheckpointPolicy.MUST_RECOMPUTE, wait.name
-    sharded = {fqn for fqn, p in run.planned.plan.params.items() if any(v != "R" for v in p.values())}
+    sharded = {fqn for fqn, p in run.planned.solution.params.items() if any(v != "R" for v in p.values())}
     roots = set()
     for ag in gathers:
         src = ag.args[0]

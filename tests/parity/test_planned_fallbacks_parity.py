@@ -42,13 +42,13 @@ def _batch(out: int):
 def test_a_mask_made_from_python_data_in_forward(model_check):
     result = model_check(ModelCase("mask_from_python_data", MaskFromPythonData, mse, _batch(16), batch_per_rank=2),
                          plan="auto", mesh=MESH)
-    plan = result.run.planned.plan
+    plan = result.run.planned.solution
     assert list(plan.constants.values()) == ["_tensor_constant0"]
 
 
 def test_an_op_with_no_strategy_takes_the_replicated_fallback(model_check):
     result = model_check(ModelCase("prototypes", Prototypes, mse, _batch(8), batch_per_rank=2), plan="auto", mesh=MESH)
-    fallbacks = result.run.planned.plan.fallbacks
+    fallbacks = result.run.planned.solution.fallbacks
     assert fallbacks["-/fwd/aten._cdist_forward.default#0"] == NO_STRATEGY
     assert fallbacks["-/bwd/aten._cdist_backward.default#0"] == NO_STRATEGY
 
@@ -120,7 +120,7 @@ def test_a_hugging_face_model_called_with_tokens_only(arch, makes_constants, mod
     case = ModelCase(f"hf-{arch}-tokens-only", lambda: KeywordInputs(cls(config), ("input_ids",)), token_loss,
                      lambda n: (tokens(n), tokens(n)), batch_per_rank=2)
     result = model_check(case, plan="auto", mesh=MESH)
-    assert bool(result.run.planned.plan.constants) == makes_constants
+    assert bool(result.run.planned.solution.constants) == makes_constants
 
 
 def test_an_op_planned_by_its_decomposition_runs_on_the_local_pieces(model_check):
@@ -129,4 +129,4 @@ def test_an_op_planned_by_its_decomposition_runs_on_the_local_pieces(model_check
     result = model_check(ModelCase("log_sigmoid_gate", LogSigmoidGate, mse, _batch(8), batch_per_rank=2), plan="auto", mesh=MESH)
     pg = result.run.planned.pg
     (node,) = pg.gm.graph.find_nodes(op="call_function", target=torch.ops.aten.log_sigmoid_forward.default)
-    assert pg.keys[node.name] not in result.run.planned.plan.fallbacks
+    assert pg.keys[node.name] not in result.run.planned.solution.fallbacks

@@ -66,7 +66,7 @@ def _assert_passes(result, head_bias: str):
     assert set(result.parity) and all(rep.bitwise for rep in result.parity.values())
     assert result.oracle is not None and result.oracle.passed
     # The 3-entry bias cannot shard evenly over either mesh dim: replicated, not padded.
-    assert result.run.planned.plan.params[head_bias] == {"dp": "R", "tp": "R"}
+    assert result.run.planned.solution.params[head_bias] == {"dp": "R", "tp": "R"}
 
 
 @pytest.mark.slow

@@ -133,7 +133,7 @@ def test_under_auto_a_read_is_guarded_replicated_and_bitwise_at_every_stage():
     assert result.parity and all(rep.bitwise for rep in result.parity.values())
     (read,) = result.specialised_reads()
     assert read.endswith("traced with True")
-    plan = result.run.planned.plan
+    plan = result.run.planned.solution
     assert any(why == DATA_DEPENDENT and guard.name().split("::")[1] in key for key, why in plan.fallbacks.items())
     for stage in result.run.results[1:]:  # the plan stage has no graph
         graphs = stage.graphs if isinstance(stage.graphs, tuple) else (stage.graphs,)

@@ -53,7 +53,7 @@ def _lowered_on_every_rank(rows: int, d_in: int, hidden: int, d_out: int, mesh_s
     graphs = []
     for rank in range(spec.world_size):
         with fake_world(spec, rank=rank) as mesh:
-            run = run_pipeline(model, F.cross_entropy, batch, ParallelPlan.auto(plan=planned.solved), mesh, until="joint")
+            run = run_pipeline(model, F.cross_entropy, batch, ParallelPlan.auto(solution=planned.solved), mesh, until="joint")
             graphs.append(run.stage("joint").graphs)
     return planned.solved, graphs
 

@@ -1,4 +1,4 @@
-"""``python -m verify plan``: the automatic placement planner on a model (a LLaMA preset, a
+"""``python -m verify solve``: the automatic placement planner on a model (a LLaMA preset, a
 ``ModelCase`` or a Hugging Face model type: ``verify.__main__.add_model_selector``), on a fake world.
 
 Progress goes to stderr; stdout gets the plan summary and the per-parameter placement table

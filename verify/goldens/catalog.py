@@ -170,7 +170,7 @@ def plan_stage_text(sid: str, result: StageResult) -> str:
         [
             ("header", header_text(header(GOLDEN_SCENARIOS[sid], result.name))),
             ("alias round trips", "\n".join(lines)),
-            ("plan", report.plan.text()),
+            ("plan", report.solution.text()),
         ],
     )
 

@@ -1,6 +1,6 @@
 """Predicted vs traced: does the lowered graph communicate exactly what the plan predicted?
 
-The plan predicts, per step, its collectives per kind and mesh dim (``Plan.comm``: count and
+The plan predicts, per step, its collectives per kind and mesh dim (``Solution.comm``: count and
 bytes, the bytes ``verify.graphs.stats`` counts: an all-gather's output, a reduce-scatter's or
 all-reduce's input). The lowered joint graph (the ``joint`` stage of a ``plan="auto"`` run) has
 real collective nodes; :func:`traced_comm` counts them with ``verify.graphs.stats``. They must be equal.
@@ -30,7 +30,7 @@ from autoparallel.mesh import dim_label, group_dims_of
 from autoparallel.planner.costs import ALL_GATHER, ALL_TO_ALL, CostModel
 from autoparallel.planner.graph import PlanningGraph, tensor_args
 from autoparallel.planner.lower import OUTPUT_KEY, decode
-from autoparallel.planner.plan import Plan
+from autoparallel.planner.solution import Solution
 from verify.graphs.classify import collective_kind, collective_node_bytes
 from verify.graphs.stats import graph_stats
 
@@ -44,7 +44,7 @@ def _add(out: dict, key, kind: str, dim: str, nbytes: int) -> None:
 
 
 def traced_comm(gm: fx.GraphModule) -> Comm:
-    """The graph's collectives per kind and mesh dim (``verify.graphs.stats``), as ``Plan.comm`` spells them."""
+    """The graph's collectives per kind and mesh dim (``verify.graphs.stats``), as ``Solution.comm`` spells them."""
     out: Comm = {}
     for kind, per in graph_stats(gm).collectives.items():
         for dim, cs in per.items():
@@ -65,7 +65,7 @@ def expected_on(comm: Comm, device_type: str, sizes: Mapping[str, int]) -> Comm:
     return {k: dict(sorted(v.items())) for k, v in sorted(out.items())}
 
 
-def predicted_by_node(pg: PlanningGraph, plan: Plan, costs: CostModel) -> dict[str, Comm]:
+def predicted_by_node(pg: PlanningGraph, plan: Solution, costs: CostModel) -> dict[str, Comm]:
     """Per planned node key: the collectives that move its inputs (graph outputs: ``"output"``)."""
     names = plan.mesh_names
     out: dict[str, Comm] = {}

@@ -3,7 +3,7 @@
 The planner builds its candidate lists from DTensor's strategy registry and its own rules; a
 checker that rereads those lists inherits their mistakes (a candidate kept that does not divide
 on a 2-D mesh passes both). This module imports nothing of the planner but the plan's file
-format (``autoparallel.planner.plan``): it re-derives each rule from the traced joint graph (shapes, dtypes, roles), the mesh and
+format (``autoparallel.planner.solution``): it re-derives each rule from the traced joint graph (shapes, dtypes, roles), the mesh and
 the op itself.
 
 Constraint groups (each ``Violation`` names one):
@@ -31,7 +31,7 @@ Constraint groups (each ``Violation`` names one):
   unsharded op's output, and ranks that claim a replicated output agree
   (verify/parity/plan_semantics.py).
 
-Random ops are not run (``PlanCheck.unchecked`` lists them). ``Plan`` objects made by the planner
+Random ops are not run (``PlanCheck.unchecked`` lists them). ``Solution`` objects made by the planner
 carry their traced graph; a plan loaded from JSON needs the graph passed in.
 """
 
@@ -55,7 +55,7 @@ from torch.distributed.tensor.placement_types import (
 
 from autoparallel import meta as M
 from autoparallel import roles
-from autoparallel.planner.plan import parse_placement
+from autoparallel.planner.solution import parse_placement
 from verify.parity.plan_semantics import dropout_p, simulate, static_args, tensor_inputs, tensor_metas, unsharded_values
 from verify.stages.pipeline_run import intra_op_threads
 

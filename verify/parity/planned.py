@@ -21,7 +21,7 @@ per stage of ``PLANNED_STAGES`` after the plan, as the hand plans' parity runs t
 (the second compile's graphs through every collective pass, composed). The plan is made once, in
 this process, on a fake world of the same mesh; each rank lowers it for itself (lowered graphs are
 rank-specific: a local split keeps the rank's piece) by running the pipeline on the real world
-with ``ParallelPlan.auto(plan=<the solver's plan>)``, every stage's graphs a snapshot; the second
+with ``ParallelPlan.auto(solution=<the solver's plan>)``, every stage's graphs a snapshot; the second
 compile keeps its compiled module, which the ``second_compile`` executor runs (a recompile there
 is an error: it would test other graphs than the pipeline made).
 """
@@ -52,7 +52,7 @@ from autoparallel.planner.lower import (
     node_placements,
     shard_tensor,
 )
-from autoparallel.planner.plan import Plan
+from autoparallel.planner.solution import Solution
 from autoparallel.runtime.steps import (
     Executor,
     StepTrace,
@@ -132,7 +132,7 @@ def planned_case(scenario) -> PlannedCase:
     )
 
 
-def solve(case: PlannedCase) -> Plan:
+def solve(case: PlannedCase) -> Solution:
     """The solver's plan for ``case``, made on a fake world of its mesh (what every rank lowers).
     A random op that is not a dropout placed on a shard (each rank would draw its own numbers, no
     slice of the single-device draw) is an error here, before any rank starts."""
@@ -155,7 +155,7 @@ def eager_executor(planned, mesh, buffers, gm: fx.GraphModule | None = None) -> 
     buffers a model updates in place (its ``mutated:<fqn>`` outputs) are written back, and recorded
     like every executor's. ``gm``: another form of the planning graph, with its node names (the
     oracle's, dropout off)."""
-    pg, plan = planned.pg, planned.plan
+    pg, plan = planned.pg, planned.solution
     graph = pg.gm if gm is None else gm
     placed = node_placements(pg, plan)
     if gm is not None:  # the same placements, by node name
@@ -176,7 +176,7 @@ def eager_executor(planned, mesh, buffers, gm: fx.GraphModule | None = None) -> 
     return Executor(run, buffers)
 
 
-def _rank_case(case: PlannedCase, solved: Plan, batches, executors, mesh) -> PlannedRank:
+def _rank_case(case: PlannedCase, solved: Solution, batches, executors, mesh) -> PlannedRank:
     torch._dynamo.reset()
     # The second compile's executor runs the module the pipeline compiled (keep_compiled): a
     # second torch.compile here would re-trace and re-partition the same module. Running it in
@@ -185,9 +185,9 @@ def _rank_case(case: PlannedCase, solved: Plan, batches, executors, mesh) -> Pla
     options = pipeline_options(snapshots=True, alternatives=False, keep_compiled=keep)
     # at least the first partition (its module is built there), further where an executor needs it
     until = last_needed((*executors, STEP_FIRST_PARTITION), PLANNED_STAGES)
-    run = on_meta_else_real(lambda device: run_pipeline(case.model(device), case.loss_fn, batches[0], ParallelPlan.auto(plan=solved),
+    run = on_meta_else_real(lambda device: run_pipeline(case.model(device), case.loss_fn, batches[0], ParallelPlan.auto(solution=solved),
                                                         mesh, options, until=until), real=keep)
-    plan = run.planned.plan
+    plan = run.planned.solution
     model = case.model("cpu")
     full = {fqn: p.detach() for fqn, p in model.named_parameters()}
     init = local_params(plan, full, mesh)
@@ -235,7 +235,7 @@ def run_planned_parity(
     *,
     executors: Sequence[str] = EXECUTORS,
     timeout_s: float = 300.0,
-) -> list[tuple[Plan, list[PlannedRank]]]:
+) -> list[tuple[Solution, list[PlannedRank]]]:
     """Plan each case, then train ``steps`` steps with each of ``executors`` on every rank of one
     gloo world of their (common) mesh; per case: (the solver's plan, per-rank traces)."""
     cases = [cases] if isinstance(cases, PlannedCase) else list(cases)

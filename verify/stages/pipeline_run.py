@@ -50,7 +50,7 @@ def params_summary(run: P.PipelineRun) -> dict:
     ``specialised_reads`` (when there are any): the values the model reads into Python, held as
     traced and guarded."""
     if run.planned is not None:
-        params = run.planned.plan.params
+        params = run.planned.solution.params
         out = {"count": len(params), "fsdp_sharded": sum(1 for p in params.values() if any(v != "R" for v in p.values()))}
     else:
         shardings = run.joint.shardings

@@ -2,7 +2,7 @@
 
 Tracing is the planner's expensive step, so one traced :class:`Planner` serves every mesh,
 profile, budget and pin set of a model (cached per process); plans are cached per case. The
-goldens, the planner tests and ``python -m verify plan`` build models and inputs here.
+goldens, the planner tests and ``python -m verify solve`` build models and inputs here.
 """
 
 from __future__ import annotations

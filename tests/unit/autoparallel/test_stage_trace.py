@@ -46,8 +46,8 @@ ORDER = ["plan", *P.STAGE_NAMES[: P.STAGE_NAMES.index(SECOND_COMPILE) + 1],
 
 
 @dataclass
-class _Plan:
-    """Stands for a planner's plan: anything with ``to_json()``."""
+class _Solution:
+    """Stands for the planner's Solution: anything with ``to_json()``."""
 
     placements: dict = field(default_factory=lambda: {"up.weight": "S(0)", "down.weight": "S(0)"})
 
@@ -57,7 +57,7 @@ class _Plan:
 
 def _plan_stage(state):
     state.plan = ParallelPlan.fsdp("dp")
-    return None, _Plan()
+    return None, _Solution()
 
 
 def _parse_trace(path: Path) -> list[tuple[dict, str | None]]:

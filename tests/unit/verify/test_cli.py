@@ -130,7 +130,7 @@ def test_every_model_command_takes_a_hugging_face_type(command):
     assert _parser().parse_args([command, "--hf", "gpt2"]).model.name == "hf-gpt2"
 
 
-@pytest.mark.parametrize("argv", [["plan", "--model", "ln_mlp", "--layers", "2"], ["plan", "--model", "ln_mlp", "--seq", "8"],
+@pytest.mark.parametrize("argv", [["solve", "--model", "ln_mlp", "--layers", "2"], ["solve", "--model", "ln_mlp", "--seq", "8"],
                                   ["scale", "--model", "ln_mlp", "--layers", "2"]])
 def test_a_presets_size_flags_refuse_a_model_case(argv, capsys):
     assert run(argv) == 2
@@ -146,7 +146,7 @@ def test_check_model_takes_what_model_takes():
 
 
 def test_plan_runs_a_model_case_end_to_end(capsys):
-    assert run(["plan", "--model", "ln_mlp", "--mesh", "dp=2", "--compare-hand", "fsdp"]) == 0
+    assert run(["solve", "--model", "ln_mlp", "--mesh", "dp=2", "--compare-hand", "fsdp"]) == 0
     out = capsys.readouterr().out
     assert out.startswith("plan for ln_mlp batch=4 on mesh dp=2 (h100)")
     assert "hand plan fsdp under the same cost model:" in out

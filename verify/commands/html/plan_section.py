@@ -2,7 +2,7 @@
 section, written for a reader, not for the solver: first the objective (the predicted step time and
 whether the solver proved it), then what was placed where (parameters grouped by placement, and
 every op replicated by the fallback or a lifted constant, with why), then the costliest nodes with
-``Plan.explain`` (where a reader asks "why this placement?" first). The solver's own statistics
+``Solution.explain`` (where a reader asks "why this placement?" first). The solver's own statistics
 and seconds are collapsed under one details element at the end."""
 
 from __future__ import annotations
@@ -86,8 +86,8 @@ def _explained(plan: Any, n: int) -> str:
 
 
 def plan_section(report: Any, *, costliest: int = COSTLIEST) -> str:
-    """The section's HTML for a ``PlanningReport`` whose ``plan`` is set (the stage's output)."""
-    plan = report.plan
+    """The section's HTML for a ``PlanningReport`` whose ``solution`` is set (the stage's output)."""
+    plan = report.solution
     if plan is None:
         raise ValueError("the plan stage's report carries no plan: nothing to show")
     return "".join([

@@ -1,6 +1,6 @@
 """``python -m verify.commands.iopddl.bench DIR [--time-limit S] [--only A,B] [--save FILE]``:
 solve every IOPDDL instance in DIR (``*.json`` / ``*.json.gz``, e.g. google/iopddl's benchmarks
-folder) with ``python -m verify plan --iopddl``'s code path, each answer checked by the
+folder) with ``python -m verify solve --iopddl``'s code path, each answer checked by the
 independent evaluator, and print the table: instance, nodes, our cost, cost / best, seconds,
 proven optimal; then the geometric mean of cost / best and the instances where we beat the best.
 

@@ -1,4 +1,4 @@
-"""``python -m verify plan --iopddl FILE [--time-limit S] [--json]``: solve an IOPDDL contest instance.
+"""``python -m verify solve --iopddl FILE [--time-limit S] [--json]``: solve an IOPDDL contest instance.
 
 The planner's solver core (:mod:`autoparallel.planner.iopddl`) plans; the independent evaluator
 (:mod:`verify.commands.iopddl.check`) re-checks the plan and its claimed cost under the contest's rules

@@ -17,9 +17,9 @@ from torch import fx
 from autoparallel import meta as M
 from autoparallel import patches
 from autoparallel.planner.alias_round_trips import PATCH, eliminate_alias_round_trips
-from autoparallel.planner.costs import Redistribution, Step
+from autoparallel.planner.costs import Move, Redistribution
 from autoparallel.planner.graph import ALIAS, insert_aliases
-from autoparallel.planner.plan import NodePlacement, Plan
+from autoparallel.planner.solution import NodePlacement, Solution
 
 aten = torch.ops.aten
 X_PL = {"dp": "S(0)", "tp": "S(1)"}  # the producer (the residual gradient of seed 000)
@@ -64,7 +64,7 @@ class Built:
             nodes[f"out:output:{i}"] = NodePlacement("output", [nodes[f"C{i}"].out[0]], [nodes[f"C{i}"].out[0]])
         g.output(tuple(outs))
         self.graph = g
-        self.plan = Plan(
+        self.plan = Solution(
             model="hand", mesh=[("dp", 2), ("tp", 2)], profile="h100", memory_budget_bytes=None,
             param_memory_bytes=0, objective_us=100.0, compute_us=40.0, comm_us=60.0, lp_bound_us=None,
             proven_optimal=True, params={}, inputs={}, nodes=nodes, node_names={n: k for n, k in self.keys.items()},
@@ -77,7 +77,7 @@ class Built:
 
 def one_gather(val, src, dst):
     """A stand-in cost model: every move is one 64-byte tp all-gather of 5 us."""
-    return Redistribution(5.0, (Step("all_gather", "tp", 64, 5.0),))
+    return Redistribution(5.0, (Move("all_gather", "tp", 64, 5.0),))
 
 
 def test_consumer_wanting_the_producer_placement_is_rewired():

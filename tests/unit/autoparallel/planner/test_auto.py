@@ -7,7 +7,7 @@ from torch import nn
 from autoparallel import pipeline as P
 from autoparallel.mesh import fake_world
 from autoparallel.parallelize import ParallelPlan
-from autoparallel.planner import Plan
+from autoparallel.planner import Solution
 from autoparallel.planner.auto import (
     _check_reduce_dtype,
     local_params,
@@ -48,7 +48,7 @@ def test_the_plan_stage_reports_the_solvers_seconds_and_keeps_its_plan(mlp, mlp_
         model = make_model()
     with fake_world("dp=2,tp=2") as mesh:
         planned = P.run_pipeline(model, loss, mlp_batch(), "auto", mesh, until=P.PLAN).planned
-    stats, seconds = planned.plan.stats, planned.report.seconds
+    stats, seconds = planned.solution.stats, planned.report.seconds
     assert planned.report.solver == stats
     assert seconds["strategies"] == stats["strategy_seconds"] > 0
     assert seconds["problem"] == stats["problem_seconds"] > 0
@@ -56,8 +56,8 @@ def test_the_plan_stage_reports_the_solvers_seconds_and_keeps_its_plan(mlp, mlp_
     assert seconds["solve"] == stats["lp_seconds"] + stats["solve_seconds"]
     assert seconds["trace"] > 0 and seconds["alias_round_trips"] > 0
     solved = planned.solved
-    assert isinstance(solved, Plan) and solved is not planned.plan and solved._context is None
-    assert solved.params == planned.plan.params and solved.mesh == planned.plan.mesh
+    assert isinstance(solved, Solution) and solved is not planned.solution and solved._context is None
+    assert solved.params == planned.solution.params and solved.mesh == planned.solution.mesh
 
 
 def test_a_buffers_new_value_is_placed_like_the_buffer():
@@ -72,7 +72,7 @@ def test_a_buffers_new_value_is_placed_like_the_buffer():
     with fake_world("dp=2,tp=2") as mesh:
         run = P.run_pipeline(model, case.loss_fn, case.batch(4), ParallelPlan.auto(pins={"buffer:bn.running_mean": pin}),
                              mesh, until=P.PLAN)
-    plan = run.planned.plan
+    plan = run.planned.solution
     assert plan.inputs["buffer:bn.running_mean"] == {"dp": "R", "tp": "S(0)"}
     for fqn in ("bn.running_mean", "bn.running_var", "bn.num_batches_tracked"):
         assert plan.nodes[f"out:mutated:{fqn}"].out == [plan.inputs[f"buffer:{fqn}"]], fqn
@@ -98,7 +98,7 @@ def test_a_real_model_under_auto_gives_the_module_its_ranks_values():
     try:
         module = run.module
         assert module.uninitialised == ()
-        plan = run.planned.plan
+        plan = run.planned.solution
         with fake_world("dp=2") as mesh:
             expected = local_params(plan, dict(model.named_parameters()), mesh)
         assert expected.keys() == module.local_parameters().keys()

@@ -33,7 +33,7 @@ def test_an_op_planned_by_its_decomposition_is_lowered_to_a_call_on_the_local_pi
             model = LogSigmoidGate()
         run = run_pipeline(model, mse, (torch.randn(8, 16), torch.randn(8, 8)), ParallelPlan.auto(), mesh,
                            until="joint", trace=None)
-    plan, pg = run.planned.plan, run.planned.pg
+    plan, pg = run.planned.solution, run.planned.pg
     (node,) = pg.gm.graph.find_nodes(op="call_function", target=LOG_SIGMOID)
     assert pg.keys[node.name] not in plan.fallbacks  # placed by its candidates, not replicated
     (lowered,) = run.joint.gm.graph.find_nodes(op="call_function", target=LOG_SIGMOID)

@@ -89,4 +89,4 @@ def test_a_padded_plan_made_with_the_filter_off_is_refused_by_the_lowering():
     assert plan.params["fc2.bias"] == {"dp": "S(0)"}  # priced like FSDP2's padded shard
     with pytest.raises(LoweringError, match=r"node '\w+' \(param:fc2.bias\): placement \(Shard\(dim=0\),\) does not divide "
                                             r"its shape \(3,\) evenly on mesh \{'dp': 2\}"):
-        P.run_pipeline(model, F.cross_entropy, batch, ParallelPlan.auto(plan=plan), "dp=2", P.PipelineOptions(), until=P.JOINT)
+        P.run_pipeline(model, F.cross_entropy, batch, ParallelPlan.auto(solution=plan), "dp=2", P.PipelineOptions(), until=P.JOINT)

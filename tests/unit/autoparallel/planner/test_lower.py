@@ -64,7 +64,7 @@ def lowered(mlp, mlp_batch):
 def test_lowered_graph_takes_local_shapes_and_keeps_roles(lowered):
     run = lowered
     gm = run.stage(P.JOINT).graphs
-    plan = run.planned.plan
+    plan = run.planned.solution
     assert run.stage(P.JOINT).report.fixed_outputs == []
     with fake_world(MESH) as mesh:
         for ph in gm.graph.find_nodes(op="placeholder"):
@@ -117,7 +117,7 @@ def test_an_output_dtensor_places_otherwise_is_moved_to_the_plan_and_reported(ml
         model = make_model()
     with fake_world(MESH) as mesh:
         run = P.run_pipeline(model, loss, mlp_batch(), "auto", mesh, P.PipelineOptions(), until=P.PLAN)
-        pg, plan = run.planned.pg, run.planned.plan
+        pg, plan = run.planned.pg, run.planned.solution
         relu = next(n for n in pg.graph.nodes if n.target is torch.ops.aten.relu.default)
         key = pg.keys[relu.name]
         replicated = {"dp": "R", "tp": "R"}
@@ -139,7 +139,7 @@ def test_the_lowering_report_summary():
 
 def test_a_node_the_plan_does_not_place_is_named(lowered):
     pg = lowered.planned.pg
-    plan = lowered.planned.plan
+    plan = lowered.planned.solution
     mm = next(n for n in pg.graph.nodes if n.target is torch.ops.aten.mm.default)
     key = pg.keys[mm.name]
     entry = plan.nodes.pop(key)
@@ -151,7 +151,7 @@ def test_a_node_the_plan_does_not_place_is_named(lowered):
 
 
 def test_a_plan_for_another_mesh_is_refused(lowered):
-    pg, plan = lowered.planned.pg, lowered.planned.plan
+    pg, plan = lowered.planned.pg, lowered.planned.solution
     mesh, plan.mesh = plan.mesh, [("x", 2), ("y", 2)]
     try:
         with pytest.raises(LoweringError, match=r"the plan is for mesh dims \['x', 'y'\], the graph's world has \['dp', 'tp'\]"):
@@ -164,13 +164,13 @@ def test_lowering_needs_the_export_of_the_planning_trace(lowered):
     pg = lowered.planned.pg
     assert pg.joint is None  # the joint stage consumed it
     with pytest.raises(ValueError, match=r"keep_joint=True"):
-        lower_plan(pg, lowered.planned.plan, None)
+        lower_plan(pg, lowered.planned.solution, None)
 
 
 def test_predicted_collectives_are_the_lowered_graphs_on_a_model_that_is_not_llama(lowered):
     """The MLP's plan is Megatron-like (up split on its outputs over both dims, down on its inputs,
     its partial product all-reduced over dp then tp): exactly what the lowered graph runs."""
-    plan, gm = lowered.planned.plan, lowered.stage(P.JOINT).graphs
+    plan, gm = lowered.planned.solution, lowered.stage(P.JOINT).graphs
     with fake_world(MESH) as mesh:
         costs = CostModel(get_profile(plan.profile), mesh.spec, mesh.device_mesh)
         assert traced_comm(gm) == expected_on(plan.comm, "cpu", dict(plan.mesh)) != {}
@@ -219,7 +219,7 @@ def _pinned_joint(mlp, batch, pins, mesh):
 
 def test_lowering_on_an_unequal_2d_mesh_with_moves_on_one_dim_only(mlp, mlp_batch):
     run = _pinned_joint(mlp, mlp_batch(), ONE_DIM_PINS, UNEQUAL)
-    plan, gm, pg = run.planned.plan, run.stage(P.JOINT).graphs, run.planned.pg
+    plan, gm, pg = run.planned.solution, run.stage(P.JOINT).graphs, run.planned.pg
     assert_plan_valid(plan)
     moved = {}  # mesh dims whose placement a move changes -> how many such moves
     for key, node in plan.nodes.items():
@@ -312,5 +312,5 @@ def test_the_lowered_graph_has_no_split_cat_move(mlp, mlp_batch):
     assert len(perm) == report.split_cats
     assert all(p.args[0].args[0].target is torch.ops._c10d_functional.wait_tensor.default for p in perm)
     with fake_world(MESH) as mesh:
-        costs = CostModel(get_profile(run.planned.plan.profile), mesh.spec, mesh.device_mesh)
-        assert mismatches(predicted_by_node(run.planned.pg, run.planned.plan, costs), traced_by_node(gm)) == []
+        costs = CostModel(get_profile(run.planned.solution.profile), mesh.spec, mesh.device_mesh)
+        assert mismatches(predicted_by_node(run.planned.pg, run.planned.solution, costs), traced_by_node(gm)) == []

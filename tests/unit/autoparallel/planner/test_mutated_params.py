@@ -46,7 +46,7 @@ def run():
 
 
 def test_a_parameter_updated_in_place_gets_its_new_value_in_its_own_placement(run):
-    plan = run.planned.plan
+    plan = run.planned.solution
     assert plan.params[FQN] != {"dp": "R", "tp": "R"}  # sharded: another placement would not fit the piece
     out = plan.nodes[f"out:{roles.mutated(FQN)}"]
     assert out.out == [plan.params[FQN]] and out.ins == [plan.params[FQN]]

@@ -78,7 +78,7 @@ def _planned(cls, batch, mesh):
 def test_each_guard_and_counted_op_is_a_replicated_fallback_costed_and_checked(cls, guard):
     with fake_world(MESH) as mesh:
         planned = _planned(cls, _batch(4), mesh)
-    plan, pg = planned.plan, planned.pg  # the plan with its solver context (explain)
+    plan, pg = planned.solution, planned.pg  # the plan with its solver context (explain)
     guards = [pg.keys[n.name] for n in pg.gm.graph.find_nodes(op="call_function", target=guard)]
     assert len(guards) == 1
     data = sorted(k for k, why in plan.fallbacks.items() if why == DATA_DEPENDENT)

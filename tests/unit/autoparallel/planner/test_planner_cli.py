@@ -1,4 +1,4 @@
-"""``python -m verify plan``: tables on stdout, progress on stderr, one-line errors for bad input."""
+"""``python -m verify solve``: tables on stdout, progress on stderr, one-line errors for bad input."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ pytestmark = pytest.mark.xdist_group("planner-tiny")  # shares the tiny trace wi
 
 
 def test_plan_prints_the_parameter_table_and_progress(capsys):
-    assert main(["plan", "--preset", "tiny", "--mesh", "dp=8", "--explain", "layers.0.attention.wq.weight"]) == 0
+    assert main(["solve", "--preset", "tiny", "--mesh", "dp=8", "--explain", "layers.0.attention.wq.weight"]) == 0
     out, err = capsys.readouterr()
     assert "objective" in out and "parameter" in out and "layers.1.feed_forward.w2.weight" in out
     assert "ILP:" in out and "variables" in out and "fixed by reduced cost" in out
@@ -22,10 +22,10 @@ def test_plan_prints_the_parameter_table_and_progress(capsys):
 
 def test_plan_json_and_text_outputs(capsys, tmp_path):
     path = tmp_path / "p.json"
-    assert main(["plan", "--preset", "tiny", "--mesh", "dp=8", "--json", "--save", str(path)]) == 0
+    assert main(["solve", "--preset", "tiny", "--mesh", "dp=8", "--json", "--save", str(path)]) == 0
     data = json.loads(capsys.readouterr().out)
     assert data["schema"] == "autoparallel.plan/1" and json.loads(path.read_text())["params"] == data["params"]
-    assert main(["plan", "--preset", "tiny", "--mesh", "dp=8", "--text"]) == 0
+    assert main(["solve", "--preset", "tiny", "--mesh", "dp=8", "--text"]) == 0
     assert capsys.readouterr().out.startswith("model: llama3 tiny")
 
 
@@ -43,7 +43,7 @@ def test_plan_json_and_text_outputs(capsys, tmp_path):
 )
 def test_bad_input_is_one_line_naming_what_is_wrong(argv, message, capsys):
     try:
-        rc = main(["plan", *argv])
+        rc = main(["solve", *argv])
     except SystemExit as e:  # argparse rejects a flag where it is parsed
         rc = e.code
     assert rc == 2
@@ -52,6 +52,19 @@ def test_bad_input_is_one_line_naming_what_is_wrong(argv, message, capsys):
 
 
 def test_an_infeasible_budget_is_reported_with_the_smallest_feasible_one(capsys):
-    assert main(["plan", "--preset", "tiny", "--mesh", "dp=8", "--memory-budget", "0.00000001"]) == 2
+    assert main(["solve", "--preset", "tiny", "--mesh", "dp=8", "--memory-budget", "0.00000001"]) == 2
     err = capsys.readouterr().err
     assert "constraint group 'param_memory' cannot be met" in err and "raise the budget to at least" in err
+
+
+def test_plan_is_an_alias_that_runs_exactly_as_solve(capsys):
+    """README and issue 42 run ``python -m verify plan``: the alias gives solve's output and errors."""
+    got = {}
+    for command in ("solve", "plan"):
+        assert main([command, "--model", "ln_mlp", "--mesh", "dp=2", "--text"]) == 0
+        out = capsys.readouterr().out
+        with pytest.raises(SystemExit) as e:  # a preset's size flag with --model: the same check
+            main([command, "--model", "ln_mlp", "--layers", "2"])
+        got[command] = (out, e.value.code, capsys.readouterr().err)
+    assert got["plan"] == got["solve"]
+    assert got["solve"][0].startswith("model: ") and got["solve"][1] == 2 and "--layers: sizes a LLaMA-3 preset" in got["solve"][2]

@@ -24,9 +24,9 @@ from autoparallel.mesh import fake_world
 from autoparallel.parallelize import ParallelPlan
 from autoparallel.planner import (
     InfeasiblePlanError,
-    Plan,
     Planner,
     PlannerConfig,
+    Solution,
     diff,
     evaluate_hand_plan,
     parse_placement,
@@ -55,8 +55,8 @@ def test_every_golden_plan_passes_the_independent_checker(name):
     assert plan.gap is not None and plan.gap < 1e-3  # LP bound reported, relaxation nearly tight
 
 
-def _tampered(plan: Plan, edit) -> Plan:
-    copy = Plan.from_json(json.loads(json.dumps(plan.to_json())))
+def _tampered(plan: Solution, edit) -> Solution:
+    copy = Solution.from_json(json.loads(json.dumps(plan.to_json())))
     edit(copy)
     return copy
 
@@ -246,7 +246,7 @@ def test_json_round_trip_keeps_the_plan_and_diff_of_equal_plans_is_empty(tmp_pat
     plan = plan_case(TINY_2D)
     path = tmp_path / "plan.json"
     plan.save(path)
-    back = Plan.load(path)
+    back = Solution.load(path)
     assert back.text() == plan.text()
     assert back.node_names == plan.node_names and back.stats["variables_after"] == plan.stats["variables_after"]
     assert "parameters: 0 differ" in diff(plan, back) and "nodes: 0 of" in diff(plan, back)
@@ -254,9 +254,9 @@ def test_json_round_trip_keeps_the_plan_and_diff_of_equal_plans_is_empty(tmp_pat
         back.explain("layers.0.attention.wq.weight")
     path.write_text("{}")
     with pytest.raises(ValueError, match="not an autoparallel plan"):
-        Plan.load(path)
+        Solution.load(path)
     with pytest.raises(ValueError, match="does not exist"):
-        Plan.load(tmp_path / "missing.json")
+        Solution.load(tmp_path / "missing.json")
 
 
 @pytest.mark.slow  # two LLaMA traces (5 and 4 blocks): CI runs it in its slow step

@@ -16,7 +16,7 @@ from torch import nn
 
 from autoparallel.mesh import fake_world
 from autoparallel.parallelize import ParallelPlan
-from autoparallel.planner import Plan, plan_model
+from autoparallel.planner import Solution, plan_model
 from autoparallel.planner.auto import plan_for_pipeline
 from autoparallel.planner.lower import LoweringError, check_replicated_fallbacks
 from autoparallel.planner.problem import CONSTANT, OP
@@ -38,20 +38,20 @@ class Residual(nn.Module):
         return self.head(x + self.drop_path(self.fc2(torch.relu(self.fc1(x)))))
 
 
-def _plan(model_cls, out=8) -> Plan:
+def _plan(model_cls, out=8) -> Solution:
     with fake_world(MESH) as mesh:
         with torch.device("meta"):
             model = model_cls()
         return plan_model(model, mesh, (torch.randn(8, 16), torch.randn(8, out)), loss_fn=mse)
 
 
-def _checked(plan: Plan):
+def _checked(plan: Solution):
     gm, roles = traced_graph(plan)
     return check_plan(plan, gm, roles)
 
 
-def _tampered(plan: Plan, edit) -> Plan:
-    copy = Plan.from_json(json.loads(json.dumps(plan.to_json())))
+def _tampered(plan: Solution, edit) -> Solution:
+    copy = Solution.from_json(json.loads(json.dumps(plan.to_json())))
     copy._context = plan._context
     edit(copy)
     return copy
@@ -65,7 +65,7 @@ def test_a_lifted_constant_is_placed_replicated_costed_and_shown_in_the_plan():
     assert plan.nodes[key].out == [{"dp": "R", "tp": "R"}] and plan.nodes[key].ins == []
     assert "## constants" in plan.text() and key in plan.text()
     assert "tensor constants (1, replicated)" in plan.summary()
-    assert Plan.from_json(json.loads(json.dumps(plan.to_json()))).constants == plan.constants
+    assert Solution.from_json(json.loads(json.dumps(plan.to_json()))).constants == plan.constants
     graph = plan._context.graph
     (pn,) = [n for n in graph.nodes if n.kind == CONSTANT]
     assert pn.compute_us.tolist() == [0.0]  # held, not computed; its consumers pay any move

@@ -16,7 +16,7 @@ from autoparallel.planner import get_profile
 from autoparallel.planner.api import hand_plan_pins
 from autoparallel.planner.costs import ALL_GATHER, REDUCE_SCATTER, CostModel
 from autoparallel.planner.lower import shard_tensor
-from autoparallel.planner.plan import parse_placement, placement_text
+from autoparallel.planner.solution import parse_placement, placement_text
 from autoparallel.planner.strategies import placeholder_candidates, tensor_meta
 from autoparallel.planner.strided import has_strided, nesting, piece, strided_variants
 

@@ -157,7 +157,7 @@ def test_solver_refuses_an_infeasible_instance():
 @pytest.mark.parametrize("name", ["B", "G"])
 def test_committed_contest_instances_solve_feasibly(name, capsys):
     path = os.path.join(DATA, f"asplos-2025-iopddl-{name}.json.gz")
-    assert verify_main(["plan", "--iopddl", path, "--time-limit", "4", "--json"]) == 0
+    assert verify_main(["solve", "--iopddl", path, "--time-limit", "4", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert len(out["solution"]) == out["nodes"] == 816
     assert check(read_problem(path), out["solution"], out["cost"]) == out["cost"]
@@ -166,7 +166,7 @@ def test_committed_contest_instances_solve_feasibly(name, capsys):
 def test_json_output_is_one_object_on_the_processs_stdout():
     """Whole stdout of a fresh process, file descriptor 1 included: HiGHS's C++ banner went there
     before the JSON (capsys sees only Python's sys.stdout, so the test above could not see it)."""
-    run = subprocess.run([sys.executable, "-m", "verify", "plan", "--iopddl", EXAMPLE, "--time-limit", "5", "--json"],
+    run = subprocess.run([sys.executable, "-m", "verify", "solve", "--iopddl", EXAMPLE, "--time-limit", "5", "--json"],
                          capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stderr
     out = json.loads(run.stdout)
@@ -174,9 +174,9 @@ def test_json_output_is_one_object_on_the_processs_stdout():
 
 
 def test_command_prints_the_cost_and_refuses_bad_input(capsys):
-    assert verify_main(["plan", "--iopddl", EXAMPLE, "--time-limit", "5"]) == 0
+    assert verify_main(["solve", "--iopddl", EXAMPLE, "--time-limit", "5"]) == 0
     assert capsys.readouterr().out.strip() == str(evaluate(example(), [0, 0, 2, 1, 0]))
-    assert verify_main(["plan", "--iopddl", EXAMPLE + ".missing"]) == 2
+    assert verify_main(["solve", "--iopddl", EXAMPLE + ".missing"]) == 2
     assert "no such file" in capsys.readouterr().err
 
 
@@ -189,7 +189,7 @@ def test_command_fails_when_the_solver_claims_a_wrong_cost(monkeypatch, capsys):
         return r
 
     monkeypatch.setattr(cli, "solve", lying)
-    assert verify_main(["plan", "--iopddl", EXAMPLE, "--json"]) == 2
+    assert verify_main(["solve", "--iopddl", EXAMPLE, "--json"]) == 2
     assert "claimed cost" in capsys.readouterr().err
     assert capsys.readouterr().out == ""
 

@@ -125,14 +125,14 @@ def test_stage_text_of_a_forward_backward_pair_shows_both_graphs_and_the_partiti
     assert text.endswith("  wait_tensor_0\n")
 
 
-class _Plan:
+class _Solution:
     def text(self) -> str:
         return "model: Transformer\nmesh: dp=8\n\n## parameters\nw  dp:S(0)\n"
 
 
 def _plan_result(aliases: AliasRoundTripReport) -> StageResult:
     report = PlanningReport(objective_us=1.0, compute_us=0.5, comm_us=0.5, proven_optimal=True, given=False,
-                            aliases=aliases, plan=_Plan())
+                            aliases=aliases, solution=_Solution())
     return StageResult(PLAN, None, 0.5, report=report)
 
 

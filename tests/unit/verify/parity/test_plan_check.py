@@ -25,7 +25,7 @@ from autoparallel import pipeline as P
 from autoparallel.fx_utils import copy_graph_module
 from autoparallel.mesh import fake_world
 from autoparallel.parallelize import ParallelPlan
-from autoparallel.planner import Plan, Planner, PlannerConfig
+from autoparallel.planner import Planner, PlannerConfig, Solution
 from autoparallel.planner import problem as planner_problem
 from autoparallel.planner import strategies as planner_strategies
 from verify import zoo
@@ -74,8 +74,8 @@ def plan(traced):
         return traced.plan(mesh, PlannerConfig(pins=PINS))
 
 
-def _tampered(plan: Plan, edit) -> Plan:
-    copy = Plan.from_json(json.loads(json.dumps(plan.to_json())))
+def _tampered(plan: Solution, edit) -> Solution:
+    copy = Solution.from_json(json.loads(json.dumps(plan.to_json())))
     edit(copy)
     return copy
 
@@ -346,7 +346,7 @@ PLANTED = {
 }
 
 
-def planted_plan(traced, bug: str, monkeypatch, *, even_shards: bool = False) -> Plan:
+def planted_plan(traced, bug: str, monkeypatch, *, even_shards: bool = False) -> Solution:
     """The plan a planner with ``bug`` makes (its non-dividing candidate chosen through a pin).
     ``even_shards=False``: the planner's even-shard filter (autoparallel.planner.even_shards, its
     own ``divides``) off, so the planted candidate reaches the plan and the checker must catch it."""
@@ -421,7 +421,7 @@ def test_the_checker_reads_nothing_of_the_planner_but_the_plan_format():
     trees = [ast.parse(Path(m.__file__).read_text()) for m in (plan_check, plan_semantics)]
     imported = {n.module for tree in trees for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)} | {
         a.name for tree in trees for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
-    assert {m for m in imported if m and m.startswith("autoparallel.planner")} == {"autoparallel.planner.plan"}, imported
+    assert {m for m in imported if m and m.startswith("autoparallel.planner")} == {"autoparallel.planner.solution"}, imported
 
 
 # --- the pieces ------------------------------------------------------------------------------------
@@ -523,7 +523,7 @@ def test_a_buffers_new_value_placed_apart_from_the_buffer_is_named():
     with fake_world("dp=2,tp=2") as mesh:
         run = P.run_pipeline(model, case.loss_fn, case.batch(4),
                              ParallelPlan.auto(pins={"buffer:bn.running_mean": "dp:R,tp:S(0)"}), mesh, until=P.PLAN)
-    good = run.planned.plan
+    good = run.planned.solution
     assert "fwd_bwd" not in check_plan(good, *traced_graph(good), semantics=False).groups()
 
     def apart(p):
@@ -542,7 +542,7 @@ def test_ops_with_missing_outputs_run_on_simulated_ranks():
     with torch.device("meta"):
         model = case.factory()
     with fake_world("dp=2") as mesh:
-        plan = P.run_pipeline(model, case.loss_fn, case.batch(4), "auto", mesh, until=P.PLAN).planned.plan
+        plan = P.run_pipeline(model, case.loss_fn, case.batch(4), "auto", mesh, until=P.PLAN).planned.solution
     gm, _ = traced_graph(plan)
     missing = {n.name: [m is None for m in plan_semantics.tensor_metas(n)] for n in gm.graph.nodes if n.op == "call_function"
                and any(m is None for m in plan_semantics.tensor_metas(n))}

@@ -10,7 +10,7 @@ from html import escape
 import pytest
 
 from autoparallel.pipeline import PLAN
-from autoparallel.planner.plan import Plan
+from autoparallel.planner.solution import Solution
 from verify.commands.html import build_report_page, records_from_pipeline_run
 from verify.commands.html.page import page_sections
 from verify.commands.html.plan_section import COSTLIEST, plan_section
@@ -28,7 +28,7 @@ def planned_run(shared_pipeline_runs):
 
 def test_the_section_shows_every_parameter_per_mesh_dim_and_explains_the_costliest_nodes(planned_run):
     report = planned_run.stage(PLAN).report
-    plan = report.plan
+    plan = report.solution
     html = plan_section(report)
     table = html.split("plan-params")[1].split("</table>")[0]
     assert re.findall(r"<th>([^<]+)</th>", table) == ["parameter", "dp"]
@@ -46,7 +46,7 @@ def test_the_section_shows_every_parameter_per_mesh_dim_and_explains_the_costlie
 
 def test_the_section_reads_objective_then_placements_then_why_and_collapses_the_solver(planned_run):
     report = planned_run.stage(PLAN).report
-    plan = report.plan
+    plan = report.solution
     html = plan_section(report)
     order = ["class=plan-objective", "what was placed where", "class=plan-every-param", "class=explain", "class=plan-internals"]
     assert [html.index(k) for k in order] == sorted(html.index(k) for k in order)
@@ -61,14 +61,14 @@ def test_the_section_reads_objective_then_placements_then_why_and_collapses_the_
     assert "class=plan-whole" not in html  # tiny LLaMA needs no replicated fallback
     whole = dataclasses.replace(plan, fallbacks={"layers.0/fwd/aten.cdist#0": "no sharding strategy"},
                                 constants={"layers.0/fwd/constant#0": "_tensor_constant0"})
-    html = plan_section(dataclasses.replace(report, plan=whole))
+    html = plan_section(dataclasses.replace(report, solution=whole))
     rows = re.findall(r"<tr><td>([^<]+)</td><td>([^<]+)</td></tr>", html.split("class=plan-whole>")[1].split("</table>")[0])
     assert rows == [("layers.0/fwd/aten.cdist#0", "no sharding strategy"),
                     ("layers.0/fwd/constant#0", "a tensor constant made in forward (_tensor_constant0), replicated")]
 
 
 def test_the_costliest_nodes_are_the_dearest_chosen_placements(planned_run):
-    plan = planned_run.stage(PLAN).report.plan
+    plan = planned_run.stage(PLAN).report.solution
     every = plan.costliest(10**6)
     assert len(every) > COSTLIEST and plan.costliest(3) == every[:3]
     assert every[0][1] > 0 and every[-1][1] <= every[0][1]
@@ -78,11 +78,11 @@ def test_a_time_limited_plan_says_it_is_not_proven_and_a_plan_from_json_cannot_e
     report = planned_run.stage(PLAN).report
     limited = dataclasses.replace(report, proven_optimal=False)
     assert escape("NOT proven optimal: the solver's time limit returned its best plan so far") in plan_section(limited)
-    loaded = dataclasses.replace(report, plan=Plan.from_json(report.plan.to_json()))
+    loaded = dataclasses.replace(report, solution=Solution.from_json(report.solution.to_json()))
     html = plan_section(loaded)
     assert "explain: not available" in html and "class=explain" not in html
     with pytest.raises(ValueError, match="carries no plan"):
-        plan_section(dataclasses.replace(report, plan=None))
+        plan_section(dataclasses.replace(report, solution=None))
 
 
 def test_the_page_carries_the_plan_section_ahead_of_the_stages_and_links_it(planned_run):
@@ -99,11 +99,11 @@ def test_on_a_2d_mesh_each_parameter_has_a_column_per_mesh_dim(planned_run):
     """The shared run is 1-D: the same plan with a tp dim added (a placement on it for one
     parameter, Replicate left implicit for the others) shows both columns in mesh order."""
     report = planned_run.stage(PLAN).report
-    data = report.plan.to_json()
+    data = report.solution.to_json()
     data["mesh"] = [*data["mesh"], ["tp", 2]]
     first = next(iter(data["params"]))
     data["params"][first] = {**data["params"][first], "tp": "S(1)"}
-    html = plan_section(dataclasses.replace(report, plan=Plan.from_json(data)))
+    html = plan_section(dataclasses.replace(report, solution=Solution.from_json(data)))
     table = html.split("plan-params")[1].split("</table>")[0]
     assert re.findall(r"<th>([^<]+)</th>", table) == ["parameter", "dp", "tp"]
     rows = re.findall(r"<tr><td>([^<]+)</td><td>([^<]+)</td><td>([^<]+)</td></tr>", table)

@@ -1,6 +1,6 @@
 """A plan: where every tensor of the joint graph lives on the mesh, and what that costs.
 
-JSON schema (``Plan.to_json`` / ``Plan.from_json``, ``"schema": "autoparallel.plan/1"``)::
+JSON schema (``Solution.to_json`` / ``Solution.from_json``, ``"schema": "autoparallel.plan/1"``)::
 
     {
       "schema": "autoparallel.plan/1",
@@ -37,7 +37,7 @@ Placements are strings: ``R``, ``S(d)``, ``P(sum)``/``P(avg)``/..., ``MaskP(op, 
 (``autoparallel.planner.graph``): ``<block>/<fwd|bwd>/<op>#<k>``, ``<key>/alias``, the role of a
 placeholder, ``out:<role>`` for graph outputs; a re-trace of the same model gives the same keys.
 
-The canonical text (:meth:`Plan.text`) holds everything that identifies the plan and nothing that
+The canonical text (:meth:`Solution.text`) holds everything that identifies the plan and nothing that
 varies between runs (no timings, no FX names), so it is a golden.
 """
 
@@ -119,7 +119,7 @@ class NodePlacement:
 
 
 @dataclass
-class Plan:
+class Solution:
     model: str
     mesh: list[tuple[str, int]]
     profile: str
@@ -221,7 +221,7 @@ class Plan:
         }
 
     @classmethod
-    def from_json(cls, data: Mapping, *, source: str = "plan") -> Plan:
+    def from_json(cls, data: Mapping, *, source: str = "plan") -> Solution:
         if data.get("schema") != SCHEMA:
             raise ValueError(f"{source}: not an autoparallel plan (schema {data.get('schema')!r}, expected {SCHEMA!r})")
         try:
@@ -253,7 +253,7 @@ class Plan:
         Path(path).write_text(json.dumps(self.to_json(), indent=1, sort_keys=False) + "\n")
 
     @classmethod
-    def load(cls, path: str | Path) -> Plan:
+    def load(cls, path: str | Path) -> Solution:
         path = Path(path)
         try:
             data = json.loads(path.read_text())
@@ -328,7 +328,7 @@ class Plan:
         return "\n".join(lines)
 
 
-def diff(a: Plan, b: Plan, *, max_nodes: int = 40) -> str:
+def diff(a: Solution, b: Solution, *, max_nodes: int = 40) -> str:
     """What differs between two plans: objective, parameters, inputs, nodes (the first
     ``max_nodes`` of them), communication."""
     if a.mesh != b.mesh:
