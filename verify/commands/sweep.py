@@ -41,9 +41,13 @@ REASON_CLASSES: tuple[tuple[str, str], ...] = (
     ("unused parameter", r"do(es)? not contribute to the loss|loss does not use|get no gradient|has no gradient"),
     ("lifted constant", r"lifted (tensor )?constant|_tensor_constant\d*"),
     ("no strategy", r"no sharding strategy|no strategy"),
+    # before "random op": the reseed refusal says why its random ops cannot be replayed
+    ("RNG reseed", r"reseeds the global RNG"),  # a forward calling torch.seed / torch.manual_seed
     ("random op", r"\brandom ops?\b"),
     ("undivisible dim", r"not divisible|divisible by"),
-    ("RNG reseed", r"reseeds the global RNG"),  # a forward calling torch.seed / torch.manual_seed
+    # the ranks' graphs would issue different collectives (verify.graphs.collective_agreement)
+    ("collective mismatch", r"\bCollectiveMismatchError\b"),
+    ("solver time limit", r"no plan within the time limit"),  # plan="auto": the ILP found no plan in time
     ("data-dependent", r"not traceable|reads a tensor's value"),  # .item() / a branch on a tensor in forward
     # a read traced with one value (and guarded) gives another at a later step: the graph holds the traced one
     ("value guard", r"\bValueGuardError\b"),

@@ -40,7 +40,11 @@ REASONS = {
     "random op": "RandomOpError: random op aten.randperm.default (node randperm) is not a dropout: the oracle cannot switch it",
     "undivisible dim": "parameter 'model.lm_head.weight': dim 0 of size 7 is not divisible by mesh dim 'tp' of size 2",
     "RNG reseed": ("the model reseeds the global RNG in forward (torch.seed() at modeling_reformer.py:1515 "
-                   "(self.attention_seed = int(torch.seed() % sys.maxsize))): a traced graph cannot replay a reseed"),
+                   "(self.attention_seed = int(torch.seed() % sys.maxsize))): a traced graph cannot replay a reseed (its random ops "
+                   "draw from the generator as it stands when the graph runs)"),
+    "solver time limit": "the solver found no plan within the time limit of 120.0 s (548339 variables, 62164 constraints); raise the time limit",
+    "collective mismatch": ("RankFailedError: rank 0 of the world raised CollectiveMismatchError during fn: ... the ranks' "
+                            "graphs issue different collectives, which the backend would abort on: graph 'joint', collective #11"),
     "data-dependent": "the model is not traceable: aten._local_scalar_dense.default at m.py:579 (if p < self.layerdrop:) reads a tensor's value",
     "value guard": ("RankFailedError: rank 1 of the world raised ValueGuardError during fn: value guard: m.py:178 "
                     "(if self.x_min.min() > -1.1e-5): traced with True; this batch gives False"),
