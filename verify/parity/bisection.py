@@ -24,7 +24,7 @@ from verify.parity.compare import ParityReport
 from verify.stages.registry import WITHOUT_GRAPH_INPUT
 
 Graphs = fx.GraphModule | tuple[fx.GraphModule, fx.GraphModule]
-Step = tuple[str, Graphs, Graphs]  # (stage name, what it compares first, what second)
+StagePair = tuple[str, Graphs, Graphs]  # (stage name, what it compares first, what second)
 
 ONE_RUN = "pass input vs output"
 TWO_RUNS = "configuration A vs B"
@@ -95,7 +95,7 @@ def same_code(a: Graphs, b: Graphs) -> bool:
     return True
 
 
-def bisect_steps(steps: Iterable[Step], mesh: MeshSpec | str, *, mode: str = ONE_RUN, a: str = "before",
+def bisect_steps(steps: Iterable[StagePair], mesh: MeshSpec | str, *, mode: str = ONE_RUN, a: str = "before",
                  b: str = "after", seed: int = 0, progress: Callable[[str], None] = lambda msg: None,
                  given: Mapping[str, tuple] | None = None) -> BisectResult:
     """Compare each step's two programs on N = mesh size simulated ranks, in order. ``given``:
@@ -118,7 +118,7 @@ def bisect_steps(steps: Iterable[Step], mesh: MeshSpec | str, *, mode: str = ONE
     return result
 
 
-def run_steps(run: P.PipelineRun) -> list[Step]:
+def run_steps(run: P.PipelineRun) -> list[StagePair]:
     """Each stage that has an input stage: (name, its input's graphs, its graphs)."""
     return [(r.name, run.stage(r.input).graphs, r.graphs) for r in run.results if r.input is not None and r.graphs is not None]
 
