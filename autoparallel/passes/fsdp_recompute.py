@@ -79,26 +79,24 @@ def _is_param_placeholder(node: fx.Node) -> bool:
     return role is None or roles.is_param(role)
 
 
-def is_fsdp_all_gather(node: fx.Node) -> bool:
-    """An all-gather whose input leads back to a parameter placeholder through nodes that each
-    have exactly one input (e.g. the mixed-precision dtype cast)."""
+def fsdp_source(node: fx.Node) -> fx.Node | None:
+    """The parameter placeholder an all-gather's input leads back to through nodes that each have
+    exactly one input (e.g. the mixed-precision dtype cast); None for any other node."""
     if node.op != "call_function" or node.target is not ALL_GATHER:
-        return False
+        return None
     cur = node.args[0]
     while isinstance(cur, fx.Node):
         if cur.op == "placeholder":
-            return _is_param_placeholder(cur)
+            return cur if _is_param_placeholder(cur) else None
         if cur.op != "call_function" or len(cur.all_input_nodes) != 1:
-            return False
+            return None
         cur = cur.all_input_nodes[0]
-    return False
+    return None
 
 
-def _source_placeholder(ag: fx.Node) -> fx.Node:
-    cur = ag.args[0]
-    while cur.op != "placeholder":
-        cur = cur.all_input_nodes[0]
-    return cur
+def is_fsdp_all_gather(node: fx.Node) -> bool:
+    """An all-gather of a parameter (:func:`fsdp_source`)."""
+    return fsdp_source(node) is not None
 
 
 def _mutated_params(graph: fx.Graph) -> set[str]:
@@ -199,7 +197,7 @@ def mark_fsdp_all_gather_recomputation(graph: fx.Graph | fx.GraphModule, reshard
         wait = _wait_of(ag)
         report.all_gathers.append(ag)
         report.gathered_bytes += tensor_bytes(val)
-        role = _source_placeholder(ag).meta.get(M.ROLE)
+        role = fsdp_source(ag).meta.get(M.ROLE)
         if reshard_after_forward and not (role is not None and roles.is_param(role) and roles.name(role) in mutated):
             tagged = [ag, wait]
             if chain_fix:
