@@ -562,6 +562,13 @@ def sink_placeholder_aliases(graph: fx.Graph) -> int:
     lowering redistributes where the alias runs: a parameter gathered by its alias would be
     gathered at the top of the forward and held until its first use. At the first user it is
     gathered when needed, like an FSDP all-gather.
+
+    An alias takes its first user's phase (AOT's ``partitioner_tag``): it copied its
+    placeholder's ``is_forward``, but when every user it has left is in the backward (the
+    forward's were rewired to the placeholder by ``eliminate_alias_round_trips``: mobilebert's
+    NoNorm weight), it runs in the backward, and so do the collectives lowered for it. Tagged
+    forward there, AOT's default partitioner would count every node up to it as forward and save
+    backward values that read the tangents ("Node ... was invalid, but is output").
     """
     order = {n: i for i, n in enumerate(graph.nodes)}
     moved = 0
@@ -569,7 +576,11 @@ def sink_placeholder_aliases(graph: fx.Graph) -> int:
         if alias.args[0].op != "placeholder" or not alias.users:
             continue
         first = min(alias.users, key=order.__getitem__)
-        if first.op != "output" and first.prev is not alias:
+        if first.op == "output":
+            continue
+        if M.PARTITIONER_TAG in first.meta:
+            alias.meta[M.PARTITIONER_TAG] = first.meta[M.PARTITIONER_TAG]
+        if first.prev is not alias:
             first.prepend(alias)
             moved += 1
     return moved
