@@ -41,7 +41,7 @@ from autoparallel.parallelize.program import clean_fqn
 from autoparallel.passes.cleanup import CleanupReport, cleanup_graph
 from autoparallel.passes.fsdp_recompute import FsdpTagReport, mark_fsdp_all_gather_recomputation
 from autoparallel.passes.kept_random_draws import PATCH as KEPT_RANDOM_DRAWS
-from autoparallel.passes.kept_random_draws import restore_dropped_random_ops
+from autoparallel.passes.kept_random_draws import read_dead_draws, restore_dropped_random_ops
 from autoparallel.runtime.parallel_module import ParallelModule, PartitionRecord
 
 log = logging.getLogger(__name__)
@@ -219,6 +219,7 @@ def _first_partition(p: PlacementState) -> PartitionRecord:
     captured: dict[str, Any] = {}
 
     def partition(joint, joint_inputs, **kwargs):
+        read_dead_draws(joint)
         fw, bw = p.partition_fn(joint, joint_inputs, **kwargs)
         restore_dropped_random_ops(joint, fw, bw)
         captured["fw"], captured["bw"] = fw, bw

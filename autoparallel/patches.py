@@ -295,13 +295,16 @@ _register(
     "after the first partition and the second compile's replay partition, every random op of the joint "
     "graph that neither graph kept (a dropout whose output nothing reads) is drawn again in the forward, "
     "right before the next draw the forward kept (an empty_like feeding it from a dropped value becomes "
-    "an empty_strided of its layout)",
+    "an empty_strided of its layout); before the first partition, a dead draw with several outputs "
+    "(native_dropout, as plan='auto' keeps dropout) is read through one getitem",
     "AOT's partitioners build the forward from its outputs and leave out a draw nobody reads; eager draws "
     "it, so every later dropout draws the mask of the one before it (pegasus_x under fsdp dp=2: loss "
-    "22.810 vs 22.737 from the first partition on)",
+    "22.810 vs 22.737 from the first partition on); a dead native_dropout without users stops AOT's "
+    "default partitioner (pegasus_x under auto: 'Expected native_dropout_8 to be a tensor')",
     (
         "tests/unit/autoparallel/passes/test_kept_random_draws.py::test_a_dead_dropout_is_drawn_again_where_the_joint_graph_drew_it",
         "tests/unit/autoparallel/passes/test_kept_random_draws.py::test_a_model_with_a_dead_dropout_is_bitwise_after_the_partition",
+        "tests/unit/autoparallel/passes/test_kept_random_draws.py::test_a_dead_dropout_under_auto_is_partitioned_and_drawn_in_order",
     ),
 )
 _register(

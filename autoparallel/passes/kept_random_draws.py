@@ -14,10 +14,20 @@ that the forward lacks, right before the next random op the forward keeps (or it
 forward draws what the joint graph drew, in its order. An ``empty_like`` feeding a draw (ATen's
 dropout fills ``empty_like(x)`` with ``bernoulli``) reads only its input's metadata, so one whose
 input is not in the forward becomes an ``empty_strided`` of the same layout instead of copying the
-dead computation of ``x``. Patch ``kept_random_draws``.
+dead computation of ``x``.
+
+A dead draw with several outputs (``native_dropout``: output and mask, as ``plan="auto"`` keeps
+dropout, one op the planner places) has no user at all once dead-code elimination removed its
+getitems, and AOT's default partitioner takes a node without users for a single tensor
+("Expected native_dropout_8 to be a tensor": pegasus_x under auto). :func:`read_dead_draws` runs
+before a partition and gives each such draw one getitem, so the partitioner sees a multi-output
+node, leaves it out like any dead draw, and :func:`restore_dropped_random_ops` draws it again.
+Patch ``kept_random_draws``.
 """
 
 from __future__ import annotations
+
+import operator
 
 import torch
 from torch import fx
@@ -38,6 +48,26 @@ _LAYOUT_ONLY = (aten.empty_like.default, aten.empty_strided.default, aten.empty.
 
 def _is_random(node: fx.Node) -> bool:
     return node.op == "call_function" and ac.is_random(node.target)
+
+
+def read_dead_draws(joint: fx.GraphModule) -> list[str]:
+    """A getitem of output 0 after each random op of ``joint`` that has several outputs and no
+    user (see the module docstring); returns the draws' names."""
+    if not patches.enabled(PATCH):
+        return []
+    read = []
+    for node in [n for n in joint.graph.nodes if _is_random(n) and not n.users]:
+        val = node.meta.get(M.VAL)
+        if not isinstance(val, list | tuple):
+            continue
+        with joint.graph.inserting_after(node):
+            item = joint.graph.call_function(operator.getitem, (node, 0))
+        item.meta.update({k: node.meta[k] for k in (M.PARTITIONER_TAG, M.SEQ_NR, M.CUSTOM, M.NN_MODULE_STACK) if k in node.meta})
+        item.meta[M.VAL] = val[0]
+        read.append(node.name)
+    if read:
+        joint.recompile()
+    return read
 
 
 def restore_dropped_random_ops(joint: fx.GraphModule, fw: fx.GraphModule, bw: fx.GraphModule) -> list[str]:

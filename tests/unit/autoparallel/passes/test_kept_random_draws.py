@@ -9,6 +9,8 @@ numbers. Then a model of our own with a dead dropout, through every stage on glo
 
 from __future__ import annotations
 
+import operator
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -17,8 +19,10 @@ from torch import fx, nn
 from torch._functorch.partitioners import _extract_graph_with_inputs_outputs
 
 from autoparallel import patches
-from autoparallel.passes.kept_random_draws import PATCH, DroppedDrawError, restore_dropped_random_ops
+from autoparallel import pipeline as P
+from autoparallel.passes.kept_random_draws import PATCH, DroppedDrawError, read_dead_draws, restore_dropped_random_ops
 from autoparallel.passes.random_order import random_ops
+from verify.check import check_model
 from verify.model_case import ModelCase
 from verify.parity.runs import EAGER, compare_with_eager, run_stage_parity
 from verify.stages.scenario import Scenario
@@ -162,3 +166,59 @@ def test_a_dead_draw_copied_into_the_backward_is_removed_and_a_live_one_kept():
     restore_dropped_random_ops(joint, fw, bw)
     assert [n.name for n in random_ops(bw.graph)] == ["draw1"]
     assert dead not in bw.graph.nodes and not any(n.target is aten.empty_like.default for n in bw.graph.nodes)
+
+
+def _dead_native_dropout() -> fx.GraphModule:
+    """x -> native_dropout twice (plan="auto" keeps dropout one op): the first read, the second
+    read by nothing (its getitems removed by dead-code elimination), and a dead bernoulli."""
+    g = fx.Graph()
+    x = g.placeholder("x")
+    x.meta["val"] = torch.empty(4, 8)
+    pair = (torch.empty(4, 8), torch.empty(4, 8, dtype=torch.bool))
+    live = g.call_function(aten.native_dropout.default, (x, 0.5, True), name="live")
+    dead = g.call_function(aten.native_dropout.default, (x, 0.5, True), name="dead")
+    single = g.call_function(aten.bernoulli.p, (x, 0.5), name="single")
+    for n, v in ((live, pair), (dead, pair), (single, torch.empty(4, 8))):
+        n.meta["val"] = v
+    out = g.call_function(operator.getitem, (live, 0))
+    g.output((out,))
+    return fx.GraphModule(nn.Module(), g)
+
+
+def test_a_dead_draw_with_two_outputs_is_read_for_the_partitioner_and_nothing_else_is():
+    """Only the dead multi-output draw gets a getitem (output 0, its value): a live one has its
+    getitems, a single-tensor one is a tensor to the partitioner already; the patch disabled, none."""
+    joint = _dead_native_dropout()
+    with patches.disabled(PATCH):
+        assert read_dead_draws(joint) == []
+    assert read_dead_draws(joint) == ["dead"]
+    nodes = {n.name: n for n in joint.graph.nodes}
+    (item,) = nodes["dead"].users
+    assert item.target is operator.getitem and item.args == (nodes["dead"], 0) and not nodes["single"].users
+    assert item.meta["val"].shape == (4, 8) and item.meta["val"].dtype == torch.float32
+    assert read_dead_draws(joint) == []  # read now: nothing more to do
+    joint.graph.lint()
+
+
+def test_a_dead_dropout_under_auto_is_partitioned_and_drawn_in_order():
+    """plan="auto" keeps dropout as native_dropout: the dead one reached AOT's default partitioner
+    without users ("Expected native_dropout_1 to be a tensor", pegasus_x's class); now the forward
+    draws every dropout the joint graph draws, in its order."""
+    with torch.device("meta"):
+        model = DeadDropout()
+    run = P.run_pipeline(model, mse_loss, _batch(4), "auto", "dp=2,tp=2", P.PipelineOptions(), until="first_partition", trace=None)
+    joint = run.stage(P.JOINT).graphs
+    fw, bw = run.stage("first_partition").graphs
+    def draws(g):  # (op, whether anything reads it) in drawing order; a restored node may be renamed
+        return [(n.target, bool(n.users)) for n in random_ops(g.graph)]
+
+    dropout = aten.native_dropout.default
+    assert draws(joint) == [(dropout, True)] * 3  # the dead one's getitems are still there
+    assert draws(fw) == [(dropout, True), (dropout, False), (dropout, True)] and not random_ops(bw.graph)
+
+
+@pytest.mark.xdist_group("planned-parity")
+def test_a_model_with_a_dead_dropout_under_auto_is_bitwise_and_within_the_oracle():
+    case = ModelCase("dead_dropout", DeadDropout, mse_loss, _batch, batch_per_rank=2)
+    result = check_model(case, plan="auto", mesh="dp=2,tp=2", steps=1)
+    assert result.failures() == [] and result.parity and all(rep.bitwise for rep in result.parity.values())
