@@ -186,7 +186,8 @@ def _explain(result: ModelCheck, ranks) -> None:
                                                  as_traced=result.as_traced, compiling_queries=queries, given=given)
 
 
-def _check_planned(scenario: Scenario, steps: int, *, parity: bool, native_collectives: bool, goldens: bool) -> ModelCheck:
+def _check_planned(scenario: Scenario, steps: int, *, parity: bool, native_collectives: bool, goldens: bool,
+                   world_timeout_s: float) -> ModelCheck:
     """plan="auto": every stage of ``PLANNED_STAGES`` on a fake world (graphs, stats, goldens),
     then the planned parity world (``verify.parity.planned``: each rank lowers the solver's plan;
     the lowered joint graph, the first partition and the second compile against the plan's
@@ -196,7 +197,7 @@ def _check_planned(scenario: Scenario, steps: int, *, parity: bool, native_colle
     if parity:
         case = planned_case(scenario)
         with ordered_collectives.native_collectives(native_collectives):
-            ((_, ranks),) = run_planned_parity(case, steps)
+            ((_, ranks),) = run_planned_parity(case, steps, timeout_s=world_timeout_s)
         result.parity = {ex: compare_with_eager(ranks, ex) for ex in PLANNED_EXECUTORS if ex != PLANNED_EAGER}
         result.oracle = planned_oracle(case, ranks)
         _explain(result, ranks)
@@ -281,7 +282,8 @@ def check_model(
     if parity and world is not None:  # under torchrun parity runs on the launched world: before the pipeline
         check_world_size(world, scenario.mesh_spec.world_size, f"check_model(mesh={mesh!r})")
     if scenario.plan == AUTO:
-        return _check_planned(scenario, steps, parity=parity, native_collectives=native_collectives, goldens=goldens)
+        return _check_planned(scenario, steps, parity=parity, native_collectives=native_collectives, goldens=goldens,
+                              world_timeout_s=world_timeout_s)
     run = run_scenario(scenario, keep_compiled=parity, alternatives=goldens)
     result = ModelCheck(scenario, run)
     if parity:

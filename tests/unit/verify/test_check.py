@@ -153,3 +153,25 @@ def test_plan_auto_through_check_model_and_the_report_on_gpt2(capsys):
     report = json.loads(capsys.readouterr().out)
     assert report["model"] == "gpt2" and report["planning"] is not None
     assert report["parity"]["oracle"]["passed"] and all(r["bitwise"] for r in report["parity"]["vs_eager"].values())
+
+
+def test_plan_auto_gives_its_parity_world_the_callers_timeout(monkeypatch):
+    """Failed before: the planned parity world kept its fixed 300 s inside a sweep cell's --timeout
+    (pegasus_x under auto on a loaded box: 'the world of 4 ranks did not finish within
+    timeout_s=300 s' in a 600 s cell), as fsdp's had 180 s before."""
+    import verify.check as C
+
+    seen = {}
+
+    class Stop(Exception):
+        pass
+
+    def world(case, steps, **kw):
+        seen.update(kw)
+        raise Stop
+
+    monkeypatch.setattr(C, "run_scenario", lambda scenario, **kw: None)
+    monkeypatch.setattr(C, "run_planned_parity", world)
+    with pytest.raises(Stop):
+        check_model("convnet", plan="auto", mesh="dp=2", world_timeout_s=600)
+    assert seen == {"timeout_s": 600}
