@@ -16,6 +16,7 @@ import torch
 
 from autoparallel.parallelize import ParallelPlan
 from autoparallel.pipeline import STAGE_NAMES
+from verify import check as check_module
 from verify import zoo
 from verify.__main__ import main
 from verify.check import ModelCheck, check_model
@@ -159,8 +160,6 @@ def test_plan_auto_gives_its_parity_world_the_callers_timeout(monkeypatch):
     """Failed before: the planned parity world kept its fixed 300 s inside a sweep cell's --timeout
     (pegasus_x under auto on a loaded box: 'the world of 4 ranks did not finish within
     timeout_s=300 s' in a 600 s cell), as fsdp's had 180 s before."""
-    import verify.check as C
-
     seen = {}
 
     class Stop(Exception):
@@ -170,8 +169,8 @@ def test_plan_auto_gives_its_parity_world_the_callers_timeout(monkeypatch):
         seen.update(kw)
         raise Stop
 
-    monkeypatch.setattr(C, "run_scenario", lambda scenario, **kw: None)
-    monkeypatch.setattr(C, "run_planned_parity", world)
+    monkeypatch.setattr(check_module, "run_scenario", lambda scenario, **kw: None)
+    monkeypatch.setattr(check_module, "run_planned_parity", world)
     with pytest.raises(Stop):
         check_model("convnet", plan="auto", mesh="dp=2", world_timeout_s=600)
     assert seen == {"timeout_s": 600}
