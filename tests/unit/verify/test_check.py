@@ -153,3 +153,28 @@ def test_plan_auto_through_check_model_and_the_report_on_gpt2(capsys):
     report = json.loads(capsys.readouterr().out)
     assert report["model"] == "gpt2" and report["planning"] is not None
     assert report["parity"]["oracle"]["passed"] and all(r["bitwise"] for r in report["parity"]["vs_eager"].values())
+
+
+class _WorldStarted(Exception):
+    pass
+
+
+@pytest.mark.parametrize(("given", "passed"), [(900.0, {"timeout_s": 900.0}), (None, {})])
+def test_plan_auto_gives_the_world_the_callers_timeout(monkeypatch, given, passed):
+    """A sweep cell's --timeout bounds the planned world too (segformer's auto cell was killed by
+    a fixed 300 s world limit at load 57 with 900 s given); None keeps the world's default."""
+    import verify.check as check
+
+    seen = {}
+
+    def world(case, steps, **kwargs):
+        seen.update(kwargs)
+        raise _WorldStarted
+
+    monkeypatch.setattr(check, "run_scenario", lambda scenario, **kwargs: None)
+    monkeypatch.setattr(check, "planned_case", lambda scenario: None)
+    monkeypatch.setattr(check, "run_planned_parity", world)
+    with pytest.raises(_WorldStarted):
+        check_model(ModelCase("ln_mlp", zoo.LNMLP, zoo.mse_loss, zoo.ln_mlp_batch), plan="auto", mesh="dp=2,tp=2",
+                    world_timeout_s=given)
+    assert seen == passed
