@@ -16,6 +16,7 @@ import torch
 
 from autoparallel.parallelize import ParallelPlan
 from autoparallel.pipeline import STAGE_NAMES
+import verify.check as check
 from verify import zoo
 from verify.__main__ import main
 from verify.check import ModelCheck, check_model
@@ -163,8 +164,6 @@ class _WorldStarted(Exception):
 def test_plan_auto_gives_the_world_the_callers_timeout(monkeypatch, given, passed):
     """A sweep cell's --timeout bounds the planned world too (segformer's auto cell was killed by
     a fixed 300 s world limit at load 57 with 900 s given); None keeps the world's default."""
-    import verify.check as check
-
     seen = {}
 
     def world(case, steps, **kwargs):
