@@ -187,7 +187,7 @@ def _explain(result: ModelCheck, ranks) -> None:
 
 
 def _check_planned(scenario: Scenario, steps: int, *, parity: bool, native_collectives: bool, goldens: bool,
-                   world_timeout_s: float) -> ModelCheck:
+                   world_timeout_s: float | None) -> ModelCheck:
     """plan="auto": every stage of ``PLANNED_STAGES`` on a fake world (graphs, stats, goldens),
     then the planned parity world (``verify.parity.planned``: each rank lowers the solver's plan;
     the lowered joint graph, the first partition and the second compile against the plan's
@@ -197,7 +197,8 @@ def _check_planned(scenario: Scenario, steps: int, *, parity: bool, native_colle
     if parity:
         case = planned_case(scenario)
         with ordered_collectives.native_collectives(native_collectives):
-            ((_, ranks),) = run_planned_parity(case, steps, timeout_s=world_timeout_s)
+            world = {} if world_timeout_s is None else {"timeout_s": world_timeout_s}
+            ((_, ranks),) = run_planned_parity(case, steps, **world)
         result.parity = {ex: compare_with_eager(ranks, ex) for ex in PLANNED_EXECUTORS if ex != PLANNED_EAGER}
         result.oracle = planned_oracle(case, ranks)
         _explain(result, ranks)
@@ -240,7 +241,7 @@ def check_model(
     parity: bool = True,
     native_collectives: bool = False,
     goldens: bool = False,
-    world_timeout_s: float = 180.0,
+    world_timeout_s: float | None = None,
 ) -> ModelCheck:
     """Run the pipeline, parity and the oracle for a model; see the module docstring.
 
@@ -255,8 +256,8 @@ def check_model(
     PyTorch (:meth:`ModelCheck.params_without_grad`). ``goldens=True``: the run also keeps each collective pass run alone on
     the second compile's graphs, which the stage goldens of those passes show
     (:meth:`ModelCheck.golden_texts`); off, it skips them (about a fifth of a small model's run).
-    ``world_timeout_s``: how long the gloo world of the parity run may take (a sweep cell gives it its own budget: a slow model on a loaded machine is a timeout of
-    the cell, not of a fixed world limit inside it)."""
+    ``world_timeout_s``: how long the gloo world of the parity run may take, on every plan (a sweep cell gives it its own budget: a slow model on a loaded machine is a timeout of
+    the cell, not of a fixed world limit inside it); None: the world's default (180 s, 300 s under plan="auto")."""
     fields = _plan_fields(plan)
     if fields["plan"] == AUTO and (tp_rules or tp_regions):
         raise ValueError(
@@ -288,7 +289,8 @@ def check_model(
     result = ModelCheck(scenario, run)
     if parity:
         with ordered_collectives.native_collectives(native_collectives):
-            ranks = run_stage_parity(scenario, steps, run=run, timeout_s=world_timeout_s)
+            world = {} if world_timeout_s is None else {"timeout_s": world_timeout_s}
+            ranks = run_stage_parity(scenario, steps, run=run, **world)
         result.parity = {stage: compare_with_eager(ranks, stage) for stage in STAGE_EXECUTORS if stage != EAGER}
         result.oracle = oracle_check(scenario, ranks)
         _explain(result, ranks)

@@ -260,3 +260,29 @@ class DropPath(nn.Module):
     def forward(self, x):
         keep = torch.bernoulli(torch.full((x.shape[0], 1), 1 - self.p, dtype=x.dtype))
         return x * keep / (1 - self.p)
+
+
+class SingleKeyAttention(nn.Module):
+    """Attention over one key (segformer's sequence reduction on a tiny image): every query's
+    softmax is over a single score, so it is 1 whatever q and k are, and their gradients are 0
+    exactly; fp32 leaves rounding noise there (the kernel's backward cancels two equal sums), at
+    1e-19 in fp64. A drop path through ``torch.rand`` on the residual, as segformer's."""
+
+    def __init__(self, dim: int = 16, heads: int = 2, drop: float = 0.3):
+        super().__init__()
+        self.heads, self.drop = heads, drop
+        self.q, self.k, self.v, self.o = (nn.Linear(dim, dim) for _ in range(4))
+        self.head = nn.Linear(dim, 8)
+
+    def forward(self, x):  # x: (batch, tokens, dim)
+        b, t, d = x.shape
+        pooled = x.mean(dim=1, keepdim=True)  # the one key
+        split = lambda y: y.view(b, y.shape[1], self.heads, d // self.heads).transpose(1, 2)  # noqa: E731
+        att = F.scaled_dot_product_attention(split(self.q(x)), split(self.k(pooled)), split(self.v(pooled)))
+        keep = (torch.rand(b, 1, 1, dtype=x.dtype) + (1 - self.drop)).floor()
+        x = x + self.o(att.transpose(1, 2).reshape(b, t, d)) * keep / (1 - self.drop)
+        return self.head(x.mean(dim=1))
+
+
+def single_key_batch(n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.randn(n, 16, 16), torch.randn(n, 8)  # 16 queries: CPU SDPA's flash kernel

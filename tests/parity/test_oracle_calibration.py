@@ -192,11 +192,12 @@ def test_masks_that_differ_between_fp32_and_fp64_fall_back_to_random_ops_off_and
     assert not alone.passed and alone.calibration == "not calibrated: the float32 and float64 references drew different random masks"
 
 
-def test_recorded_draws_keeps_each_random_ops_nonzero_pattern_in_order():
+def test_recorded_draws_keeps_each_dropouts_pattern_and_each_other_draws_values_in_order():
     g = torch.Generator().manual_seed(0)
     with calibration.recorded_draws() as masks:
-        a = torch.bernoulli(torch.full((8,), 0.5), generator=g)
+        d, _ = torch.native_dropout(torch.full((8,), 3.0), 0.5, True)
         torch.ones(3) * 2  # not a draw
         b = torch.rand(4, generator=g)
-    assert len(masks) == 2 and torch.equal(masks[0], a != 0) and torch.equal(masks[1], b != 0)
-    assert calibration.same_draws(masks, [a != 0, b != 0]) and not calibration.same_draws(masks, [a != 0])
+    assert len(masks) == 3 and torch.equal(masks[0], d != 0) and torch.equal(masks[2], b.double())
+    assert calibration.same_draws(masks, [d != 0, masks[1], b.double()]) and not calibration.same_draws(masks, [d != 0])
+    assert not calibration.same_draws(masks, [d != 0, masks[1], (b + 1e-7).double()])  # a value, not its pattern

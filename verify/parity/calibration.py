@@ -9,10 +9,12 @@ bound allows, so no fp32 program can pass it (docs/failure-classes.md section 4)
 When the analytic check fails, the reference runs once more in float32 and in float64, as the
 oracle's program runs: with the ranks' dropout masks where it compares the eager program (the
 masks change which terms a gradient sums: mobilevit's bias gradients were 100x nearer fp64 with
-dropout off, which is not what the oracle compared; docs/oracle-failures.md). Every draw of the
-fp32 runs must equal the fp64 run's (:func:`recorded_draws`: a CPU generator may draw another
-stream for float64); if one differs, the calibration falls back to random ops off in both, which
-draw nothing, and says so. Each tensor's bound becomes
+dropout off, which is not what the oracle compared; docs/oracle-failures.md). A random op that is
+not a dropout (``torch.rand`` of a drop path) draws its float32 numbers in the fp64 run too, cast
+up (:func:`draws_in_float32`: a CPU generator draws another stream for float64). Every draw of the
+fp32 runs must equal the fp64 run's (:func:`recorded_draws`: a dropout's nonzero pattern, any
+other random op's values); if one differs, the calibration falls back to random ops off in both,
+which draw nothing, and says so. Each tensor's bound becomes
 
     max(analytic bound, CALIBRATION_SAFETY * max |single-device fp32 - single-device fp64|)
 
@@ -40,9 +42,10 @@ from collections.abc import Callable, Iterator, Mapping
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
+from torch.utils._pytree import tree_leaves, tree_map
 
 from verify.parity.compare import OracleCheck, OracleReport, OracleTolerance
+from verify.parity.random_ops import is_dropout
 from verify.stages.pipeline_run import intra_op_threads
 
 CALIBRATION_SAFETY = 4.0
@@ -81,8 +84,21 @@ def recheck(check: OracleCheck, measured: float | None) -> OracleCheck:
     return dataclasses.replace(check, bound=widened, note="; ".join(filter(None, (check.note, note))))
 
 
+def _is_draw(func) -> bool:
+    return torch.Tag.nondeterministic_seeded in func.tags
+
+
+def _drawn(func, t: torch.Tensor) -> torch.Tensor:
+    """What a draw decides: a dropout's nonzero pattern (its output carries the input, which
+    differs between dtypes), any other random op's values (a drop path's ``torch.rand``: its
+    keep mask is ``floor(rand + keep_prob)``, so every value matters), floats in float64."""
+    if is_dropout(func):
+        return t.detach() != 0
+    return t.detach().to(torch.float64) if t.is_floating_point() else t.detach().clone()
+
+
 class _Draws(TorchDispatchMode):
-    """Keeps which entries each random op's output made nonzero (a dropout's mask)."""
+    """Keeps what each random op drew (:func:`_drawn`), in draw order."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -90,17 +106,55 @@ class _Draws(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        if torch.Tag.nondeterministic_seeded in func.tags:
-            self.masks.extend(t.detach() != 0 for t in tree_leaves(out) if isinstance(t, torch.Tensor))
+        if _is_draw(func):
+            self.masks.extend(_drawn(func, t) for t in tree_leaves(out) if isinstance(t, torch.Tensor))
         return out
 
 
 @contextlib.contextmanager
 def recorded_draws() -> Iterator[list[torch.Tensor]]:
-    """While open, the list it yields gets each random op's nonzero pattern, in draw order."""
+    """While open, the list it yields gets what each random op drew (:func:`_drawn`), in order."""
     mode = _Draws()
     with mode:
         yield mode.masks
+
+
+def _down(v):
+    if isinstance(v, torch.Tensor) and v.dtype == torch.float64:
+        return v.to(torch.float32)
+    return torch.float32 if v is torch.float64 else v
+
+
+class _DrawsInFloat32(TorchDispatchMode):
+    """A random op that is not a dropout, asked for float64 (a ``dtype`` or a tensor argument),
+    runs in float32 and its result is cast up; an in-place one writes the cast result back."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if not _is_draw(func) or is_dropout(func):
+            return func(*args, **kwargs)
+        down_args, down_kwargs = tree_map(_down, args), tree_map(_down, kwargs)
+        if all(a is b for a, b in zip(tree_leaves((args, kwargs)), tree_leaves((down_args, down_kwargs)), strict=True)):
+            return func(*args, **kwargs)  # nothing in float64
+        out = func(*down_args, **down_kwargs)
+        written = [i for i, a in enumerate(func._schema.arguments) if a.alias_info is not None and a.alias_info.is_write]
+        for i in written:
+            name = func._schema.arguments[i].name
+            old, new = (args[i], down_args[i]) if i < len(args) else (kwargs[name], down_kwargs[name])
+            old.copy_(new)
+        if written:
+            i = written[0]
+            return args[i] if i < len(args) else kwargs[func._schema.arguments[i].name]
+        return tree_map(lambda t: t.to(torch.float64) if isinstance(t, torch.Tensor) and t.dtype == torch.float32 else t, out)
+
+
+@contextlib.contextmanager
+def draws_in_float32() -> Iterator[None]:
+    """Inside, a random op that is not a dropout draws the numbers it draws in float32, even when
+    asked for float64: the fp64 reference then takes the fp32 program's drop paths (a CPU
+    generator draws another stream for float64: ``torch.rand``, ``bernoulli_``)."""
+    with _DrawsInFloat32():
+        yield
 
 
 def same_draws(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
@@ -118,7 +172,7 @@ def calibrated(report: OracleReport, reference: Callable[[torch.dtype], Mapping[
     If the fp64 reference cannot run (a model that hard-codes float32), the report stays as it was
     and says why."""
     try:
-        with recorded_draws() as draws64:
+        with recorded_draws() as draws64, draws_in_float32():
             r64 = reference(torch.float64)
         measured: dict[str, float] = {}
         for n in THREADS:

@@ -352,11 +352,13 @@ def planned_oracle(case: PlannedCase, ranks: Sequence[PlannedRank], reference: S
 
 
 def _first_step_in(case: PlannedCase, dtype: torch.dtype) -> dict[str, torch.Tensor | None]:
-    """The unsharded model's first step in ``dtype``, random ops off, by oracle check name (the
-    oracle's calibration, ``verify.parity.calibration``)."""
+    """The unsharded model's first step in ``dtype``, by oracle check name (the oracle's
+    calibration, ``verify.parity.calibration``), as :func:`single_device_replay`'s dropout-off
+    form runs it: dropout off, any other random op (which the plan replicates) drawing from the
+    ranks' seed. The calibration checks that its fp32 and fp64 runs draw alike."""
     model = case.model("cpu").to(dtype)
     *xs, target = cast_floating(list(case.batches(1)[0]), dtype)
-    with random_ops_disabled():
+    with seeded(step_seed(PLANNED_RNG_SEED, 0)), random_ops_disabled(keep_others=True):
         loss = (case.loss_fn or cross_entropy_loss)(model(*xs), target)
         loss.backward()
     return {"loss": loss.detach(), **{roles.grad(fqn): p.grad for fqn, p in model.named_parameters()}}

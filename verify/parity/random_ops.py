@@ -69,6 +69,12 @@ def _switch(op) -> tuple[int, str, float] | None:
     return None
 
 
+def is_dropout(op) -> bool:
+    """Whether ``op`` is a dropout (an argument switches its randomness off: ``p`` or
+    ``dropout_p``); any other random op draws numbers the model uses as they are."""
+    return _switch(op) is not None
+
+
 def _draws(op, args, kwargs) -> bool:
     """Whether a call of ``op`` draws from the generator: a random op, unless its dropout
     probability is 0 (an attention kernel called without dropout is tagged random all the same)."""
@@ -175,6 +181,7 @@ __all__ = [
     "RandomOpError",
     "executor_without_random_ops",
     "graph_without_random_ops",
+    "is_dropout",
     "random_nodes",
     "random_ops_disabled",
 ]

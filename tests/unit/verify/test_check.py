@@ -16,7 +16,7 @@ import torch
 
 from autoparallel.parallelize import ParallelPlan
 from autoparallel.pipeline import STAGE_NAMES
-from verify import check as check_module
+import verify.check as check
 from verify import zoo
 from verify.__main__ import main
 from verify.check import ModelCheck, check_model
@@ -156,21 +156,24 @@ def test_plan_auto_through_check_model_and_the_report_on_gpt2(capsys):
     assert report["parity"]["oracle"]["passed"] and all(r["bitwise"] for r in report["parity"]["vs_eager"].values())
 
 
-def test_plan_auto_gives_its_parity_world_the_callers_timeout(monkeypatch):
-    """Failed before: the planned parity world kept its fixed 300 s inside a sweep cell's --timeout
-    (pegasus_x under auto on a loaded box: 'the world of 4 ranks did not finish within
-    timeout_s=300 s' in a 600 s cell), as fsdp's had 180 s before."""
+class _WorldStarted(Exception):
+    pass
+
+
+@pytest.mark.parametrize(("given", "passed"), [(900.0, {"timeout_s": 900.0}), (None, {})])
+def test_plan_auto_gives_the_world_the_callers_timeout(monkeypatch, given, passed):
+    """A sweep cell's --timeout bounds the planned world too (segformer's auto cell was killed by
+    a fixed 300 s world limit at load 57 with 900 s given); None keeps the world's default."""
     seen = {}
 
-    class Stop(Exception):
-        pass
+    def world(case, steps, **kwargs):
+        seen.update(kwargs)
+        raise _WorldStarted
 
-    def world(case, steps, **kw):
-        seen.update(kw)
-        raise Stop
-
-    monkeypatch.setattr(check_module, "run_scenario", lambda scenario, **kw: None)
-    monkeypatch.setattr(check_module, "run_planned_parity", world)
-    with pytest.raises(Stop):
-        check_model("convnet", plan="auto", mesh="dp=2", world_timeout_s=600)
-    assert seen == {"timeout_s": 600}
+    monkeypatch.setattr(check, "run_scenario", lambda scenario, **kwargs: None)
+    monkeypatch.setattr(check, "planned_case", lambda scenario: None)
+    monkeypatch.setattr(check, "run_planned_parity", world)
+    with pytest.raises(_WorldStarted):
+        check_model(ModelCase("ln_mlp", zoo.LNMLP, zoo.mse_loss, zoo.ln_mlp_batch), plan="auto", mesh="dp=2,tp=2",
+                    world_timeout_s=given)
+    assert seen == passed
