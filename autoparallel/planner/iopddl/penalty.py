@@ -14,25 +14,13 @@ from __future__ import annotations
 import numpy as np
 
 from autoparallel.planner.iopddl.instance import Instance
+from autoparallel.planner.iopddl.priced_child import base_price
 from autoparallel.planner.iopddl.search import local_costs, profile
 
 
 def _base_price(inst: Instance) -> float:
-    """A typical cost per unit of usage per live step: the median over nodes whose strategies
-    trade usage for cost."""
-    ratios = []
-    for i in range(inst.n):
-        c, u = inst.cost[i], inst.usage[i]
-        ok = np.isfinite(c)
-        length = int(inst.ends[i] - inst.starts[i])
-        if ok.sum() < 2 or length <= 0:
-            continue
-        du = int(u[ok].max() - u[ok].min())
-        if du > 0:
-            ratios.append(float(np.ptp(c[ok])) / du / length)
-    if not ratios:
-        return 1.0
-    return max(float(np.median(ratios)), 1e-12)
+    """A typical cost per unit of usage per live step (priced_child.base_price)."""
+    return base_price(inst.cost, inst.usage, inst.starts, inst.ends)
 
 
 def _neighbours(inst: Instance, i: int):

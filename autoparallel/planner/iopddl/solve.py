@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from autoparallel.planner.iopddl import priced
 from autoparallel.planner.iopddl.cfn import CFN_ENTRIES, model_size, solve_cfn, toulbar2_available
 from autoparallel.planner.iopddl.instance import Instance, forbid_unsupported
 from autoparallel.planner.iopddl.mip import PENALTY, solve_sub
@@ -37,6 +38,11 @@ PENALTY_SHARE = 0.0
 # for 6 % fewer pairs (docs/iopddl.md, "Exact reductions").
 REDUCE = False
 REDUCE_SHARE = 0.25  # at most this share of the time goes to the reductions
+# Share of the time the priced toulbar2 rounds (priced.py) run beside the first descent, on
+# instances too large for the whole-problem MIP and for cfn.py's constrained network. Most of it:
+# on M their first feasible plan was 1.01x the contest's best against 1.8x from descent + star moves.
+PRICED_SHARE = 0.9
+PRICED_NODES = 1000  # and only from this many nodes (below, cfn.py's constrained network is small)
 
 
 @dataclass
@@ -110,15 +116,34 @@ def _neighbourhood(inst: Instance, rng, size: int, prof=None, around=None) -> np
 
 def solve(inst: Instance, time_limit: float = 120.0, seed: int = 0, progress=None, threads: int = 1,
           clock=time.perf_counter, full_mip_pairs: int = FULL_MIP_PAIRS,
-          penalty_share: float = PENALTY_SHARE, cfn_entries: int = CFN_ENTRIES, reduce_first: bool = REDUCE) -> Result:
+          penalty_share: float = PENALTY_SHARE, cfn_entries: int = CFN_ENTRIES, reduce_first: bool = REDUCE,
+          priced_share: float = PRICED_SHARE, priced_nodes: int = PRICED_NODES) -> Result:
     """Best plan found within ``time_limit`` seconds (from this call); raise ValueError if none exists."""
     t0 = clock()
     deadline = t0 + time_limit
     say = progress or (lambda msg: None)
+    pairs = sum(m.size for m in inst.edge_cost)
+    job = None
+    if (not reduce_first and priced_share > 0 and inst.limit is not None and inst.n >= priced_nodes
+            and pairs > full_mip_pairs and toulbar2_available() and model_size(inst) > cfn_entries):
+        job = priced.start(inst, clock() + priced_share * (deadline - clock()))  # toulbar2 does its own arc consistency
+        say(f"priced toulbar2 rounds started beside the descent, up to {job.stop - clock():.0f}s")
+    try:
+        return _solve(inst, t0, deadline, say, job, pairs, seed=seed, threads=threads, clock=clock,
+                      full_mip_pairs=full_mip_pairs, penalty_share=penalty_share, cfn_entries=cfn_entries,
+                      reduce_first=reduce_first, priced_share=priced_share, priced_nodes=priced_nodes)
+    finally:
+        if job is not None:
+            priced.stop(job)
+
+
+def _solve(inst, t0, deadline, say, job, pairs, *, seed, threads, clock, full_mip_pairs, penalty_share, cfn_entries,
+           reduce_first, priced_share, priced_nodes) -> Result:
     say(f"arc consistency forbade {forbid_unsupported(inst)} strategies ({clock() - t0:.1f}s)")
     if reduce_first:
         return _solve_reduced(inst, t0, deadline, say, clock, seed=seed, threads=threads, full_mip_pairs=full_mip_pairs,
-                              penalty_share=penalty_share, cfn_entries=cfn_entries)
+                              penalty_share=penalty_share, cfn_entries=cfn_entries, priced_share=priced_share,
+                              priced_nodes=priced_nodes)
     x = least_usage(inst)
     prof = profile(inst, x)
     if inst.limit is not None and len(prof) and int(prof.max()) > inst.limit:
@@ -132,7 +157,8 @@ def solve(inst: Instance, time_limit: float = 120.0, seed: int = 0, progress=Non
         say(f"star moves (a node with its leaves) and descent: cost {best:.6g} ({clock() - t0:.1f}s)")
     bound, optimal, method = _trivial_bound(inst), False, "descent"
     stats = {"subproblems": 0, "improved": 0}
-    pairs = sum(m.size for m in inst.edge_cost)
+    if job is not None:
+        x, prof, best, bound, method = _priced(inst, job, x, prof, best, bound, method, deadline, clock, say)
     if pairs <= full_mip_pairs and clock() < deadline:
         say(f"one MIP over all {inst.n} nodes ({pairs} strategy pairs), up to {deadline - clock():.0f}s")
         r = solve_sub(inst, x, prof, np.arange(inst.n), 0.8 * (deadline - clock()) - 1.0, threads=threads)
@@ -164,7 +190,7 @@ def solve(inst: Instance, time_limit: float = 120.0, seed: int = 0, progress=Non
         if whole is not None:  # a neighbourhood held every node and its MIP finished: proven
             bound, optimal = max(bound, whole), True
     if not np.isfinite(best):
-        raise ValueError(f"no plan free of forbidden (infinite-cost) choices found in {time_limit:.0f}s")
+        raise ValueError(f"no plan free of forbidden (infinite-cost) choices found in {deadline - t0:.0f}s")
     if best <= bound + 1e-9 * max(1.0, abs(best)):
         optimal = True
     return Result([int(v) for v in x], _exact_cost(inst, x), bound, optimal, clock() - t0, method, stats)
@@ -181,6 +207,27 @@ def _solve_reduced(inst: Instance, t0, deadline, say, clock, **options) -> Resul
     x = red.lift(r.solution)
     return Result([int(v) for v in x], _exact_cost(inst, x), r.bound, r.optimal, clock() - t0, r.method,
                   {**r.stats, "removed": red.removed, "folded": len(red.folded)})
+
+
+def _priced(inst, job, x, prof, best, bound, method, deadline, clock, say):
+    """Collect the priced rounds (priced.py); keep their plan when it fits and is cheaper, then
+    polish it under the hard limit (descent and star moves). Their bound (the unpriced problem's)
+    holds for this one."""
+    y, b = priced.collect(job, clock, say)
+    if b is not None:
+        bound = max(bound, float(b))
+    if y is None or len(y) != inst.n:
+        say("priced toulbar2 rounds: no plan within the limit")
+        return x, prof, best, bound, method
+    yprof = profile(inst, y)
+    ycost = cost(inst, y)
+    if len(yprof) and int(yprof.max()) > inst.limit or not ycost < best:
+        say(f"priced toulbar2 rounds: plan of cost {ycost:.6g} not kept (over the limit or not cheaper than {best:.6g})")
+        return x, prof, best, bound, method
+    star_rounds(inst, y, yprof, deadline, clock)
+    ycost = cost(inst, y)
+    say(f"priced toulbar2 rounds, then star moves and descent: cost {ycost:.6g} (was {best:.6g})")
+    return y, yprof, ycost, bound, "priced"
 
 
 def _toulbar2(inst, x, prof, best, bound, deadline, clock, say):

@@ -1,0 +1,240 @@
+"""The adaptive-penalty toulbar2 loop of priced.py, run as a child process (it imports nothing from
+autoparallel: importing the package pulls in torch, tens of seconds on a loaded machine).
+
+The winning entry's method (OpenReview xvzwLMgX3U): the usage limit leaves the network and becomes
+a price. Time step t has a price lam[t]; node i's strategy s pays usage[i][s] times the sum of the
+prices over i's live interval. Each round toulbar2 solves the priced network (unary + binary cost
+functions only, which it solves fast even with 40k nodes: instance D's unpriced optimum in 7 CPU
+seconds) and the plan's usage profile is measured. The first prices are the base price at the
+steps where the limit can bind at all (every node at its largest usage over it). A plan over the limit goes through a greedy
+repair (cheapest cost per byte saved first, then descent under the limit) and the prices at its
+over-full steps grow (times ``growth`` plus a base price: the repair's median cost per byte-step
+when larger than the instance's, see base_price); a plan that fits shrinks every price a little, to look for
+cheaper plans that still fit. A round without any plan in its CPU time is rerun with twice the
+time. Each feasible plan cheaper than the last is written to the output file (JSON, replaced
+atomically), with the best Lagrangian bound so far (toulbar2's dual bound on the priced problem
+less the prices times the limit: it holds for any prices >= 0).
+
+Usage: python priced_child.py MODEL.pkl OUT.json ROUND_CPU_SECONDS
+"""
+
+import json
+import os
+import pickle
+import sys
+import time
+
+import numpy as np
+
+SCALE_CAP = 1e16  # summed costs above this are scaled down (toulbar2 costs are 64-bit integers)
+
+
+def base_price(cost: list, usage: list, starts: np.ndarray, ends: np.ndarray) -> float:
+    """A typical cost per unit of usage per live step: the median over nodes whose allowed
+    strategies trade usage for cost of (cost range) / (usage range) / (interval length).
+    Vectorised over the concatenated strategies (a loop over 40k nodes takes tens of seconds at
+    this machine's load)."""
+    offsets = np.concatenate([[0], np.cumsum([len(c) for c in cost])[:-1]])
+    c, u = np.concatenate(cost), np.concatenate(usage).astype(np.float64)
+    ok = np.isfinite(c)
+
+    def span(a):
+        return np.maximum.reduceat(np.where(ok, a, -np.inf), offsets) - np.minimum.reduceat(np.where(ok, a, np.inf), offsets)
+
+    dc, du, length = span(c), span(u), (ends - starts).astype(np.float64)
+    keep = (np.add.reduceat(ok.astype(np.int64), offsets) >= 2) & (length > 0) & (du > 0)
+    if not keep.any():
+        return 1.0
+    return max(float(np.median(dc[keep] / du[keep] / length[keep])), 1e-12)
+
+
+def interval_sums(lam: np.ndarray, starts: np.ndarray, ends: np.ndarray) -> np.ndarray:
+    """Per node, the sum of ``lam`` over its half-open live interval (0 when never live)."""
+    cum = np.concatenate([[0.0], np.cumsum(lam)])
+    h = len(lam)
+    return np.where(starts < ends, cum[ends.clip(0, h)] - cum[starts.clip(0, h)], 0.0)
+
+
+def usage_profile(x, usage, starts, ends, horizon: int) -> np.ndarray:
+    """Summed usage at every step under plan ``x``."""
+    u = np.array([usage[i][x[i]] for i in range(len(x))], dtype=np.int64)
+    live = starts < ends
+    diff = np.zeros(horizon + 1, dtype=np.int64)
+    np.add.at(diff, starts[live], u[live])
+    np.add.at(diff, ends[live], -u[live])
+    return np.cumsum(diff)[:horizon]
+
+
+def plan_cost(model: dict, x) -> float:
+    total = sum(float(c[x[i]]) for i, c in enumerate(model["cost"]))
+    return total + sum(float(m[x[u], x[v]]) for u, v, m in zip(model["edge_u"], model["edge_v"], model["edge_cost"]))
+
+
+def incident(model: dict) -> list:
+    """Per node: [(edge index, node is the edge's first)]."""
+    adj = [[] for _ in model["cost"]]
+    for k, (u, v) in enumerate(zip(model["edge_u"], model["edge_v"])):
+        adj[int(u)].append((k, True))
+        adj[int(v)].append((k, False))
+    return adj
+
+
+def local_costs(model: dict, adj: list, x, i: int) -> np.ndarray:
+    """Node ``i``'s cost per strategy with its neighbours held at ``x``."""
+    local = model["cost"][i].copy()
+    for k, first in adj[i]:
+        m = model["edge_cost"][k]
+        local += m[:, x[model["edge_v"][k]]] if first else m[x[model["edge_u"][k]], :]
+    return local
+
+
+def repair(model: dict, adj: list, x: list, prof: np.ndarray, passes: int = 1) -> list:
+    """Lower usage at the steps over the limit, in place on ``x`` and ``prof``: each pass ranks the
+    nodes live at an over-full step by their cheapest cost increase per byte-step saved there (over
+    a strategy of less usage, neighbours held) and moves them in that order while their interval
+    is still over; the last pass offers only each node's least usage, which always ends within
+    the limit (the least-usage plan fits). Returns the ratios of the moves made (a price of usage)."""
+    starts, ends, limit, usage = model["starts"], model["ends"], model["limit"], model["usage"]
+    made = []
+    for p in range(passes + 1):
+        over = prof > limit
+        if not over.any():
+            break
+        cum = np.concatenate([[0], np.cumsum(over)])
+        steps = np.where(starts < ends, cum[ends.clip(0, len(over))] - cum[starts.clip(0, len(over))], 0)
+        ranked = []
+        for i in np.flatnonzero(steps > 0):
+            u, cur, allowed = usage[i], x[i], np.isfinite(model["cost"][i])
+            lower = np.flatnonzero((u < u[cur]) & allowed)
+            if not len(lower):
+                continue
+            local = local_costs(model, adj, x, i)
+            if p == passes:  # last resort: the least usage, among strategies free of forbidden pairs if any
+                ok = lower[np.isfinite(local[lower])]
+                pool = ok if len(ok) else lower
+                lower = pool[u[pool] == u[pool].min()]
+            ratio = (local[lower] - local[cur]) / ((u[cur] - u[lower]) * float(steps[i]))
+            ratio = np.where(np.isfinite(local[lower]), ratio, np.inf)
+            k = int(np.argmin(ratio))
+            if np.isfinite(ratio[k]) or p == passes:
+                ranked.append((float(ratio[k]), int(i), int(lower[k])))
+        for ratio, i, s in sorted(ranked):
+            a, b = starts[i], ends[i]
+            if int(prof[a:b].max()) > limit:
+                prof[a:b] += usage[i][s] - usage[i][x[i]]
+                x[i] = s
+                made.append(ratio)
+    return made
+
+
+def descend(model: dict, adj: list, x: list, prof: np.ndarray, nodes, passes: int = 3) -> None:
+    """Coordinate descent under the limit over ``nodes`` (in place): each moves to its cheapest
+    strategy that fits, neighbours held; clears the forbidden pairs a repair may leave."""
+    starts, ends, limit, usage = model["starts"], model["ends"], model["limit"], model["usage"]
+    for _ in range(passes):
+        moved = 0
+        for i in nodes:
+            local = local_costs(model, adj, x, i)
+            a, b, u, cur = starts[i], ends[i], usage[i], x[i]
+            if a < b:
+                local = np.where(u <= limit - int(prof[a:b].max()) + u[cur], local, np.inf)
+            s = int(np.argmin(local))
+            if local[s] < local[cur] or (not np.isfinite(local[cur]) and np.isfinite(local[s])):
+                if a < b:
+                    prof[a:b] += u[s] - u[cur]
+                x[i] = s
+                moved += 1
+        if not moved:
+            return
+
+
+def build(model: dict, unary: list):
+    """The network with the given (priced) unary costs, scaled into toulbar2's integer range;
+    forbidden entries (``inf``) cost ``top``. Functions of equal shape go in one call."""
+    import pytoulbar2
+
+    cap = sum(float(c[np.isfinite(c)].max(initial=0)) for c in unary + model["edge_cost"])
+    scale = min(1.0, SCALE_CAP / max(cap, 1.0))
+    top = int(cap * scale) + 1
+    cfn = pytoulbar2.CFN(top, verbose=-1)
+    for i, c in enumerate(unary):
+        cfn.AddVariable(f"x{i}", list(range(len(c))))
+
+    def table(a):
+        return np.where(np.isfinite(a), np.rint(a * scale), top).astype(np.float64)
+
+    groups: dict = {}
+    for i, c in enumerate(unary):
+        groups.setdefault(len(c), []).append(i)
+    for nodes in groups.values():
+        cfn.AddFunctions(np.array(nodes, dtype=np.int64), np.stack([table(unary[i]) for i in nodes]))
+    groups = {}
+    for k, m in enumerate(model["edge_cost"]):
+        groups.setdefault(m.shape, []).append(k)
+    for edges in groups.values():
+        scopes = np.array([[model["edge_u"][k], model["edge_v"][k]] for k in edges], dtype=np.int64)
+        cfn.AddFunctions(scopes, np.stack([table(model["edge_cost"][k]) for k in edges]))
+    return cfn, scale
+
+
+def write(path: str, payload: dict) -> None:
+    with open(path + ".tmp", "w") as f:
+        json.dump(payload, f)
+    os.replace(path + ".tmp", path)
+
+
+def main(args) -> None:
+    src, out, round_cpu = args[0], args[1], float(args[2])
+    with open(src, "rb") as f:
+        model = pickle.load(f)
+    starts, ends, limit, horizon = model["starts"], model["ends"], model["limit"], model["horizon"]
+    growth, relax = model["growth"], model["relax"]
+    base = base_price(model["cost"], model["usage"], starts, ends)
+    # first prices: the base price wherever the limit can bind (each node at its largest usage)
+    lam = np.where(usage_profile([int(np.argmax(u)) for u in model["usage"]], model["usage"], starts, ends, horizon)
+                   > limit, base, 0.0)
+    best, bound = np.inf, None
+    adj = incident(model)
+    cpu = round_cpu
+    for r in range(model["rounds"]):
+        w = interval_sums(lam, starts, ends)
+        unary = [c + w[i] * model["usage"][i] for i, c in enumerate(model["cost"])]
+        t = time.process_time()
+        cfn, scale = build(model, unary)
+        res = cfn.Solve(timeLimit=max(1, int(cpu)))
+        if scale == 1.0:  # Lagrangian bound: priced optimum (unaries rounded by <= 0.5) less the prices at the limit
+            lagrange = float(cfn.GetDDualBound()) - 0.5 * len(model["cost"]) - float(lam.sum()) * limit
+            bound = lagrange if bound is None else max(bound, lagrange)
+        if res is None:  # no plan in time: the same prices again, twice the time
+            print(f"priced round {r}: no plan in {int(cpu)} CPU s", file=sys.stderr, flush=True)
+            cpu *= 2
+            continue
+        x = [int(v) for v in res[0]]
+        prof = usage_profile(x, model["usage"], starts, ends, horizon)
+        over = prof > limit
+        c = plan_cost(model, x)
+        print(f"priced round {r}: cost {c:.6g}, {int(over.sum())} steps over the limit"
+              f" (peak {int(prof.max(initial=0))} / {limit}), {time.process_time() - t:.1f} CPU s", file=sys.stderr, flush=True)
+        fixed = prof.copy()
+        if over.any():
+            before = list(x)
+            made = [v for v in repair(model, adj, x, fixed) if np.isfinite(v) and v > 0]
+            moved = {i for i in range(len(x)) if x[i] != before[i]}
+            descend(model, adj, x, fixed, sorted(moved | {int(model["edge_v"][k] if first else model["edge_u"][k])
+                                                           for i in moved for k, first in adj[i]}))
+            if made:  # the repair's median cost per byte-step: the scale a price must reach
+                base = max(base, float(np.median(made)))
+            lam[over] = growth * lam[over] + base
+            c = plan_cost(model, x)
+            print(f"priced round {r}: repaired to cost {c:.6g}, price step {base:.3g}", file=sys.stderr, flush=True)
+        else:
+            lam *= relax
+        if not (fixed > limit).any() and c < best:
+            best = c
+            write(out, {"solution": x, "cost": c, "round": r, "bound": bound})
+        elif best == np.inf and bound is not None:
+            write(out, {"solution": None, "cost": None, "round": r, "bound": bound})
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

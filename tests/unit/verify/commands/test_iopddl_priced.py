@@ -1,0 +1,160 @@
+"""IOPDDL's priced toulbar2 rounds (autoparallel/planner/iopddl/priced.py, priced_child.py): the
+greedy repair that brings a plan under the usage limit, the child's plans (feasible, never below
+brute force, checked by the independent evaluator) and its bound (never above the optimum), and the
+solve keeping their plan only when it fits and is cheaper."""
+
+from __future__ import annotations
+
+import copy
+import importlib
+import random
+import time
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from autoparallel.planner.iopddl import from_dict, priced, priced_child, solve
+from verify.commands.iopddl.check import check, evaluate
+
+solve_module = importlib.import_module("autoparallel.planner.iopddl.solve")
+pytest.importorskip("pytoulbar2")
+
+
+def _problem(rng: random.Random, n: int, slack: int) -> dict:
+    """Random nodes (1-3 strategies), random edges, a limit ``slack`` above the least usage's peak."""
+    sizes = [rng.randint(1, 3) for _ in range(n)]
+    intervals = [[s, s + rng.randint(0, 5)] for s in (rng.randint(0, 8) for _ in range(n))]
+    edges = [[u, v] for u in range(n) for v in range(u + 1, n) if rng.random() < 0.4]
+    usages = [[rng.randint(1, 10) for _ in range(s)] for s in sizes]
+    lows = [sum(min(us) for (a, b), us in zip(intervals, usages) if a <= t < b) for t in range(14)]
+    return {"nodes": {"intervals": intervals, "usages": usages,
+                      "costs": [[rng.randint(0, 50) for _ in range(s)] for s in sizes]},
+            "edges": {"nodes": edges, "costs": [[rng.randint(0, 30) for _ in range(sizes[u] * sizes[v])] for u, v in edges]},
+            "usage_limit": max(lows) + slack}
+
+
+def _optimum(problem: dict) -> int:
+    """The optimum by the whole-problem MIP (proven on these few nodes)."""
+    r = solve(from_dict({"problem": copy.deepcopy(problem)}), time_limit=10.0, full_mip_pairs=10**9, cfn_entries=-1)
+    assert r.optimal
+    return r.cost
+
+
+def _model(problem: dict) -> dict:
+    inst = from_dict({"problem": copy.deepcopy(problem)})
+    return {"cost": inst.cost, "usage": inst.usage, "edge_u": inst.edge_u, "edge_v": inst.edge_v,
+            "edge_cost": inst.edge_cost, "starts": inst.starts, "ends": inst.ends, "limit": inst.limit,
+            "horizon": inst.horizon}
+
+
+def test_interval_sums_and_profile_follow_half_open_intervals():
+    lam = np.array([1.0, 2.0, 4.0, 8.0])
+    starts, ends = np.array([0, 1, 3, 2]), np.array([2, 4, 3, 3])  # node 2 never live
+    assert priced_child.interval_sums(lam, starts, ends).tolist() == [3.0, 14.0, 0.0, 4.0]
+    usage = [np.array([5, 1]), np.array([2]), np.array([100]), np.array([7, 3])]
+    assert priced_child.usage_profile([1, 0, 0, 0], usage, starts, ends, 4).tolist() == [1, 3, 9, 2]
+
+
+def test_base_price_is_the_median_cost_per_byte_step_over_nodes_that_trade():
+    inf = np.inf
+    cost = [np.array([0.0, 10.0]), np.array([inf, 4.0]), np.array([0.0, 6.0, 2.0]), np.array([0.0, 9.0]), np.array([1.0, 5.0])]
+    usage = [np.array([1, 3]), np.array([1, 9]), np.array([2, 2, 5]), np.array([1, 2]), np.array([4, 4])]
+    starts, ends = np.array([0, 0, 3, 2, 0]), np.array([5, 5, 4, 2, 1])
+    # node 0: 10 / 2 / 5 = 1; node 1 has one allowed strategy, node 3 is never live, node 4's
+    # usages are equal; node 2: 6 / 3 / 1 = 2
+    assert priced_child.base_price(cost, usage, starts, ends) == 1.5
+    assert priced_child.base_price(cost[1:2], usage[1:2], starts[1:2], ends[1:2]) == 1.0  # nothing trades
+
+
+def _two_on_one_step(cost_a=(0, 10), cost_b=(0, 1)) -> dict:
+    """Nodes a and b live at step 0 only, strategy 0 uses 2, strategy 1 uses 1; limit 3: one of
+    them must move to 1. Moving a costs 10, b costs 1."""
+    return {"nodes": {"intervals": [[0, 1], [0, 1]], "usages": [[2, 1], [2, 1]], "costs": [list(cost_a), list(cost_b)]},
+            "edges": {"nodes": [], "costs": []}, "usage_limit": 3}
+
+
+def test_repair_moves_the_cheapest_byte_first():
+    for cost_a, cost_b, moved in (((0, 10), (0, 1), (0, 1)), ((0, 1), (0, 10), (1, 0))):
+        model = _model(_two_on_one_step(cost_a, cost_b))
+        x = [0, 0]
+        prof = priced_child.usage_profile(x, model["usage"], model["starts"], model["ends"], model["horizon"])
+        assert len(priced_child.repair(model, priced_child.incident(model), x, prof)) == 1
+        assert x == list(moved) and prof.tolist() == [3]
+
+
+def test_repair_reports_a_plan_it_cannot_fix():
+    p = _two_on_one_step()
+    p["nodes"]["usages"] = [[2, 3], [2, 2]]  # no strategy of less usage anywhere
+    model = _model(p)
+    x = [0, 0]
+    prof = priced_child.usage_profile(x, model["usage"], model["starts"], model["ends"], model["horizon"])
+    assert priced_child.repair(model, priced_child.incident(model), x, prof) == []
+    assert x == [0, 0] and prof.tolist() == [4]
+
+
+def test_descent_after_a_repair_clears_forbidden_pairs_within_the_limit():
+    # edge (a, b): pair (0, 1) forbidden, (1, 1) costs 1; a at 1 uses 2, b uses 1 either way; limit 3
+    p = {"nodes": {"intervals": [[0, 1], [0, 1]], "usages": [[1, 2], [1, 1]], "costs": [[0, 0], [0, 0]]},
+         "edges": {"nodes": [[0, 1]], "costs": [[5, 10**18, 7, 1]]}, "usage_limit": 3}
+    model = _model(p)
+    x = [0, 1]
+    prof = priced_child.usage_profile(x, model["usage"], model["starts"], model["ends"], model["horizon"])
+    priced_child.descend(model, priced_child.incident(model), x, prof, [0, 1])
+    assert x == [1, 1] and prof.tolist() == [3] and evaluate(p, x) == 1
+    p["usage_limit"] = 2  # a may not grow: b must leave the forbidden pair instead
+    model = _model(p)
+    x = [0, 1]
+    prof = priced_child.usage_profile(x, model["usage"], model["starts"], model["ends"], model["horizon"])
+    priced_child.descend(model, priced_child.incident(model), x, prof, [0, 1])
+    assert x == [0, 0] and evaluate(p, x) == 5
+
+
+@settings(max_examples=60, deadline=None)
+@given(seed=st.integers(0, 10**6), slack=st.integers(0, 4))
+def test_repair_from_the_most_usage_ends_within_the_limit(seed, slack):
+    rng = random.Random(seed)
+    problem = _problem(rng, rng.randint(1, 7), slack)
+    model = _model(problem)
+    x = [int(np.argmax(u)) for u in model["usage"]]
+    prof = priced_child.usage_profile(x, model["usage"], model["starts"], model["ends"], model["horizon"])
+    priced_child.repair(model, priced_child.incident(model), x, prof)
+    assert prof.tolist() == priced_child.usage_profile(x, model["usage"], model["starts"], model["ends"],
+                                                       model["horizon"]).tolist()
+    assert int(prof.max(initial=0)) <= problem["usage_limit"]
+
+
+def test_priced_rounds_give_feasible_plans_and_a_bound_below_the_optimum():
+    rng = random.Random(5)
+    found = 0
+    for k in range(3):
+        problem = _problem(rng, rng.randint(3, 7), k % 3)
+        inst = from_dict({"problem": copy.deepcopy(problem)})
+        job = priced.start(inst, time.perf_counter() + 30, rounds=3, round_cpu=1)
+        x, bound = priced.collect(job)
+        best = _optimum(problem)
+        assert bound is not None and bound <= best + 1e-6
+        if x is not None:
+            found += 1
+            assert evaluate(problem, [int(v) for v in x]) >= best
+    assert found == 3  # the repair makes every round's plan fit
+
+
+def test_a_stopped_child_gives_nothing():
+    problem = _problem(random.Random(6), 5, 0)
+    job = priced.start(from_dict({"problem": problem}), time.perf_counter() + 0.01)
+    assert priced.collect(job) == (None, None)
+
+
+@pytest.mark.parametrize("answer,kept", [([1, 1], False), ([0, 1], True)], ids=["over-the-limit", "fits"])
+def test_solve_keeps_a_priced_plan_only_when_it_fits(monkeypatch, answer, kept):
+    # strategy 1 is free but uses 2, limit 3: [1, 1] costs 0 and is over the limit; descent from the
+    # least usage moves node 0 first and ends at [1, 0] (cost 6); the optimum is [0, 1] (cost 5)
+    problem = {"nodes": {"intervals": [[0, 1], [0, 1]], "usages": [[1, 2], [1, 2]], "costs": [[5, 0], [6, 0]]},
+               "edges": {"nodes": [], "costs": []}, "usage_limit": 3}
+    monkeypatch.setattr(solve_module.priced, "collect", lambda job, *a, **k: (np.array(answer), None))
+    r = solve(from_dict({"problem": copy.deepcopy(problem)}), time_limit=5.0, full_mip_pairs=-1, cfn_entries=-1,
+              priced_share=0.5, priced_nodes=0)
+    assert check(problem, r.solution, r.cost) == r.cost
+    assert r.method.startswith("priced") == kept
