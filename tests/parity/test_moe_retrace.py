@@ -56,7 +56,8 @@ def test_slices_and_steps_that_route_differently_pass_bitwise(capfd):
 def test_without_a_retrace_a_later_step_fails_its_guard(monkeypatch):
     """What the re-trace answers: every step run with the graphs traced for the first batch
     (rank 0's slice) fails a guard, named, on a rank whose counts differ."""
-    monkeypatch.setattr(retrace.StepGraphs, "make", lambda self, local, buffers=None: self.runs.append(self.run))
+    monkeypatch.setattr(retrace.StepGraphs, "make",
+                        lambda self, local, buffers=None: (self.runs.append(self.run), self.firsts.append(())))
     with pytest.raises(Exception, match=r"ValueGuardError: value guard: .*tolist\(\)\): traced with \d+; this batch gives \d+"):
         check_model(CASE, plan="fsdp", mesh="dp=2", steps=2, world_timeout_s=300)
 

@@ -17,8 +17,12 @@ graph traced with its own values, and a step whose values differ gets a new trac
    before the eager program's step (``agree_on_collectives``): where the collectives depend on the
    values it stops with ``CollectiveMismatchError`` naming the first differing collective, never
    a gloo abort. The program gathers a parameter where the model reads it, so an MoE that skips
-   an expert no token reaches (switch_transformers' ``for expert_idx in expert_hit``) gathers
-   that expert on some ranks only: stopped here (docs/failure-classes.md section 11b);
+   an expert no token reaches (switch_transformers' ``for expert_idx in expert_hit``) would
+   gather that expert on some ranks only: the ranks exchange the parameters their slices read
+   (:func:`params_read`), and those some read and others do not are gathered first on every rank,
+   each passed a zero gradient (``autoparallel.parallelize.gathered_first``: FSDP2's
+   ``set_reduce_scatter_unused_params``); the set is part of the cache key
+   (docs/failure-classes.md section 11l);
 3. a step whose values are in the cache reuses its graphs;
 4. each executor runs step ``s`` with the graphs of step ``s`` (:func:`per_step`).
 
@@ -141,12 +145,13 @@ def on_every_rank(flag: bool) -> bool:
 class StepGraphs:
     """The pipeline run whose graphs serve each step on this rank (see the module docstring),
     made ahead of the eager program's step (:meth:`ahead_of`), so that every rank's collectives
-    for that step are compared before the eager program issues them too (it gathers each
-    parameter where the model reads it: an expert no token reaches on one rank is gathered on
-    the other only). ``run``: the run made before the world (rank 0's slice of the first batch);
-    ``pipeline(model, batch, observers)``: this rank's run on the world for that model and global
-    batch; ``seed``: the rank's generator seed of ``train_steps`` (a read after a random draw, a
-    router's jitter, reads the step's draws). ``runs``: one per step made so far."""
+    for that step are compared before the eager program issues them too, and the eager
+    ``program`` gathers first what the graphs do (:meth:`gathering`). ``run``: the run made
+    before the world (rank 0's slice of the first batch); ``pipeline(model, batch, observers,
+    gather_first)``: this rank's run on the world for that model, global batch and parameters
+    gathered first; ``seed``: the rank's generator seed of ``train_steps`` (a read after a random draw, a
+    router's jitter, reads the step's draws). ``runs``: one per step made so far; ``firsts``: the
+    parameters gathered first at each."""
 
     def __init__(self, run: PipelineRun, scenario, mesh, batches: Sequence[tuple],
                  pipeline: Callable[..., PipelineRun], seed: int | None = None, program=None) -> None:
@@ -163,7 +168,10 @@ class StepGraphs:
         """``executor`` (the eager program's) with this step's graphs made before each step."""
 
         def step(params, inputs):
-            self.make(params, executor.buffers)
+            # The eager step draws from the step's seed as every other executor's does: building
+            # the model (its init draws) and the second compile's warm-up forward draw nothing of it.
+            with torch.random.fork_rng(devices=[]):
+                self.make(params, executor.buffers)
             return self.gathering(executor, len(self.runs) - 1).step(params, inputs)
 
         return Executor(step, executor.buffers)
@@ -194,7 +202,8 @@ class StepGraphs:
         full = full_params(local, self.run.joint.shardings, spec, tuple(coord[d] for d in spec.names))
         model = model_with(self.scenario.model, full, buffers)
         mine = split_batch(self.batches[s], plan, spec, coord)
-        with seeded(step_seed(self.seed, s)) if self.seed is not None else contextlib.nullcontext():
+        step_draws = (lambda: seeded(step_seed(self.seed, s))) if self.seed is not None else contextlib.nullcontext
+        with step_draws():
             reads = record_reads(model, self.scenario.loss_fn, mine, plan.param_dtype, patches.enabled(REPLICATED_DRAWS))
             read = params_read(model, self.scenario.loss_fn, mine, plan.param_dtype)
         first = gathered_first(read, self.run.joint.param_fqns)
@@ -204,7 +213,8 @@ class StepGraphs:
                   f"{f', {len(first)} parameters gathered first' if first else ''})", file=sys.stderr, flush=True)
             # The joint graph's collectives are compared before the second compile's forward runs
             # any; every stage's after the run, before any step does.
-            new = self.pipeline(model, self.batches[s], [_joint_agrees], first)
+            with step_draws():  # the warm-up forward draws the step's masks: its guards hold the step's reads
+                new = self.pipeline(model, self.batches[s], [_joint_agrees], first)
             if reads_key(new.joint.traced_reads) != key[0]:
                 raise RuntimeError(f"retrace: step {s}: the pipeline traced other reads than this rank's eager run made")
             agree_on_collectives([row for r in new.results for row in r.graph_rows()])
