@@ -199,7 +199,7 @@ def _cleanup(p: PlacementState) -> CleanupReport:
 
 
 def _fsdp_tagging(p: PlacementState) -> FsdpTagReport:
-    tags = mark_fsdp_all_gather_recomputation(p.jg.gm.graph, p.reshard_after_forward)
+    tags = mark_fsdp_all_gather_recomputation(p.jg.gm.graph, p.reshard_after_forward, p.jg.gather_first)
     p.jg.gm.recompile()
     return tags
 

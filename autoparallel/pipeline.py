@@ -112,6 +112,8 @@ class PipelineOptions:
     (off: results hold the live graphs, which later stages rewrite; observers still see each
     stage's graphs when it ends); ``reads_per_rank``: a model's reads are this rank's values, not
     compared between ranks (the caller traces a graph per rank: ``build_joint_graph``);
+    ``gather_first``: parameters some ranks read and others do not, gathered first by every rank
+    (``parallelize/gathered_first.py``; the caller agrees on them: ``verify.parity.retrace``);
     ``lowering``: how the joint stage lowers a plan="auto" plan (``"dtensor"``: every op through
     DTensor's dispatch; ``"replay"``: the ops the plan fully determines as their local op,
     ``autoparallel.planner.replay``)."""
@@ -123,6 +125,7 @@ class PipelineOptions:
     alternatives: bool = False
     snapshots: bool = True
     reads_per_rank: bool = False
+    gather_first: tuple[str, ...] = ()
     lowering: str = "dtensor"
 
     def __post_init__(self):
@@ -413,7 +416,8 @@ def _joint(state: PipelineState) -> tuple[Graphs, Any]:
         state.joint.local_buffers.update(buffers)
     else:
         state.joint, report = build_joint_graph(state.model, state.plan, state.mesh, state.example_inputs, state.loss_fn,
-                                                reads_per_rank=state.options.reads_per_rank), None
+                                                reads_per_rank=state.options.reads_per_rank,
+                                                gather_first=state.options.gather_first), None
     state.placement = placement(state.joint)
     return state.joint.gm, report
 

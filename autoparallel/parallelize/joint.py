@@ -81,6 +81,9 @@ class JointGraph:
     # The reads the trace answered (empty where the model reads nothing): a rank's graph for
     # another batch is keyed by them (``verify.parity.retrace``).
     traced_reads: tuple[Read, ...] = ()
+    # Parameters some ranks read and others do not, gathered first (parallelize/gathered_first.py):
+    # the FSDP tagging saves their gathered values instead of recomputing them.
+    gather_first: tuple[str, ...] = ()
     _stack: contextlib.ExitStack = field(repr=False, default_factory=contextlib.ExitStack)
     # Holds the export's fake mode off the dispatch stack between the trace and the compile.
     _suspended: contextlib.ExitStack = field(repr=False, default_factory=contextlib.ExitStack)
@@ -121,6 +124,7 @@ def build_joint_graph(
     *,
     eager_dropout: bool = True,
     reads_per_rank: bool = False,
+    gather_first: Sequence[str] = (),
 ) -> JointGraph:
     """Trace ``loss_fn(model(*inputs[:-1]), inputs[-1])`` as run by one rank under ``plan``.
 
@@ -136,7 +140,8 @@ def build_joint_graph(
     ``reads_per_rank=True``: the caller traces a graph per rank instead (each with its own slice's
     values, on a world whose rank is that rank: ``fake_world(spec, rank=r)`` or a real one) and
     compares their collectives before any runs (``verify.parity.retrace``); the slices' reads are
-    then not compared here.
+    then not compared here. ``gather_first``: parameters some ranks read and others do not,
+    gathered first on every rank and given a zero gradient (``parallelize/gathered_first.py``).
     """
     if not example_inputs:
         raise ValueError("example_inputs must hold the model inputs followed by the loss target")
@@ -146,7 +151,7 @@ def build_joint_graph(
     fake_mode = detect_fake_mode(list(model.parameters()) + list(example_inputs)) or FakeTensorMode()
     coordinate = mesh.coordinate() if reads_per_rank else {d: 0 for d in mesh.spec.names}
     local = split_batch(tuple(example_inputs), plan, mesh.spec, coordinate)
-    program = ParallelProgram(model, plan, mesh, loss_fn, shardings=shardings)
+    program = ParallelProgram(model, plan, mesh, loss_fn, shardings=shardings, gather_first=gather_first)
     local_params, local_buffers = _real_local_values(program)
     frozen = tuple(fqn for fqn, p in program.local_parameters().items() if not p.requires_grad)
     _to_fake(program, fake_mode)
@@ -223,6 +228,7 @@ def build_joint_graph(
         compiling_queries=tuple(queried),
         specialised_reads=tuple(specialised),
         traced_reads=tuple(reads or ()),
+        gather_first=tuple(gather_first),
         _stack=stack,
         _suspended=suspended,
     )

@@ -19,7 +19,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import itertools
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -34,6 +34,7 @@ from autoparallel.parallelize.collectives import (
     FSDPAllGather,
     ReduceFromTPRegion,
 )
+from autoparallel.parallelize.gathered_first import gather_first, with_zero_grads
 from autoparallel.parallelize.plan import ParallelPlan, ParamSharding, in_module
 from autoparallel.parallelize.replicated_draws import PATCH as REPLICATED_DRAWS
 from autoparallel.parallelize.replicated_draws import ReplicatedDraws, from_first_rank
@@ -104,9 +105,13 @@ class ParallelProgram(nn.Module):
         loss_fn: LossFn | None = None,
         *,
         shardings: Mapping[str, ParamSharding] | None = None,
+        gather_first: Sequence[str] = (),
     ):
         super().__init__()
         self.plan = plan
+        # Parameters some data-parallel ranks read and others do not: gathered at the start of each
+        # forward on every rank, each given a zero gradient by the loss (parallelize/gathered_first.py).
+        self.gather_first: tuple[str, ...] = tuple(gather_first)
         self.mesh_spec: MeshSpec = mesh.spec
         self.loss_fn = loss_fn or cross_entropy_loss
         self.shardings = dict(shardings or plan.resolve(model, mesh.spec))
@@ -167,7 +172,8 @@ class ParallelProgram(nn.Module):
         draws = (ReplicatedDraws(self._share_draw) if self._replicates_draws and patches.enabled(REPLICATED_DRAWS)
                  else contextlib.nullcontext())
         with parametrize.cached(), draws, buffers_updated_in_place(self.model):
-            loss = self.loss_fn(self.model(*model_inputs), target)
+            first = gather_first(self.model, self.gather_first)
+            loss = with_zero_grads(self.loss_fn(self.model(*model_inputs), target), first)
         check_loss(loss, needs_grad=False)
         return loss
 

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import logging
 import operator
+from collections.abc import Collection
 from dataclasses import dataclass, field
 
 import torch
@@ -176,8 +177,15 @@ def _tag(node: fx.Node, policy: CheckpointPolicy) -> None:
     node.meta[M.AC_GRAPH_ID] = M.AP_AC_GRAPH_ID
 
 
-def mark_fsdp_all_gather_recomputation(graph: fx.Graph | fx.GraphModule, reshard_after_forward: bool = True) -> FsdpTagReport:
+def mark_fsdp_all_gather_recomputation(graph: fx.Graph | fx.GraphModule, reshard_after_forward: bool = True,
+                                       kept: Collection[str] = ()) -> FsdpTagReport:
     """Tag every FSDP all-gather chain of ``graph`` (in place) and report what was tagged.
+
+    ``kept``: parameters gathered first because only some ranks read them
+    (``parallelize/gathered_first.py``): saved, as under ``reshard_after_forward=False``. A
+    recomputed gather is placed before its first backward use, which differs between a rank that
+    ran the expert and one that did not, and a rank whose forward does not read it would drop its
+    forward gather: either way the ranks' collectives would differ.
 
     Non-FSDP all-gathers (activations, TP) are left alone. Raises ValueError naming the node for
     a wait that does not consume a collective, an FSDP all-gather without exactly one wait user,
@@ -198,7 +206,7 @@ def mark_fsdp_all_gather_recomputation(graph: fx.Graph | fx.GraphModule, reshard
         report.all_gathers.append(ag)
         report.gathered_bytes += tensor_bytes(val)
         role = fsdp_source(ag).meta.get(M.ROLE)
-        if reshard_after_forward and not (role is not None and roles.is_param(role) and roles.name(role) in mutated):
+        if reshard_after_forward and not (role is not None and roles.is_param(role) and roles.name(role) in mutated | set(kept)):
             tagged = [ag, wait]
             if chain_fix:
                 if is_dtype_cast(ag.args[0]):

@@ -56,7 +56,8 @@ def test_slices_and_steps_that_route_differently_pass_bitwise(capfd):
 def test_without_a_retrace_a_later_step_fails_its_guard(monkeypatch):
     """What the re-trace answers: every step run with the graphs traced for the first batch
     (rank 0's slice) fails a guard, named, on a rank whose counts differ."""
-    monkeypatch.setattr(retrace.StepGraphs, "make", lambda self, local, buffers=None: self.runs.append(self.run))
+    monkeypatch.setattr(retrace.StepGraphs, "make",
+                        lambda self, local, buffers=None: (self.runs.append(self.run), self.firsts.append(())))
     with pytest.raises(Exception, match=r"ValueGuardError: value guard: .*tolist\(\)\): traced with \d+; this batch gives \d+"):
         check_model(CASE, plan="fsdp", mesh="dp=2", steps=2, world_timeout_s=300)
 
@@ -107,13 +108,28 @@ def _skewed_batch(n):
     return x, torch.randn(n, 4)
 
 
+SKIPPING = ModelCase("skipping_moe", SkippingMoE, F.mse_loss, _skewed_batch, batch_per_rank=4)
+
+
 @pytest.mark.slow
-def test_an_expert_one_rank_skips_is_a_named_collective_mismatch_not_an_abort():
-    """Where the collectives do depend on the values (expert 1's parameters gathered on rank 1
-    only), the refusal is right: named, before any of them runs, on every rank."""
-    case = ModelCase("skipping_moe", SkippingMoE, F.mse_loss, _skewed_batch, batch_per_rank=4)
+def test_an_expert_one_rank_skips_is_gathered_by_every_rank_and_passes_bitwise(capfd):
+    """Rank 0's slice reaches expert 0 only, rank 1's both: as FSDP2 gathers a unit whether or
+    not the step reads each parameter (and reduce-scatters zeros for the unread), every rank
+    gathers expert 1 first and passes it a zero gradient; every stage bitwise, the oracle (single
+    device: expert 1's gradient from rank 1's rows alone) passes."""
+    result = check_model(SKIPPING, plan="fsdp", mesh="dp=2", steps=2, world_timeout_s=300)
+    assert result.ok, result.failures()
+    assert result.parity and all(rep.bitwise for rep in result.parity.values())
+    assert "2 parameters gathered first" in capfd.readouterr().err  # experts.1.weight and .bias
+
+
+@pytest.mark.slow
+def test_without_gathering_first_an_expert_one_rank_skips_is_a_named_collective_mismatch(monkeypatch):
+    """Planted: no parameter gathered first. The collectives then depend on the values (expert
+    1's parameters gathered on rank 1 only): named, before any of them runs, on every rank."""
+    monkeypatch.setattr(retrace, "gathered_first", lambda read, order: ())
     with pytest.raises(Exception, match=r"(?s)CollectiveMismatchError: the ranks' graphs issue different collectives.*graph 'joint'.*experts\.1.*a parameter the model reads on some ranks' data only"):
-        check_model(case, plan="fsdp", mesh="dp=2", steps=1, world_timeout_s=300)
+        check_model(SKIPPING, plan="fsdp", mesh="dp=2", steps=1, world_timeout_s=300)
 
 
 def _with_extra_all_reduce(gm):
@@ -152,3 +168,13 @@ def test_reads_key_tells_values_apart():
     assert retrace.reads_key([Read("m.py:1", 2)]) == retrace.reads_key([Read("m.py:1", 2)])
     assert retrace.reads_key([Read("m.py:1", 2)]) != retrace.reads_key([Read("m.py:1", 3)])
     assert retrace.reads_key([Read("m.py:1", 2)]) != retrace.reads_key([Read("m.py:1", 2, size=True)])
+
+
+def test_params_read_names_the_parameters_a_slice_reads_a_tied_one_by_its_first_name():
+    x, y = _skewed_batch(8)
+    model = SkippingMoE()
+    assert retrace.params_read(model, F.mse_loss, (x[:4], y[:4])) == {"router.weight", "experts.0.weight", "experts.0.bias"}
+    assert retrace.params_read(model, F.mse_loss, (x, y)) == {fqn for fqn, _ in model.named_parameters()}
+    model.experts[1].weight = model.experts[0].weight  # tied: read through either name, held by the first
+    assert "experts.1.weight" not in retrace.params_read(model, F.mse_loss, (x, y))
+    assert type(model.experts[0]) is nn.Linear  # the user's model untouched (a copy records)

@@ -17,8 +17,12 @@ graph traced with its own values, and a step whose values differ gets a new trac
    before the eager program's step (``agree_on_collectives``): where the collectives depend on the
    values it stops with ``CollectiveMismatchError`` naming the first differing collective, never
    a gloo abort. The program gathers a parameter where the model reads it, so an MoE that skips
-   an expert no token reaches (switch_transformers' ``for expert_idx in expert_hit``) gathers
-   that expert on some ranks only: stopped here (docs/failure-classes.md section 11b);
+   an expert no token reaches (switch_transformers' ``for expert_idx in expert_hit``) would
+   gather that expert on some ranks only: the ranks exchange the parameters their slices read
+   (:func:`params_read`), and those some read and others do not are gathered first on every rank,
+   each passed a zero gradient (``autoparallel.parallelize.gathered_first``: FSDP2's
+   ``set_reduce_scatter_unused_params``); the set is part of the cache key
+   (docs/failure-classes.md section 11l);
 3. a step whose values are in the cache reuses its graphs;
 4. each executor runs step ``s`` with the graphs of step ``s`` (:func:`per_step`).
 
@@ -33,6 +37,7 @@ the pipeline and drawn replicated here first (not done).
 from __future__ import annotations
 
 import contextlib
+import copy
 import sys
 from collections.abc import Callable, Mapping, Sequence
 
@@ -41,6 +46,7 @@ import torch.distributed as dist
 from torch import nn
 
 from autoparallel.parallelize import split_batch
+from autoparallel.parallelize.program import cast_forward_inputs
 from autoparallel.parallelize.plan import ParamSharding
 from autoparallel.parallelize.replicated_draws import PATCH as REPLICATED_DRAWS
 from autoparallel.parallelize.traced_values import Read, record_reads
@@ -51,6 +57,16 @@ from autoparallel.pipeline import PipelineRun
 from autoparallel.runtime.steps import Executor, seeded, step_seed
 from verify.parity.collective_check import agree_on_collectives
 from verify.stages.registry import is_joint
+
+
+def gathered_first(read: Sequence[str], order: Sequence[str]) -> tuple[str, ...]:
+    """The parameters (in ``order``) that some ranks read and others do not, from this rank's
+    ``read`` set and every other rank's (all ranks call it together): what every rank gathers
+    first (``autoparallel.parallelize.gathered_first``)."""
+    sets: list = [None] * dist.get_world_size()
+    dist.all_gather_object(sets, sorted(read))
+    union, common = set().union(*map(set, sets)), set.intersection(*map(set, sets))
+    return tuple(fqn for fqn in order if fqn in union and fqn not in common)
 
 
 def reads_key(reads: Sequence[Read]) -> tuple:
@@ -84,6 +100,41 @@ def model_with(make_model: Callable[[], nn.Module], params: Mapping[str, torch.T
     return model
 
 
+def params_read(model: nn.Module, loss_fn: Callable, inputs: Sequence[torch.Tensor],
+                param_dtype: torch.dtype | None = None) -> frozenset[str]:
+    """The parameters (first FQN of each tensor, as the program holds tied ones) that
+    ``loss_fn(model(*inputs[:-1]), inputs[-1])`` reads, on a copy of ``model``; RNG state restored."""
+    replica = copy.deepcopy(model)
+    if param_dtype is not None:
+        replica = replica.to(param_dtype)
+    holder: dict[int, str] = {}
+    for fqn, p in replica.named_parameters(remove_duplicate=False):
+        holder.setdefault(id(p), fqn)
+    read: set[str] = set()
+    for module in replica.modules():
+        if module._parameters:
+            _record_reads_of(module, holder, read)
+    *model_inputs, target = inputs
+    with torch.random.fork_rng(devices=[]):
+        loss_fn(replica(*cast_forward_inputs(model_inputs, param_dtype)), target)
+    return frozenset(read)
+
+
+def _record_reads_of(module: nn.Module, holder: dict[int, str], read: set[str]) -> None:
+    """``module`` (a replica's) records into ``read`` each parameter attribute it is asked for
+    (a parameter is served by ``nn.Module.__getattr__``, the attribute the program parametrizes)."""
+    cls = type(module)
+
+    def __getattr__(self, name):
+        value = cls.__getattr__(self, name)
+        if isinstance(value, nn.Parameter) and id(value) in holder:
+            read.add(holder[id(value)])
+        return value
+
+    module.__class__ = type(f"Reads{cls.__name__}", (cls,), {"__getattr__": __getattr__})
+
+
+
 def on_every_rank(flag: bool) -> bool:
     """``flag`` holds on every rank of the world (all ranks call it together)."""
     t = torch.tensor([0 if flag else 1])
@@ -94,26 +145,51 @@ def on_every_rank(flag: bool) -> bool:
 class StepGraphs:
     """The pipeline run whose graphs serve each step on this rank (see the module docstring),
     made ahead of the eager program's step (:meth:`ahead_of`), so that every rank's collectives
-    for that step are compared before the eager program issues them too (it gathers each
-    parameter where the model reads it: an expert no token reaches on one rank is gathered on
-    the other only). ``run``: the run made before the world (rank 0's slice of the first batch);
-    ``pipeline(model, batch, observers)``: this rank's run on the world for that model and global
-    batch; ``seed``: the rank's generator seed of ``train_steps`` (a read after a random draw, a
-    router's jitter, reads the step's draws). ``runs``: one per step made so far."""
+    for that step are compared before the eager program issues them too, and the eager
+    ``program`` gathers first what the graphs do (:meth:`gathering`). ``run``: the run made
+    before the world (rank 0's slice of the first batch); ``pipeline(model, batch, observers,
+    gather_first)``: this rank's run on the world for that model, global batch and parameters
+    gathered first; ``seed``: the rank's generator seed of ``train_steps`` (a read after a random draw, a
+    router's jitter, reads the step's draws). ``runs``: one per step made so far; ``firsts``: the
+    parameters gathered first at each."""
 
     def __init__(self, run: PipelineRun, scenario, mesh, batches: Sequence[tuple],
-                 pipeline: Callable[..., PipelineRun], seed: int | None = None) -> None:
+                 pipeline: Callable[..., PipelineRun], seed: int | None = None, program=None) -> None:
         self.run, self.scenario, self.mesh, self.batches, self.pipeline, self.seed = run, scenario, mesh, batches, pipeline, seed
+        self.program = program
         # The run made before the world serves any rank whose values are the ones it holds (under
         # FSDP/DDP the graphs of two slices with the same reads are the same program).
-        self.cache = {reads_key(run.joint.traced_reads): run}
+        self.cache = {(reads_key(run.joint.traced_reads), ()): run}
         self.runs: list[PipelineRun] = []
+        # Per step, the parameters every rank gathered first (read on some ranks only).
+        self.firsts: list[tuple[str, ...]] = []
 
     def ahead_of(self, executor: Executor) -> Executor:
         """``executor`` (the eager program's) with this step's graphs made before each step."""
 
         def step(params, inputs):
-            self.make(params, executor.buffers)
+            # The eager step draws from the step's seed as every other executor's does: building
+            # the model (its init draws) and the second compile's warm-up forward draw nothing of it.
+            with torch.random.fork_rng(devices=[]):
+                self.make(params, executor.buffers)
+            return self.gathering(executor, len(self.runs) - 1).step(params, inputs)
+
+        return Executor(step, executor.buffers)
+
+    def gathering(self, executor: Executor, at: int | None = None) -> Executor:
+        """``executor`` (one over the eager ``program``) with step ``s`` run with the parameters
+        every rank gathered first at step ``s`` (``at``: one step only, the next one made)."""
+        calls = [0]
+
+        def step(params, inputs):
+            s = at if at is not None else calls[0]
+            calls[0] += 1
+            if s >= len(self.firsts):
+                raise RuntimeError(f"retrace: step {s} was not made: run the eager program's steps first")
+            if self.program is not None:
+                self.program.gather_first = self.firsts[s]
+            elif self.firsts[s]:
+                raise RuntimeError("retrace: some ranks read parameters the others do not, and no program was given to gather them")
             return executor.step(params, inputs)
 
         return Executor(step, executor.buffers)
@@ -126,20 +202,25 @@ class StepGraphs:
         full = full_params(local, self.run.joint.shardings, spec, tuple(coord[d] for d in spec.names))
         model = model_with(self.scenario.model, full, buffers)
         mine = split_batch(self.batches[s], plan, spec, coord)
-        with seeded(step_seed(self.seed, s)) if self.seed is not None else contextlib.nullcontext():
+        step_draws = (lambda: seeded(step_seed(self.seed, s))) if self.seed is not None else contextlib.nullcontext
+        with step_draws():
             reads = record_reads(model, self.scenario.loss_fn, mine, plan.param_dtype, patches.enabled(REPLICATED_DRAWS))
-        key = reads_key(reads)
+            read = params_read(model, self.scenario.loss_fn, mine, plan.param_dtype)
+        first = gathered_first(read, self.run.joint.param_fqns)
+        key = (reads_key(reads), first)
         if not on_every_rank(key in self.cache):
-            print(f"retrace: step {s}: rank {dist.get_rank()} traces for its reads ({len(reads)} values)",
-                  file=sys.stderr, flush=True)
+            print(f"retrace: step {s}: rank {dist.get_rank()} traces for its reads ({len(reads)} values"
+                  f"{f', {len(first)} parameters gathered first' if first else ''})", file=sys.stderr, flush=True)
             # The joint graph's collectives are compared before the second compile's forward runs
             # any; every stage's after the run, before any step does.
-            new = self.pipeline(model, self.batches[s], [_joint_agrees])
-            if reads_key(new.joint.traced_reads) != key:
+            with step_draws():  # the warm-up forward draws the step's masks: its guards hold the step's reads
+                new = self.pipeline(model, self.batches[s], [_joint_agrees], first)
+            if reads_key(new.joint.traced_reads) != key[0]:
                 raise RuntimeError(f"retrace: step {s}: the pipeline traced other reads than this rank's eager run made")
             agree_on_collectives([row for r in new.results for row in r.graph_rows()])
             self.cache[key] = new
         self.runs.append(self.cache[key])
+        self.firsts.append(first)
         return self.runs[-1]
 
 

@@ -119,10 +119,11 @@ def _options(enable_ac: bool = False, collective: CollectivePassesConfig | None 
 
 
 def _pipeline(scenario: Scenario, mesh, enable_ac: bool, collective: CollectivePassesConfig, until: str | None,
-              model=None, batch=None, observers=()) -> PipelineRun:
+              model=None, batch=None, observers=(), gather_first: tuple[str, ...] = ()) -> PipelineRun:
     """The run's pipeline on ``mesh``; ``model`` / ``batch``: another model (the step's
-    parameters) and global batch than the scenario's first (``verify.parity.retrace``)."""
-    options = _options(enable_ac, collective)
+    parameters) and global batch than the scenario's first; ``gather_first``: the parameters
+    some ranks read and others do not (``verify.parity.retrace``)."""
+    options = replace(_options(enable_ac, collective), gather_first=gather_first)
     # The module runs (keep_compiled): a model with values, never meta (verify.stages.pipeline_run.run_scenario).
     own_model, loss_fn, own_batch, plan = scenario.pipeline_inputs("cpu")[:4] if model is None else (None, *scenario.pipeline_inputs("meta")[1:4])
     return run_pipeline(model if model is not None else own_model, loss_fn, batch if batch is not None else own_batch,
@@ -174,19 +175,20 @@ def _rank_stages(rank, world_size, scenario: Scenario, batches, run: PipelineRun
     reads = run.joint.traced_reads if run.joint is not None else ()
     retrace = EAGER in executors and bool(reads) and not any(r.random for r in reads)
     steps: list[PipelineRun] | None = None
+    graphs: StepGraphs | None = None
     traces, seconds = {}, {}
     for name in executors:
         t0 = time.perf_counter()
         if name in references:
-            executor = references[name](ctx.eager())
+            executor = references[name](ctx.eager() if graphs is None else graphs.gathering(ctx.eager()))
         elif steps is not None:
             executor = per_step(_per_run(steps, lambda r: build_executor(name, replace(ctx, run=r), STAGES)))
         else:
             executor = build_executor(name, ctx, STAGES)
         if name == EAGER and retrace:
             until = last_needed(executors, STAGES)
-            graphs = StepGraphs(run, scenario, mesh, batches, seed=ctx.seed,
-                                pipeline=lambda m, b, obs: _pipeline(scenario, mesh, enable_ac, collective, until, m, b, obs))
+            graphs = StepGraphs(run, scenario, mesh, batches, seed=ctx.seed, program=program,
+                                pipeline=lambda m, b, obs, first: _pipeline(scenario, mesh, enable_ac, collective, until, m, b, obs, first))
             executor = graphs.ahead_of(executor)
         kept = name in _EXECUTORS and _EXECUTORS[name].compiled and inherited and steps is None
         with no_recompile("the graphs compiled (and captured) on the fake world") if kept else contextlib.nullcontext():
@@ -400,7 +402,7 @@ def single_device_reference(
         updated |= written
         losses.append(loss.detach())
         for fqn, p in model.named_parameters():
-            grads[fqn] = _add_grad(grads.get(fqn), p.grad, fqn, fqn in grads)
+            grads[fqn] = _add_grad(grads.get(fqn), p.grad)
         buffers[tuple(coord[d] for d in plan.data_dims)] = {k: b.detach().clone() for k, b in model.named_buffers()}
     n = len(coords)
     return SingleDeviceReference(
@@ -416,13 +418,12 @@ def cast_floating(tree, dtype: torch.dtype):
     return pytree.tree_map(lambda x: x.to(dtype) if isinstance(x, torch.Tensor) and x.is_floating_point() else x, tree)
 
 
-def _add_grad(total: torch.Tensor | None, grad: torch.Tensor | None, fqn: str, seen: bool) -> torch.Tensor | None:
-    """One more slice's gradient into the sum; None stays None (no gradient: frozen, or the loss
-    does not reach it), and a parameter must get one on every slice or on none."""
-    if seen and (total is None) != (grad is None):
-        raise ValueError(f"parameter {fqn!r} gets a gradient on some data-parallel slices and none on others")
+def _add_grad(total: torch.Tensor | None, grad: torch.Tensor | None) -> torch.Tensor | None:
+    """One more slice's gradient into the sum; None adds nothing (frozen, the loss does not reach
+    it, or no token of the slice reaches it: an MoE expert). None on every slice stays None: the
+    whole batch gives it no gradient, as one forward over the whole batch would."""
     if grad is None:
-        return None
+        return total
     return grad.clone() if total is None else total + grad
 
 

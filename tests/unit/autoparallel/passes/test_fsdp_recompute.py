@@ -206,6 +206,15 @@ def test_no_reshard_after_forward_saves_chain_end(chain, saved):
     assert tagged == [saved]
 
 
+@pytest.mark.parametrize("kept, policy", [(("lin.weight",), MUST_SAVE), (("other.weight",), MUST_RECOMPUTE), ((), MUST_RECOMPUTE)])
+def test_a_parameter_gathered_first_is_saved_not_recomputed(kept, policy):
+    """``kept`` (parameters some ranks read and others do not, gathered first): saved, so no
+    rank re-gathers it at a point of its own backward; any other parameter still recomputed."""
+    g, n = _fsdp_graph(chain=("permute",), cast=False)
+    mark_fsdp_all_gather_recomputation(g, kept=kept)
+    assert _tags(n["wait"]) == (policy, M.AP_AC_GRAPH_ID)
+
+
 def test_disabled_chain_fix_tags_only_all_gather_and_wait():
     g, n = _fsdp_graph(chain=("permute",))
     with patches.disabled("fsdp_chain_recompute"):
