@@ -237,6 +237,12 @@ def results_from_json(text: str) -> tuple[list[CellResult], dict]:
     return cells, info
 
 
+def _joined(values) -> str:
+    """One header field of merged sweeps: each entry once. A merged page's field is itself a
+    "; "-joined list, so merging it again with one of its parts must not repeat that part."""
+    return "; ".join(dict.fromkeys(part for v in values if v for part in v.split("; ")))
+
+
 def main(args, runner: Runner = default_runner) -> int:
     if args.from_json:
         parts = [results_from_json(Path(p).read_text()) for p in args.from_json]
@@ -245,7 +251,7 @@ def main(args, runner: Runner = default_runner) -> int:
             merged.update({(r.model_type, r.plan): r for r in rs})  # a later sweep's cell replaces an earlier one
         results = list(merged.values())
         infos = [i for _, i in parts]
-        info = {**infos[0], **{k: "; ".join(dict.fromkeys(i[k] for i in infos if i[k])) for k in ("commit", "date", "command", "note", "partial")}}
+        info = {**infos[0], **{k: _joined(i[k] for i in infos) for k in ("commit", "date", "command", "note", "partial")}}
         out = Path(args.out)
         out.with_suffix(".md").write_text(render_markdown(results, info))
         out.with_suffix(".json").write_text(render_json(results, info))

@@ -193,6 +193,19 @@ def test_from_json_merges_sweeps_and_a_later_cell_replaces_an_earlier_one(tmp_pa
     assert data["commit"] == "abc123; def456" and data["command"] == "python -m verify sweep; again"
 
 
+def test_merging_a_merged_page_again_names_each_run_once(tmp_path):
+    """Failed before: every re-merge of docs/hf-coverage.json over its own parts repeated their
+    commands, commits and notes in the page header (the committed page held one sweep's command three times)."""
+    first, later, merged = tmp_path / "a.json", tmp_path / "b.json", tmp_path / "merged"
+    first.write_text(render_json(_results(), META))
+    later.write_text(render_json([CellResult("b", "fsdp", "PASS", "", None, 9.0)], {**META, "commit": "def456", "command": "again"}))
+    for sources in ([first, later], [merged.with_suffix(".json"), later, first]):
+        argv = ["sweep", *[a for p in sources for a in ("--from-json", str(p))], "--out", str(merged)]
+        assert sweep.main(_parser().parse_args(argv), runner=None) == 0
+    data = json.loads(merged.with_suffix(".json").read_text())
+    assert data["commit"] == "abc123; def456" and data["command"] == "python -m verify sweep; again"
+
+
 @pytest.mark.parametrize("flag", [["--plans", ""], ["-j", "0"], ["--timeout", "-1"]])
 def test_bad_flags_are_one_line_errors(flag, capsys):
     with pytest.raises(SystemExit):
