@@ -27,8 +27,9 @@ from torch import nn
 
 class ZeroGrads(torch.autograd.Function):
     """``loss`` unchanged; backward gives each of ``xs`` a zero gradient shaped like it. It reads
-    each x (``zeros_like``), so every rank's backward uses the gathered value at the same point:
-    the first partition then recomputes its all-gather on every rank, not only where an expert ran."""
+    each x (``zeros_like``), so every rank's backward uses the gathered value at the same point,
+    and the FSDP tagging keeps these gathers saved, not recomputed (``fsdp_recompute``'s ``kept``):
+    a recomputed gather would land at each rank's own first backward use."""
 
     @staticmethod
     def forward(ctx, loss, *xs):

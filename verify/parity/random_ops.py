@@ -71,7 +71,9 @@ def _switch(op) -> tuple[int, str, float] | None:
 
 def is_dropout(op) -> bool:
     """Whether ``op`` is a dropout (an argument switches its randomness off: ``p`` or
-    ``dropout_p``); any other random op draws numbers the model uses as they are."""
+    ``dropout_p``); any other random op draws numbers the model uses as they are. The oracle's own
+    list, kept apart from the planner's ``strategies.is_dropout`` on purpose: a checker sharing
+    the checked code's definition could not see it miss a dropout."""
     return _switch(op) is not None
 
 
