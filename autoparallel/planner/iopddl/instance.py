@@ -38,6 +38,15 @@ class Instance:
         return np.array([len(c) for c in self.cost], dtype=np.int64)
 
 
+def incident_lists(n: int, edge_u, edge_v) -> list:
+    """Per node: [(edge index, node is the edge's u)] (``Instance.incident``)."""
+    adj = [[] for _ in range(n)]
+    for e, (u, v) in enumerate(zip(edge_u, edge_v)):
+        adj[int(u)].append((e, True))
+        adj[int(v)].append((e, False))
+    return adj
+
+
 def _floats(values) -> np.ndarray:
     a = np.asarray(values, dtype=np.float64)
     a[a >= INFINITE] = np.inf
@@ -91,10 +100,7 @@ def from_dict(data: dict) -> Instance:
     inst = Instance(str(p.get("name", "")), iv[:, 0].copy(), iv[:, 1].copy(), cost, usage, eu, ev,
                     [merged[k] for k in keys], None if limit is None else int(limit))
     inst.horizon = int(max(iv[:, 1].max(initial=0), 0))
-    inst.incident = [[] for _ in range(n)]
-    for e, (u, v) in enumerate(keys):
-        inst.incident[u].append((e, True))
-        inst.incident[v].append((e, False))
+    inst.incident = incident_lists(n, eu, ev)
     return inst
 
 

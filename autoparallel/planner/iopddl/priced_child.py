@@ -1,5 +1,6 @@
-"""The adaptive-penalty toulbar2 loop of priced.py, run as a child process (it imports nothing from
-autoparallel: importing the package pulls in torch, tens of seconds on a loaded machine).
+"""The adaptive-penalty toulbar2 loop of priced.py, run as a child process. It does not import the
+package (that pulls in torch, tens of seconds on a loaded machine): it loads ``instance.py`` and
+``search.py`` (numpy only) by their paths and runs the solver's own profile, cost and descent on the instance's arrays.
 
 The winning entry's method (OpenReview xvzwLMgX3U): the usage limit leaves the network and becomes
 a price. Time step t has a price lam[t]; node i's strategy s pays usage[i][s] times the sum of the
@@ -18,13 +19,27 @@ less the prices times the limit: it holds for any prices >= 0).
 Usage: python priced_child.py MODEL.pkl OUT.json ROUND_CPU_SECONDS
 """
 
+import importlib.util
 import json
 import os
 import pickle
 import sys
 import time
+import types
 
 import numpy as np
+
+
+def _load(name: str):
+    """A sibling module (numpy only) by its path, without the package."""
+    spec = importlib.util.spec_from_file_location(f"_iopddl_{name}", os.path.join(os.path.dirname(os.path.abspath(__file__)), f"{name}.py"))
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # a dataclass looks its module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+instance, search = _load("instance"), _load("search")
 
 SCALE_CAP = 1e16  # summed costs above this are scaled down (toulbar2 costs are 64-bit integers)
 
@@ -55,46 +70,19 @@ def interval_sums(lam: np.ndarray, starts: np.ndarray, ends: np.ndarray) -> np.n
     return np.where(starts < ends, cum[ends.clip(0, h)] - cum[starts.clip(0, h)], 0.0)
 
 
-def usage_profile(x, usage, starts, ends, horizon: int) -> np.ndarray:
-    """Summed usage at every step under plan ``x``."""
-    u = np.array([usage[i][x[i]] for i in range(len(x))], dtype=np.int64)
-    live = starts < ends
-    diff = np.zeros(horizon + 1, dtype=np.int64)
-    np.add.at(diff, starts[live], u[live])
-    np.add.at(diff, ends[live], -u[live])
-    return np.cumsum(diff)[:horizon]
+def network(model: dict) -> types.SimpleNamespace:
+    """The pickled instance's arrays with what ``search`` reads of an ``Instance`` (``n``, ``incident``)."""
+    return types.SimpleNamespace(**model, n=len(model["cost"]),
+                                 incident=instance.incident_lists(len(model["cost"]), model["edge_u"], model["edge_v"]))
 
 
-def plan_cost(model: dict, x) -> float:
-    total = sum(float(c[x[i]]) for i, c in enumerate(model["cost"]))
-    return total + sum(float(m[x[u], x[v]]) for u, v, m in zip(model["edge_u"], model["edge_v"], model["edge_cost"]))
-
-
-def incident(model: dict) -> list:
-    """Per node: [(edge index, node is the edge's first)]."""
-    adj = [[] for _ in model["cost"]]
-    for k, (u, v) in enumerate(zip(model["edge_u"], model["edge_v"])):
-        adj[int(u)].append((k, True))
-        adj[int(v)].append((k, False))
-    return adj
-
-
-def local_costs(model: dict, adj: list, x, i: int) -> np.ndarray:
-    """Node ``i``'s cost per strategy with its neighbours held at ``x``."""
-    local = model["cost"][i].copy()
-    for k, first in adj[i]:
-        m = model["edge_cost"][k]
-        local += m[:, x[model["edge_v"][k]]] if first else m[x[model["edge_u"][k]], :]
-    return local
-
-
-def repair(model: dict, adj: list, x: list, prof: np.ndarray, passes: int = 1) -> list:
+def repair(net, x: list, prof: np.ndarray, passes: int = 1) -> list:
     """Lower usage at the steps over the limit, in place on ``x`` and ``prof``: each pass ranks the
     nodes live at an over-full step by their cheapest cost increase per byte-step saved there (over
     a strategy of less usage, neighbours held) and moves them in that order while their interval
     is still over; the last pass offers only each node's least usage, which always ends within
     the limit (the least-usage plan fits). Returns the ratios of the moves made (a price of usage)."""
-    starts, ends, limit, usage = model["starts"], model["ends"], model["limit"], model["usage"]
+    starts, ends, limit, usage = net.starts, net.ends, net.limit, net.usage
     made = []
     for p in range(passes + 1):
         over = prof > limit
@@ -104,11 +92,11 @@ def repair(model: dict, adj: list, x: list, prof: np.ndarray, passes: int = 1) -
         steps = np.where(starts < ends, cum[ends.clip(0, len(over))] - cum[starts.clip(0, len(over))], 0)
         ranked = []
         for i in np.flatnonzero(steps > 0):
-            u, cur, allowed = usage[i], x[i], np.isfinite(model["cost"][i])
+            u, cur, allowed = usage[i], x[i], np.isfinite(net.cost[i])
             lower = np.flatnonzero((u < u[cur]) & allowed)
             if not len(lower):
                 continue
-            local = local_costs(model, adj, x, i)
+            local = search.local_costs(net, x, i)
             if p == passes:  # last resort: the least usage, among strategies free of forbidden pairs if any
                 ok = lower[np.isfinite(local[lower])]
                 pool = ok if len(ok) else lower
@@ -125,27 +113,6 @@ def repair(model: dict, adj: list, x: list, prof: np.ndarray, passes: int = 1) -
                 x[i] = s
                 made.append(ratio)
     return made
-
-
-def descend(model: dict, adj: list, x: list, prof: np.ndarray, nodes, passes: int = 3) -> None:
-    """Coordinate descent under the limit over ``nodes`` (in place): each moves to its cheapest
-    strategy that fits, neighbours held; clears the forbidden pairs a repair may leave."""
-    starts, ends, limit, usage = model["starts"], model["ends"], model["limit"], model["usage"]
-    for _ in range(passes):
-        moved = 0
-        for i in nodes:
-            local = local_costs(model, adj, x, i)
-            a, b, u, cur = starts[i], ends[i], usage[i], x[i]
-            if a < b:
-                local = np.where(u <= limit - int(prof[a:b].max()) + u[cur], local, np.inf)
-            s = int(np.argmin(local))
-            if local[s] < local[cur] or (not np.isfinite(local[cur]) and np.isfinite(local[s])):
-                if a < b:
-                    prof[a:b] += u[s] - u[cur]
-                x[i] = s
-                moved += 1
-        if not moved:
-            return
 
 
 def build(model: dict, unary: list):
@@ -187,14 +154,13 @@ def main(args) -> None:
     src, out, round_cpu = args[0], args[1], float(args[2])
     with open(src, "rb") as f:
         model = pickle.load(f)
-    starts, ends, limit, horizon = model["starts"], model["ends"], model["limit"], model["horizon"]
+    starts, ends, limit = model["starts"], model["ends"], model["limit"]
     growth, relax = model["growth"], model["relax"]
     base = base_price(model["cost"], model["usage"], starts, ends)
     # first prices: the base price wherever the limit can bind (each node at its largest usage)
-    lam = np.where(usage_profile([int(np.argmax(u)) for u in model["usage"]], model["usage"], starts, ends, horizon)
-                   > limit, base, 0.0)
+    net = network(model)
+    lam = np.where(search.profile(net, [int(np.argmax(u)) for u in model["usage"]]) > limit, base, 0.0)
     best, bound = np.inf, None
-    adj = incident(model)
     cpu = round_cpu
     for r in range(model["rounds"]):
         w = interval_sums(lam, starts, ends)
@@ -210,22 +176,22 @@ def main(args) -> None:
             cpu *= 2
             continue
         x = [int(v) for v in res[0]]
-        prof = usage_profile(x, model["usage"], starts, ends, horizon)
+        prof = search.profile(net, x)
         over = prof > limit
-        c = plan_cost(model, x)
+        c = search.cost(net, x)
         print(f"priced round {r}: cost {c:.6g}, {int(over.sum())} steps over the limit"
               f" (peak {int(prof.max(initial=0))} / {limit}), {time.process_time() - t:.1f} CPU s", file=sys.stderr, flush=True)
         fixed = prof.copy()
         if over.any():
             before = list(x)
-            made = [v for v in repair(model, adj, x, fixed) if np.isfinite(v) and v > 0]
+            made = [v for v in repair(net, x, fixed) if np.isfinite(v) and v > 0]
             moved = {i for i in range(len(x)) if x[i] != before[i]}
-            descend(model, adj, x, fixed, sorted(moved | {int(model["edge_v"][k] if first else model["edge_u"][k])
-                                                           for i in moved for k, first in adj[i]}))
+            near = {int(net.edge_v[k] if first else net.edge_u[k]) for i in moved for k, first in net.incident[i]}
+            search.descend(net, x, fixed, order=sorted(moved | near), passes=3)
             if made:  # the repair's median cost per byte-step: the scale a price must reach
                 base = max(base, float(np.median(made)))
             lam[over] = growth * lam[over] + base
-            c = plan_cost(model, x)
+            c = search.cost(net, x)
             print(f"priced round {r}: repaired to cost {c:.6g}, price step {base:.3g}", file=sys.stderr, flush=True)
         else:
             lam *= relax

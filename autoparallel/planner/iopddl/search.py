@@ -7,9 +7,13 @@ node at a time to its cheapest strategy given its neighbours, never above the us
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import numpy as np
 
-from autoparallel.planner.iopddl.instance import Instance
+if TYPE_CHECKING:  # annotations only: priced_child.py loads this file alone, without the package (and torch)
+    from autoparallel.planner.iopddl.instance import Instance
+
 
 
 def profile(inst: Instance, x: np.ndarray) -> np.ndarray:

@@ -42,11 +42,12 @@ def _optimum(problem: dict) -> int:
     return r.cost
 
 
-def _model(problem: dict) -> dict:
+def _model(problem: dict):
+    """The instance as the child sees it (``priced_child.network`` over the arrays ``priced.start`` pickles)."""
     inst = from_dict({"problem": copy.deepcopy(problem)})
-    return {"cost": inst.cost, "usage": inst.usage, "edge_u": inst.edge_u, "edge_v": inst.edge_v,
-            "edge_cost": inst.edge_cost, "starts": inst.starts, "ends": inst.ends, "limit": inst.limit,
-            "horizon": inst.horizon}
+    return priced_child.network({"cost": inst.cost, "usage": inst.usage, "edge_u": inst.edge_u, "edge_v": inst.edge_v,
+                                 "edge_cost": inst.edge_cost, "starts": inst.starts, "ends": inst.ends,
+                                 "limit": inst.limit, "horizon": inst.horizon})
 
 
 def test_interval_sums_and_profile_follow_half_open_intervals():
@@ -54,7 +55,9 @@ def test_interval_sums_and_profile_follow_half_open_intervals():
     starts, ends = np.array([0, 1, 3, 2]), np.array([2, 4, 3, 3])  # node 2 never live
     assert priced_child.interval_sums(lam, starts, ends).tolist() == [3.0, 14.0, 0.0, 4.0]
     usage = [np.array([5, 1]), np.array([2]), np.array([100]), np.array([7, 3])]
-    assert priced_child.usage_profile([1, 0, 0, 0], usage, starts, ends, 4).tolist() == [1, 3, 9, 2]
+    net = priced_child.network({"cost": [np.zeros(len(u)) for u in usage], "usage": usage, "edge_u": [], "edge_v": [],
+                                "edge_cost": [], "starts": starts, "ends": ends, "limit": 10, "horizon": 4})
+    assert priced_child.search.profile(net, [1, 0, 0, 0]).tolist() == [1, 3, 9, 2]
 
 
 def test_base_price_is_the_median_cost_per_byte_step_over_nodes_that_trade():
@@ -79,8 +82,8 @@ def test_repair_moves_the_cheapest_byte_first():
     for cost_a, cost_b, moved in (((0, 10), (0, 1), (0, 1)), ((0, 1), (0, 10), (1, 0))):
         model = _model(_two_on_one_step(cost_a, cost_b))
         x = [0, 0]
-        prof = priced_child.usage_profile(x, model["usage"], model["starts"], model["ends"], model["horizon"])
-        assert len(priced_child.repair(model, priced_child.incident(model), x, prof)) == 1
+        prof = priced_child.search.profile(model, x)
+        assert len(priced_child.repair(model, x, prof)) == 1
         assert x == list(moved) and prof.tolist() == [3]
 
 
@@ -89,8 +92,8 @@ def test_repair_reports_a_plan_it_cannot_fix():
     p["nodes"]["usages"] = [[2, 3], [2, 2]]  # no strategy of less usage anywhere
     model = _model(p)
     x = [0, 0]
-    prof = priced_child.usage_profile(x, model["usage"], model["starts"], model["ends"], model["horizon"])
-    assert priced_child.repair(model, priced_child.incident(model), x, prof) == []
+    prof = priced_child.search.profile(model, x)
+    assert priced_child.repair(model, x, prof) == []
     assert x == [0, 0] and prof.tolist() == [4]
 
 
@@ -100,14 +103,14 @@ def test_descent_after_a_repair_clears_forbidden_pairs_within_the_limit():
          "edges": {"nodes": [[0, 1]], "costs": [[5, 10**18, 7, 1]]}, "usage_limit": 3}
     model = _model(p)
     x = [0, 1]
-    prof = priced_child.usage_profile(x, model["usage"], model["starts"], model["ends"], model["horizon"])
-    priced_child.descend(model, priced_child.incident(model), x, prof, [0, 1])
+    prof = priced_child.search.profile(model, x)
+    priced_child.search.descend(model, x, prof, order=[0, 1], passes=3)
     assert x == [1, 1] and prof.tolist() == [3] and evaluate(p, x) == 1
     p["usage_limit"] = 2  # a may not grow: b must leave the forbidden pair instead
     model = _model(p)
     x = [0, 1]
-    prof = priced_child.usage_profile(x, model["usage"], model["starts"], model["ends"], model["horizon"])
-    priced_child.descend(model, priced_child.incident(model), x, prof, [0, 1])
+    prof = priced_child.search.profile(model, x)
+    priced_child.search.descend(model, x, prof, order=[0, 1], passes=3)
     assert x == [0, 0] and evaluate(p, x) == 5
 
 
@@ -117,11 +120,10 @@ def test_repair_from_the_most_usage_ends_within_the_limit(seed, slack):
     rng = random.Random(seed)
     problem = _problem(rng, rng.randint(1, 7), slack)
     model = _model(problem)
-    x = [int(np.argmax(u)) for u in model["usage"]]
-    prof = priced_child.usage_profile(x, model["usage"], model["starts"], model["ends"], model["horizon"])
-    priced_child.repair(model, priced_child.incident(model), x, prof)
-    assert prof.tolist() == priced_child.usage_profile(x, model["usage"], model["starts"], model["ends"],
-                                                       model["horizon"]).tolist()
+    x = [int(np.argmax(u)) for u in model.usage]
+    prof = priced_child.search.profile(model, x)
+    priced_child.repair(model, x, prof)
+    assert prof.tolist() == priced_child.search.profile(model, x).tolist()
     assert int(prof.max(initial=0)) <= problem["usage_limit"]
 
 
