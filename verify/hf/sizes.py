@@ -31,7 +31,9 @@ also has to keep consistent, found by building every type of transformers 5.24:
 * a state-space block's width is ``expand * hidden_size`` (or its ``d_ssm``): its head dim is set
   so that heads * head dim is that width (what the Mamba-2 validators check);
 * ``qk_head_dim`` stays the sum of its plain and rotary parts (``qk_nope_head_dim + qk_rope_head_dim``);
-* a field whose declared default is ``"auto"`` (derived in ``__post_init__``) is reset to it;
+* a field whose declared default is ``"auto"`` (derived in ``__post_init__``) is reset to it, and an
+  integer field declared None that no family names (derived too: xlstm's ``num_blocks`` from
+  ``num_hidden_layers``) is reset to None;
 * derived fields are recomputed: the shrunk config is built anew from its ``to_dict()`` with the
   sizes replaced, so ``__post_init__`` runs on the new sizes;
 * sizes tied to each other across a layer's overrides, and rope parameters the default leaves
@@ -310,9 +312,44 @@ def _auto_fields(cls) -> dict[str, Any]:
     return {f.name: f.default for f in dataclasses.fields(cls) if f.default == "auto"}
 
 
+def _derived_counts(cls) -> dict[str, int]:
+    """The integer fields ``cls`` declares None and the rule does not size, with the values a
+    default ``cls()`` derives for them in ``__post_init__``."""
+    import dataclasses
+
+    try:
+        default = cls().to_dict()
+    except Exception:  # noqa: BLE001 - a class without a buildable default derives nothing we know of
+        return {}
+    return {f.name: default[f.name] for f in dataclasses.fields(cls)
+            if f.default is None and family(f.name) is None
+            and isinstance(default.get(f.name), int) and not isinstance(default.get(f.name), bool)}
+
+
+def _reset_derived_counts(cls, d: dict[str, Any]) -> None:
+    """Reset to None, in place, the counts of :func:`_derived_counts` that ``d`` (and its
+    sub-configs) holds at their derived default: ``__post_init__`` derived them from the default
+    sizes (xlstm's ``num_blocks`` is ``num_hidden_layers``, vit's ``pooler_output_size`` is
+    ``hidden_size``); passed back as numbers they would keep the default's size. A value set to
+    something else (a user's config) is kept."""
+    import dataclasses
+
+    if not dataclasses.is_dataclass(cls):
+        return
+    for key, value in _derived_counts(cls).items():
+        if d.get(key) == value:
+            d[key] = None
+    for key, sub in (getattr(cls, "sub_configs", {}) or {}).items():
+        if isinstance(d.get(key), dict):
+            _reset_derived_counts(sub, d[key])
+
+
 def default_dict(config) -> dict[str, Any]:
-    """``config.to_dict()`` with the fields declared ``"auto"`` reset to it: what the rule shrinks."""
-    return {**config.to_dict(), **_auto_fields(type(config))}
+    """``config.to_dict()`` with the fields declared ``"auto"`` reset to it, and the counts derived
+    from a field declared None reset to None (:func:`_reset_derived_counts`): what the rule shrinks."""
+    d = {**config.to_dict(), **_auto_fields(type(config))}
+    _reset_derived_counts(type(config), d)
+    return d
 
 
 def derived_fields(cls) -> frozenset[str]:

@@ -264,6 +264,30 @@ def test_derived_fields_are_the_attributes_post_init_sets_and_rederive_drops_the
     assert derived_fields(transformers.PretrainedConfig) == frozenset() and derived_fields(dict) == frozenset()
 
 
+def test_a_count_declared_none_is_derived_again_from_the_shrunk_sizes():
+    from huggingface_hub.dataclasses import strict
+
+    @strict
+    class BlocksConfig(transformers.PreTrainedConfig):
+        """Ours: the blocks the model builds default to the layer count (xlstm's num_blocks)."""
+
+        model_type = "blocks-test"
+        num_hidden_layers: int = 32
+        num_blocks: int | None = None
+        window: int | None = None  # derived as a constant: reset and derived again, unchanged
+
+        def __post_init__(self, **kwargs):
+            self.num_blocks = self.num_hidden_layers if self.num_blocks is None else self.num_blocks
+            self.window = 512 if self.window is None else self.window
+            super().__post_init__(**kwargs)
+
+    tiny = BlocksConfig.from_dict(shrunk_dict(BlocksConfig()))
+    assert (tiny.num_hidden_layers, tiny.num_blocks, tiny.window) == (LAYERS, LAYERS, 512)
+    assert BlocksConfig.from_dict(shrunk_dict(BlocksConfig(num_blocks=7))).num_blocks == 7  # set: kept
+    assert tiny_config("xlstm").num_blocks == LAYERS  # the library's default: 32 blocks before
+    assert tiny_config("vit").pooler_output_size == tiny_config("vit").hidden_size  # derived from the width
+
+
 def test_a_library_default_that_builds_no_model_gets_its_override():
 
     config = transformers.AutoConfig.for_model("lfm2_moe")
