@@ -11,3 +11,6 @@ FSDP, FSDP_TP, DDP, AUTO = "fsdp", "fsdp_tp", "ddp", "auto"  # ParallelPlan.pres
 HAND_PLANS = (FSDP, FSDP_TP, DDP)
 PLANS = (*HAND_PLANS, AUTO)  # AUTO: the ILP planner places everything
 LOWERINGS = ("dtensor", "replay")  # PipelineOptions.lowering: how the joint stage lowers a plan="auto" plan
+# The default lowering: "replay" (every planned parity cell bitwise through it, docs/lean-planned.md);
+# "dtensor" (every op through DTensor's dispatch) stays selectable as the reference it is tested against.
+DEFAULT_LOWERING = "replay"

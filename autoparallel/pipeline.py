@@ -56,6 +56,7 @@ from autoparallel.aot_graph_text import PATCH as AOT_GRAPH_TEXT
 from autoparallel.aot_graph_text import aot_graph_text_only_when_logged
 from autoparallel.compile import OVERLAP_PATCH, SECOND_COMPILE, Compiler, autoparallel_backend
 from autoparallel.compiling_flag import PATCH as TRACE_AS_COMPILING
+from autoparallel.defaults import DEFAULT_LOWERING
 from autoparallel.eager_dropout import PATCH as EAGER_DROPOUT
 from autoparallel.eager_kernels import PATCH as EAGER_KERNELS
 from autoparallel.kernel_strides import PATCH as KERNEL_STRIDES
@@ -114,9 +115,9 @@ class PipelineOptions:
     compared between ranks (the caller traces a graph per rank: ``build_joint_graph``);
     ``gather_first``: parameters some ranks read and others do not, gathered first by every rank
     (``parallelize/gathered_first.py``; the caller agrees on them: ``verify.parity.retrace``);
-    ``lowering``: how the joint stage lowers a plan="auto" plan (``"dtensor"``: every op through
-    DTensor's dispatch; ``"replay"``: the ops the plan fully determines as their local op,
-    ``autoparallel.planner.replay``)."""
+    ``lowering``: how the joint stage lowers a plan="auto" plan (``"replay"``, the default: the ops
+    the plan fully determines as their local op, ``autoparallel.planner.replay``; ``"dtensor"``:
+    every op through DTensor's dispatch, the reference it is tested against)."""
 
     collective: CollectivePassesConfig = field(default_factory=lambda: CollectivePassesConfig(schedule_overlap=True))
     enable_ac: bool = False
@@ -126,7 +127,7 @@ class PipelineOptions:
     snapshots: bool = True
     reads_per_rank: bool = False
     gather_first: tuple[str, ...] = ()
-    lowering: str = "dtensor"
+    lowering: str = DEFAULT_LOWERING
 
     def __post_init__(self):
         check_lowering(self.lowering)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from autoparallel.defaults import BUCKET_CAP_MB, FSDP_TP, HAND_PLANS, LOWERINGS, PLANS
+from autoparallel.defaults import BUCKET_CAP_MB, DEFAULT_LOWERING, FSDP_TP, HAND_PLANS, LOWERINGS, PLANS
 from verify.stages.defaults import MESH, PLAN, PRESET, TRAINER_PRESET
 
 
@@ -233,8 +233,8 @@ def _parser() -> argparse.ArgumentParser:
     sc.add_argument("--bucket-cap-mb", type=_positive(float), default=BUCKET_CAP_MB, help=f"pre-overlap bucket cap (default: {BUCKET_CAP_MB:g})")
     sc.add_argument("--param-dtype", default=None, type=dtype, help="FSDP mixed-precision param dtype, e.g. bf16 (default: none)")
     sc.add_argument("--reduce-dtype", default=None, type=dtype, help="FSDP gradient reduce dtype, e.g. fp32 (default: none)")
-    sc.add_argument("--lowering", default="dtensor", choices=LOWERINGS,
-                    help="how the joint stage lowers a plan=auto plan (autoparallel.planner.replay; default: dtensor)")
+    sc.add_argument("--lowering", default=DEFAULT_LOWERING, choices=LOWERINGS,
+                    help="how the joint stage lowers a plan=auto plan (autoparallel.planner.replay; default: %(default)s)")
     sc.add_argument("--json", action="store_true", help="print one JSON object")
     sw = sub.add_parser("sweep", help="every Hugging Face model type through check_model: docs/hf-coverage.md")
     sw.add_argument("--types", default=None, type=_flag_type(_name_list, "type list"),

@@ -9,7 +9,8 @@ arguments unchanged, *is* what DTensor runs (its rule changes no argument and it
 is the candidate's). :func:`replays` names those ops; every other op goes through DTensor's
 dispatch as before (the fallback per node). The switch is an explicit argument:
 ``PipelineOptions(lowering="replay")`` (``python -m verify scale --lowering replay``), checked by
-:func:`check_lowering`; the default stays ``dtensor``. No environment variable: a switch read
+:func:`check_lowering`; the default is ``replay`` (``autoparallel.defaults.DEFAULT_LOWERING``: every
+planned parity cell is bitwise through it), ``dtensor`` stays selectable as its reference. No environment variable: a switch read
 deep inside the lowering is invisible to every cache of runs (``reuse_pipeline_runs`` served a
 DTensor run to a replay request, issue 44), an option is part of the run's arguments.
 
@@ -40,7 +41,7 @@ from autoparallel.planner.strategies import Placements, is_undroppable_random
 
 aten = torch.ops.aten
 
-MODES = LOWERINGS  # "dtensor" (the default), "replay"
+MODES = LOWERINGS  # "dtensor" (the reference), "replay" (the default)
 
 _ELEMENTWISE = frozenset({aten._to_copy.default, torch.ops.prims.convert_element_type.default, aten.detach.default})
 _SIZE_FREE = frozenset({aten.mm.default, aten.bmm.default, aten.t.default, aten.transpose.int, aten.permute.default})

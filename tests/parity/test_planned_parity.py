@@ -105,6 +105,19 @@ pytestmark = pytest.mark.xdist_group("planned-parity")
 def test_planned_program_bitwise_equals_its_eager_placements_on_two_ranks(dp2, name):
     results, cases = dp2
     check(next(c for c in cases if c.name == name), results[name])
+    assert all(r.replayed > 0 for r in results[name]), "the default lowering replays the ops the plan determines"
+
+
+def test_the_dtensor_lowering_stays_selectable_and_bitwise_as_the_reference(layernorm_mlp):
+    """``lowering="dtensor"`` (every op through DTensor's dispatch, the reference the replaying
+    default is checked against, tests/unit/autoparallel/planner/test_replay.py) still trains
+    bitwise with the eager placements, and the ranks really lowered through it (nothing replayed)."""
+    case = mlp_case(layernorm_mlp, "dp=2")
+    ((_, ranks),) = run_planned_parity(case, STEPS, executors=(EAGER, pipeline.JOINT, STEP_FIRST_PARTITION), lowering="dtensor")
+    assert all(r.replayed == 0 for r in ranks)
+    for executor in (pipeline.JOINT, STEP_FIRST_PARTITION):
+        reports = [compare_traces(r.traces[EAGER], r.traces[executor], a_name=EAGER, b_name=executor) for r in ranks]
+        merge_reports(reports, [f"rank{i}" for i in range(len(ranks))]).assert_bitwise()
 
 
 def test_planned_oracle_passes_the_program_and_fails_a_reference_off_by_a_thousandth(dp2):

@@ -25,7 +25,7 @@ import sys
 import time
 from collections.abc import Callable
 
-from autoparallel.defaults import BUCKET_CAP_MB
+from autoparallel.defaults import BUCKET_CAP_MB, DEFAULT_LOWERING
 from autoparallel.passes.collective import COLLECTIVE_PASS_NAMES, metric_json
 from autoparallel.pipeline import PLAN, StageResult, run_pipeline, stages_for
 from verify.graphs.stats import graph_stats, human_bytes, partition_stats
@@ -109,7 +109,7 @@ def import_stage_modules() -> float:
     return time.perf_counter() - t0
 
 
-def run_once(scenario: Scenario, bucket_cap_mb: float, progress: Callable[[str], None], lowering: str = "dtensor") -> list[dict]:
+def run_once(scenario: Scenario, bucket_cap_mb: float, progress: Callable[[str], None], lowering: str = DEFAULT_LOWERING) -> list[dict]:
     """One pass over every stage, then the alternatives; a list of stage dicts (seconds, metrics).
 
     Stats are taken by an observer as each stage ends, on the live graphs (no copies: at 8B size
@@ -152,7 +152,7 @@ def pipeline_over_trace(stages: list[dict], import_seconds: float) -> float | No
 
 
 def run_scale(scenario: Scenario, *, repeat: int = 1, bucket_cap_mb: float = BUCKET_CAP_MB, progress=lambda m: None,
-              lowering: str = "dtensor") -> dict:
+              lowering: str = DEFAULT_LOWERING) -> dict:
     t0 = time.perf_counter()
     import_seconds = import_stage_modules()
     progress(f"imports {import_seconds:.2f}s (once per process, in no stage)")

@@ -40,10 +40,11 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 
 from autoparallel import roles
 from autoparallel.compile import SECOND_COMPILE
+from autoparallel.defaults import DEFAULT_LOWERING
 from autoparallel.mesh import MeshSpec, build_mesh, fake_world
 from autoparallel.parallelize import ParallelPlan, cross_entropy_loss
 from autoparallel.partition import STEP_FIRST_PARTITION
-from autoparallel.pipeline import PLANNED_STAGES, run_pipeline
+from autoparallel.pipeline import JOINT, PLANNED_STAGES, run_pipeline
 from autoparallel.planner.auto import local_inputs, local_params, plan_for_pipeline
 from autoparallel.planner.lower import (
     PlacedInterpreter,
@@ -52,6 +53,7 @@ from autoparallel.planner.lower import (
     node_placements,
     shard_tensor,
 )
+from autoparallel.planner.replay import check_lowering
 from autoparallel.planner.solution import Solution
 from autoparallel.runtime.steps import (
     Executor,
@@ -112,11 +114,14 @@ class PlannedCase:
 @dataclass
 class PlannedRank:
     """One rank's traces per executor, and where its gradient pieces sit in the full tensors
-    (``offsets[fqn]``: the piece's offset per dim, for reassembling; Replicate pieces are whole)."""
+    (``offsets[fqn]``: the piece's offset per dim, for reassembling; Replicate pieces are whole);
+    ``replayed``: how many ops this rank's lowering ran as their local op (``LoweringReport.replayed``:
+    0 under ``lowering="dtensor"``), so a test can tell which lowering its run went through."""
 
     coord: tuple[int, ...]
     traces: dict[str, StepTrace]
     offsets: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    replayed: int = 0
 
 
 def planned_case(scenario) -> PlannedCase:
@@ -176,13 +181,13 @@ def eager_executor(planned, mesh, buffers, gm: fx.GraphModule | None = None) -> 
     return Executor(run, buffers)
 
 
-def _rank_case(case: PlannedCase, solved: Solution, batches, executors, mesh) -> PlannedRank:
+def _rank_case(case: PlannedCase, solved: Solution, batches, executors, mesh, lowering: str) -> PlannedRank:
     torch._dynamo.reset()
     # The second compile's executor runs the module the pipeline compiled (keep_compiled): a
     # second torch.compile here would re-trace and re-partition the same module. Running it in
     # the pipeline needs the model's real values.
     keep = bool(_COMPILED & set(executors))
-    options = pipeline_options(snapshots=True, alternatives=False, keep_compiled=keep)
+    options = pipeline_options(snapshots=True, alternatives=False, keep_compiled=keep, lowering=lowering)
     # at least the first partition (its module is built there), further where an executor needs it
     until = last_needed((*executors, STEP_FIRST_PARTITION), PLANNED_STAGES)
     run = on_meta_else_real(lambda device: run_pipeline(case.model(device), case.loss_fn, batches[0], ParallelPlan.auto(solution=solved),
@@ -221,12 +226,13 @@ def _rank_case(case: PlannedCase, solved: Solution, batches, executors, mesh) ->
     for fqn, placement in plan.params.items():
         _, off = compute_local_shape_and_global_offset(full[fqn].shape, mesh.device_mesh, decode(placement, plan.mesh_names))
         offsets[fqn] = tuple(off)
-    return PlannedRank(tuple(coord[d] for d in case.spec.names), traces, offsets)
+    replayed = run.stage(JOINT).report.replayed
+    return PlannedRank(tuple(coord[d] for d in case.spec.names), traces, offsets, replayed)
 
 
-def _rank(rank, world_size, cases, solved, batches, executors) -> list[PlannedRank]:
+def _rank(rank, world_size, cases, solved, batches, executors, lowering) -> list[PlannedRank]:
     mesh = build_mesh(cases[0].spec)
-    return [_rank_case(c, s, b, executors, mesh) for c, s, b in zip(cases, solved, batches, strict=True)]
+    return [_rank_case(c, s, b, executors, mesh, lowering) for c, s, b in zip(cases, solved, batches, strict=True)]
 
 
 def run_planned_parity(
@@ -235,9 +241,12 @@ def run_planned_parity(
     *,
     executors: Sequence[str] = EXECUTORS,
     timeout_s: float = 300.0,
+    lowering: str = DEFAULT_LOWERING,
 ) -> list[tuple[Solution, list[PlannedRank]]]:
     """Plan each case, then train ``steps`` steps with each of ``executors`` on every rank of one
-    gloo world of their (common) mesh; per case: (the solver's plan, per-rank traces)."""
+    gloo world of their (common) mesh; per case: (the solver's plan, per-rank traces). ``lowering``:
+    how each rank's pipeline lowers the plan (``PipelineOptions.lowering``); the eager reference
+    runs every op through DTensor's dispatch whichever it is."""
     cases = [cases] if isinstance(cases, PlannedCase) else list(cases)
     unknown = sorted(set(executors) - set(EXECUTORS))
     if unknown or EAGER not in executors:
@@ -245,9 +254,10 @@ def run_planned_parity(
     meshes = {c.spec for c in cases}
     if len(meshes) != 1:
         raise ValueError(f"the cases of one parity world share its mesh; got {sorted(str(m) for m in meshes)}")
+    check_lowering(lowering)  # before any rank starts
     solved = [solve(c) for c in cases]
     batches = [c.batches(steps) for c in cases]
-    per_rank = run_parity_world(_rank, cases[0].spec.world_size, args=(cases, solved, batches, tuple(executors)), timeout_s=timeout_s)
+    per_rank = run_parity_world(_rank, cases[0].spec.world_size, args=(cases, solved, batches, tuple(executors), lowering), timeout_s=timeout_s)
     return [(solved[i], [ranks[i] for ranks in per_rank]) for i in range(len(cases))]
 
 

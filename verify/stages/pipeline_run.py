@@ -16,7 +16,7 @@ from typing import TypeVar
 import torch
 
 from autoparallel import pipeline as P
-from autoparallel.defaults import BUCKET_CAP_MB
+from autoparallel.defaults import BUCKET_CAP_MB, DEFAULT_LOWERING
 from autoparallel.passes.collective import CollectivePassesConfig
 from autoparallel.passes.pre_overlap_bucketing import PreOverlapConfig
 from autoparallel.passes.topo_span_bucketing import TopoSpanConfig
@@ -167,7 +167,7 @@ def run_scenario(
     until: str | None = None,
     keep_compiled: bool = False,
     alternatives: bool = True,
-    lowering: str = "dtensor",
+    lowering: str = DEFAULT_LOWERING,
 ) -> P.PipelineRun:
     """Every stage of ``autoparallel.pipeline.STAGES`` for ``scenario`` on one fake world (graphs
     of rank 0: bucketing is rank-specific), plus the alternatives, each stage's graphs copied.

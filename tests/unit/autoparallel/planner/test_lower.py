@@ -314,3 +314,27 @@ def test_the_lowered_graph_has_no_split_cat_move(mlp, mlp_batch):
     with fake_world(MESH) as mesh:
         costs = CostModel(get_profile(run.planned.solution.profile), mesh.spec, mesh.device_mesh)
         assert mismatches(predicted_by_node(run.planned.pg, run.planned.solution, costs), traced_by_node(gm)) == []
+
+
+def _code_is_current(gm: fx.GraphModule) -> bool:
+    return gm.code == gm.graph.python_code(root_module="self").src
+
+
+def test_the_lowered_module_runs_its_final_graph_with_and_without_split_cat_rewrites(lowered, mlp, mlp_batch):
+    """lower_plan edits the traced graph (placeholder names, unused getitems, permuted copies) and
+    recompiles once after its last edit: the module's code is its final graph's, whether or not
+    permuted_split_cat acted (it recompiles itself only when it did)."""
+    pinned = _pinned_joint(mlp, mlp_batch(), HAND_PINS, MESH)
+    assert pinned.stage(P.JOINT).report.split_cats >= 1 and lowered.stage(P.JOINT).report.split_cats == 0
+    # the live modules (a stage's snapshot is a copy, recompiled when copied)
+    assert _code_is_current(pinned.joint.gm) and _code_is_current(lowered.joint.gm)
+
+
+def test_a_graph_edited_after_its_last_recompile_is_seen_as_stale():
+    """The negative of the check above: a placeholder renamed without a recompile is caught."""
+    gm = fx.symbolic_trace(torch.nn.ReLU())
+    assert _code_is_current(gm)
+    next(iter(gm.graph.find_nodes(op="placeholder"))).name = "renamed_without_recompile"
+    assert not _code_is_current(gm)
+    gm.recompile()
+    assert _code_is_current(gm)

@@ -79,10 +79,11 @@ def test_a_shared_run_answers_only_requests_for_its_lowering(monkeypatch):
     calls = _counting_runs(monkeypatch)
     sc = catalog.GOLDEN_SCENARIOS[SID]
     with reuse_pipeline_runs():
-        dtensor = run_scenario(sc, until="joint")
+        dtensor = run_scenario(sc, until="joint", lowering="dtensor")
         replay = run_scenario(sc, until="joint", lowering="replay")
         assert replay is not dtensor and [o.lowering for o in calls] == ["dtensor", "replay"]
-        assert run_scenario(sc, until="joint", lowering="replay") is replay and run_scenario(sc, until="joint") is dtensor
+        assert run_scenario(sc, until="joint", lowering="replay") is replay and run_scenario(sc, until="joint", lowering="dtensor") is dtensor
+        assert run_scenario(sc, until="joint") is replay  # the default lowering (autoparallel.defaults.DEFAULT_LOWERING)
     assert len(calls) == 2
 
 
