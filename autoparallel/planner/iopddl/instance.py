@@ -10,6 +10,7 @@ from __future__ import annotations
 import gzip
 import json
 from dataclasses import dataclass, field
+from itertools import chain
 
 import numpy as np
 
@@ -53,6 +54,17 @@ def _floats(values) -> np.ndarray:
     return a
 
 
+def _flat(lists, dtype, total: int) -> np.ndarray:
+    """The concatenation of many short lists as one array: one conversion instead of one per
+    list (a 40k-node instance's 110k lists took 4 CPU seconds one by one)."""
+    return np.fromiter(chain.from_iterable(lists), dtype=dtype, count=total)
+
+
+def _pieces(flat: np.ndarray, sizes: np.ndarray) -> list:
+    """``flat`` cut into consecutive views of the given sizes."""
+    return np.split(flat, np.cumsum(sizes)[:-1]) if len(sizes) else []
+
+
 def read_json(path: str) -> dict:
     with open(path, "rb") as f:
         head = f.read(2)
@@ -61,8 +73,13 @@ def read_json(path: str) -> dict:
         return json.load(f)
 
 
+def _lengths(lists) -> np.ndarray:
+    return np.fromiter(map(len, lists), dtype=np.int64, count=len(lists))
+
+
 def from_dict(data: dict) -> Instance:
-    """Build an :class:`Instance` from the parsed JSON; raise ValueError on a malformed one."""
+    """Build an :class:`Instance` from the parsed JSON; raise ValueError on a malformed one.
+    Every list of numbers is converted in one flat array and cut into views."""
     try:
         p = data["problem"]
         nodes, edges = p["nodes"], p["edges"]
@@ -74,22 +91,32 @@ def from_dict(data: dict) -> Instance:
     if not (len(intervals) == len(usages) == n) or len(pairs) != len(tables):
         raise ValueError("not an IOPDDL instance: node or edge lists of different lengths")
     iv = np.asarray(intervals, dtype=np.int64).reshape(n, 2)
-    cost = [_floats(c) for c in costs]
-    usage = [np.asarray(u, dtype=np.int64) for u in usages]
-    for i in range(n):
-        if len(cost[i]) == 0 or len(cost[i]) != len(usage[i]):
-            raise ValueError(f"node {i}: {len(cost[i])} costs, {len(usage[i])} usages")
+    sizes, usizes = _lengths(costs), _lengths(usages)
+    bad = np.flatnonzero((sizes == 0) | (sizes != usizes))
+    if len(bad):
+        i = int(bad[0])
+        raise ValueError(f"node {i}: {sizes[i]} costs, {usizes[i]} usages")
+    cost = _pieces(_floats(_flat(costs, np.float64, int(sizes.sum()))), sizes)
+    usage = _pieces(_flat(usages, np.int64, int(sizes.sum())), sizes)
+    bad = np.flatnonzero(_lengths(pairs) != 2)
+    if len(bad):
+        k = int(bad[0])
+        raise ValueError(f"edge {k}: only edges between two nodes are supported, got {pairs[k]}")
+    uv = _flat(pairs, np.int64, 2 * len(pairs)).reshape(-1, 2)
+    bad = np.flatnonzero((uv < 0).any(axis=1) | (uv >= n).any(axis=1) | (uv[:, 0] == uv[:, 1]))
+    if len(bad):
+        k = int(bad[0])
+        raise ValueError(f"edge {k}: bad nodes {pairs[k]}")
+    rows, cols = sizes[uv[:, 0]], sizes[uv[:, 1]]
+    tsizes = _lengths(tables)
+    bad = np.flatnonzero(tsizes != rows * cols)
+    if len(bad):
+        k = int(bad[0])
+        raise ValueError(f"edge {k}: {tsizes[k]} costs for {rows[k]}x{cols[k]} strategy pairs")
+    flat = _pieces(_floats(_flat(tables, np.float64, int(tsizes.sum()))), tsizes)
     merged: dict = {}
-    for k, (pair, table) in enumerate(zip(pairs, tables)):
-        if len(pair) != 2:
-            raise ValueError(f"edge {k}: only edges between two nodes are supported, got {pair}")
-        u, v = int(pair[0]), int(pair[1])
-        if not (0 <= u < n and 0 <= v < n) or u == v:
-            raise ValueError(f"edge {k}: bad nodes {pair}")
-        shape = (len(cost[u]), len(cost[v]))
-        if len(table) != shape[0] * shape[1]:
-            raise ValueError(f"edge {k}: {len(table)} costs for {shape[0]}x{shape[1]} strategy pairs")
-        m = _floats(table).reshape(shape)
+    for k, (u, v) in enumerate(uv.tolist()):
+        m = flat[k].reshape(rows[k], cols[k])
         if (v, u) in merged:
             u, v, m = v, u, m.T
         merged[(u, v)] = merged[(u, v)] + m if (u, v) in merged else m

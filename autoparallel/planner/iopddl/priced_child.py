@@ -16,7 +16,9 @@ time. Each feasible plan cheaper than the last is written to the output file (JS
 atomically), with the best Lagrangian bound so far (toulbar2's dual bound on the priced problem
 less the prices times the limit: it holds for any prices >= 0).
 
-Usage: python priced_child.py MODEL.pkl OUT.json ROUND_CPU_SECONDS
+Usage: python priced_child.py SOURCE OUT.json OPTIONS_JSON, where SOURCE is the instance's arrays
+pickled by priced.start (``*.pkl``) or the instance file itself (priced.start_file: the child
+reads it and exits when it is too small for the rounds, see OPTIONS' min_nodes and min_pairs).
 """
 
 import importlib.util
@@ -46,8 +48,11 @@ SCALE_CAP = 1e16  # summed costs above this are scaled down (toulbar2 costs are 
 
 def base_price(cost: list, usage: list, starts: np.ndarray, ends: np.ndarray) -> float:
     """A typical cost per unit of usage per live step: the median over nodes whose allowed
-    strategies trade usage for cost of (cost range) / (usage range) / (interval length).
-    Vectorised over the concatenated strategies (a loop over 40k nodes takes tens of seconds at
+    strategies trade usage for cost of (cost range) / (usage range) / (interval length). Nodes
+    whose strategies all cost the same do not trade: on D and M they are 70 % of those with a
+    usage range, and counting them made the median 0 (the first round then ran unpriced, its plan
+    over the limit at 21k-28k steps: a wasted round; without them it is 0.22 on both, the repair's
+    own price step was 0.10-0.11). Vectorised over the concatenated strategies (a loop over 40k nodes takes tens of seconds at
     this machine's load)."""
     offsets = np.concatenate([[0], np.cumsum([len(c) for c in cost])[:-1]])
     c, u = np.concatenate(cost), np.concatenate(usage).astype(np.float64)
@@ -57,7 +62,7 @@ def base_price(cost: list, usage: list, starts: np.ndarray, ends: np.ndarray) ->
         return np.maximum.reduceat(np.where(ok, a, -np.inf), offsets) - np.minimum.reduceat(np.where(ok, a, np.inf), offsets)
 
     dc, du, length = span(c), span(u), (ends - starts).astype(np.float64)
-    keep = (np.add.reduceat(ok.astype(np.int64), offsets) >= 2) & (length > 0) & (du > 0)
+    keep = (np.add.reduceat(ok.astype(np.int64), offsets) >= 2) & (length > 0) & (du > 0) & (dc > 0)
     if not keep.any():
         return 1.0
     return max(float(np.median(dc[keep] / du[keep] / length[keep])), 1e-12)
@@ -150,19 +155,49 @@ def write(path: str, payload: dict) -> None:
     os.replace(path + ".tmp", path)
 
 
+def read(src: str, options: dict):
+    """The instance's arrays from the pickle or the instance file; None when the file's instance
+    is below the options' sizes for the rounds (or has no usage limit)."""
+    if src.endswith(".pkl"):
+        with open(src, "rb") as f:
+            return pickle.load(f)
+    t = time.process_time()
+    inst = instance.load(src)
+    pairs = sum(m.size for m in inst.edge_cost)
+    if inst.limit is None or inst.n < options.get("min_nodes", 0) or pairs <= options.get("min_pairs", -1):
+        print(f"priced rounds: not for this instance ({inst.n} nodes, {pairs} strategy pairs)", file=sys.stderr, flush=True)
+        return None
+    print(f"priced rounds: read the instance in {time.process_time() - t:.1f} CPU s", file=sys.stderr, flush=True)
+    return {"cost": inst.cost, "usage": inst.usage, "edge_u": inst.edge_u, "edge_v": inst.edge_v,
+            "edge_cost": inst.edge_cost, "starts": inst.starts, "ends": inst.ends, "limit": inst.limit,
+            "horizon": inst.horizon}
+
+
+def next_prices(lam: np.ndarray, over: np.ndarray, growth: float, base: float, relax: float) -> np.ndarray:
+    """The prices after a round: times ``growth`` plus ``base`` at the steps the plan overfilled,
+    all times ``relax`` when it fit."""
+    lam = lam.copy()
+    if over.any():
+        lam[over] = growth * lam[over] + base
+    else:
+        lam *= relax
+    return lam
+
+
 def main(args) -> None:
-    src, out, round_cpu = args[0], args[1], float(args[2])
-    with open(src, "rb") as f:
-        model = pickle.load(f)
+    src, out, options = args[0], args[1], json.loads(args[2])
+    model = read(src, options)
+    if model is None:
+        return
     starts, ends, limit = model["starts"], model["ends"], model["limit"]
-    growth, relax = model["growth"], model["relax"]
+    growth, relax = options.get("growth", 4.0), options.get("relax", 0.8)
     base = base_price(model["cost"], model["usage"], starts, ends)
     # first prices: the base price wherever the limit can bind (each node at its largest usage)
     net = network(model)
     lam = np.where(search.profile(net, [int(np.argmax(u)) for u in model["usage"]]) > limit, base, 0.0)
     best, bound = np.inf, None
-    cpu = round_cpu
-    for r in range(model["rounds"]):
+    cpu = options.get("round_cpu", 8.0)
+    for r in range(options.get("rounds", 40)):
         w = interval_sums(lam, starts, ends)
         unary = [c + w[i] * model["usage"][i] for i, c in enumerate(model["cost"])]
         t = time.process_time()
@@ -188,13 +223,14 @@ def main(args) -> None:
             moved = {i for i in range(len(x)) if x[i] != before[i]}
             near = {int(net.edge_v[k] if first else net.edge_u[k]) for i in moved for k, first in net.incident[i]}
             search.descend(net, x, fixed, order=sorted(moved | near), passes=3)
-            if made:  # the repair's median cost per byte-step: the scale a price must reach
+            # the repair's median cost per byte-step: the scale a price must reach. Only until the
+            # first plan that fits: later repairs of plans gone over again (prices relaxed) cost
+            # more per byte, and a price step grown from them overshot (D: 2.5e5, every later plan 2.5x worse)
+            if made and best == np.inf:
                 base = max(base, float(np.median(made)))
-            lam[over] = growth * lam[over] + base
             c = search.cost(net, x)
             print(f"priced round {r}: repaired to cost {c:.6g}, price step {base:.3g}", file=sys.stderr, flush=True)
-        else:
-            lam *= relax
+        lam = next_prices(lam, over, growth, base, relax)
         if not (fixed > limit).any() and c < best:
             best = c
             write(out, {"solution": x, "cost": c, "round": r, "bound": bound})

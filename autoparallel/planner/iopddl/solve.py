@@ -117,8 +117,11 @@ def _neighbourhood(inst: Instance, rng, size: int, prof=None, around=None) -> np
 def solve(inst: Instance, time_limit: float = 120.0, seed: int = 0, progress=None, threads: int = 1,
           clock=time.perf_counter, full_mip_pairs: int = FULL_MIP_PAIRS,
           penalty_share: float = PENALTY_SHARE, cfn_entries: int = CFN_ENTRIES, reduce_first: bool = REDUCE,
-          priced_share: float = PRICED_SHARE, priced_nodes: int = PRICED_NODES) -> Result:
-    """Best plan found within ``time_limit`` seconds (from this call); raise ValueError if none exists."""
+          priced_share: float = PRICED_SHARE, priced_nodes: int = PRICED_NODES, priced_job=None) -> Result:
+    """Best plan found within ``time_limit`` seconds (from this call); raise ValueError if none exists.
+
+    ``priced_job``: priced rounds the caller started on the instance's file before reading it
+    (priced.start_file); used when this instance wants them, else stopped. Stopped on return."""
     t0 = clock()
     deadline = t0 + time_limit
     say = progress or (lambda msg: None)
@@ -126,8 +129,15 @@ def solve(inst: Instance, time_limit: float = 120.0, seed: int = 0, progress=Non
     job = None
     if (not reduce_first and priced_share > 0 and inst.limit is not None and inst.n >= priced_nodes
             and pairs > full_mip_pairs and toulbar2_available() and model_size(inst) > cfn_entries):
-        job = priced.start(inst, clock() + priced_share * (deadline - clock()))  # toulbar2 does its own arc consistency
-        say(f"priced toulbar2 rounds started beside the descent, up to {job.stop - clock():.0f}s")
+        if priced_job is not None:
+            job, priced_job = priced_job, None
+            say(f"priced toulbar2 rounds (started on the file) run beside the descent, up to {job.stop - clock():.0f}s")
+        else:
+            job = priced.start(inst, clock() + priced_share * (deadline - clock()))  # toulbar2 does its own arc consistency
+            say(f"priced toulbar2 rounds started beside the descent, up to {job.stop - clock():.0f}s")
+    if priced_job is not None:
+        priced.stop(priced_job)
+        priced_job.tmp.cleanup()
     try:
         return _solve(inst, t0, deadline, say, job, pairs, seed=seed, threads=threads, clock=clock,
                       full_mip_pairs=full_mip_pairs, penalty_share=penalty_share, cfn_entries=cfn_entries,

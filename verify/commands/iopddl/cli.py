@@ -13,7 +13,9 @@ import os
 import sys
 import time
 
-from autoparallel.planner.iopddl import from_dict, solve
+from autoparallel.planner.iopddl import from_dict, priced, solve
+from autoparallel.planner.iopddl.cfn import toulbar2_available
+from autoparallel.planner.iopddl.solve import FULL_MIP_PAIRS, PRICED_NODES, PRICED_SHARE
 from verify.commands.iopddl.check import check, read_problem
 
 
@@ -24,10 +26,15 @@ def run(path: str, time_limit: float, say) -> dict:
     t0 = time.perf_counter()
     if not os.path.isfile(path):
         raise ValueError(f"--iopddl: no such file: {path}")
-    problem = read_problem(path)
-    inst = from_dict({"problem": problem})
-    say(f"{os.path.basename(path)}: {inst.n} nodes, {len(inst.edge_u)} edges, read in {time.perf_counter() - t0:.1f}s")
-    result = solve(inst, max(0.0, time_limit - (time.perf_counter() - t0)), progress=say)
+    job = _priced_early(path, t0 + PRICED_SHARE * time_limit)
+    try:
+        problem = read_problem(path)
+        inst = from_dict({"problem": problem})
+        say(f"{os.path.basename(path)}: {inst.n} nodes, {len(inst.edge_u)} edges, read in {time.perf_counter() - t0:.1f}s")
+        result = solve(inst, max(0.0, time_limit - (time.perf_counter() - t0)), progress=say, priced_job=job)
+    finally:
+        if job is not None:  # solve stops it; reading may have failed first
+            priced.stop(job)
     seconds = time.perf_counter() - t0
     check(problem, result.solution, result.cost)  # raises verify.commands.iopddl.check.Rejected
     return {
@@ -35,6 +42,14 @@ def run(path: str, time_limit: float, say) -> dict:
         "cost": result.cost, "bound": result.bound, "optimal": result.optimal, "seconds": round(seconds, 2),
         "method": result.method, "stats": result.stats, "solution": result.solution,
     }
+
+
+def _priced_early(path: str, stop: float):
+    """The priced toulbar2 rounds started on the file before it is read (the child reads it in
+    parallel); ``solve`` keeps them only for an instance that wants them. None without toulbar2."""
+    if not toulbar2_available():
+        return None
+    return priced.start_file(path, stop, min_nodes=PRICED_NODES, min_pairs=FULL_MIP_PAIRS)
 
 
 def main(args) -> int:

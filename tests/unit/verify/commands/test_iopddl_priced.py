@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 import importlib
+import json
 import random
 import time
 
@@ -62,11 +63,13 @@ def test_interval_sums_and_profile_follow_half_open_intervals():
 
 def test_base_price_is_the_median_cost_per_byte_step_over_nodes_that_trade():
     inf = np.inf
-    cost = [np.array([0.0, 10.0]), np.array([inf, 4.0]), np.array([0.0, 6.0, 2.0]), np.array([0.0, 9.0]), np.array([1.0, 5.0])]
-    usage = [np.array([1, 3]), np.array([1, 9]), np.array([2, 2, 5]), np.array([1, 2]), np.array([4, 4])]
-    starts, ends = np.array([0, 0, 3, 2, 0]), np.array([5, 5, 4, 2, 1])
+    cost = [np.array([0.0, 10.0]), np.array([inf, 4.0]), np.array([0.0, 6.0, 2.0]), np.array([0.0, 9.0]), np.array([1.0, 5.0]),
+            np.array([3.0, 3.0]), np.array([0.0, 0.0])]
+    usage = [np.array([1, 3]), np.array([1, 9]), np.array([2, 2, 5]), np.array([1, 2]), np.array([4, 4]),
+             np.array([1, 5]), np.array([2, 9])]
+    starts, ends = np.array([0, 0, 3, 2, 0, 0, 0]), np.array([5, 5, 4, 2, 1, 9, 9])
     # node 0: 10 / 2 / 5 = 1; node 1 has one allowed strategy, node 3 is never live, node 4's
-    # usages are equal; node 2: 6 / 3 / 1 = 2
+    # usages are equal, nodes 5 and 6 save usage for free (no price); node 2: 6 / 3 / 1 = 2
     assert priced_child.base_price(cost, usage, starts, ends) == 1.5
     assert priced_child.base_price(cost[1:2], usage[1:2], starts[1:2], ends[1:2]) == 1.0  # nothing trades
 
@@ -160,3 +163,48 @@ def test_solve_keeps_a_priced_plan_only_when_it_fits(monkeypatch, answer, kept):
               priced_share=0.5, priced_nodes=0)
     assert check(problem, r.solution, r.cost) == r.cost
     assert r.method.startswith("priced") == kept
+
+
+def test_next_prices_grow_at_the_overfull_steps_and_relax_when_the_plan_fits():
+    lam = np.array([1.0, 0.0, 2.0])
+    grown = priced_child.next_prices(lam, np.array([True, True, False]), growth=4.0, base=0.5, relax=0.8)
+    assert grown.tolist() == [4.5, 0.5, 2.0] and lam.tolist() == [1.0, 0.0, 2.0]  # the input is kept
+    assert priced_child.next_prices(lam, np.zeros(3, dtype=bool), 4.0, 0.5, 0.8).tolist() == [0.8, 0.0, 1.6]
+
+
+def _file(tmp_path, problem: dict) -> str:
+    path = tmp_path / "instance.json"
+    path.write_text(json.dumps({"problem": problem}))
+    return str(path)
+
+
+def test_the_child_reads_the_file_as_from_dict_does_and_skips_small_instances(tmp_path):
+    problem = _problem(random.Random(7), 6, 1)
+    path = _file(tmp_path, problem)
+    model, inst = priced_child.read(path, {}), from_dict({"problem": copy.deepcopy(problem)})
+    assert [c.tolist() for c in model["cost"]] == [c.tolist() for c in inst.cost]
+    assert [m.tolist() for m in model["edge_cost"]] == [m.tolist() for m in inst.edge_cost]
+    assert model["limit"] == inst.limit and model["edge_u"].tolist() == inst.edge_u.tolist()
+    assert priced_child.read(path, {"min_nodes": 7}) is None
+    pairs = sum(m.size for m in inst.edge_cost)
+    assert priced_child.read(path, {"min_pairs": pairs}) is None and priced_child.read(path, {"min_pairs": pairs - 1})
+    del problem["usage_limit"]
+    assert priced_child.read(_file(tmp_path, problem), {}) is None
+
+
+def test_rounds_started_on_the_file_give_a_feasible_plan_or_exit_when_not_wanted(tmp_path):
+    problem = _problem(random.Random(8), 6, 1)
+    path = _file(tmp_path, problem)
+    job = priced.start_file(path, time.perf_counter() + 30, min_nodes=0, min_pairs=-1, rounds=2, round_cpu=1)
+    x, bound = priced.collect(job)
+    assert x is not None and evaluate(problem, [int(v) for v in x]) >= _optimum(problem) >= bound - 1e-6
+    job = priced.start_file(path, time.perf_counter() + 30, min_nodes=7, min_pairs=-1)
+    assert priced.collect(job) == (None, None) and job.proc.returncode == 0  # exited, not killed at the deadline
+
+
+def test_solve_stops_rounds_started_on_the_file_when_the_instance_does_not_want_them(tmp_path):
+    problem = _problem(random.Random(9), 6, 1)
+    job = priced.start_file(_file(tmp_path, problem), time.perf_counter() + 60, min_nodes=0, min_pairs=-1)
+    r = solve(from_dict({"problem": copy.deepcopy(problem)}), time_limit=5.0, priced_job=job)  # the whole MIP's size
+    assert job.proc.returncode is not None and r.method == "mip"
+    assert check(problem, r.solution, r.cost) == r.cost
