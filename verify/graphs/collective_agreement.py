@@ -28,6 +28,7 @@ from torch import fx
 from autoparallel import meta as M
 from autoparallel.fx_utils import GROUP_ARG, group_arg, group_arg_name, schema_group_index
 from autoparallel.mesh import group_dims_of
+from verify.graphs.bucket_members import bucket_members
 from verify.graphs.classify import collective_kind
 
 
@@ -46,6 +47,7 @@ class CollectiveCall:
     signature: tuple
     node: str
     module: str | None
+    members: tuple[str, ...] = ()  # the roles it carries, in order (verify.graphs.bucket_members)
 
     def describe(self) -> str:
         op, dim, tensors, args = self.signature
@@ -88,7 +90,8 @@ def collective_calls(gm: fx.GraphModule) -> list[CollectiveCall]:
         args = tuple(_static(a) for i, a in enumerate(node.args) if i != at and not isinstance(a, fx.Node))
         kwargs = tuple(sorted((k, _static(v)) for k, v in node.kwargs.items() if k != GROUP_ARG and not isinstance(v, fx.Node)))
         module = (node.meta.get(M.CUSTOM) or {}).get(M.MODULE_PATH)
-        out.append(CollectiveCall((str(node.target), dim, tuple(tensors), args + kwargs), node.name, module))
+        members = bucket_members(node, collective_kind(node))
+        out.append(CollectiveCall((str(node.target), dim, tuple(tensors), args + kwargs), node.name, module, members))
     return out
 
 
@@ -110,11 +113,21 @@ def first_disagreement(per_rank: Sequence[Mapping[str, Sequence[CollectiveCall]]
                 ca = a[i] if i < len(a) else None
                 cb = b[i] if i < len(b) else None
                 if ca is not None and cb is not None and ca.signature == cb.signature:
-                    continue
+                    if ca.members == cb.members:
+                        continue
+                    at = next(j for j, (x, y) in enumerate(zip(ca.members + ("",), cb.members + ("",))) if x != y)
+                    return (f"graph {label!r}, collective #{i}: the same sizes, other members: {ca.describe()} "
+                            f"carries {_members(ca.members, at)} on rank 0, and rank {rank}'s {cb.node!r} carries "
+                            f"{_members(cb.members, at)} (one rank's rows of one tensor would be reduced with another's)")
                 left = ca.describe() if ca else "no collective (its graph ends)"
                 right = cb.describe() if cb else "no collective (its graph ends)"
                 return (f"graph {label!r}, collective #{i}: rank 0 issues {left}; rank {rank} issues {right}")
     return None
+
+
+def _members(members: tuple[str, ...], at: int) -> str:
+    shown = members[at:at + 3]
+    return f"{list(shown)} from piece #{at} of {len(members)}" if shown else f"nothing at piece #{at} (it has {len(members)})"
 
 
 def program_structure(gm: fx.GraphModule) -> list[tuple]:
