@@ -4,6 +4,7 @@ import json
 
 import pytest
 
+from autoparallel.defaults import DEFAULT_LOWERING
 from autoparallel.passes.collective import COLLECTIVE_PASS_NAMES
 from autoparallel.pipeline import STAGE_NAMES
 from verify.__main__ import main
@@ -16,7 +17,7 @@ def test_scale_json_has_every_stage_and_field(capsys):
     result = json.loads(capsys.readouterr().out)
     alternatives = [f"{name} (alone)" for name in COLLECTIVE_PASS_NAMES]
     assert [s["name"] for s in result["stages"]] == [*STAGE_NAMES, *alternatives]
-    assert result["layers"] == 1 and result["mesh"] == "dp=4,tp=2" and result["lowering"] == "dtensor"
+    assert result["layers"] == 1 and result["mesh"] == "dp=4,tp=2" and result["lowering"] == DEFAULT_LOWERING
     for stage in result["stages"]:
         assert {"seconds", "rss_gib", "nodes", "collectives", "max_consec_compute_between_rs"} <= set(stage)
         assert stage["seconds"] >= 0
