@@ -14,12 +14,14 @@ from __future__ import annotations
 import operator
 from collections import deque
 
+import torch
 from torch import fx
 
 from autoparallel import meta as M
 from autoparallel import roles
 from autoparallel.fx_utils import wait_of
 
+SPLITS = (torch.ops.aten.split, torch.ops.aten.split_with_sizes, torch.ops.aten.chunk, torch.ops.aten.tensor_split)
 _MAX_HOPS = 64  # a piece reaches its output through a few views and casts; beyond this: "?"
 
 
@@ -78,7 +80,7 @@ def bucket_members(node: fx.Node, kind: str) -> tuple[str, ...]:
         return ()
     outputs = _output_labels(node.graph)
     wait = wait_of(node) or node
-    pieces = [u for u in wait.users if u.op == "call_function" and "split" in str(u.target)]
+    pieces = [u for u in wait.users if getattr(u.target, "overloadpacket", None) in SPLITS]
     if len(pieces) != 1:
         return (_reached(wait, outputs),)
     split = pieces[0]

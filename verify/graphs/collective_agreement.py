@@ -28,11 +28,10 @@ from torch import fx
 from autoparallel import meta as M
 from autoparallel.fx_utils import GROUP_ARG, group_arg, group_arg_name, schema_group_index
 from autoparallel.mesh import group_dims_of
-from verify.graphs.bucket_members import bucket_members
+from verify.graphs.bucket_members import SPLITS, bucket_members
 from verify.graphs.classify import collective_kind
 
 
-_SPLITS = (torch.ops.aten.split, torch.ops.aten.split_with_sizes, torch.ops.aten.chunk, torch.ops.aten.tensor_split)
 
 
 class CollectiveMismatchError(RuntimeError):
@@ -142,7 +141,7 @@ def program_structure(gm: fx.GraphModule) -> list[tuple]:
     out = []
     for i, node in enumerate(gm.graph.nodes):
         piece = node.target is operator.getitem and isinstance(node.args[0], fx.Node) and \
-            getattr(node.args[0].target, "overloadpacket", None) in _SPLITS
+            getattr(node.args[0].target, "overloadpacket", None) in SPLITS
         pos[node] = ("piece of", pos[node.args[0]]) if piece else i
         if piece:
             continue  # its own line would carry the rank's index

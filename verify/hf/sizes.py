@@ -312,14 +312,21 @@ def _auto_fields(cls) -> dict[str, Any]:
     return {f.name: f.default for f in dataclasses.fields(cls) if f.default == "auto"}
 
 
+def _class_default(cls) -> dict[str, Any] | None:
+    """``cls().to_dict()``, or None for a class without a buildable default (it derives nothing we know of)."""
+    try:
+        return cls().to_dict()
+    except Exception:  # noqa: BLE001 - any failure of the library's own default
+        return None
+
+
 def _derived_counts(cls) -> dict[str, int]:
     """The integer fields ``cls`` declares None and the rule does not size, with the values a
     default ``cls()`` derives for them in ``__post_init__``."""
     import dataclasses
 
-    try:
-        default = cls().to_dict()
-    except Exception:  # noqa: BLE001 - a class without a buildable default derives nothing we know of
+    default = _class_default(cls)
+    if default is None:
         return {}
     return {f.name: default[f.name] for f in dataclasses.fields(cls)
             if f.default is None and family(f.name) is None
@@ -362,10 +369,10 @@ def derived_fields(cls) -> frozenset[str]:
 
     if not (isinstance(cls, type) and issubclass(cls, PretrainedConfig) and dataclasses.is_dataclass(cls)):
         return frozenset()
-    try:
-        keys = set(cls().to_dict()) - set(PretrainedConfig().to_dict())
-    except Exception:  # noqa: BLE001 - a class without a buildable default derives nothing we know of
+    default = _class_default(cls)
+    if default is None:
         return frozenset()
+    keys = set(default) - set(PretrainedConfig().to_dict())
     return frozenset(keys - {f.name for f in dataclasses.fields(cls)})
 
 

@@ -48,6 +48,13 @@ def incident_lists(n: int, edge_u, edge_v) -> list:
     return adj
 
 
+def arrays(inst: Instance) -> dict:
+    """The instance's arrays the priced rounds read (priced_child.py), picklable: no incident lists."""
+    return {"cost": inst.cost, "usage": inst.usage, "edge_u": inst.edge_u, "edge_v": inst.edge_v,
+            "edge_cost": inst.edge_cost, "starts": inst.starts, "ends": inst.ends, "limit": inst.limit,
+            "horizon": inst.horizon}
+
+
 def _floats(values) -> np.ndarray:
     a = np.asarray(values, dtype=np.float64)
     a[a >= INFINITE] = np.inf

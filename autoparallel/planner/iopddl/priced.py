@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from autoparallel.planner.iopddl.instance import Instance
+from autoparallel.planner.iopddl.instance import Instance, arrays
 
 CHILD = os.path.join(os.path.dirname(os.path.abspath(__file__)), "priced_child.py")
 ROUND_CPU = 8  # toulbar2 CPU seconds per priced round (D: unpriced optimum proven in 7)
@@ -49,11 +49,8 @@ def start(inst: Instance, stop: float, clock=time.perf_counter, rounds: int = 40
     """Start the priced rounds in a child process, to be collected at ``stop`` (wall clock)."""
     tmp = tempfile.TemporaryDirectory(prefix="iopddl-priced-")
     src = os.path.join(tmp.name, "model.pkl")
-    model = {"cost": inst.cost, "usage": inst.usage, "edge_u": inst.edge_u, "edge_v": inst.edge_v,
-             "edge_cost": inst.edge_cost, "starts": inst.starts, "ends": inst.ends, "limit": inst.limit,
-             "horizon": inst.horizon}
     with open(src, "wb") as f:
-        pickle.dump(model, f)
+        pickle.dump(arrays(inst), f)
     return _spawn(src, tmp, stop, {"rounds": rounds, "growth": growth, "relax": relax, "round_cpu": round_cpu})
 
 

@@ -168,9 +168,7 @@ def read(src: str, options: dict):
         print(f"priced rounds: not for this instance ({inst.n} nodes, {pairs} strategy pairs)", file=sys.stderr, flush=True)
         return None
     print(f"priced rounds: read the instance in {time.process_time() - t:.1f} CPU s", file=sys.stderr, flush=True)
-    return {"cost": inst.cost, "usage": inst.usage, "edge_u": inst.edge_u, "edge_v": inst.edge_v,
-            "edge_cost": inst.edge_cost, "starts": inst.starts, "ends": inst.ends, "limit": inst.limit,
-            "horizon": inst.horizon}
+    return instance.arrays(inst)
 
 
 def next_prices(lam: np.ndarray, over: np.ndarray, growth: float, base: float, relax: float) -> np.ndarray:

@@ -15,7 +15,6 @@ if TYPE_CHECKING:  # annotations only: priced_child.py loads this file alone, wi
     from autoparallel.planner.iopddl.instance import Instance
 
 
-
 def profile(inst: Instance, x: np.ndarray) -> np.ndarray:
     """Summed usage at every time step of the half-open live intervals under plan ``x``."""
     diff = np.zeros(inst.horizon + 1, dtype=np.int64)
