@@ -169,15 +169,46 @@ def _cell_text(text: str) -> str:
     return text.replace("|", "\\|").replace("\n", " ")
 
 
+def _items(info: dict, key: str) -> list[str]:
+    """The entries of one header field: a merged page joins each field's entries with "; "
+    (``_joined``); a command holds no "; " of its own, a note may, so commands split only where
+    the next one starts."""
+    text = info.get(key) or ""
+    pattern = r"; (?=python -m verify sweep)" if key == "command" else r"; "
+    return [part for part in re.split(pattern, text) if part]
+
+
+def _run_lines(info: dict) -> tuple[list[str], list[str]]:
+    """The page's header and, for a page merged from several sweeps, its closing list of them.
+    One sweep names its commit, date and command in the header; merged sweeps would make that
+    header a wall of "; "-joined fields, so it says how many and when, and the list closes the page."""
+    commands = _items(info, "command")
+    if len(commands) <= 1:
+        head = [f"transformers {info['transformers']}, commit {info['commit']}, {info['date']}.", "",
+                f"Command: `{info['command']}`", ""]
+        for key in ("partial", "note"):
+            if info.get(key):
+                head += [f"{'Partial: ' if key == 'partial' else ''}{info[key]}.".replace("..", "."), ""]
+        return head, []
+    dates = sorted(_items(info, "date"))
+    commits = list(dict.fromkeys(c.replace(" (with uncommitted changes)", "") for c in _items(info, "commit")))
+    head = [f"transformers {info['transformers']}. This page merges {len(commands)} sweeps, run from {dates[0]} to "
+            f"{dates[-1]} on {len(commits)} commits; where two sweeps ran the same cell, the later one's verdict "
+            "is kept. The sweeps are listed at the end of the page.", ""]
+    tail = ["", "## Sweeps merged", "", "Commands, in merge order:", ""]
+    tail += [f"{i}. `{c}`" for i, c in enumerate(commands, 1)]
+    tail += ["", "Commits: " + ", ".join(commits) + ".", ""]
+    for title, key in (("Notes", "note"), ("Stopped before the end", "partial")):
+        if _items(info, key):
+            tail += [f"{title}:", ""] + [f"- {_cell_text(n)}" for n in _items(info, key)] + [""]
+    return head, tail[:-1]
+
+
 def render_markdown(results: Sequence[CellResult], meta: dict) -> str:
     """The coverage page: what ran (version, commit, date, command), totals per plan and per
     reason class, then one row per cell."""
-    lines = ["# Hugging Face coverage", "",
-             f"transformers {meta['transformers']}, commit {meta['commit']}, {meta['date']}.", "",
-             f"Command: `{meta['command']}`", ""]
-    for key in ("partial", "note"):
-        if meta.get(key):
-            lines += [f"{'Partial: ' if key == 'partial' else ''}{meta[key]}.".replace("..", "."), ""]
+    head, tail = _run_lines(meta)
+    lines = ["# Hugging Face coverage", "", *head]
     tot = totals(results)
     lines += ["| plan | cells | " + " | ".join(VERDICTS) + " | seconds |",
               "|---|---:|" + "---:|" * len(VERDICTS) + "---:|"]
@@ -192,7 +223,7 @@ def render_markdown(results: Sequence[CellResult], meta: dict) -> str:
     lines += ["", "| model type | plan | verdict | class | reason | seconds |", "|---|---|---|---|---|---:|"]
     for r in results:
         lines.append(f"| {r.model_type} | {r.plan} | {r.verdict} | {r.reason_class or ''} | {_cell_text(r.reason)} | {r.seconds:.1f} |")
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines + tail) + "\n"
 
 
 def render_json(results: Sequence[CellResult], meta: dict) -> str:

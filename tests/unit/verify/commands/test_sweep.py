@@ -206,6 +206,23 @@ def test_merging_a_merged_page_again_names_each_run_once(tmp_path):
     assert data["commit"] == "abc123; def456" and data["command"] == "python -m verify sweep; again"
 
 
+def test_a_merged_page_says_how_many_sweeps_in_its_header_and_lists_them_at_the_end():
+    """Failed before: the header of docs/hf-coverage.md held every merged sweep's commit, date,
+    command and note as four "; "-joined walls, thousands of characters before the first table."""
+    info = {**META, "commit": "abc123; def456 (with uncommitted changes); abc123",
+            "date": "2026-11-28 05:00 UTC; 2026-11-27 23:59 UTC",
+            "command": "python -m verify sweep --plans fsdp; python -m verify sweep --plans auto --note a; b",
+            "note": "first; second", "partial": "5 of 9 cells finished"}
+    md = render_markdown(_results(), info)
+    head, tail = md.split("## Sweeps merged")
+    assert "merges 2 sweeps, run from 2026-11-27 23:59 UTC to 2026-11-28 05:00 UTC on 2 commits" in head
+    assert "python -m verify sweep" not in head and "abc123" not in head and "Partial" not in head
+    assert "1. `python -m verify sweep --plans fsdp`" in tail
+    assert "2. `python -m verify sweep --plans auto --note a; b`" in tail  # a command's own "; " stays in it
+    assert "Commits: abc123, def456." in tail and "- first" in tail and "- 5 of 9 cells finished" in tail
+    assert md.index("| model type |") < md.index("## Sweeps merged")
+
+
 @pytest.mark.parametrize("flag", [["--plans", ""], ["-j", "0"], ["--timeout", "-1"]])
 def test_bad_flags_are_one_line_errors(flag, capsys):
     with pytest.raises(SystemExit):
