@@ -15,6 +15,10 @@ Patch ``eager_dropout``: inside the trace, ``aten.dropout`` decomposes as ATen's
 does on the device of its input: ``native_dropout`` where the fused kernel runs, else the CPU
 composite's ops (``bernoulli`` in the input's dtype, the division, the product), whose autograd
 is eager's. The draw is the same bernoulli call eager makes, so masks are unchanged.
+
+Patch ``in_place_dropout``, for the planner's trace (which keeps upstream's ``native_dropout``):
+``aten.dropout_``, which has no Python decomposition and always runs the composite, traces as
+``x.copy_(aten.dropout(x, p, train))``, so an in-place dropout is one ``native_dropout`` too.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ from torch._C import DispatchKey
 from autoparallel import patches
 
 PATCH = "eager_dropout"
+PATCH_IN_PLACE = "in_place_dropout"
 
 aten = torch.ops.aten
 
@@ -57,26 +62,49 @@ _KEYS = (DispatchKey.CompositeImplicitAutograd, DispatchKey.Autograd)
 
 
 @contextlib.contextmanager
-def dropout_as_eager() -> Iterator[None]:
-    """Within: ``aten.dropout`` decomposes as :func:`eager_dropout` (unless the patch is
-    disabled); upstream's decomposition is restored on exit."""
-    if not patches.enabled(PATCH):
-        yield
-        return
-    op = aten.dropout.default
+def _kernel(op: torch._ops.OpOverload, fn) -> Iterator[None]:
+    """Within: ``op`` decomposes as ``fn`` under the Python dispatcher; its kernels restored on exit."""
     saved = {k: op.py_kernels.get(k) for k in _KEYS}
     for k in _KEYS:
-        op.py_kernels[k] = eager_dropout
+        op.py_kernels[k] = fn
     op._dispatch_cache.clear()
     try:
         yield
     finally:
-        for k, fn in saved.items():
-            if fn is None:
+        for k, f in saved.items():
+            if f is None:
                 op.py_kernels.pop(k, None)
             else:
-                op.py_kernels[k] = fn
+                op.py_kernels[k] = f
         op._dispatch_cache.clear()
 
 
-__all__ = ["PATCH", "dropout_as_eager", "eager_dropout", "fused_kernel_acceptable"]
+@contextlib.contextmanager
+def dropout_as_eager() -> Iterator[None]:
+    """Within: ``aten.dropout`` decomposes as :func:`eager_dropout` (unless the patch is
+    disabled); upstream's decomposition is restored on exit."""
+    with _kernel(aten.dropout.default, eager_dropout) if patches.enabled(PATCH) else contextlib.nullcontext():
+        yield
+
+
+def dropout_in_place(x: torch.Tensor, p: float, train: bool | None) -> torch.Tensor:
+    """``aten.dropout_`` as the out-of-place ``aten.dropout`` copied back into ``x`` (see
+    :func:`in_place_dropout_as_one_op`)."""
+    return x.copy_(aten.dropout(x, p, train))
+
+
+@contextlib.contextmanager
+def in_place_dropout_as_one_op() -> Iterator[None]:
+    """Within: ``aten.dropout_`` decomposes as :func:`dropout_in_place` (unless patch
+    ``in_place_dropout`` is disabled). The planner's trace keeps every dropout one
+    ``native_dropout`` (the op it places, and the op the oracle switches off); ATen's in-place
+    dropout has no Python decomposition and traces as its CPU composite on every device
+    (``empty_like`` -> ``bernoulli_`` -> ``div_`` -> ``mul_``), a random op no switch knows as a
+    dropout: it stayed on in the ranks' dropout-off program while the reference's ``F.dropout``
+    ran at p=0 (mobilenet_v1/v2 under auto, docs/failure-classes.md 13c)."""
+    with _kernel(aten.dropout_.default, dropout_in_place) if patches.enabled(PATCH_IN_PLACE) else contextlib.nullcontext():
+        yield
+
+
+__all__ = ["PATCH", "PATCH_IN_PLACE", "dropout_as_eager", "dropout_in_place", "eager_dropout", "fused_kernel_acceptable",
+           "in_place_dropout_as_one_op"]

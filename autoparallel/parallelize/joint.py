@@ -23,7 +23,7 @@ from autoparallel import meta as M
 from autoparallel import patches
 from autoparallel import roles
 from autoparallel.compiling_flag import compiling_queries, tracing_as_compiling
-from autoparallel.eager_dropout import dropout_as_eager
+from autoparallel.eager_dropout import dropout_as_eager, in_place_dropout_as_one_op
 from autoparallel.eager_kernels import kernels_as_eager
 from autoparallel.kernel_strides import strides_as_kernels
 from autoparallel.mesh import ParallelMesh, attach_group_dims
@@ -130,7 +130,8 @@ def build_joint_graph(
 
     ``eager_dropout=False`` keeps upstream's one-op ``native_dropout`` (the planner's trace: it
     places a dropout's mask with its input and switches it off for the oracle, and its parity
-    reference runs that same graph, so eager's CPU arithmetic is not what it must match).
+    reference runs that same graph, so eager's CPU arithmetic is not what it must match); an
+    in-place dropout (``nn.Dropout(inplace=True)``) traces as that op too, copied back.
 
     ``model`` may live on ``meta``, on cpu, or on fake tensors; ``example_inputs`` are the
     global batch (only shapes and dtypes are used); each rank sees its data-parallel slice.
@@ -165,7 +166,7 @@ def build_joint_graph(
             with (annotate_module_paths(program.model), tracing_as_compiling(), compiling_queries() as queried,
                   data_dependent_ops_named(), reseeds_refused(),
                   replaying(reads, fake_mode) if reads is not None else contextlib.nullcontext(),
-                  dropout_as_eager() if eager_dropout else contextlib.nullcontext(),
+                  dropout_as_eager() if eager_dropout else in_place_dropout_as_one_op(),
                   kernels_as_eager() if eager_dropout else contextlib.nullcontext(),
                   strides_as_kernels() if eager_dropout else contextlib.nullcontext()):
                 return aot_export_joint_with_descriptors(stack, program, fake_inputs), stack, queried

@@ -163,6 +163,53 @@ def test_plan_auto_is_bitwise_with_dropout_and_its_oracle_switches_dropout_off_o
     assert not one_side.passed, one_side.summary()
 
 
+class InPlaceDropoutClassifier(nn.Module):
+    """mobilenet_v1/v2's classifier in small: pooled features, ``nn.Dropout(inplace=True)`` (ATen's
+    ``dropout_``, which has no Python decomposition), a Linear."""
+
+    def __init__(self):
+        super().__init__()
+        self.features = nn.Linear(16, 32)
+        self.drop = nn.Dropout(0.5, inplace=True)
+        self.classifier = nn.Linear(32, 4)
+
+    def forward(self, x):
+        return self.classifier(self.drop(torch.relu(self.features(x)).mean(1)))
+
+
+def _pooled_batch(n):
+    return torch.randn(n, 8, 16), torch.randint(0, 4, (n,))
+
+
+IN_PLACE_CASE = ModelCase("in_place_dropout_classifier", InPlaceDropoutClassifier, nn.functional.cross_entropy,
+                          _pooled_batch, batch_per_rank=2)
+
+
+@pytest.mark.slow  # plan="auto" parity worlds (each rank plans, lowers and compiles): CI's slow step
+@pytest.mark.parametrize("plan, mesh", [("auto", "dp=2"), ("auto", "dp=2,tp=2"), ("fsdp", "dp=2")])
+def test_in_place_dropout_under_auto_is_switched_off_on_both_sides(plan, mesh):
+    """An in-place dropout (docs/failure-classes.md 13c): under auto the planner's trace made it
+    bernoulli_ -> div_ -> mul_, a random op no switch knew, so it stayed on in the ranks'
+    dropout-off program while the reference ran F.dropout at p=0 (loss 0.13 apart at a scale of
+    1.38, every gradient beyond its bound). Now one native_dropout, off on both sides; fsdp
+    compares with dropout on (each slice's masks), as before."""
+    result = check_model(IN_PLACE_CASE, plan=plan, mesh=mesh, steps=1)
+    assert result.ok, result.failures()
+    assert ("dropout off on both sides" in result.oracle.summary()) == (plan == "auto"), result.oracle.summary()
+
+
+@pytest.mark.slow  # a plan="auto" parity world
+def test_in_place_dropout_on_one_side_only_fails_the_oracle():
+    """Negative: the ranks' dropout-off program against the reference with dropout on (the
+    in-place dropout drawing at p=0.5) is beyond tolerance: the oracle sees a dropout left on."""
+    case = planned_case(Scenario(case=IN_PLACE_CASE, plan="auto", mesh="dp=2"))
+    ((_, ranks),) = run_planned_parity(case, 1, executors=(EAGER,))
+    assert oracle_executor(ranks) == DROPOUT_OFF
+    assert planned_oracle(case, ranks).passed
+    one_side = planned_oracle(case, ranks, single_device_replay(case, ranks, EAGER))
+    assert not one_side.passed, one_side.summary()
+
+
 class _ShardedDropout(nn.Module):
     def __init__(self):
         super().__init__()

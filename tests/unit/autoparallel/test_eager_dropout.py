@@ -14,8 +14,22 @@ import torch.nn.functional as F
 from torch._dispatch.python import enable_python_dispatcher
 from torch.fx.experimental.proxy_tensor import make_fx
 
+from torch import nn
+
 from autoparallel import patches
-from autoparallel.eager_dropout import PATCH, dropout_as_eager, eager_dropout, fused_kernel_acceptable
+from autoparallel.eager_dropout import (
+    PATCH,
+    PATCH_IN_PLACE,
+    dropout_as_eager,
+    dropout_in_place,
+    eager_dropout,
+    fused_kernel_acceptable,
+    in_place_dropout_as_one_op,
+)
+from autoparallel.mesh import fake_world
+from autoparallel.planner.graph import trace_planning_graph
+from autoparallel.planner.strategies import is_undroppable_random
+from verify.parity.random_ops import RandomOpError, graph_without_random_ops, random_nodes
 
 aten = torch.ops.aten
 
@@ -91,3 +105,77 @@ def test_edge_probabilities_match_eager(p, train):
     want = F.dropout(x, p, train)
     torch.manual_seed(0)
     assert torch.equal(gm(x), want)
+
+
+# --- the planner's trace: an in-place dropout is one native_dropout (patch in_place_dropout) ---------
+
+
+class InPlaceDropoutHead(nn.Module):
+    """mobilenet's classifier in small: pooled features, ``nn.Dropout(inplace=True)``, a Linear;
+    and a functional in-place dropout on the hidden activation (a Linear's output: nothing saves it)."""
+
+    def __init__(self):
+        super().__init__()
+        self.up = nn.Linear(16, 32)
+        self.mid = nn.Linear(32, 32)
+        self.drop = nn.Dropout(0.5, inplace=True)
+        self.head = nn.Linear(32, 4)
+
+    def forward(self, x):
+        h = F.dropout(self.mid(torch.relu(self.up(x))), 0.25, self.training, inplace=True)
+        return self.head(self.drop(h.mean(1)))
+
+
+def _planning_gm():
+    model = InPlaceDropoutHead()
+    with fake_world("dp=2") as mesh:
+        return trace_planning_graph(model, mesh, [torch.randn(4, 8, 16), torch.randint(0, 4, (4,))],
+                                    F.cross_entropy, block_container=None).gm
+
+
+def test_planner_trace_keeps_an_in_place_dropout_one_native_dropout():
+    """Both in-place dropouts trace as native_dropout (forward and backward), the op the planner
+    places as a dropout and the oracle switches off: no random op is left for either to keep on."""
+    gm = _planning_gm()
+    targets = [n.target for n in random_nodes(gm)]
+    assert targets == [aten.native_dropout.default] * 2
+    assert sum(n.target is aten.native_dropout_backward.default for n in gm.graph.nodes) == 2
+    assert not any(is_undroppable_random(t) for t in targets)
+    off = random_nodes(graph_without_random_ops(gm))  # none refused, every draw switched off
+    assert [n.args[1:] for n in off] == [(0.0, False)] * 2
+
+
+def test_without_the_patch_an_in_place_dropout_is_a_random_op_no_switch_knows():
+    """The negative side: ATen's dropout_ traces as its composite, whose bernoulli_ is no dropout
+    to the planner or the oracle (it stayed on in the ranks' dropout-off program: 13c)."""
+    with patches.disabled(PATCH_IN_PLACE):
+        gm = _planning_gm()
+    targets = [n.target for n in random_nodes(gm)]
+    assert targets == [aten.bernoulli.p] * 2  # empty_like(x).bernoulli_(1 - p), functionalized
+    assert all(is_undroppable_random(t) for t in targets)
+    with pytest.raises(RandomOpError, match="is not a dropout"):
+        graph_without_random_ops(gm)
+
+
+def _in_place_step(x, g, p):
+    x = x.detach().requires_grad_()
+    h = x * 2  # dropout_ may not write into a leaf that requires grad
+    y = F.dropout(h, p, True, inplace=True)
+    (gx,) = torch.autograd.grad(y, x, g)
+    return y, gx
+
+
+def test_in_place_dropout_traces_as_the_out_of_place_one_and_restores_aten():
+    """Under one seed the traced in-place dropout computes the out-of-place trace's bits (the same
+    native_dropout draw, copied back), forward and backward; on exit aten.dropout_ has no kernel of ours."""
+    x, g = torch.randn(64), torch.randn(64)
+    with enable_python_dispatcher(), in_place_dropout_as_one_op():
+        gm = make_fx(lambda x, g: _in_place_step(x, g, 0.3))(x, g)
+    with enable_python_dispatcher():
+        out_of_place = make_fx(lambda x, g: _step(x * 2, g, 0.3))(x, g)
+    torch.manual_seed(0)
+    got = gm(x, g)
+    torch.manual_seed(0)
+    y, gx = out_of_place(x, g)
+    assert torch.equal(got[0], y) and torch.equal(got[1], 2 * gx)
+    assert dropout_in_place not in aten.dropout_.default.py_kernels.values()
