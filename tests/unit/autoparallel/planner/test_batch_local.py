@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn.functional as F
 from torch.distributed.tensor import Partial, Replicate, Shard
 
 from autoparallel import patches
@@ -22,7 +21,7 @@ from autoparallel.parallelize import ParallelPlan
 from autoparallel.pipeline import JOINT, run_pipeline
 from autoparallel.planner.batch_local import PATCH, hybrid, runs_batch_local
 from autoparallel.planner.solution import parse_placement
-from verify.zoo import HYBRID_BATCH_PINS, StridedDepthwiseConv, conv_batch
+from verify.zoo import HYBRID_BATCH_PINS, StridedDepthwiseConv, conv_batch, label_smoothing_loss
 
 aten = torch.ops.aten
 CONV, CONV_BWD = aten.convolution.default, aten.convolution_backward.default
@@ -34,7 +33,7 @@ def _lower(pins):
     with fake_world("dp=2,tp=2") as mesh:
         with torch.device("meta"):
             model = StridedDepthwiseConv()
-        return run_pipeline(model, lambda o, y: F.cross_entropy(o, y), conv_batch(8), ParallelPlan.auto(pins=pins), mesh,
+        return run_pipeline(model, label_smoothing_loss, conv_batch(8), ParallelPlan.auto(pins=pins), mesh,
                             until=JOINT, trace=None)
 
 
