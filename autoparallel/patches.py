@@ -65,6 +65,19 @@ _register(
         "tests/unit/autoparallel/planner/test_lower.py::test_the_lowered_graph_has_no_split_cat_move",
     ),
 )
+_register(
+    "batch_local_convolution",
+    "a convolution (or its backward) planned with nothing but the batch dim sharded, on several mesh "
+    "dims ([S(0), S(0)], DTensor's own strategy expanded over a 2-D mesh), is lowered as the op on the "
+    "local tensors: the call DTensor's convolution handler makes on a batch-only placement",
+    "the lowering dispatches it through DTensor, whose convolution handler reads dim_map and refuses "
+    "('Tensor dim 0 is already sharded on mesh dim 0 ... hybrid sharding strategies'): plan='auto' "
+    "refuses the model (mobilevitv2 on dp=2,tp=2)",
+    (
+        "tests/unit/autoparallel/planner/test_batch_local.py::test_a_convolution_with_the_batch_on_both_mesh_dims_is_lowered",
+        "tests/unit/autoparallel/planner/test_batch_local.py::test_only_a_batch_split_over_several_mesh_dims_runs_locally",
+    ),
+)
 
 # apply_placement boundary, first partition, second compile (pipeline steps 3-5).
 _register(

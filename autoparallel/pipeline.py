@@ -82,6 +82,7 @@ from autoparallel.passes.collective import (
 from autoparallel.planner.alias_round_trips import PATCH as ALIAS_ROUND_TRIPS_PATCH
 from autoparallel.passes.permuted_split_cat import PATCH as SPLIT_CAT_PATCH
 from autoparallel.planner.auto import local_inputs as planned_local_inputs
+from autoparallel.planner.batch_local import PATCH as BATCH_LOCAL_PATCH
 from autoparallel.planner.auto import local_values as planned_local_values
 from autoparallel.planner.auto import plan_for_pipeline
 from autoparallel.planner.lower import lower_plan
@@ -482,7 +483,7 @@ def _collective_stage(p: CollectivePass) -> Stage:
 STAGES: tuple[Stage, ...] = (
     Stage(JOINT, _joint, "trace the per-rank joint graph (model, loss, plan, mesh)",
           patches=(TRACE_AS_COMPILING, EAGER_DROPOUT, EAGER_KERNELS, KERNEL_STRIDES, VALUE_GUARDS, REPLICATED_DRAWS,
-                   PINNED_LAYOUTS, SPLIT_CAT_PATCH)),
+                   PINNED_LAYOUTS, SPLIT_CAT_PATCH, BATCH_LOCAL_PATCH)),
     *(_placement_stage(s) for s in PLACEMENT_STEPS),
     Stage(
         SECOND_COMPILE,

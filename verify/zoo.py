@@ -28,7 +28,8 @@ from torch import nn
 from autoparallel.parallelize.plan import TPRule
 from verify.model_case import ModelCase
 
-__all__ = ["ZOO", "DropPath", "LogSigmoidGate", "MaskFromPythonData", "Prototypes", "convnet", "gpt2", "ln_mlp"]
+__all__ = ["HYBRID_BATCH_PINS", "ZOO", "DropPath", "LogSigmoidGate", "MaskFromPythonData", "Prototypes", "StridedDepthwiseConv", "conv_batch",
+           "convnet", "gpt2", "ln_mlp"]
 
 
 # --- GPT-2 style -------------------------------------------------------------------------------
@@ -286,3 +287,34 @@ class SingleKeyAttention(nn.Module):
 
 def single_key_batch(n: int) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(n, 16, 16), torch.randn(n, 8)  # 16 queries: CPU SDPA's flash kernel
+
+
+class StridedDepthwiseConv(nn.Module):
+    """A conv stem then a depthwise, strided convolution and GroupNorm (mobilevitv2's inverted
+    residual, shrunk): on a 2-D mesh DTensor's convolution strategy lets the planner split the
+    batch over both mesh dims (``[S(0), S(0)]``), which DTensor's convolution handler cannot run
+    (``autoparallel.planner.batch_local``)."""
+
+    def __init__(self, channels: int = 8, classes: int = 4):
+        super().__init__()
+        self.stem = nn.Conv2d(3, channels, 3, padding=1)
+        self.depthwise = nn.Conv2d(channels, channels, 3, stride=2, padding=1, groups=channels, bias=False)
+        self.norm = nn.GroupNorm(2, channels)
+        self.head = nn.Linear(channels, classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = F.silu(self.stem(x))
+        x = F.silu(self.norm(self.depthwise(x)))
+        return self.head(x.mean(dim=(2, 3)))
+
+
+def conv_batch(n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.randn(n, 3, 8, 8), torch.randint(0, 4, (n,))
+
+
+#: The depthwise convolution's forward and backward pinned to the batch on both mesh dims of
+#: ``dp=2,tp=2`` (canonical plan keys; what mobilevitv2's plan chose by itself for a backward).
+HYBRID_BATCH_PINS = {
+    "-/fwd/aten.convolution.default#1": "dp:S(0),tp:S(0)",
+    "-/bwd/aten.convolution_backward.default#0": "dp:S(0),tp:S(0)",
+}

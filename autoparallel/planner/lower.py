@@ -17,7 +17,9 @@ module makes it:
   planner's own rules: CPU SDPA) run on the local tensors directly, and so, with
   ``lower_plan(..., replay=True)`` (``PipelineOptions(lowering="replay")``), do the ops the plan fully determines
   (``autoparallel.planner.replay``: elementwise ops in their output's placement, matmuls,
-  transpositions). So do the plan's replicated
+  transpositions), and, under either lowering, a convolution planned with the batch dim on
+  several mesh dims, which DTensor's convolution handler refuses (``autoparallel.planner.batch_local``,
+  a patch: the call that handler makes on a batch-only placement). So do the plan's replicated
   fallbacks (``Solution.fallbacks``: an op with no strategy, a random op that is not a dropout) on
   inputs gathered to ``Replicate``: the whole op on every rank, its output then split to the
   plan's placement; a plan that feeds one a sharded input is refused (a random op would draw on a
@@ -67,6 +69,7 @@ from autoparallel.parallelize.joint import JointGraph, label_roles, params_witho
 from autoparallel.parallelize.plan import ParallelPlan
 from autoparallel.passes.permuted_split_cat import permuted_split_cat
 from autoparallel.passes.value_guards import counts_as_guarded
+from autoparallel.planner.batch_local import runs_batch_local
 from autoparallel.planner.graph import ALIAS, PlanningGraph
 from autoparallel.planner.solution import Solution, parse_placement
 from autoparallel.planner.replay import replays
@@ -102,12 +105,15 @@ class LoweringReport:
     seconds: float = 0.0
     split_cats: int = 0  # split -> getitems -> cat moves made one permuted copy (passes/permuted_split_cat.py)
     replayed: int = 0  # ops run as their local op, not through DTensor (planner/replay.py, lowering="replay")
+    batch_local: int = 0  # convolutions with the batch on several mesh dims, run as their local op (planner/batch_local.py)
 
     def summary(self) -> str:
         fixed = f", {len(self.fixed_outputs)} outputs redistributed to the plan" if self.fixed_outputs else ""
         copies = f", {self.split_cats} split -> cat moves as permuted copies" if self.split_cats else ""
         replayed = f", {self.replayed} ops replayed locally" if self.replayed else ""
-        return f"{self.nodes_before} unsharded nodes -> {self.nodes_after} per-rank nodes; {self.moved_inputs} inputs redistributed{fixed}{copies}{replayed}"
+        batch = f", {self.batch_local} convolutions on a batch split over several mesh dims run locally" if self.batch_local else ""
+        return (f"{self.nodes_before} unsharded nodes -> {self.nodes_after} per-rank nodes; "
+                f"{self.moved_inputs} inputs redistributed{fixed}{copies}{replayed}{batch}")
 
 
 def decode(d: Mapping[str, str] | None, names: Sequence[str]) -> Placements | None:
@@ -285,6 +291,11 @@ class PlacedInterpreter(fx.Interpreter):
             return super().call_function(target, args, kwargs)
         if self.keys.get(node.name) in self.fallbacks or is_undroppable_random(target):
             return self._replicated(node, target, args, kwargs, tensors, planned)
+        if runs_batch_local(target, [pl for _, _, pl in tensors], planned):
+            # DTensor's convolution handler reads dim_map, which refuses the batch on two mesh
+            # dims; on a batch-only placement it runs this very call (planner/batch_local.py).
+            self.report.batch_local += 1
+            return super().call_function(target, args, kwargs)
         if self.replay and replays(node, [v for _, v, _ in tensors], [pl for _, _, pl in tensors], planned):
             self.report.replayed += 1
             return super().call_function(target, args, kwargs)

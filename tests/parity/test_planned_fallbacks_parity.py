@@ -1,7 +1,9 @@
 """plan="auto" on what users' models make, trained on a dp=2,tp=2 gloo world: a mask built in
 forward from Python data (a lifted constant), an op with no DTensor strategy (the replicated
 fallback), drop paths (random ops that are not dropout, which the plan replicates so every rank
-draws the single-device numbers), and Hugging Face LLaMA and falcon called with tokens only.
+draws the single-device numbers), a convolution with the batch split over both mesh dims
+(which DTensor's convolution handler refuses: the lowering runs the local op), and Hugging Face
+LLaMA and falcon called with tokens only.
 
 Every stage bitwise against the plan's placements run eagerly, and the oracle passing; for the
 random ops the oracle compares with them drawing on both sides (dropout off on both), and fails
@@ -12,6 +14,7 @@ plans, lowers and compiles).
 from __future__ import annotations
 
 import importlib.util
+from dataclasses import replace
 
 import pytest
 import torch
@@ -25,7 +28,7 @@ from verify.parity.planned import EXECUTORS, planned_case, planned_oracle, run_p
 from verify.parity.random_ops import DROPOUT_OFF
 from verify.parity.runs import compare_with_eager, oracle_executor
 from verify.stages.scenario import Scenario
-from verify.zoo import DropPath, LogSigmoidGate, MaskFromPythonData, Prototypes
+from verify.zoo import HYBRID_BATCH_PINS, DropPath, LogSigmoidGate, MaskFromPythonData, Prototypes, StridedDepthwiseConv, conv_batch, label_smoothing_loss
 from verify.zoo import mse_loss as mse
 
 MESH = "dp=2,tp=2"
@@ -130,3 +133,19 @@ def test_an_op_planned_by_its_decomposition_runs_on_the_local_pieces(model_check
     pg = result.run.planned.pg
     (node,) = pg.gm.graph.find_nodes(op="call_function", target=torch.ops.aten.log_sigmoid_forward.default)
     assert pg.keys[node.name] not in result.run.planned.solution.fallbacks
+
+
+def test_a_convolution_with_the_batch_on_both_mesh_dims_trains():
+    """The depthwise convolution's forward and backward pinned to ``[S(0), S(0)]`` (pins: check_model
+    takes no pinned plan, so its planned path is spelled out): REFUSED before patch
+    batch_local_convolution (DTensor's handler: "hybrid sharding strategies"); now each rank
+    convolves its quarter of the batch, every stage bitwise, the oracle passing."""
+    conv = ModelCase("strided_depthwise_conv", StridedDepthwiseConv, label_smoothing_loss, conv_batch, batch_per_rank=2)
+    case = replace(planned_case(Scenario(case=conv, plan="auto", mesh=MESH)), planner={"pins": HYBRID_BATCH_PINS})
+    ((plan, ranks),) = run_planned_parity(case, 3)
+    for key in HYBRID_BATCH_PINS:
+        assert plan.nodes[key].ins[0] == {"dp": "S(0)", "tp": "S(0)"}, key
+    for executor in EXECUTORS[1:]:
+        compare_with_eager(ranks, executor).assert_bitwise()
+    report = planned_oracle(case, ranks)
+    assert report.passed, report.summary()
