@@ -28,7 +28,7 @@ from torch import nn
 from autoparallel.parallelize.plan import TPRule
 from verify.model_case import ModelCase
 
-__all__ = ["ZOO", "DropPath", "LogSigmoidGate", "MaskFromPythonData", "Prototypes", "convnet", "gpt2", "ln_mlp"]
+__all__ = ["ZOO", "ClampedCoefs", "DropPath", "LogSigmoidGate", "MaskFromPythonData", "Prototypes", "convnet", "gpt2", "ln_mlp"]
 
 
 # --- GPT-2 style -------------------------------------------------------------------------------
@@ -286,3 +286,17 @@ class SingleKeyAttention(nn.Module):
 
 def single_key_batch(n: int) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(n, 16, 16), torch.randn(n, 8)  # 16 queries: CPU SDPA's flash kernel
+
+
+class ClampedCoefs(nn.Module):
+    """Clamps a weight in place before using it (gemma3n's AltUp ``coefs.weight.data.clamp_``):
+    under plan="auto" the graph returns the parameter's new value (``mutated:coefs.weight``), and
+    AOTAutograd gives that output a tangent of its own besides the loss's."""
+
+    def __init__(self):
+        super().__init__()
+        self.coefs, self.head = nn.Linear(16, 16, bias=False), nn.Linear(16, 8)
+
+    def forward(self, x):
+        self.coefs.weight.data.clamp_(-0.1, 0.1)
+        return self.head(torch.tanh(self.coefs(x)))
