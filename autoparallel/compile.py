@@ -48,6 +48,7 @@ from autoparallel.replay_partition import REPLAY_PATCH, ReplaySavesPartitioner
 
 OVERLAP_PATCH = "overlap_config_persists"
 SECOND_COMPILE = "second_compile"
+TANGENT_ROLES = "tangent_roles"
 
 # Inductor settings for compute/communication overlap in the post-grad passes.
 OVERLAP_SCHEDULING_PATCHES: dict[str, Any] = {
@@ -90,23 +91,44 @@ def _grad_roles(input_roles: Sequence[str | None], out: fx.Node) -> list[str | N
     return labels
 
 
-def _second_compile_roles(input_roles: Sequence[str | None], bw: fx.GraphModule) -> tuple[dict[str, str], list[str | None]]:
-    """Placeholder roles by AOT name (``primals_<i+1>``, ``tangents_<k>``) and the backward's
-    output roles (``grad:<fqn>``), from the Dynamo input roles."""
-    placeholder_roles = {roles.aot_primal_name(i): r for i, r in enumerate(input_roles) if r is not None}
-    placeholder_roles[roles.aot_tangent_name(0)] = roles.tangent(roles.LOSS)
-    return placeholder_roles, _grad_roles(input_roles, bw.graph.output_node())
+def second_compile_placeholder_roles(gm: fx.GraphModule, input_roles: Sequence[str | None]) -> dict[str, str]:
+    """Roles of a second-compile joint graph's placeholders by AOT name: ``primals_<i+1>`` from the
+    Dynamo input roles, ``tangents_<k>`` from AOT's descriptors (patch ``tangent_roles``).
 
-
-def _label_joint(gm: fx.GraphModule, input_roles: Sequence[str | None]) -> None:
-    """Roles on a second-compile joint graph: ``primals_<i+1>`` from the Dynamo input roles,
-    outputs ``loss`` / ``grad:<fqn>`` (from AOT's descriptors) or None, one per output entry."""
-    from torch._functorch._aot_autograd import descriptors as D
-
+    AOT orders the tangents as it orders the outputs that need one: a parameter's new value
+    (``tangent:mutated:<fqn>``, gemma3n's clamp of ``weight.data``) comes before the loss, so
+    ``tangents_1`` is the loss's only when nothing else has a tangent. A tangent without a
+    descriptor stays unlabelled (the executors then refuse to guess what to feed it), unless it
+    is the only one. Disabled: ``tangents_1`` is ``tangent:loss``, whatever AOT says."""
+    labels: dict[str, str] = {}
+    tangents = []
     for ph in gm.graph.find_nodes(op="placeholder"):
         i = roles.aot_primal_index(ph.name)
         if i is not None and i < len(input_roles) and input_roles[i]:
-            ph.meta[M.ROLE] = input_roles[i]
+            labels[ph.name] = input_roles[i]
+        elif roles.is_aot_tangent_name(ph.name):
+            tangents.append(ph)
+    if not patches.enabled(TANGENT_ROLES):
+        labels[roles.aot_tangent_name(0)] = roles.tangent(roles.LOSS)
+        return labels
+    for ph in tangents:
+        role = roles.of_descriptor(ph.meta.get(M.DESC), plain_inputs=input_roles, name_unknown=False)
+        if roles.is_tangent(role):
+            labels[ph.name] = role
+        elif len(tangents) == 1:
+            labels[ph.name] = roles.tangent(roles.LOSS)
+    return labels
+
+
+def _label_joint(gm: fx.GraphModule, input_roles: Sequence[str | None]) -> None:
+    """Roles on a second-compile joint graph: its placeholders' (:func:`second_compile_placeholder_roles`),
+    outputs ``loss`` / ``grad:<fqn>`` (from AOT's descriptors) or None, one per output entry."""
+    from torch._functorch._aot_autograd import descriptors as D
+
+    placeholder_roles = second_compile_placeholder_roles(gm, input_roles)
+    for ph in gm.graph.find_nodes(op="placeholder"):
+        if ph.name in placeholder_roles:
+            ph.meta[M.ROLE] = placeholder_roles[ph.name]
     out = gm.graph.output_node()
     leaves = list(out.args[0])
     grads = _grad_roles(input_roles, out)
@@ -149,7 +171,8 @@ class _Partitioner(CustomPartitionerFn):
             _label_joint(gm, self.input_roles)
             tag_joint(gm)
         fw, bw = self.inner(gm, joint_inputs, **kwargs)
-        placeholder_roles, grad_roles = _second_compile_roles(self.input_roles, bw)
+        placeholder_roles = second_compile_placeholder_roles(gm, self.input_roles)
+        grad_roles = _grad_roles(self.input_roles, bw.graph.output_node())
         label_partition(
             fw,
             bw,

@@ -81,6 +81,18 @@ _register(
 
 # apply_placement boundary, first partition, second compile (pipeline steps 3-5).
 _register(
+    "tangent_roles",
+    "the second compile labels its tangent placeholders from AOT's descriptors: the loss's "
+    "tangent:loss, a parameter's new value's tangent:mutated:<fqn> (AOT puts it before the loss's)",
+    "tangents_1 is labelled tangent:loss whatever it is and the others are left unlabelled: with a "
+    "parameter updated in place in forward (gemma3n_text), the collective-pass executor fails "
+    "(\"placeholder 'tangents_2' has no role label\") and the loss's 1 would go to the new value's tangent",
+    (
+        "tests/unit/autoparallel/planner/test_mutated_params.py::test_the_second_compile_labels_each_tangent_by_what_it_is_the_tangent_of",
+        "tests/parity/test_mutated_params_parity.py::test_a_parameter_clamped_in_place_trains_as_in_eager",
+    ),
+)
+_register(
     "fsdp_chain_recompute",
     "mark_fsdp_all_gather_recomputation tags MUST_RECOMPUTE on every forward node after each FSDP "
     "wait that reads only the gathered weight (t/permute/slice/select/view/cast, the narrow of a "
@@ -143,6 +155,20 @@ _register(
     ),
 )
 
+
+# Training steps of the graphs (every executor, and plan="auto"'s reference): autoparallel/runtime/steps.py.
+_register(
+    "zero_tangents",
+    "a step feeds the loss's tangent a 1 and every other tangent (a parameter's new value, "
+    "tangent:mutated:<fqn>) zeros shaped as its placeholder, the zeros autograd materializes for "
+    "an output nothing reads",
+    "every tangent gets a 1: a parameter updated in place in forward gets 1 added to its gradient "
+    "in the joint and split graphs and in plan=\"auto\"'s reference, not in the compiled modules",
+    (
+        "tests/unit/autoparallel/runtime/test_steps.py::test_only_the_loss_s_tangent_is_a_one",
+        "tests/parity/test_mutated_params_parity.py::test_a_parameter_clamped_in_place_trains_as_in_eager",
+    ),
+)
 
 # Collective passes on the split fw/bw graphs (the stages after second_compile): autoparallel/passes/.
 _register(

@@ -14,7 +14,9 @@ Labels:
 ``param:<fqn>``    a parameter (its local shard), by the user's FQN
 ``buffer:<fqn>``   a buffer
 ``input:<i>``      the i-th user input (model inputs, then the loss target)
-``tangent:<out>``  the tangent of output ``<out>`` (``tangent:loss``)
+``tangent:<out>``  the tangent of output ``<out>`` (``tangent:loss``; ``tangent:mutated:<fqn>``
+                   for a parameter's new value, which AOT puts before the loss's; a step
+                   feeds it zeros, the loss's a 1)
 ``loss``           the loss, the first user output
 ``output:<i>``     another user output
 ``grad:<fqn>``     the gradient of parameter ``<fqn>`` (the output is None, or absent, for a

@@ -28,8 +28,8 @@ from torch import nn
 from autoparallel.parallelize.plan import TPRule
 from verify.model_case import ModelCase
 
-__all__ = ["HYBRID_BATCH_PINS", "ZOO", "DropPath", "LogSigmoidGate", "MaskFromPythonData", "Prototypes", "StridedDepthwiseConv", "conv_batch",
-           "convnet", "gpt2", "ln_mlp"]
+__all__ = ["HYBRID_BATCH_PINS", "ZOO", "ClampedCoefs", "DropPath", "LogSigmoidGate", "MaskFromPythonData", "Prototypes",
+           "StridedDepthwiseConv", "conv_batch", "convnet", "gpt2", "ln_mlp"]
 
 
 # --- GPT-2 style -------------------------------------------------------------------------------
@@ -318,3 +318,17 @@ HYBRID_BATCH_PINS = {
     "-/fwd/aten.convolution.default#1": "dp:S(0),tp:S(0)",
     "-/bwd/aten.convolution_backward.default#0": "dp:S(0),tp:S(0)",
 }
+
+
+class ClampedCoefs(nn.Module):
+    """Clamps a weight in place before using it (gemma3n's AltUp ``coefs.weight.data.clamp_``):
+    under plan="auto" the graph returns the parameter's new value (``mutated:coefs.weight``), and
+    AOTAutograd gives that output a tangent of its own besides the loss's."""
+
+    def __init__(self):
+        super().__init__()
+        self.coefs, self.head = nn.Linear(16, 16, bias=False), nn.Linear(16, 8)
+
+    def forward(self, x):
+        self.coefs.weight.data.clamp_(-0.1, 0.1)
+        return self.head(torch.tanh(self.coefs(x)))

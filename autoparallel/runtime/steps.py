@@ -29,8 +29,10 @@ import torch
 from torch import fx
 
 from autoparallel import meta as M
-from autoparallel import roles
+from autoparallel import patches, roles
 from autoparallel.parallelize.program import clean_fqn
+
+ZERO_TANGENTS = "zero_tangents"
 
 Step = Callable[[Mapping[str, torch.Tensor], Sequence[torch.Tensor]], tuple[torch.Tensor, dict[str, torch.Tensor]]]
 
@@ -79,6 +81,11 @@ def eager_program_executor(program: torch.nn.Module) -> Executor:
 
 
 def _module_step(module: torch.nn.Module, call: Callable[..., torch.Tensor]) -> Executor:
+    """A step of a module that keeps its own parameters: the step's ``params`` are copied in, and
+    back out after the step, so an update the module makes in place in forward (AOTAutograd's
+    epilogue writing a ``mutated:<fqn>`` parameter, gemma3n's clamp of ``weight.data``) is what the
+    optimizer steps, as in eager and in the graph executors (:func:`loss_and_updates`)."""
+
     def run(params, inputs):
         local = module.local_parameters()
         for fqn, p in local.items():
@@ -87,6 +94,10 @@ def _module_step(module: torch.nn.Module, call: Callable[..., torch.Tensor]) -> 
                 p.copy_(params[fqn])
         loss = call(*inputs)
         loss.backward()
+        with torch.no_grad():
+            for fqn, p in local.items():
+                if p is not params[fqn]:
+                    params[fqn].copy_(p)
         return loss.detach(), {fqn: p.grad for fqn, p in local.items()}
 
     return Executor(run, dict(module.model.named_buffers()))
@@ -161,14 +172,30 @@ def _named_grads(
     return named
 
 
-def _tangents(gm: fx.GraphModule) -> list[torch.Tensor]:
-    """Ones for the loss tangent(s), in the dtype the graph traced them with."""
-    out = []
-    for ph in gm.graph.find_nodes(op="placeholder"):
-        if roles.is_tangent(ph.meta.get(M.ROLE)):
-            val = ph.meta.get(M.VAL)
-            out.append(torch.ones((), dtype=val.dtype if isinstance(val, torch.Tensor) else torch.float32))
-    return out
+def tangent_value(role: str, traced: object) -> torch.Tensor:
+    """What a step feeds the tangent placeholder ``role``: a 1 for the loss's, zeros for any other
+    output's (patch ``zero_tangents``), in the dtype (and, for zeros, the shape) of ``traced``, the
+    placeholder's traced value (a rank's piece where the graph is a rank's).
+
+    A step differentiates the loss alone. Another output that needs a tangent, such as a
+    parameter's new value (``tangent:mutated:<fqn>``: gemma3n clamps ``weight.data`` in forward),
+    is read by nothing after the graph, so its gradient is 0, the zeros autograd materializes for
+    it in the compiled module. Disabled: a 1 for every tangent, which adds 1 to that parameter's
+    gradient. ValueError for a tangent of another output without a traced value to shape it."""
+    dtype = getattr(traced, "dtype", torch.float32)
+    if role == roles.tangent(roles.LOSS) or not patches.enabled(ZERO_TANGENTS):
+        return torch.ones((), dtype=dtype)
+    if not isinstance(traced, torch.Tensor):
+        raise ValueError(f"tangent {role!r} has no traced value (meta['val']) to shape its zeros")
+    return torch.zeros(traced.shape, dtype=dtype)
+
+
+def _tangents(gm: fx.GraphModule, input_roles: Sequence[str]) -> list[torch.Tensor]:
+    """The joint graph's tangents (:func:`tangent_value`), in placeholder order; ``input_roles``
+    has one role per placeholder (without one per placeholder, no traced values: fp32)."""
+    phs = list(gm.graph.find_nodes(op="placeholder"))
+    traced = [ph.meta.get(M.VAL) for ph in phs] if len(phs) == len(input_roles) else [None] * len(input_roles)
+    return [tangent_value(r, t) for r, t in zip(input_roles, traced, strict=True) if roles.is_tangent(r)]
 
 
 def joint_graph_executor(
@@ -181,10 +208,7 @@ def joint_graph_executor(
     (or ``gm(*primals, *tangents)`` once a pass has flattened its calling convention). Outputs
     are read by role (``output_roles``, flat): the ``loss``, the ``grad:<fqn>`` gradients, and
     ``mutated:<fqn>`` new buffer values, copied into ``buffers`` (the caller's)."""
-    tangent_count = sum(1 for r in input_roles if roles.is_tangent(r))
-    tangents = _tangents(gm)
-    if len(tangents) != tangent_count:  # placeholders without roles: the loss tangent in fp32
-        tangents = [torch.ones((), dtype=torch.float32)] * tangent_count
+    tangents = _tangents(gm, input_roles)
     nested = isinstance(gm.graph._codegen, fx.graph._PyTreeCodeGen)
 
     def run(params, inputs):
@@ -205,15 +229,15 @@ def split_graph_executor(fw: fx.GraphModule, bw: fx.GraphModule, buffers: Mappin
     """Runs a (forward, backward) pair from a partitioner (``label_partition`` roles on both):
     forward placeholders fed by role (``param:``, ``buffer:``, ``input:``), the loss and buffer
     updates read from the forward's outputs by role, the backward fed the forward's ``saved:<k>``
-    outputs, parameters and ones for the loss tangent, gradients read by role."""
+    outputs, parameters and the tangents (:func:`tangent_value`), gradients read by role."""
     fw_roles = [_role_of(ph) for ph in fw.graph.find_nodes(op="placeholder")]
     bw_roles = [_role_of(ph) for ph in bw.graph.find_nodes(op="placeholder")]
     fw_out_roles = fw.graph.output_node().meta.get(M.ROLE)
     bw_out_roles = bw.graph.output_node().meta.get(M.ROLE)
     if fw_out_roles is None or bw_out_roles is None:
         raise ValueError("split_graph_executor: the output nodes carry no roles; label the pair with partition.label_partition")
-    tangent_dtypes = {  # the loss tangent in the dtype the graph declares (fp32 if it says none)
-        r: getattr(ph.meta.get(M.VAL), "dtype", torch.float32)
+    tangents = {  # fed every step: a 1 for the loss's, zeros for another output's
+        r: tangent_value(r, ph.meta.get(M.VAL))
         for r, ph in zip(bw_roles, bw.graph.find_nodes(op="placeholder"), strict=True)
         if roles.is_tangent(r)
     }
@@ -230,7 +254,7 @@ def split_graph_executor(fw: fx.GraphModule, bw: fx.GraphModule, buffers: Mappin
                 if kind == roles.SAVED:
                     bw_in.append(saved[r])
                 elif kind == roles.TANGENT:
-                    bw_in.append(torch.ones((), dtype=tangent_dtypes[r]))
+                    bw_in.append(tangents[r])
                 else:
                     bw_in.append(primals_by_role([r], params, buffers, inputs)[0])
             grads = bw(*bw_in)

@@ -38,6 +38,7 @@ import torch._dynamo
 from torch import fx, nn
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
+from autoparallel import meta as M
 from autoparallel import roles
 from autoparallel.compile import SECOND_COMPILE
 from autoparallel.defaults import DEFAULT_LOWERING
@@ -62,6 +63,7 @@ from autoparallel.runtime.steps import (
     primals_by_role,
     seeded,
     step_seed,
+    tangent_value,
 )
 from verify.parity import calibration
 from verify.parity.collective_check import agree_on_collectives
@@ -149,10 +151,16 @@ def solve(case: PlannedCase) -> Solution:
     return planned.solved
 
 
-def _primals(pg, params, buffers, inputs) -> list[torch.Tensor]:
-    """The planning graph's placeholders in order, picked by role; the loss's tangent is a 1."""
-    tangents = [torch.ones((), dtype=torch.float32) for r in pg.input_roles if roles.is_tangent(r)]
-    return primals_by_role(pg.input_roles, params, buffers, inputs) + tangents
+def _tangents(gm: fx.GraphModule, input_roles, placed, mesh) -> list[torch.Tensor]:
+    """The planning graph's tangents (``steps.tangent_value``: a 1 for the loss's, zeros for
+    another output's), each this rank's piece under its planned placement (the graph's traced
+    values are global)."""
+    out = []
+    for ph, role in zip(gm.graph.find_nodes(op="placeholder"), input_roles, strict=True):
+        if roles.is_tangent(role):
+            value = tangent_value(role, ph.meta.get(M.VAL))
+            out.append(shard_tensor(value, placed[ph].out[0], mesh) if value.dim() else value)
+    return out
 
 
 def eager_executor(planned, mesh, buffers, gm: fx.GraphModule | None = None) -> Executor:
@@ -168,10 +176,12 @@ def eager_executor(planned, mesh, buffers, gm: fx.GraphModule | None = None) -> 
         placed = {n: by_name[n.name] for n in gm.graph.nodes if n.name in by_name}
     grad_fqns = [(i, roles.name(r)) for i, r in enumerate(pg.output_roles) if roles.is_grad(r)]
     param_fqns = roles.names_of(pg.input_roles, roles.PARAM)
+    tangents = _tangents(graph, pg.input_roles, placed, mesh)
 
     def run(params, inputs):
+        primals = primals_by_role(pg.input_roles, params, buffers, inputs)
         with torch.no_grad():
-            outs = PlacedInterpreter(graph, placed, mesh, pg.keys, plan.fallbacks).run(*_primals(pg, params, buffers, inputs), enable_io_processing=False)
+            outs = PlacedInterpreter(graph, placed, mesh, pg.keys, plan.fallbacks).run(*primals, *tangents, enable_io_processing=False)
         # By role: a model that updates buffers (BatchNorm) returns their new values ahead of the
         # loss; they are copied into ``buffers``, as every stage's executor does.
         loss = loss_and_updates(outs, pg.output_roles, buffers, "the plan's eager placements", params)

@@ -1,11 +1,14 @@
-"""autoparallel_backend: overlap settings that outlive the backend call, the AC joint pass installed, scoping."""
+"""autoparallel_backend: overlap settings that outlive the backend call, the AC joint pass installed, scoping;
+the second compile's placeholder roles (tangents by AOT's descriptors)."""
 
 import pytest
 import torch
 import torch._dynamo
-from torch import nn
+from torch import fx, nn
 
-from autoparallel.compile import OVERLAP_SCHEDULING_PATCHES, autoparallel_backend
+from autoparallel import meta as M
+from autoparallel import roles
+from autoparallel.compile import OVERLAP_SCHEDULING_PATCHES, autoparallel_backend, second_compile_placeholder_roles
 from autoparallel.mesh import fake_world
 from autoparallel.parallelize import ParallelPlan, ParallelProgram, build_joint_graph, split_batch
 from autoparallel.partition import apply_placement
@@ -109,3 +112,39 @@ def test_inductor_backend_smoke(fresh_dynamo, mlp):
     torch.testing.assert_close(loss, ref, rtol=1e-5, atol=1e-6)
     for k, p in mod.local_parameters().items():
         torch.testing.assert_close(p.grad, ref_grads[k], rtol=1e-4, atol=1e-6)
+
+
+# --- the second compile's placeholder roles (patch tangent_roles) -------------------------------------
+
+
+def _aot_placeholders(with_descriptors: bool, tangents: int = 2):
+    """A joint graph's placeholders as AOT names them: a parameter, then the tangents of (with two)
+    the parameter's new value and the loss, in AOT's order, with or without their descriptors."""
+    from torch._functorch._aot_autograd import descriptors as D
+
+    g = fx.Graph()
+    g.placeholder("primals_1").meta[M.DESC] = D.PlainAOTInput(0)
+    outputs = [D.InputMutationAOTOutput(D.PlainAOTInput(0)), D.PlainAOTOutput(0)][-tangents:]
+    for k, out in enumerate(outputs):
+        ph = g.placeholder(roles.aot_tangent_name(k))
+        if with_descriptors:
+            ph.meta[M.DESC] = D.TangentAOTInput(out)
+    g.output(None)
+    return fx.GraphModule(nn.Module(), g)
+
+
+def test_the_second_compile_labels_tangents_by_their_descriptors():
+    """AOT puts the tangent of a parameter's new value before the loss's: ``tangents_1`` is not the
+    loss's (it was labelled so, and ``tangents_2`` left unlabelled: gemma3n_text's failure)."""
+    got = second_compile_placeholder_roles(_aot_placeholders(True), [roles.param("w")])
+    assert got == {"primals_1": roles.param("w"), "tangents_1": roles.tangent(roles.mutated("w")),
+                   "tangents_2": roles.tangent(roles.LOSS)}
+
+
+def test_a_tangent_without_a_descriptor_stays_unlabelled_unless_it_is_the_only_one():
+    """Two tangents and no descriptors: nothing says which is the loss's, so neither is labelled and
+    the executors refuse them by name; a lone tangent is the loss's."""
+    got = second_compile_placeholder_roles(_aot_placeholders(False), [roles.param("w")])
+    assert got == {"primals_1": roles.param("w")}
+    alone = second_compile_placeholder_roles(_aot_placeholders(False, tangents=1), [roles.param("w")])
+    assert alone["tangents_1"] == roles.tangent(roles.LOSS)

@@ -8,29 +8,19 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch import nn
 
 from autoparallel import meta as M
 from autoparallel import roles
+from autoparallel.compile import SECOND_COMPILE
 from autoparallel.mesh import fake_world
 from autoparallel.parallelize import ParallelPlan
+from autoparallel.partition import STEP_FIRST_PARTITION
 from autoparallel.pipeline import run_pipeline
 from autoparallel.runtime.steps import loss_and_updates
+from verify.zoo import ClampedCoefs
 from verify.zoo import mse_loss as mse
 
 FQN = "coefs.weight"
-
-
-class ClampedCoefs(nn.Module):
-    """Clamps a weight in place before using it (gemma3n's ``coefs.weight.data.clamp_``)."""
-
-    def __init__(self):
-        super().__init__()
-        self.coefs, self.head = nn.Linear(16, 16, bias=False), nn.Linear(16, 8)
-
-    def forward(self, x):
-        self.coefs.weight.data.clamp_(-0.1, 0.1)
-        return self.head(torch.tanh(self.coefs(x)))
 
 
 @pytest.fixture(scope="module")
@@ -42,7 +32,7 @@ def run():
         # piece at run time (gemma3n's second compile failed there: "size of tensor a (4) must
         # match ... (16)", then, with the placement fixed, "modified by an inplace operation")
         return run_pipeline(model, mse, (torch.randn(8, 16), torch.randn(8, 8)), ParallelPlan.auto(), mesh,
-                            until="fsdp_tagging", trace=None)
+                            until=SECOND_COMPILE, trace=None)
 
 
 def test_a_parameter_updated_in_place_gets_its_new_value_in_its_own_placement(run):
@@ -75,6 +65,23 @@ def test_the_gathers_of_a_parameter_updated_in_place_are_saved_not_recomputed(ru
     recomputed = {source[ag] for ag in report.all_gathers if ag in report.recomputed}
     assert FQN not in recomputed and "head.weight" in recomputed
     assert report.saved
+
+
+def test_the_second_compile_labels_each_tangent_by_what_it_is_the_tangent_of(run):
+    """AOTAutograd gives the parameter's new value a tangent of its own, ahead of the loss's: the
+    backward's tangents are labelled as the first partition's (from the joint graph's roles), the
+    loss's the scalar one, the new value's shaped as the rank's piece. Labelled by position
+    (``tangents_1`` the loss's), the collective-pass executor could not feed ``tangents_2``."""
+    fw, bw = run.stage(SECOND_COMPILE).graphs
+    first_bw = run.stage(STEP_FIRST_PARTITION).graphs[1]
+    tangents = {ph.name: ph for ph in bw.graph.find_nodes(op="placeholder") if roles.is_aot_tangent_name(ph.name)}
+    labels = {name: ph.meta.get(M.ROLE) for name, ph in tangents.items()}
+    assert sorted(labels.values()) == sorted([roles.tangent(roles.LOSS), roles.tangent(roles.mutated(FQN))])
+    assert labels == {ph.name: ph.meta[M.ROLE] for ph in first_bw.graph.find_nodes(op="placeholder") if ph.name in labels}
+    by_role = {role: tangents[name].meta["val"] for name, role in labels.items()}
+    (param,) = [ph for ph in fw.graph.find_nodes(op="placeholder") if ph.meta.get(M.ROLE) == roles.param(FQN)]
+    assert by_role[roles.tangent(roles.LOSS)].dim() == 0
+    assert by_role[roles.tangent(roles.mutated(FQN))].shape == param.meta["val"].shape
 
 
 def test_a_step_copies_a_parameter_s_new_value_into_it_and_names_an_unknown_one():

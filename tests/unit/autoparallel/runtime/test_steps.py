@@ -4,12 +4,14 @@ parameters and AdamW moments."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 from torch import fx
 
 from autoparallel import meta as M
-from autoparallel import roles
+from autoparallel import patches, roles
 from autoparallel.runtime import steps
 from autoparallel.runtime.steps import (
     joint_graph_executor,
@@ -139,3 +141,80 @@ def test_train_steps_still_refuses_an_executor_that_forgets_a_parameter():
 
     with pytest.raises(RuntimeError, match=r"no gradient entry for \['v'\]"):
         train_steps(forgetful, {"w": torch.ones(1), "v": torch.ones(1)}, [()])
+
+
+def _clamped_fw_bw():
+    """A parameter clamped in place in forward (gemma3n's ``weight.data.clamp_``), as AOT splits it:
+    the forward returns w's new value (``mutated:w``) and loss = sum(clamp(w) * x); the backward takes
+    the new value's tangent before the loss's and returns grad:w = x * t_loss + t_new."""
+    fw = fx.Graph()
+    w, x = fw.placeholder("w"), fw.placeholder("x")
+    new = fw.call_function(aten.clamp.default, (w, -0.1, 0.1))
+    loss = fw.call_function(aten.sum.default, (fw.call_function(aten.mul.Tensor, (new, x)),))
+    fw_gm = _labelled(fw, [roles.param("w"), roles.input_(0)], [new, loss, x], [roles.mutated("w"), roles.LOSS, roles.saved(0)])
+    bw = fx.Graph()
+    t_new, t_loss, s = bw.placeholder("tangents_1"), bw.placeholder("tangents_2"), bw.placeholder("x")
+    t_new.meta[M.VAL], t_loss.meta[M.VAL] = torch.empty(3), torch.empty(())
+    g = bw.call_function(aten.add.Tensor, (bw.call_function(aten.mul.Tensor, (s, t_loss)), t_new))
+    bw_roles = [roles.tangent(roles.mutated("w")), roles.tangent(roles.LOSS), roles.saved(0)]
+    return fw_gm, _labelled(bw, bw_roles, [g], [roles.grad("w")])
+
+
+def test_only_the_loss_s_tangent_is_a_one():
+    """The step differentiates the loss alone: the new value's tangent gets zeros (what autograd
+    materializes for an output nothing reads, in the compiled module), so grad:w = x. With a 1 for
+    every tangent (patch zero_tangents off), grad:w = x + 1."""
+    fw, bw = _clamped_fw_bw()
+    x = torch.tensor([1.0, 2.0, 3.0])
+    loss, grads = split_graph_executor(fw, bw, {})({"w": torch.full((3,), 0.5)}, (x,))
+    assert torch.equal(loss, torch.tensor(0.6)) and torch.equal(grads["w"], x)
+    with patches.disabled(steps.ZERO_TANGENTS):
+        _, grads = split_graph_executor(fw, bw, {})({"w": torch.full((3,), 0.5)}, (x,))
+    assert torch.equal(grads["w"], x + 1)
+
+
+def test_the_joint_executor_feeds_the_same_tangents():
+    g = fx.Graph()
+    w, x, t_new, t_loss = (g.placeholder(n) for n in ("primals_1", "primals_2", "tangents_1", "tangents_2"))
+    for ph, val in zip((w, x, t_new, t_loss), (torch.empty(3), torch.empty(3), torch.empty(3), torch.empty(())), strict=True):
+        ph.meta[M.VAL] = val
+    new = g.call_function(aten.clamp.default, (w, -0.1, 0.1))
+    loss = g.call_function(aten.sum.default, (g.call_function(aten.mul.Tensor, (new, x)),))
+    grad = g.call_function(aten.add.Tensor, (g.call_function(aten.mul.Tensor, (x, t_loss)), t_new))
+    g.output((new, loss, grad))
+    in_roles = [roles.param("w"), roles.input_(0), roles.tangent(roles.mutated("w")), roles.tangent(roles.LOSS)]
+    run = joint_graph_executor(fx.GraphModule(torch.nn.Module(), g), in_roles, [roles.mutated("w"), roles.LOSS, roles.grad("w")], {})
+    x_ = torch.tensor([1.0, 2.0, 3.0])
+    params = {"w": torch.full((3,), 0.5)}
+    _, grads = run(params, (x_,))
+    assert torch.equal(grads["w"], x_) and torch.equal(params["w"], torch.full((3,), 0.1))  # the new value applied
+
+
+def test_another_output_s_tangent_without_a_traced_value_is_refused_by_name():
+    fw, bw = _clamped_fw_bw()
+    del next(iter(bw.graph.find_nodes(op="placeholder"))).meta[M.VAL]
+    with pytest.raises(ValueError, match=re.escape(f"tangent {roles.tangent(roles.mutated('w'))!r} has no traced value")):
+        split_graph_executor(fw, bw, {})
+
+
+class _ClampingModule(torch.nn.Module):
+    """A module with its own parameters (as a ParallelModule) that clamps one in place in forward."""
+
+    def __init__(self):
+        super().__init__()
+        self.model = torch.nn.Linear(3, 1, bias=False)
+
+    def local_parameters(self):
+        return {"w": self.model.weight}
+
+    def forward(self, x):
+        self.model.weight.data.clamp_(-0.1, 0.1)
+        return self.model(x).sum()
+
+
+def test_a_module_s_in_place_update_of_a_parameter_reaches_the_step_s_parameters():
+    """The optimizer steps the clamped value, as in eager (the module executors used to leave the
+    step's copy unclamped, so plan="auto" of such a model differed from step 1 on)."""
+    params = {"w": torch.ones(1, 3)}
+    loss, grads = steps.parallel_module_executor(_ClampingModule())(params, (torch.tensor([[1.0, 2.0, 3.0]]),))
+    assert torch.equal(params["w"], torch.full((1, 3), 0.1)) and torch.equal(grads["w"], torch.tensor([[1.0, 2.0, 3.0]]))
