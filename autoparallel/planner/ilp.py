@@ -37,6 +37,8 @@ import numpy as np
 from scipy import sparse
 from scipy.optimize import Bounds, LinearConstraint, milp
 
+from autoparallel.patches import enabled
+from autoparallel.planner.incumbent import incumbent
 from autoparallel.planner.problem import Problem
 from autoparallel.planner.reduce import reduce_problem
 
@@ -76,6 +78,7 @@ class SolveStats:
     mip_nodes: int
     eliminated: int = 0  # classes solved in closed form (reduce.py)
     fixed_by_reduced_cost: int = 0  # variables no plan better than the incumbent can use
+    plan_source: str = "solver"  # "heuristic": the solver found nothing in time (planner/incumbent.py)
 
     @property
     def proven_optimal(self) -> bool:
@@ -397,6 +400,7 @@ def solve(problem: Problem, *, time_limit: float | None = 120.0, lp_bound: bool 
         raise diagnose(problem, pruned_small.emptied_by, small.labels[pruned_small.emptied])
     f = formulate(small, pruned_small.alive)
     n = f.a.shape[1]
+    heuristic = incumbent(small, f, pruned_small.alive) if enabled("solver_incumbent") else None
     build = time.perf_counter() - t0
     t1 = time.perf_counter()
     lp_s = 0.0
@@ -426,7 +430,10 @@ def solve(problem: Problem, *, time_limit: float | None = 120.0, lp_bound: bool 
                 bound_ub = np.ones(n)
                 if inc.x is not None:
                     x_best = inc.x
-                    gap = float(f.c @ inc.x) - lp_fun
+                best = min([float(f.c @ inc.x)] if inc.x is not None else [], default=math.inf)
+                best = min(best, heuristic.value if heuristic is not None else math.inf)
+                if math.isfinite(best):
+                    gap = best - lp_fun
                     keep = lp.rc <= gap + 1e-7 * max(1.0, abs(lp_fun)) + 1e-9
                     bound_ub = keep.astype(np.float64)
                     fixed = int((~keep).sum())
@@ -455,6 +462,7 @@ def solve(problem: Problem, *, time_limit: float | None = 120.0, lp_bound: bool 
             lp_s += time.perf_counter() - t2
             if lp.status == 0:
                 lp_fun = float(lp.fun)
+    x_best, status, source = _or_incumbent(x_best, status, heuristic, f)
     if x_best is None:
         raise SolverTimeout(
             f"the solver found no plan within the time limit of {time_limit} s "
@@ -468,7 +476,9 @@ def solve(problem: Problem, *, time_limit: float | None = 120.0, lp_bound: bool 
         # bound and objective are on one scale.
         tie_part = float(f.c @ x_best) - objective(problem, choice)
         lp_val = lp_fun - max(tie_part, 0.0)
-    if status != "optimal":
+    if source == "heuristic":
+        log.warning("NOT proven optimal: the solver's time limit (%s s) stopped it; plan = heuristic incumbent", time_limit)
+    elif status != "optimal":
         log.warning("solver stopped at the time limit (%s s): the plan is the best found, not proven optimal", time_limit)
     stats = SolveStats(
         classes=problem.num_classes,
@@ -485,8 +495,19 @@ def solve(problem: Problem, *, time_limit: float | None = 120.0, lp_bound: bool 
         status=status,
         mip_nodes=mip_nodes,
         fixed_by_reduced_cost=fixed,
+        plan_source=source,
     )
     return IlpResult(choice, objective(problem, choice), stats)
+
+
+def _or_incumbent(x_best, status: str, heuristic, f: Formulation):
+    """(x, status, source): the heuristic incumbent where the solver stopped without a plan or
+    with a worse one; never in place of a proven optimum."""
+    if heuristic is None or status == "optimal" and x_best is not None:
+        return x_best, status, "solver"
+    if x_best is not None and float(f.c @ x_best) <= heuristic.value + 1e-9 * max(1.0, abs(heuristic.value)):
+        return x_best, status, "solver"
+    return heuristic.x, "time_limit", "heuristic"
 
 
 def _feasible(problem: Problem) -> bool:
