@@ -62,7 +62,7 @@ _register(
     "is REFUSED (deepseek_v4, 1.86M variables), or not, by the machine's load (gemma3n_text)",
     (
         "tests/unit/autoparallel/planner/test_planner_ilp.py::test_a_solver_time_out_returns_the_heuristic_plan_marked_not_proven",
-        "tests/unit/autoparallel/planner/test_planner_ilp.py::test_a_time_limit_reports_the_heuristic_plan_in_the_summary",
+        "tests/unit/autoparallel/planner/test_planner_models.py::test_a_time_limit_reports_the_heuristic_plan_in_the_summary",
     ),
 )
 
