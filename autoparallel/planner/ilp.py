@@ -79,6 +79,7 @@ class SolveStats:
     eliminated: int = 0  # classes solved in closed form (reduce.py)
     fixed_by_reduced_cost: int = 0  # variables no plan better than the incumbent can use
     plan_source: str = "solver"  # "heuristic": the solver found nothing in time (planner/incumbent.py)
+    incumbent_seconds: float = 0.0  # finding the heuristic plan (part of build_seconds)
 
     @property
     def proven_optimal(self) -> bool:
@@ -401,6 +402,8 @@ def solve(problem: Problem, *, time_limit: float | None = 120.0, lp_bound: bool 
     f = formulate(small, pruned_small.alive)
     n = f.a.shape[1]
     heuristic = incumbent(small, f, pruned_small.alive) if enabled("solver_incumbent") else None
+    if heuristic is not None:
+        log.info("incumbent: a heuristic plan of %.6g us in %.2fs", heuristic.value, heuristic.seconds)
     build = time.perf_counter() - t0
     t1 = time.perf_counter()
     lp_s = 0.0
@@ -445,7 +448,7 @@ def solve(problem: Problem, *, time_limit: float | None = 120.0, lp_bound: bool 
                     status = "time_limit"
                 elif res.status == 2 and x_best is None:
                     raise diagnose(problem, None, None)
-        else:
+        elif heuristic is None or deadline is None or deadline - time.perf_counter() > 1.0:
             method = "direct"  # the LP did not finish: let the MIP try with the time left
     if method == "direct":
         res = _mip(f, np.zeros(n), np.ones(n), left())
@@ -496,6 +499,7 @@ def solve(problem: Problem, *, time_limit: float | None = 120.0, lp_bound: bool 
         mip_nodes=mip_nodes,
         fixed_by_reduced_cost=fixed,
         plan_source=source,
+        incumbent_seconds=heuristic.seconds if heuristic is not None else 0.0,
     )
     return IlpResult(choice, objective(problem, choice), stats)
 
