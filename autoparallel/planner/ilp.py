@@ -80,6 +80,7 @@ class SolveStats:
     fixed_by_reduced_cost: int = 0  # variables no plan better than the incumbent can use
     plan_source: str = "solver"  # "heuristic": the solver found nothing in time (planner/incumbent.py)
     incumbent_seconds: float = 0.0  # finding the heuristic plan (part of build_seconds)
+    lp_iterations: int = 0  # dual simplex iterations of the LP relaxation(s), finished or not
 
     @property
     def proven_optimal(self) -> bool:
@@ -307,6 +308,7 @@ class LPResult:
     fun: float
     x: np.ndarray | None
     rc: np.ndarray | None  # reduced cost of every column (>= 0 at 0, <= 0 at 1)
+    iterations: int = 0  # simplex iterations: the machine-independent measure of the LP's work
 
 
 def _lp(f: Formulation, time_limit: float | None) -> LPResult:
@@ -328,8 +330,8 @@ def _lp(f: Formulation, time_limit: float | None) -> LPResult:
         options=options,
     )
     if res.status != 0:
-        return LPResult(int(res.status), math.nan, None, None)
-    return LPResult(0, float(res.fun), res.x, res.lower.marginals + res.upper.marginals)
+        return LPResult(int(res.status), math.nan, None, None, int(getattr(res, "nit", 0) or 0))
+    return LPResult(0, float(res.fun), res.x, res.lower.marginals + res.upper.marginals, int(res.nit))
 
 
 def _mip(f: Formulation, lb: np.ndarray, ub: np.ndarray, time_limit: float | None):
@@ -408,6 +410,7 @@ def solve(problem: Problem, *, time_limit: float | None = 120.0, lp_bound: bool 
     t1 = time.perf_counter()
     lp_s = 0.0
     lp_fun = math.nan
+    lp_iterations = 0
     mip_nodes = 0
     fixed = 0
     status = "optimal"
@@ -415,6 +418,7 @@ def solve(problem: Problem, *, time_limit: float | None = 120.0, lp_bound: bool 
     if method == "lp_first":
         lp = _lp(f, left())
         lp_s = time.perf_counter() - t1
+        lp_iterations = lp.iterations
         if lp.status == 2:
             raise diagnose(problem, None, None)
         if lp.status == 0:
@@ -463,6 +467,7 @@ def solve(problem: Problem, *, time_limit: float | None = 120.0, lp_bound: bool 
             t2 = time.perf_counter()
             lp = _lp(f, left())
             lp_s += time.perf_counter() - t2
+            lp_iterations += lp.iterations
             if lp.status == 0:
                 lp_fun = float(lp.fun)
     x_best, status, source = _or_incumbent(x_best, status, heuristic, f)
@@ -500,6 +505,7 @@ def solve(problem: Problem, *, time_limit: float | None = 120.0, lp_bound: bool 
         fixed_by_reduced_cost=fixed,
         plan_source=source,
         incumbent_seconds=heuristic.seconds if heuristic is not None else 0.0,
+        lp_iterations=lp_iterations,
     )
     return IlpResult(choice, objective(problem, choice), stats)
 
