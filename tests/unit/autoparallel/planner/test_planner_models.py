@@ -18,6 +18,7 @@ import sys
 import pytest
 import torch
 import torch.nn.functional as F
+from scipy.optimize import OptimizeResult
 from torch import nn
 
 from autoparallel.mesh import fake_world
@@ -29,6 +30,7 @@ from autoparallel.planner import (
     Solution,
     diff,
     evaluate_hand_plan,
+    ilp,
     parse_placement,
     plan_model,
 )
@@ -412,10 +414,6 @@ def test_a_time_limit_reports_the_heuristic_plan_in_the_summary(monkeypatch):
     """The LP and the MIP stopped by their limit before any plan (as deepseek_v4's 1.86M variables
     are at 120 s): the heuristic incumbent is the plan, the independent checker accepts it, and the
     summary says it is not proven optimal and where it came from."""
-    from scipy.optimize import OptimizeResult
-
-    from autoparallel.planner import ilp
-
     monkeypatch.setattr(ilp, "_lp", lambda f, time_limit: ilp.LPResult(1, float("nan"), None, None))
     monkeypatch.setattr(ilp, "_mip", lambda f, lb, ub, time_limit: OptimizeResult(status=1, x=None, message="time limit"))
     with torch.device("meta"):
