@@ -53,6 +53,19 @@ _register(
     ),
 )
 
+_register(
+    "solver_incumbent",
+    "ilp.solve computes a heuristic plan (planner/incumbent.py: greedy with forward checking, then best "
+    "responses, checked against every row of the formulation) and returns it, flagged NOT proven optimal, "
+    "when the LP/MIP find no plan within the time limit",
+    "a time limit that stops the LP relaxation or the MIP before any plan raises SolverTimeout: the model "
+    "is REFUSED (deepseek_v4, 1.86M variables), or not, by the machine's load (gemma3n_text)",
+    (
+        "tests/unit/autoparallel/planner/test_planner_ilp.py::test_a_solver_time_out_returns_the_heuristic_plan_marked_not_proven",
+        "tests/unit/autoparallel/planner/test_planner_models.py::test_a_time_limit_reports_the_heuristic_plan_in_the_summary",
+    ),
+)
+
 # The joint stage's lowering of a plan (plan="auto"): autoparallel/planner/lower.py.
 _register(
     "permuted_split_cat",

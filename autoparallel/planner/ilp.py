@@ -37,6 +37,8 @@ import numpy as np
 from scipy import sparse
 from scipy.optimize import Bounds, LinearConstraint, milp
 
+from autoparallel.patches import enabled
+from autoparallel.planner.incumbent import incumbent
 from autoparallel.planner.problem import Problem
 from autoparallel.planner.reduce import reduce_problem
 
@@ -76,6 +78,9 @@ class SolveStats:
     mip_nodes: int
     eliminated: int = 0  # classes solved in closed form (reduce.py)
     fixed_by_reduced_cost: int = 0  # variables no plan better than the incumbent can use
+    plan_source: str = "solver"  # "heuristic": the solver found nothing in time (planner/incumbent.py)
+    incumbent_seconds: float = 0.0  # finding the heuristic plan (part of build_seconds)
+    lp_iterations: int = 0  # dual simplex iterations of the LP relaxation(s), finished or not
 
     @property
     def proven_optimal(self) -> bool:
@@ -303,6 +308,7 @@ class LPResult:
     fun: float
     x: np.ndarray | None
     rc: np.ndarray | None  # reduced cost of every column (>= 0 at 0, <= 0 at 1)
+    iterations: int = 0  # simplex iterations: the machine-independent measure of the LP's work
 
 
 def _lp(f: Formulation, time_limit: float | None) -> LPResult:
@@ -324,8 +330,8 @@ def _lp(f: Formulation, time_limit: float | None) -> LPResult:
         options=options,
     )
     if res.status != 0:
-        return LPResult(int(res.status), math.nan, None, None)
-    return LPResult(0, float(res.fun), res.x, res.lower.marginals + res.upper.marginals)
+        return LPResult(int(res.status), math.nan, None, None, int(getattr(res, "nit", 0) or 0))
+    return LPResult(0, float(res.fun), res.x, res.lower.marginals + res.upper.marginals, int(res.nit))
 
 
 def _mip(f: Formulation, lb: np.ndarray, ub: np.ndarray, time_limit: float | None):
@@ -397,10 +403,14 @@ def solve(problem: Problem, *, time_limit: float | None = 120.0, lp_bound: bool 
         raise diagnose(problem, pruned_small.emptied_by, small.labels[pruned_small.emptied])
     f = formulate(small, pruned_small.alive)
     n = f.a.shape[1]
+    heuristic = incumbent(small, f, pruned_small.alive) if enabled("solver_incumbent") else None
+    if heuristic is not None:
+        log.info("incumbent: a heuristic plan of %.6g us in %.2fs", heuristic.value, heuristic.seconds)
     build = time.perf_counter() - t0
     t1 = time.perf_counter()
     lp_s = 0.0
     lp_fun = math.nan
+    lp_iterations = 0
     mip_nodes = 0
     fixed = 0
     status = "optimal"
@@ -408,6 +418,7 @@ def solve(problem: Problem, *, time_limit: float | None = 120.0, lp_bound: bool 
     if method == "lp_first":
         lp = _lp(f, left())
         lp_s = time.perf_counter() - t1
+        lp_iterations = lp.iterations
         if lp.status == 2:
             raise diagnose(problem, None, None)
         if lp.status == 0:
@@ -426,7 +437,10 @@ def solve(problem: Problem, *, time_limit: float | None = 120.0, lp_bound: bool 
                 bound_ub = np.ones(n)
                 if inc.x is not None:
                     x_best = inc.x
-                    gap = float(f.c @ inc.x) - lp_fun
+                best = min([float(f.c @ inc.x)] if inc.x is not None else [], default=math.inf)
+                best = min(best, heuristic.value if heuristic is not None else math.inf)
+                if math.isfinite(best):
+                    gap = best - lp_fun
                     keep = lp.rc <= gap + 1e-7 * max(1.0, abs(lp_fun)) + 1e-9
                     bound_ub = keep.astype(np.float64)
                     fixed = int((~keep).sum())
@@ -438,7 +452,7 @@ def solve(problem: Problem, *, time_limit: float | None = 120.0, lp_bound: bool 
                     status = "time_limit"
                 elif res.status == 2 and x_best is None:
                     raise diagnose(problem, None, None)
-        else:
+        elif heuristic is None or deadline is None or deadline - time.perf_counter() > 1.0:
             method = "direct"  # the LP did not finish: let the MIP try with the time left
     if method == "direct":
         res = _mip(f, np.zeros(n), np.ones(n), left())
@@ -453,8 +467,10 @@ def solve(problem: Problem, *, time_limit: float | None = 120.0, lp_bound: bool 
             t2 = time.perf_counter()
             lp = _lp(f, left())
             lp_s += time.perf_counter() - t2
+            lp_iterations += lp.iterations
             if lp.status == 0:
                 lp_fun = float(lp.fun)
+    x_best, status, source = _or_incumbent(x_best, status, heuristic, f)
     if x_best is None:
         raise SolverTimeout(
             f"the solver found no plan within the time limit of {time_limit} s "
@@ -468,7 +484,9 @@ def solve(problem: Problem, *, time_limit: float | None = 120.0, lp_bound: bool 
         # bound and objective are on one scale.
         tie_part = float(f.c @ x_best) - objective(problem, choice)
         lp_val = lp_fun - max(tie_part, 0.0)
-    if status != "optimal":
+    if source == "heuristic":
+        log.warning("NOT proven optimal: the solver's time limit (%s s) stopped it; plan = heuristic incumbent", time_limit)
+    elif status != "optimal":
         log.warning("solver stopped at the time limit (%s s): the plan is the best found, not proven optimal", time_limit)
     stats = SolveStats(
         classes=problem.num_classes,
@@ -485,8 +503,21 @@ def solve(problem: Problem, *, time_limit: float | None = 120.0, lp_bound: bool 
         status=status,
         mip_nodes=mip_nodes,
         fixed_by_reduced_cost=fixed,
+        plan_source=source,
+        incumbent_seconds=heuristic.seconds if heuristic is not None else 0.0,
+        lp_iterations=lp_iterations,
     )
     return IlpResult(choice, objective(problem, choice), stats)
+
+
+def _or_incumbent(x_best, status: str, heuristic, f: Formulation):
+    """(x, status, source): the heuristic incumbent where the solver stopped without a plan or
+    with a worse one; never in place of a proven optimum."""
+    if heuristic is None or status == "optimal" and x_best is not None:
+        return x_best, status, "solver"
+    if x_best is not None and float(f.c @ x_best) <= heuristic.value + 1e-9 * max(1.0, abs(heuristic.value)):
+        return x_best, status, "solver"
+    return heuristic.x, "time_limit", "heuristic"
 
 
 def _feasible(problem: Problem) -> bool:

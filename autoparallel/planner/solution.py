@@ -297,6 +297,13 @@ class Solution:
             rows.append(f"{fqn:<{width}}  " + "  ".join(f"{self.params[fqn][n]:<8}" for n in names))
         return "\n".join(rows)
 
+    def _verdict(self) -> str:
+        if self.proven_optimal:
+            return "optimal"
+        if self.stats.get("plan_source") == "heuristic":  # planner/incumbent.py
+            return "NOT proven optimal: the solver's time limit stopped it; plan = heuristic incumbent"
+        return "time limit reached: best plan found, NOT proven optimal"
+
     def summary(self) -> str:
         gib = 2**30
         gap = self.gap
@@ -312,7 +319,7 @@ class Solution:
                 if self.peak
                 else []
             ),
-            f"solver: {'optimal' if self.proven_optimal else 'time limit reached: best plan found, NOT proven optimal'}"
+            f"solver: {self._verdict()}"
             + (f", LP bound {self.lp_bound_us / 1e3:.3f} ms, gap {gap:.2e}" if gap is not None else ""),
         ]
         for kind in sorted(self.comm):

@@ -124,7 +124,8 @@ def main(args: argparse.Namespace) -> int:
     st = plan.stats
     print(
         f"time: trace {st['trace_seconds']:.2f}s, strategies {st['strategy_seconds']:.2f}s, problem {st['problem_seconds']:.2f}s, "
-        f"solve {st['solve_seconds']:.2f}s + LP {st['lp_seconds']:.2f}s; total {total:.2f}s, peak RSS {rss:.2f} GiB"
+        f"solve {st['solve_seconds']:.2f}s + LP {st['lp_seconds']:.2f}s ({st.get('lp_iterations', 0)} simplex iterations; heuristic incumbent {st.get('incumbent_seconds', 0.0):.2f}s); "
+        f"total {total:.2f}s, peak RSS {rss:.2f} GiB"
     )
     print(
         f"ILP: {st['graph_nodes']} nodes -> {st['classes']} choice classes ({st['eliminated']} solved in closed form); "

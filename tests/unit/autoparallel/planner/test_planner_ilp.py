@@ -22,6 +22,7 @@ from torch.distributed.tensor.placement_types import Replicate, Shard
 from autoparallel.planner import ilp
 from autoparallel.planner.blocks import NotPeriodic, expand_graph
 from autoparallel.planner.ilp import InfeasiblePlanError, SolverTimeout, solve
+from autoparallel.planner.incumbent import columns, incumbent, violated
 from autoparallel.planner.problem import (
     OP,
     EdgeClass,
@@ -200,9 +201,116 @@ def _big(seed: int = 0, n: int = 300) -> Problem:
     return Problem([f"c{i}" for i in range(n)], compute, np.ones(n, dtype=np.int64), edges, [], [], None, {}, None)
 
 
-def test_a_solver_time_out_with_no_plan_says_so():
+def test_a_solver_time_out_with_no_plan_says_so(monkeypatch):
+    """No solver plan in time and no heuristic plan either: the named time-out, never a guess."""
+    monkeypatch.setattr(ilp, "incumbent", lambda *a, **k: None)
     with pytest.raises(SolverTimeout, match="time limit"):
         solve(_big(), time_limit=1e-6)
+
+
+def test_a_solver_time_out_returns_the_heuristic_plan_marked_not_proven():
+    """A time limit too short for the LP and the MIP: the heuristic incumbent, checked, flagged."""
+    p = _big()
+    sol = solve(p, time_limit=1e-3)
+    assert sol.stats.status == "time_limit" and not sol.stats.proven_optimal
+    assert sol.stats.plan_source == "heuristic"
+    assert math.isfinite(sol.objective_us) and ilp.objective(p, sol.choice) == pytest.approx(sol.objective_us)
+
+
+def _feasible_choice(p: Problem, choice) -> bool:
+    """The brute force's own constraint code, for one assignment."""
+    if any(not p.allowed[c][choice[c]] for c in p.allowed) or any(choice[a] != choice[b] for a, b, _ in p.equal):
+        return False
+    if p.budget is not None and sum(p.count[c] * per[choice[c]] for c, per in p.memory) > p.budget + 1e-9:
+        return False
+    return math.isfinite(ilp.objective(p, choice))
+
+
+@SETTINGS
+@given(problems())
+def test_the_heuristic_plan_is_feasible_and_no_better_than_the_optimum(p):
+    """On the original problem and on its reduction: a heuristic plan meets every constraint (by
+    the brute force's code, not the formulation's) and costs at least the brute-force optimum;
+    a problem without a plan gets none."""
+    want = brute_force(p)
+    pruned = ilp.prune(p)
+    if pruned.emptied is not None:
+        assert want is None
+        return
+    red = reduce_problem(p, pruned.alive)
+    small_alive = ilp.prune(red.problem).alive
+    for prob, alive, expand in ((p, pruned.alive, lambda c: c), (red.problem, small_alive, lambda c: red.expand(c, p))):
+        if any(not a.any() for a in alive):
+            assert want is None
+            continue
+        f = ilp.formulate(prob, alive)
+        got = incumbent(prob, f, alive)
+        if got is None:
+            continue
+        assert want is not None, "a heuristic plan for a problem without one"
+        assert not violated(f, got.x)
+        choice = expand(got.choice)
+        assert _feasible_choice(p, choice)
+        assert ilp.objective(p, choice) >= want - 1e-6
+
+
+def test_the_heuristic_finds_a_plan_for_most_generated_problems():
+    """Feasible problems of the generator (a fixed sample): the heuristic finds a plan for most,
+    and the optimum for many (its plans are not random)."""
+    found = optimal = feasible = 0
+    for p in _sample(problems(), 60):
+        want = brute_force(p)
+        if want is None:
+            continue
+        feasible += 1
+        pruned = ilp.prune(p)
+        f = ilp.formulate(p, pruned.alive)
+        got = incumbent(p, f, pruned.alive)
+        if got is not None:
+            found += 1
+            optimal += ilp.objective(p, got.choice) <= want + 1e-6
+    assert feasible >= 20
+    assert found >= 0.9 * feasible and optimal >= 0.5 * feasible, (found, optimal, feasible)
+
+
+def _sample(strategy, n: int) -> list:
+    out = []
+
+    @settings(SETTINGS, max_examples=n, database=None)
+    @given(strategy)
+    def collect(x):
+        out.append(x)
+
+    collect()
+    return out
+
+
+def test_the_feasibility_check_names_every_broken_group():
+    """The check the heuristic plan must pass, fed plans that break a constraint."""
+    p = _chain()  # memory on c0: 4, 2, 1 bytes by choice; budget 4
+    alive = ilp.prune(p).alive
+    f = ilp.formulate(p, alive)
+    assert violated(f, columns(f, np.zeros(4, dtype=np.int64))) == []
+    tight = ilp.formulate(replace(p, budget=1.0), alive)
+    assert violated(tight, columns(tight, np.zeros(4, dtype=np.int64))) == ["param_memory"]  # 4 bytes > 1
+    x = columns(f, np.zeros(4, dtype=np.int64))
+    x[f.s_cols[3][1]] = 1.0  # c3 takes two choices
+    assert "one_choice" in violated(f, x)
+    locked = replace(p, edges=[replace(p.edges[0], cost=np.where(np.eye(3) > 0, 0.0, math.inf))] + p.edges[1:])
+    fl = ilp.formulate(locked, ilp.prune(locked).alive)
+    assert set(violated(fl, columns(fl, np.array([0, 1, 1, 1])))) == {"consistent_output", "flow"}  # c1 != c0 has no edge pair
+
+
+def test_an_infeasible_problem_never_gets_a_heuristic_plan():
+    """No plan meets the budget: the named infeasibility, whatever the time limit; never a plan."""
+    p = replace(_chain(), budget=0.5)
+    alive = ilp.prune(p).alive
+    assert incumbent(p, ilp.formulate(p, alive), alive) is None
+    with pytest.raises(InfeasiblePlanError) as e:
+        solve(p)
+    assert e.value.group == "param_memory"
+    with pytest.raises(ilp.PlannerError):
+        solve(p, time_limit=1e-3)
 
 
 def test_a_solver_time_out_returns_the_best_plan_marked_not_proven(monkeypatch):

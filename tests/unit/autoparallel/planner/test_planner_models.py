@@ -18,6 +18,7 @@ import sys
 import pytest
 import torch
 import torch.nn.functional as F
+from scipy.optimize import OptimizeResult
 from torch import nn
 
 from autoparallel.mesh import fake_world
@@ -29,6 +30,7 @@ from autoparallel.planner import (
     Solution,
     diff,
     evaluate_hand_plan,
+    ilp,
     parse_placement,
     plan_model,
 )
@@ -406,3 +408,20 @@ def test_plan_text_is_identical_in_a_fresh_process_with_another_hash_seed():
         out, err = proc.communicate(timeout=300)
     assert proc.returncode == 0, err[-3000:]
     assert out == here and "## nodes" in here
+
+
+def test_a_time_limit_reports_the_heuristic_plan_in_the_summary(monkeypatch):
+    """The LP and the MIP stopped by their limit before any plan (as deepseek_v4's 1.86M variables
+    are at 120 s): the heuristic incumbent is the plan, the independent checker accepts it, and the
+    summary says it is not proven optimal and where it came from."""
+    monkeypatch.setattr(ilp, "_lp", lambda f, time_limit: ilp.LPResult(1, float("nan"), None, None))
+    monkeypatch.setattr(ilp, "_mip", lambda f, lb, ub, time_limit: OptimizeResult(status=1, x=None, message="time limit"))
+    with torch.device("meta"):
+        model = _MLPStack()
+    with fake_world("dp=2,tp=2") as mesh:
+        plan = plan_model(model, mesh, _mlp_inputs(), F.cross_entropy, description="mlp")
+    assert not plan.proven_optimal and plan.stats["plan_source"] == "heuristic"
+    assert "solver: NOT proven optimal: the solver's time limit stopped it; plan = heuristic incumbent" in plan.summary()
+    assert_plan_valid(plan)
+    ctx = plan._context
+    assert check_objective(plan, ctx.graph, ctx.costs) == []
