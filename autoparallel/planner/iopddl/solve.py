@@ -151,10 +151,22 @@ def solve(inst: Instance, time_limit: float = 120.0, seed: int = 0, progress=Non
                           reduce_first=reduce_first, priced_share=priced_share, priced_nodes=priced_nodes)
     except Overrun:
         say(f"hard deadline: stopped a phase {clock() - deadline:.1f}s past the deadline; the last kept plan")
+        if job is not None:  # the phase stopped may have come before the priced rounds were collected
+            _keep_priced(inst, job, kept, clock, say)
         return _from_kept(inst, kept, t0, clock)
     finally:
         if job is not None:
             priced.stop(job)
+
+
+def _keep_priced(inst: Instance, job, kept: Incumbent, clock, say) -> None:
+    """Offer the priced rounds' plan (already collected: none) to ``kept`` when it fits the limit."""
+    y, _ = priced.collect(job, clock, say)
+    if y is None or len(y) != inst.n:
+        return
+    yprof = profile(inst, y)
+    if not (len(yprof) and int(yprof.max()) > inst.limit):
+        kept.keep(y, cost(inst, y), "priced")
 
 
 def _from_kept(inst: Instance, kept: Incumbent, t0, clock) -> Result:

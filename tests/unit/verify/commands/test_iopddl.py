@@ -438,3 +438,16 @@ def test_solve_returns_by_the_deadline_when_a_phase_overruns(monkeypatch, limit)
     assert time.perf_counter() - t < limit + solve_module.HARD_GRACE + 1.0
     assert any(m.startswith("hard deadline") for m in said) and r.stats.get("overrun") and not r.optimal
     assert check(problem, r.solution, r.cost) == r.cost == 15  # the descent's plan
+
+
+@pytest.mark.parametrize("answer,cost_", [([1, 1, 1, 1], 0), ([1, 1, 1, 0], 15)], ids=["fits", "dearer"])
+def test_solve_stopped_by_the_deadline_still_takes_the_priced_plan_when_it_fits(monkeypatch, answer, cost_):
+    """The alarm stops the star phase before the priced rounds are collected: their plan (all
+    nodes at 1: cost 0) is still read and kept; a dearer one is not."""
+    problem = _stuck_star(limit=10**6)
+    monkeypatch.setattr(solve_module, "star_rounds", lambda inst, x, prof, dl, clock, rounds=10: _spin(dl - clock() + 6.0))
+    monkeypatch.setattr(solve_module.priced, "collect", lambda job, *a, **k: (np.array(answer), None))
+    r = solve(from_dict({"problem": copy.deepcopy(problem)}), time_limit=1.0, full_mip_pairs=0, cfn_entries=-1,
+              priced_share=0.5, priced_nodes=0)
+    assert r.stats.get("overrun") and check(problem, r.solution, r.cost) == r.cost == cost_
+    assert r.method == ("priced" if cost_ == 0 else "descent")
