@@ -46,13 +46,17 @@ def alarm(seconds: float):
 
 class Incumbent:
     """The best plan known to fit the limit, copied when kept (phases change plans in place, so
-    the one being changed when the alarm fires may be half-moved and over the limit)."""
+    the one being changed when the alarm fires may be half-moved and over the limit), and that
+    plan itself (``live``: the solve checks it in full before taking it: a descent's single
+    moves keep it within the limit, a star move's several do not until all are made)."""
 
     def __init__(self, bound: float):
-        self.x, self.cost, self.method, self.bound = None, np.inf, "descent", bound
+        self.x, self.cost, self.method, self.bound, self.live = None, np.inf, "descent", bound, None
 
     def keep(self, x, plan_cost: float, method: str | None = None) -> None:
-        """Remember ``x`` (a plan within the limit) when it is the first or no dearer."""
+        """Remember ``x`` (a plan within the limit) when it is the first or no dearer; the
+        phases that follow work on ``x`` in place."""
+        self.live = x
         if self.x is None or plan_cost <= self.cost:
             self.x, self.cost = np.array(x, dtype=np.int64), float(plan_cost)
             if method is not None:

@@ -170,7 +170,13 @@ def _keep_priced(inst: Instance, job, kept: Incumbent, clock, say) -> None:
 
 
 def _from_kept(inst: Instance, kept: Incumbent, t0, clock) -> Result:
-    """The result of a solve stopped by the alarm: its last kept plan (within the limit)."""
+    """The result of a solve stopped by the alarm: its last kept plan, or the plan the stopped
+    phase was improving when that is checked to fit the limit and is cheaper."""
+    if kept.live is not None and len(kept.live) == inst.n:
+        live = np.array(kept.live, dtype=np.int64)
+        prof = profile(inst, live)
+        if inst.limit is None or not len(prof) or int(prof.max()) <= inst.limit:
+            kept.keep(live, cost(inst, live))
     if kept.x is None or not np.isfinite(kept.cost):
         raise ValueError(f"no plan free of forbidden (infinite-cost) choices found by the deadline ({clock() - t0:.0f}s)")
     x = kept.x

@@ -418,15 +418,15 @@ def test_incumbent_keeps_a_copy_of_the_cheapest_plan():
     assert kept.x.tolist() == [3, 3] and kept.cost == 10.0 and kept.method == "mip"
 
 
-@pytest.mark.parametrize("limit", [1.0, 2.0])
-def test_solve_returns_by_the_deadline_when_a_phase_overruns(monkeypatch, limit):
-    """Star moves that ignore the deadline (here: spin 6 s past it): the solve still returns within
-    its grace, with the descent's plan (kept before the phase), feasible and at its true cost."""
-    problem = _stuck_star()
-    problem["usage_limit"] = 10**6
+@pytest.mark.parametrize("limit,usage_limit,kept_cost", [(1.0, 7, 15), (2.0, 7, 15), (1.0, 10**6, 0)])
+def test_solve_returns_by_the_deadline_when_a_phase_overruns(monkeypatch, limit, usage_limit, kept_cost):
+    """Star moves that ignore the deadline (here: spin 6 s past it) after moving every node to 1
+    (cost 0, usage 8): the solve still returns within its grace, feasible and at its true cost,
+    with that plan when it fits the limit, else the descent's (kept before the phase, cost 15)."""
+    problem = _stuck_star(limit=usage_limit)
 
     def slow(inst, x, prof, dl, clock, rounds=10):
-        x[:] = 1  # a half-made move: a different plan, not kept
+        x[:] = 1  # every node moved (what the phase would make): checked, kept only when it fits
         _spin(dl - clock() + 6.0)
         return 1
 
@@ -437,7 +437,7 @@ def test_solve_returns_by_the_deadline_when_a_phase_overruns(monkeypatch, limit)
               progress=said.append)
     assert time.perf_counter() - t < limit + solve_module.HARD_GRACE + 1.0
     assert any(m.startswith("hard deadline") for m in said) and r.stats.get("overrun") and not r.optimal
-    assert check(problem, r.solution, r.cost) == r.cost == 15  # the descent's plan
+    assert check(problem, r.solution, r.cost) == r.cost == kept_cost
 
 
 @pytest.mark.parametrize("answer,cost_", [([1, 1, 1, 1], 0), ([1, 1, 1, 0], 15)], ids=["fits", "dearer"])
