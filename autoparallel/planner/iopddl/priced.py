@@ -22,7 +22,9 @@ import numpy as np
 from autoparallel.planner.iopddl.instance import Instance, arrays
 
 CHILD = os.path.join(os.path.dirname(os.path.abspath(__file__)), "priced_child.py")
-ROUND_CPU = 8  # toulbar2 CPU seconds per priced round (D: unpriced optimum proven in 7)
+# toulbar2 CPU seconds a priced round may take at most, 0 for none: the rounds are sized by
+# backtracks (priced_child.ROUND_BACKTRACKS); a CPU cap of 8 s left D without any plan at load
+ROUND_CPU = 0
 
 
 @dataclass

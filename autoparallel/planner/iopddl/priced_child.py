@@ -11,8 +11,8 @@ steps where the limit can bind at all (every node at its largest usage over it).
 repair (cheapest cost per byte saved first, then descent under the limit) and the prices at its
 over-full steps grow (times ``growth`` plus a base price: the repair's median cost per byte-step
 when larger than the instance's, see base_price); a plan that fits shrinks every price a little, to look for
-cheaper plans that still fit. A round without any plan in its CPU time is rerun with twice the
-time. Each feasible plan cheaper than the last is written to the output file (JSON, replaced
+cheaper plans that still fit. Each round's search is sized by backtracks (ROUND_BACKTRACKS), not CPU
+time, so it ends with a plan at any load; a round without one is rerun with twice the work. Each feasible plan cheaper than the last is written to the output file (JSON, replaced
 atomically), with the best Lagrangian bound so far (toulbar2's dual bound on the priced problem
 less the prices times the limit: it holds for any prices >= 0).
 
@@ -44,6 +44,11 @@ def _load(name: str):
 instance, search = _load("instance"), _load("search")
 
 SCALE_CAP = 1e16  # summed costs above this are scaled down (toulbar2 costs are 64-bit integers)
+# A round's search stops after this many backtracks, not after a CPU time: toulbar2's preprocessing
+# alone takes ~7 CPU s on D, and a round capped at 8 CPU s ended without any plan (then rebuilt and
+# rerun at 16); a work limit ends each round with its plan whatever the machine's load (D: 2,000
+# backtracks, 11.6 CPU s with the build, a plan of 5.21e11 at round 0's prices).
+ROUND_BACKTRACKS = 2000
 
 
 def base_price(cost: list, usage: list, starts: np.ndarray, ends: np.ndarray) -> float:
@@ -149,6 +154,15 @@ def build(model: dict, unary: list):
     return cfn, scale
 
 
+def solve_round(cfn, cpu: float, backtracks: int):
+    """One toulbar2 search on the priced network, stopped by ``backtracks`` (the round's size)
+    and, only when ``cpu`` > 0, by that many CPU seconds; toulbar2's best plan or None."""
+    import pytoulbar2
+
+    pytoulbar2.tb2.option.backtrackLimit = int(backtracks)
+    return cfn.Solve(timeLimit=max(1, int(cpu)) if cpu > 0 else 0)
+
+
 def write(path: str, payload: dict) -> None:
     with open(path + ".tmp", "w") as f:
         json.dump(payload, f)
@@ -194,19 +208,19 @@ def main(args) -> None:
     net = network(model)
     lam = np.where(search.profile(net, [int(np.argmax(u)) for u in model["usage"]]) > limit, base, 0.0)
     best, bound = np.inf, None
-    cpu = options.get("round_cpu", 8.0)
+    cpu, backtracks = options.get("round_cpu", 0), options.get("backtracks", ROUND_BACKTRACKS)
     for r in range(options.get("rounds", 40)):
         w = interval_sums(lam, starts, ends)
         unary = [c + w[i] * model["usage"][i] for i, c in enumerate(model["cost"])]
         t = time.process_time()
         cfn, scale = build(model, unary)
-        res = cfn.Solve(timeLimit=max(1, int(cpu)))
+        res = solve_round(cfn, cpu, backtracks)
         if scale == 1.0:  # Lagrangian bound: priced optimum (unaries rounded by <= 0.5) less the prices at the limit
             lagrange = float(cfn.GetDDualBound()) - 0.5 * len(model["cost"]) - float(lam.sum()) * limit
             bound = lagrange if bound is None else max(bound, lagrange)
-        if res is None:  # no plan in time: the same prices again, twice the time
-            print(f"priced round {r}: no plan in {int(cpu)} CPU s", file=sys.stderr, flush=True)
-            cpu *= 2
+        if res is None:  # no plan within the limits: the same prices again, twice the work
+            print(f"priced round {r}: no plan in {backtracks} backtracks / {int(cpu)} CPU s", file=sys.stderr, flush=True)
+            cpu, backtracks = 2 * cpu, 2 * backtracks
             continue
         x = [int(v) for v in res[0]]
         prof = search.profile(net, x)

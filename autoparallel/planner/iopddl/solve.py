@@ -22,6 +22,7 @@ import numpy as np
 
 from autoparallel.planner.iopddl import priced
 from autoparallel.planner.iopddl.cfn import CFN_ENTRIES, model_size, solve_cfn, toulbar2_available
+from autoparallel.planner.iopddl.deadline import Incumbent, Overrun, alarm
 from autoparallel.planner.iopddl.instance import Instance, forbid_unsupported
 from autoparallel.planner.iopddl.mip import PENALTY, solve_sub
 from autoparallel.planner.iopddl.penalty import penalty_search
@@ -43,6 +44,10 @@ REDUCE_SHARE = 0.25  # at most this share of the time goes to the reductions
 # on M their first feasible plan was 1.01x the contest's best against 1.8x from descent + star moves.
 PRICED_SHARE = 0.9
 PRICED_NODES = 1000  # and only from this many nodes (below, cfn.py's constrained network is small)
+# Seconds past the deadline after which the alarm (deadline.py) stops whatever phase still runs
+# and the solve returns its last kept plan: phases check the deadline themselves, this catches
+# the ones that do not in time (C and Q overran 120 s by up to 22 s at load ~17).
+HARD_GRACE = 0.5
 
 
 @dataclass
@@ -138,16 +143,47 @@ def solve(inst: Instance, time_limit: float = 120.0, seed: int = 0, progress=Non
     if priced_job is not None:
         priced.stop(priced_job)
         priced_job.tmp.cleanup()
+    kept = Incumbent(-np.inf)
     try:
-        return _solve(inst, t0, deadline, say, job, pairs, seed=seed, threads=threads, clock=clock,
-                      full_mip_pairs=full_mip_pairs, penalty_share=penalty_share, cfn_entries=cfn_entries,
-                      reduce_first=reduce_first, priced_share=priced_share, priced_nodes=priced_nodes)
+        with alarm(deadline + HARD_GRACE - clock()):
+            return _solve(inst, t0, deadline, say, job, pairs, kept, seed=seed, threads=threads, clock=clock,
+                          full_mip_pairs=full_mip_pairs, penalty_share=penalty_share, cfn_entries=cfn_entries,
+                          reduce_first=reduce_first, priced_share=priced_share, priced_nodes=priced_nodes)
+    except Overrun:
+        say(f"hard deadline: stopped a phase {clock() - deadline:.1f}s past the deadline; the last kept plan")
+        if job is not None:  # the phase stopped may have come before the priced rounds were collected
+            _keep_priced(inst, job, kept, clock, say)
+        return _from_kept(inst, kept, t0, clock)
     finally:
         if job is not None:
             priced.stop(job)
 
 
-def _solve(inst, t0, deadline, say, job, pairs, *, seed, threads, clock, full_mip_pairs, penalty_share, cfn_entries,
+def _keep_priced(inst: Instance, job, kept: Incumbent, clock, say) -> None:
+    """Offer the priced rounds' plan (already collected: none) to ``kept`` when it fits the limit."""
+    y, _ = priced.collect(job, clock, say)
+    if y is None or len(y) != inst.n:
+        return
+    yprof = profile(inst, y)
+    if not (len(yprof) and int(yprof.max()) > inst.limit):
+        kept.keep(y, cost(inst, y), "priced")
+
+
+def _from_kept(inst: Instance, kept: Incumbent, t0, clock) -> Result:
+    """The result of a solve stopped by the alarm: its last kept plan, or the plan the stopped
+    phase was improving when that is checked to fit the limit and is cheaper."""
+    if kept.live is not None and len(kept.live) == inst.n:
+        live = np.array(kept.live, dtype=np.int64)
+        prof = profile(inst, live)
+        if inst.limit is None or not len(prof) or int(prof.max()) <= inst.limit:
+            kept.keep(live, cost(inst, live))
+    if kept.x is None or not np.isfinite(kept.cost):
+        raise ValueError(f"no plan free of forbidden (infinite-cost) choices found by the deadline ({clock() - t0:.0f}s)")
+    x = kept.x
+    return Result([int(v) for v in x], _exact_cost(inst, x), kept.bound, False, clock() - t0, kept.method, {"overrun": True})
+
+
+def _solve(inst, t0, deadline, say, job, pairs, kept, *, seed, threads, clock, full_mip_pairs, penalty_share, cfn_entries,
            reduce_first, priced_share, priced_nodes) -> Result:
     say(f"arc consistency forbade {forbid_unsupported(inst)} strategies ({clock() - t0:.1f}s)")
     if reduce_first:
@@ -159,16 +195,21 @@ def _solve(inst, t0, deadline, say, job, pairs, *, seed, threads, clock, full_mi
     if inst.limit is not None and len(prof) and int(prof.max()) > inst.limit:
         t = int(np.argmax(prof))
         raise ValueError(f"infeasible: even the least-usage strategies use {int(prof.max())} > limit {inst.limit} at time {t}")
+    kept.bound = _trivial_bound(inst)
+    kept.keep(x, cost(inst, x))
     descend(inst, x, prof, deadline=deadline, clock=clock)
     best = cost(inst, x)
+    kept.keep(x, best)
     say(f"descent from the least-usage plan: cost {best:.6g} ({clock() - t0:.1f}s)")
     if star_rounds(inst, x, prof, deadline, clock):
         best = cost(inst, x)
+        kept.keep(x, best)
         say(f"star moves (a node with its leaves) and descent: cost {best:.6g} ({clock() - t0:.1f}s)")
-    bound, optimal, method = _trivial_bound(inst), False, "descent"
+    bound, optimal, method = kept.bound, False, "descent"
     stats = {"subproblems": 0, "improved": 0}
     if job is not None:
-        x, prof, best, bound, method = _priced(inst, job, x, prof, best, bound, method, deadline, clock, say)
+        x, prof, best, bound, method = _priced(inst, job, x, prof, best, bound, method, deadline, clock, say, kept)
+        kept.bound = bound
     if pairs <= full_mip_pairs and clock() < deadline:
         say(f"one MIP over all {inst.n} nodes ({pairs} strategy pairs), up to {deadline - clock():.0f}s")
         r = solve_sub(inst, x, prof, np.arange(inst.n), 0.8 * (deadline - clock()) - 1.0, threads=threads)
@@ -177,6 +218,7 @@ def _solve(inst, t0, deadline, say, job, pairs, *, seed, threads, clock, full_mi
             x = r.x.copy()
             prof = profile(inst, x)
             best = cost(inst, x)
+            kept.keep(x, best, "mip")
         if np.isfinite(r.bound):
             bound = max(bound, r.bound)
         optimal = r.optimal
@@ -184,6 +226,7 @@ def _solve(inst, t0, deadline, say, job, pairs, *, seed, threads, clock, full_mi
     if pairs > full_mip_pairs and clock() < deadline - 2.0 and toulbar2_available() and model_size(inst) <= cfn_entries:
         x, prof, best, optimal, bound = _toulbar2(inst, x, prof, best, bound, deadline, clock, say)
         method = "toulbar2"
+        kept.keep(x, best, method)
     if penalty_share > 0 and not optimal and pairs > full_mip_pairs and inst.limit is not None and clock() < deadline - 1.0:
         px, pcost = penalty_search(inst, least_usage(inst), clock() + penalty_share * (deadline - clock()), clock, say,
                                    plan_cost=cost)
@@ -194,9 +237,11 @@ def _solve(inst, t0, deadline, say, job, pairs, *, seed, threads, clock, full_mi
             say(f"adaptive penalties: cost {pcost:.6g} vs {best:.6g} ({clock() - t0:.1f}s)")
             if pcost < best:
                 x, prof, best, method = px, pprof, pcost, "penalty"
+                kept.keep(x, best, method)
     if not optimal and method != "toulbar2" and clock() < deadline - 0.5:  # toulbar2 takes the time to the end
         method = f"{method}+lns" if method != "descent" else "lns"
-        x, prof, best, whole = _lns(inst, x, prof, best, deadline, seed, threads, clock, say, stats)
+        kept.method = method
+        x, prof, best, whole = _lns(inst, x, prof, best, deadline, seed, threads, clock, say, stats, kept)
         if whole is not None:  # a neighbourhood held every node and its MIP finished: proven
             bound, optimal = max(bound, whole), True
     if not np.isfinite(best):
@@ -219,7 +264,7 @@ def _solve_reduced(inst: Instance, t0, deadline, say, clock, **options) -> Resul
                   {**r.stats, "removed": red.removed, "folded": len(red.folded)})
 
 
-def _priced(inst, job, x, prof, best, bound, method, deadline, clock, say):
+def _priced(inst, job, x, prof, best, bound, method, deadline, clock, say, kept):
     """Collect the priced rounds (priced.py); keep their plan when it fits and is cheaper, then
     polish it under the hard limit (descent and star moves). Their bound (the unpriced problem's)
     holds for this one."""
@@ -234,8 +279,10 @@ def _priced(inst, job, x, prof, best, bound, method, deadline, clock, say):
     if len(yprof) and int(yprof.max()) > inst.limit or not ycost < best:
         say(f"priced toulbar2 rounds: plan of cost {ycost:.6g} not kept (over the limit or not cheaper than {best:.6g})")
         return x, prof, best, bound, method
+    kept.keep(y, ycost, "priced")
     star_rounds(inst, y, yprof, deadline, clock)
     ycost = cost(inst, y)
+    kept.keep(y, ycost, "priced")
     say(f"priced toulbar2 rounds, then star moves and descent: cost {ycost:.6g} (was {best:.6g})")
     return y, yprof, ycost, bound, "priced"
 
@@ -274,7 +321,7 @@ def star_rounds(inst: Instance, x, prof, deadline, clock, rounds: int = 10) -> i
     return total
 
 
-def _lns(inst, x, prof, best, deadline, seed, threads, clock, say, stats):
+def _lns(inst, x, prof, best, deadline, seed, threads, clock, say, stats, kept):
     rng = np.random.default_rng(seed)
     size = min(inst.n, 200)
     last_report = clock()
@@ -305,6 +352,7 @@ def _lns(inst, x, prof, best, deadline, seed, threads, clock, say, stats):
                 x = trial
                 best = best + (after - before) if before < PENALTY else cost(inst, x)
                 stats["improved"] += 1
+                kept.keep(x, best)
         if r.optimal and took < 1.0:
             size = min(inst.n, int(size * 1.2) + 1)
         elif not r.optimal:

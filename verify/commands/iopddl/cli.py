@@ -18,6 +18,10 @@ from autoparallel.planner.iopddl.cfn import toulbar2_available
 from autoparallel.planner.iopddl.solve import FULL_MIP_PAIRS, PRICED_NODES, PRICED_SHARE
 from verify.commands.iopddl.check import check, read_problem
 
+# Share of the time limit kept for what follows the solve (the evaluator's check and the JSON: about
+# 1 s of wall time on a 56k-node instance at load 20), so that the command returns by the limit.
+END_RESERVE = 0.01
+
 
 def run(path: str, time_limit: float, say) -> dict:
     """Solve the instance at ``path`` and check the answer; the command's JSON object.
@@ -31,7 +35,8 @@ def run(path: str, time_limit: float, say) -> dict:
         problem = read_problem(path)
         inst = from_dict({"problem": problem})
         say(f"{os.path.basename(path)}: {inst.n} nodes, {len(inst.edge_u)} edges, read in {time.perf_counter() - t0:.1f}s")
-        result = solve(inst, max(0.0, time_limit - (time.perf_counter() - t0)), progress=say, priced_job=job)
+        left = time_limit - (time.perf_counter() - t0)
+        result = solve(inst, max(0.0, left - END_RESERVE * time_limit), progress=say, priced_job=job)
     finally:
         if job is not None:  # solve stops it; reading may have failed first
             priced.stop(job)

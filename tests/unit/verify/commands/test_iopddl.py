@@ -5,10 +5,12 @@ on hand-made and random stars."""
 from __future__ import annotations
 
 import copy
+import importlib
 import itertools
 import json
 import os
 import random
+import signal
 import subprocess
 import sys
 import time
@@ -18,7 +20,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from autoparallel.planner.iopddl import from_dict, load, solve
+from autoparallel.planner.iopddl import deadline, from_dict, load, solve
 from autoparallel.planner.iopddl.penalty import penalty_search, priced_descent
 from autoparallel.planner.iopddl.search import cost, descend, least_usage, local_costs, profile
 from autoparallel.planner.iopddl.star import star_descend, star_move, stars
@@ -368,3 +370,84 @@ def test_solve_uses_star_moves_before_the_neighbourhood_search():
               progress=said.append)
     assert any(m.startswith("star moves (a node with its leaves) and descent: cost 0 ") for m in said), said
     assert r.cost == 0 and evaluate(_stuck_star(), r.solution) == 0
+
+
+# --- the hard deadline (deadline.py): a phase that overruns is stopped, the last kept plan returned ---
+solve_module = importlib.import_module("autoparallel.planner.iopddl.solve")
+
+
+def _spin(seconds: float) -> int:
+    """Pure-Python work for ``seconds`` (what a phase slow to check its deadline looks like)."""
+    end, n = time.perf_counter() + seconds, 0
+    while time.perf_counter() < end:
+        n += 1
+    return n
+
+
+def test_alarm_stops_python_work_and_restores_the_previous_handler_and_timer():
+    before, outer = signal.getsignal(signal.SIGALRM), signal.getitimer(signal.ITIMER_REAL)[0]  # pytest-timeout's, if any
+
+    def left_as_before():  # the enclosing timer re-armed with what is left of it, or none
+        now = signal.getitimer(signal.ITIMER_REAL)[0]
+        return now == 0 if outer == 0 else 0 < now <= outer
+
+    t = time.perf_counter()
+    with pytest.raises(deadline.Overrun):
+        with deadline.alarm(0.2):
+            _spin(5.0)
+    assert time.perf_counter() - t < 1.5 and signal.getsignal(signal.SIGALRM) is before
+    assert left_as_before()
+    with pytest.raises(deadline.Overrun):  # a nested alarm that does not fire leaves the outer one armed
+        with deadline.alarm(0.4):
+            with deadline.alarm(10.0):
+                _spin(0.05)
+            _spin(5.0)
+    with deadline.alarm(5.0):  # work that ends in time is not interrupted
+        assert _spin(0.05) > 0
+    assert left_as_before()
+
+
+def test_incumbent_keeps_a_copy_of_the_cheapest_plan():
+    kept = deadline.Incumbent(0.0)
+    x = np.array([1, 2])
+    kept.keep(x, np.inf)  # the first plan, even at an infinite cost
+    x[0] = 5
+    assert kept.x.tolist() == [1, 2]
+    kept.keep([3, 3], 10.0, "mip")
+    kept.keep([4, 4], 11.0, "lns")  # dearer: not kept
+    assert kept.x.tolist() == [3, 3] and kept.cost == 10.0 and kept.method == "mip"
+
+
+@pytest.mark.parametrize("limit,usage_limit,kept_cost", [(1.0, 7, 15), (2.0, 7, 15), (1.0, 10**6, 0)])
+def test_solve_returns_by_the_deadline_when_a_phase_overruns(monkeypatch, limit, usage_limit, kept_cost):
+    """Star moves that ignore the deadline (here: spin 6 s past it) after moving every node to 1
+    (cost 0, usage 8): the solve still returns within its grace, feasible and at its true cost,
+    with that plan when it fits the limit, else the descent's (kept before the phase, cost 15)."""
+    problem = _stuck_star(limit=usage_limit)
+
+    def slow(inst, x, prof, dl, clock, rounds=10):
+        x[:] = 1  # every node moved (what the phase would make): checked, kept only when it fits
+        _spin(dl - clock() + 6.0)
+        return 1
+
+    monkeypatch.setattr(solve_module, "star_rounds", slow)
+    said = []
+    t = time.perf_counter()
+    r = solve(from_dict({"problem": copy.deepcopy(problem)}), time_limit=limit, full_mip_pairs=0, cfn_entries=-1,
+              progress=said.append)
+    assert time.perf_counter() - t < limit + solve_module.HARD_GRACE + 1.0
+    assert any(m.startswith("hard deadline") for m in said) and r.stats.get("overrun") and not r.optimal
+    assert check(problem, r.solution, r.cost) == r.cost == kept_cost
+
+
+@pytest.mark.parametrize("answer,cost_", [([1, 1, 1, 1], 0), ([1, 1, 1, 0], 15)], ids=["fits", "dearer"])
+def test_solve_stopped_by_the_deadline_still_takes_the_priced_plan_when_it_fits(monkeypatch, answer, cost_):
+    """The alarm stops the star phase before the priced rounds are collected: their plan (all
+    nodes at 1: cost 0) is still read and kept; a dearer one is not."""
+    problem = _stuck_star(limit=10**6)
+    monkeypatch.setattr(solve_module, "star_rounds", lambda inst, x, prof, dl, clock, rounds=10: _spin(dl - clock() + 6.0))
+    monkeypatch.setattr(solve_module.priced, "collect", lambda job, *a, **k: (np.array(answer), None))
+    r = solve(from_dict({"problem": copy.deepcopy(problem)}), time_limit=1.0, full_mip_pairs=0, cfn_entries=-1,
+              priced_share=0.5, priced_nodes=0)
+    assert r.stats.get("overrun") and check(problem, r.solution, r.cost) == r.cost == cost_
+    assert r.method == ("priced" if cost_ == 0 else "descent")

@@ -208,3 +208,36 @@ def test_solve_stops_rounds_started_on_the_file_when_the_instance_does_not_want_
     r = solve(from_dict({"problem": copy.deepcopy(problem)}), time_limit=5.0, priced_job=job)  # the whole MIP's size
     assert job.proc.returncode is not None and r.method == "mip"
     assert check(problem, r.solution, r.cost) == r.cost
+
+
+class _SlowToStart:
+    """A network whose search finds its first plan only after more CPU than a small cap gives
+    (toulbar2's preprocessing on D: ~7 CPU s, and a round capped at 8 ended without a plan)."""
+
+    def __init__(self, first_plan_cpu: float):
+        self.first_plan_cpu, self.calls = first_plan_cpu, []
+
+    def Solve(self, timeLimit=0):
+        self.calls.append(timeLimit)
+        return None if 0 < timeLimit < self.first_plan_cpu else ([0, 1], 7.0, 1)
+
+
+def test_default_rounds_are_sized_by_backtracks_and_end_with_a_plan_however_slow_the_start():
+    import pytoulbar2
+
+    before = pytoulbar2.tb2.option.backtrackLimit
+    try:
+        cfn = _SlowToStart(first_plan_cpu=20.0)
+        assert priced_child.solve_round(cfn, priced.ROUND_CPU, priced_child.ROUND_BACKTRACKS) is not None
+        assert cfn.calls == [0] and pytoulbar2.tb2.option.backtrackLimit == priced_child.ROUND_BACKTRACKS
+        cfn = _SlowToStart(first_plan_cpu=20.0)  # an explicit CPU cap still applies
+        assert priced_child.solve_round(cfn, 8, 100) is None and cfn.calls == [8]
+    finally:
+        pytoulbar2.tb2.option.backtrackLimit = before
+
+
+def test_rounds_with_the_default_sizes_give_feasible_plans():
+    problem = _problem(random.Random(10), 7, 1)
+    job = priced.start(from_dict({"problem": copy.deepcopy(problem)}), time.perf_counter() + 60, rounds=2)
+    x, bound = priced.collect(job)
+    assert x is not None and evaluate(problem, [int(v) for v in x]) >= _optimum(problem) >= bound - 1e-6
