@@ -375,12 +375,18 @@ def _run_program(graphs: Graphs, feeds: Feeds, *, record: dict[str, Any] | None,
 
 
 @contextlib.contextmanager
-def simulated_world(mesh: MeshSpec | str) -> Iterator[ParallelMesh]:
+def simulated_world(mesh: MeshSpec | str, world: ParallelMesh | None = None) -> Iterator[ParallelMesh]:
     """A fake world of ``mesh``: its group names and rank lists are what LocalTensorMode's
     collectives read. Nothing communicates. One intra-op thread inside: the tensors are small,
-    and on a shared 2-core box a second thread only spins."""
-    with fake_world(MeshSpec.parse(mesh)) as world, intra_op_threads(1):
-        yield world
+    and on a shared 2-core box a second thread only spins. ``world``: a running world's mesh to
+    read the groups of instead (inside a rank of a gloo world, whose graphs name its groups:
+    LocalTensorMode only reads their rank lists, so nothing communicates there either)."""
+    if world is not None:
+        with intra_op_threads(1):
+            yield world
+        return
+    with fake_world(MeshSpec.parse(mesh)) as fake, intra_op_threads(1):
+        yield fake
 
 
 def bind(graphs: Graphs, world: ParallelMesh) -> Graphs:
