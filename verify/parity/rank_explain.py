@@ -16,6 +16,8 @@ run pass by pass on N simulated ranks fed what the rank's graphs were traced wit
   gathered parameters are the real ones);
 * ``input:<i>``: this rank's slice of the step's batch on every simulated rank, and this rank's
   buffers, so every simulated rank reads what the guards hold;
+* the step's draws (``train_steps``' seed for the step) on every simulated rank, each from its own
+  generator (``Feeds.draw_seed``): a dropout before a router decides the routing the guards hold;
 * everything else (the loss's tangent) random, as ``Feeds`` makes it.
 
 The collectives run on LocalTensors over the rank's own process groups (their rank lists only:
@@ -33,7 +35,7 @@ from autoparallel import roles
 from autoparallel.mesh import MeshSpec, ParallelMesh
 from autoparallel.parallelize import split_batch
 from autoparallel.pipeline import PipelineRun
-from autoparallel.runtime.steps import StepTrace
+from autoparallel.runtime.steps import StepTrace, step_seed
 from verify.parity.bisection import explain_not_bitwise
 from verify.parity.compare import ParityReport, compare_traces
 
@@ -65,11 +67,12 @@ def rank_inputs_for(run: PipelineRun, spec: MeshSpec, full: Mapping[str, torch.T
 
 def explain_own_graphs(traces: Mapping[str, StepTrace], stages: Sequence[str], reference: str, *, runs: Sequence[PipelineRun],
                        values: Sequence[tuple[Mapping, Mapping]], scenario, mesh: ParallelMesh, batches: Sequence,
-                       as_traced: str | None = None) -> dict[str, str]:
+                       as_traced: str | None = None, seed: int | None = None) -> dict[str, str]:
     """Why each of ``stages`` whose trace is not bitwise with ``reference``'s (the eager program's)
     on this rank differs, from this rank's own graphs (see the module docstring); ``runs[s]`` /
     ``values[s]`` (full parameters, buffers): step ``s``'s pipeline run and what it was traced
-    with; ``as_traced``: the executor of the eager program run as traced, where the rank ran it.
+    with; ``as_traced``: the executor of the eager program run as traced, where the rank ran it;
+    ``seed``: the rank's ``train_steps`` seed (every simulated rank draws step ``s``'s draws).
     Never raises: a run that cannot run says why in its line."""
     spec, plan = scenario.mesh_spec, scenario.plan_obj()
     bad = {s: compare_traces(traces[reference], traces[s], a_name=reference, b_name=s) for s in stages}
@@ -87,7 +90,7 @@ def explain_own_graphs(traces: Mapping[str, StepTrace], stages: Sequence[str], r
             given = rank_inputs_for(run, spec, full, split_batch(batches[step], plan, spec, coord), buffers)
             queries = run.joint.compiling_queries if run.joint is not None else ()
             why, _ = explain_not_bitwise(run, spec, names, seed=scenario.seed, as_traced=traced, compiling_queries=queries,
-                                         given=given, world=mesh)
+                                         given=given, world=mesh, draw_seed=None if seed is None else step_seed(seed, step))
         except Exception as e:  # an explanation never fails the check it explains
             why = {n: f"differential execution could not run: {type(e).__name__}: {e}" for n in names}
         out.update({n: f"step {step}, this rank's own graphs: {why[n]}" for n in names})

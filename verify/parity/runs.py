@@ -204,7 +204,8 @@ def _rank_stages(rank, world_size, scenario: Scenario, batches, run: PipelineRun
     if graphs is not None and graphs.runs:
         stages = [n for n in traces if n != EAGER and n not in references]
         explanations = explain_own_graphs(traces, stages, EAGER, runs=graphs.runs, values=graphs.values, scenario=scenario,
-                                          mesh=mesh, batches=batches, as_traced=AS_TRACED if AS_TRACED in traces else None)
+                                          mesh=mesh, batches=batches, as_traced=AS_TRACED if AS_TRACED in traces else None,
+                                          seed=ctx.seed)
     return RankParity(tuple(coord[d] for d in spec.names), traces, seconds, explanations)
 
 
