@@ -224,10 +224,10 @@ def test_a_wrong_pass_on_graphs_traced_per_rank_is_named_by_every_rank(monkeypat
 
 
 @pytest.mark.slow
-def test_graphs_traced_per_rank_that_compute_alike_are_explained_as_the_trace(monkeypatch):
+def test_graphs_traced_per_rank_that_compute_alike_name_no_node(monkeypatch):
     """The negative side: the pipeline is correct and one stage's trace is made to differ after
-    the run (its loss + 1), so the ranks' differential runs find no pass that differs and say the
-    difference is in the trace, naming no node."""
+    the run (its loss + 1), so the ranks' differential runs find no pass that differs and name no
+    node; the stage before is bitwise, so the line says the trace is not the cause either."""
     from verify.parity import runs
 
     real = runs.explain_own_graphs
@@ -243,3 +243,4 @@ def test_graphs_traced_per_rank_that_compute_alike_are_explained_as_the_trace(mo
     assert why.startswith("on every rank (2), step 0, this rank's own graphs: every pass up to collective_passes computes "
                           "what its input computes (2 simulated ranks)"), why
     assert "first differing node" not in why
+    assert "the difference is not the trace's either: second_compile is bitwise with the eager program on this rank" in why

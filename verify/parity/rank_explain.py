@@ -93,8 +93,25 @@ def explain_own_graphs(traces: Mapping[str, StepTrace], stages: Sequence[str], r
                                          given=given, world=mesh, draw_seed=None if seed is None else step_seed(seed, step))
         except Exception as e:  # an explanation never fails the check it explains
             why = {n: f"differential execution could not run: {type(e).__name__}: {e}" for n in names}
-        out.update({n: f"step {step}, this rank's own graphs: {why[n]}" for n in names})
+        out.update({n: f"step {step}, this rank's own graphs: {not_the_trace(why[n], n, stages, bad)}" for n in names})
     return out
+
+
+TRACE = "the difference is in the trace (eager program -> joint graph)"
+
+
+def not_the_trace(why: str, stage: str, stages: Sequence[str], bad: Mapping) -> str:
+    """``why`` for ``stage``, where no pass computes other values on simulated ranks: when a stage
+    before it (``stages`` in pipeline order; ``bad``: those not bitwise) is bitwise with the eager
+    program, the trace is not the cause either; the stage differs only as it ran on the real world."""
+    before = [s for s in stages[: stages.index(stage)] if s not in bad] if stage in stages else []
+    if TRACE not in why or not before:
+        return why
+    return why.replace(TRACE, (
+        f"the difference is not the trace's either: {before[-1]} is bitwise with the eager program on this rank. So "
+        f"{stage} differs only as it ran on the real world, which simulated ranks cannot show: an asynchronous "
+        "collective whose output is read before its wait, or whose buffer is written while it is in flight, "
+        "or the executor's graphs are not the pipeline stage's"))
 
 
 def merge_rank_explanations(per_rank: Sequence[Mapping[str, str]], stages: Sequence[str]) -> dict[str, str]:
@@ -113,4 +130,4 @@ def merge_rank_explanations(per_rank: Sequence[Mapping[str, str]], stages: Seque
     return out
 
 
-__all__ = ["explain_own_graphs", "first_step", "merge_rank_explanations", "rank_inputs_for"]
+__all__ = ["explain_own_graphs", "first_step", "merge_rank_explanations", "not_the_trace", "rank_inputs_for"]

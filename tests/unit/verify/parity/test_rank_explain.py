@@ -29,3 +29,16 @@ def test_ranks_that_say_the_same_merge_into_one_line_and_others_are_named():
     assert apart == {"x": "rank 0: a | rank 1: b"}  # a stage no rank explains gets no line
     one = merge_rank_explanations([{}, {"x": "a"}], ["x"])
     assert one == {"x": "rank 1: a"}  # only the rank whose own trace differs explains it
+
+
+def test_a_difference_after_a_bitwise_stage_is_not_called_the_trace():
+    """No pass differs on simulated ranks: where a stage before is bitwise with eager, the line
+    says the trace is not the cause (switch_transformers' collective_passes, 11m); where none is,
+    it stays the trace's."""
+    from verify.parity.rank_explain import TRACE, not_the_trace
+
+    why = f"every pass up to c computes what its input computes (2 simulated ranks), so {TRACE}"
+    assert not_the_trace(why, "c", ["a", "b", "c"], {"c": 1}).count("b is bitwise with the eager program on this rank") == 1
+    assert TRACE not in not_the_trace(why, "c", ["a", "b", "c"], {"c": 1})
+    assert not_the_trace(why, "c", ["a", "b", "c"], {"a": 1, "b": 1, "c": 1}) == why  # every stage differs: the trace
+    assert not_the_trace("pass x computes other values", "c", ["a", "c"], {"c": 1}) == "pass x computes other values"
