@@ -9,12 +9,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from autoparallel import partition
 from autoparallel.fx_utils import copy_graph_module
 from autoparallel.parallelize.traced_values import Read
 from autoparallel.runtime.steps import Executor
 from verify.check import check_model
+from verify.graphs.canon import own_scope
 from verify.model_case import ModelCase
-from verify.parity import retrace
+from verify.parity import retrace, runs
 
 
 class TinyMoE(nn.Module):
@@ -186,9 +188,6 @@ def test_params_read_names_the_parameters_a_slice_reads_a_tied_one_by_its_first_
 def _planted_expert_bias(monkeypatch) -> list[str]:
     """fsdp_tagging doubles expert 1's bias in its ``addmm`` (``beta=2``): a wrong pass whose
     node is downstream of the routing, so every guard still holds; its name per trace."""
-    from autoparallel import partition
-    from verify.graphs.canon import own_scope
-
     real, planted = partition.mark_fsdp_all_gather_recomputation, []
 
     def tagging(graph, *args):
@@ -228,8 +227,6 @@ def test_graphs_traced_per_rank_that_compute_alike_name_no_node(monkeypatch):
     """The negative side: the pipeline is correct and one stage's trace is made to differ after
     the run (its loss + 1), so the ranks' differential runs find no pass that differs and name no
     node; the stage before is bitwise, so the line says the trace is not the cause either."""
-    from verify.parity import runs
-
     real = runs.explain_own_graphs
 
     def perturbed(traces, stages, reference, **kw):

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from verify.parity.compare import ParityReport, diff_tensors
-from verify.parity.rank_explain import first_step, merge_rank_explanations
+from verify.parity.rank_explain import TRACE, first_step, merge_rank_explanations, not_the_trace
 
 
 def _report(*names_equal):
@@ -35,8 +35,6 @@ def test_a_difference_after_a_bitwise_stage_is_not_called_the_trace():
     """No pass differs on simulated ranks: where a stage before is bitwise with eager, the line
     says the trace is not the cause (switch_transformers' collective_passes, 11m); where none is,
     it stays the trace's."""
-    from verify.parity.rank_explain import TRACE, not_the_trace
-
     why = f"every pass up to c computes what its input computes (2 simulated ranks), so {TRACE}"
     assert not_the_trace(why, "c", ["a", "b", "c"], {"c": 1}).count("b is bitwise with the eager program on this rank") == 1
     assert TRACE not in not_the_trace(why, "c", ["a", "b", "c"], {"c": 1})
