@@ -47,6 +47,7 @@ from verify.graphs.stats import graph_stats
 from verify.model_case import Batch, ModelCase, load_case
 from verify.parity import ordered_collectives
 from verify.parity.compare import OracleReport, ParityReport
+from verify.parity.rank_explain import merge_rank_explanations
 from verify.parity.planned import EAGER as PLANNED_EAGER
 from verify.parity.planned import EXECUTORS as PLANNED_EXECUTORS
 from verify.parity.planned import planned_case, planned_oracle, run_planned_parity
@@ -180,6 +181,10 @@ def _explain(result: ModelCheck, ranks) -> None:
         return
     if AS_TRACED in ranks[0].traces:
         result.as_traced = {stage: compare_with_eager(ranks, stage, AS_TRACED) for stage in bad}
+    own = [getattr(r, "explanations", {}) for r in ranks]  # planned ranks (plan="auto") trace no graph per rank
+    if any(own):  # graphs traced per rank (verify.parity.retrace): each rank explained its own
+        result.explanations = merge_rank_explanations(own, bad)
+        return
     queries = result.run.joint.compiling_queries if result.run.joint is not None else ()
     given = None if result.scenario.plan == AUTO else rank_inputs(result.scenario)
     result.explanations, _ = explain_not_bitwise(result.run, result.scenario.mesh, bad, seed=result.scenario.seed,

@@ -9,12 +9,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from autoparallel import partition
 from autoparallel.fx_utils import copy_graph_module
 from autoparallel.parallelize.traced_values import Read
 from autoparallel.runtime.steps import Executor
 from verify.check import check_model
+from verify.graphs.canon import own_scope
 from verify.model_case import ModelCase
-from verify.parity import retrace
+from verify.parity import retrace, runs
 
 
 class TinyMoE(nn.Module):
@@ -178,3 +180,64 @@ def test_params_read_names_the_parameters_a_slice_reads_a_tied_one_by_its_first_
     model.experts[1].weight = model.experts[0].weight  # tied: read through either name, held by the first
     assert "experts.1.weight" not in retrace.params_read(model, F.mse_loss, (x, y))
     assert type(model.experts[0]) is nn.Linear  # the user's model untouched (a copy records)
+
+
+# --- a stage that is not bitwise on graphs traced per rank: each rank explains its own graphs ---------
+
+
+def _planted_expert_bias(monkeypatch) -> list[str]:
+    """fsdp_tagging doubles expert 1's bias in its ``addmm`` (``beta=2``): a wrong pass whose
+    node is downstream of the routing, so every guard still holds; its name per trace."""
+    real, planted = partition.mark_fsdp_all_gather_recomputation, []
+
+    def tagging(graph, *args):
+        report = real(graph, *args)
+        node = next(n for n in graph.nodes if n.target is torch.ops.aten.addmm.default and own_scope(n) == "experts.1")
+        node.kwargs = {**node.kwargs, "beta": 2.0}
+        planted.append(node.name)
+        return report
+
+    monkeypatch.setattr(partition, "mark_fsdp_all_gather_recomputation", tagging)
+    return planted
+
+
+@pytest.mark.slow
+def test_a_wrong_pass_on_graphs_traced_per_rank_is_named_by_every_rank(monkeypatch):
+    """Each rank traces its own graph (the slices route otherwise), so check_model's random-input
+    differential run cannot feed them (a guard would fail): every rank runs its own graphs pass by
+    pass on its step's real parameter shards and its slice (verify.parity.rank_explain), and names
+    the planted pass, node, op, module path and size of the difference, for that stage and every
+    later one; the stages before stay bitwise and get no explanation."""
+    planted = _planted_expert_bias(monkeypatch)
+    result = check_model(CASE, plan="fsdp", mesh="dp=2", steps=1)
+    assert [s for s, rep in result.parity.items() if rep.bitwise] == ["joint", "cleanup"]
+    assert set(result.explanations) == {"fsdp_tagging", "first_partition", "second_compile", "collective_passes"}
+    why = result.explanations["fsdp_tagging"]
+    for rank in (0, 1):
+        assert f"rank {rank}: step 0, this rank's own graphs: differential execution (2 simulated ranks)" in why, why
+    assert why.count("pass fsdp_tagging computes other values than its input; first differing node: node "
+                     f"'{planted[0]}' (aten.addmm) in module 'experts.1' on rank 0, max |diff| ") == 2, why
+    assert "could not run" not in why
+    assert all(result.explanations[s] == why for s in result.explanations)
+    assert sum(f"why: {why}" in f for f in result.failures()) == 4
+
+
+@pytest.mark.slow
+def test_graphs_traced_per_rank_that_compute_alike_name_no_node(monkeypatch):
+    """The negative side: the pipeline is correct and one stage's trace is made to differ after
+    the run (its loss + 1), so the ranks' differential runs find no pass that differs and name no
+    node; the stage before is bitwise, so the line says the trace is not the cause either."""
+    real = runs.explain_own_graphs
+
+    def perturbed(traces, stages, reference, **kw):
+        traces["collective_passes"].losses[0] = traces["collective_passes"].losses[0] + 1
+        return real(traces, stages, reference, **kw)
+
+    monkeypatch.setattr(runs, "explain_own_graphs", perturbed)
+    result = check_model(CASE, plan="fsdp", mesh="dp=2", steps=1)
+    assert [s for s, rep in result.parity.items() if not rep.bitwise] == ["collective_passes"]
+    why = result.explanations["collective_passes"]
+    assert why.startswith("on every rank (2), step 0, this rank's own graphs: every pass up to collective_passes computes "
+                          "what its input computes (2 simulated ranks)"), why
+    assert "first differing node" not in why
+    assert "the difference is not the trace's either: second_compile is bitwise with the eager program on this rank" in why

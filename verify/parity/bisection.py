@@ -18,7 +18,7 @@ from typing import Any
 from torch import fx
 
 from autoparallel import pipeline as P
-from autoparallel.mesh import MeshSpec
+from autoparallel.mesh import MeshSpec, ParallelMesh
 from verify.parity import differential as D
 from verify.parity.compare import ParityReport
 from verify.stages.registry import WITHOUT_GRAPH_INPUT
@@ -97,13 +97,16 @@ def same_code(a: Graphs, b: Graphs) -> bool:
 
 def bisect_steps(steps: Iterable[StagePair], mesh: MeshSpec | str, *, mode: str = ONE_RUN, a: str = "before",
                  b: str = "after", seed: int = 0, progress: Callable[[str], None] = lambda msg: None,
-                 given: Mapping[str, tuple] | None = None) -> BisectResult:
+                 given: Mapping[str, tuple] | None = None, world: ParallelMesh | None = None,
+                 draw_seed: int | None = None) -> BisectResult:
     """Compare each step's two programs on N = mesh size simulated ranks, in order. ``given``:
-    per input key (``input:0``), one tensor per rank (the batch's slices); other inputs random."""
+    per input key (``input:0``, ``param:<fqn>``), one tensor per rank; other inputs random.
+    ``world``: a running world's mesh whose groups the graphs name (in a rank of a gloo world);
+    ``draw_seed``: every simulated rank draws from its own generator seeded so (``Feeds.draw_seed``)."""
     spec = MeshSpec.parse(mesh)
     result = BisectResult(mode, a, b, ranks=spec.world_size)
-    with D.simulated_world(spec) as world:
-        feeds = D.Feeds(spec.world_size, seed, given=dict(given or {}))
+    with D.simulated_world(spec, world) as world:
+        feeds = D.Feeds(spec.world_size, seed, given=dict(given or {}), draw_seed=draw_seed)
         cache: dict = {}
         for name, before, after in steps:
             t0 = time.perf_counter()
@@ -145,7 +148,8 @@ def bisect_runs(run_a: P.PipelineRun, run_b: P.PipelineRun, mesh: MeshSpec | str
 
 def explain_not_bitwise(run: P.PipelineRun, mesh: MeshSpec | str, stages: Iterable[str], *, seed: int = 0,
                         as_traced: dict[str, ParityReport] | None = None, compiling_queries: tuple[str, ...] = (),
-                        given: Mapping[str, tuple] | None = None) -> tuple[dict[str, str], BisectResult | None]:
+                        given: Mapping[str, tuple] | None = None,
+                        world: ParallelMesh | None = None, draw_seed: int | None = None) -> tuple[dict[str, str], BisectResult | None]:
     """Why each of ``stages`` (parity verdicts: the joint graph, a pass's stage, ``collective_passes``)
     is not bitwise with the eager parallel program, one line each, and the differential run.
 
@@ -155,8 +159,10 @@ def explain_not_bitwise(run: P.PipelineRun, mesh: MeshSpec | str, stages: Iterab
     ranks, simulated (:func:`bisect_run`); the first that computes other values is named with its first
     differing node (op, module path, size of the difference) and output. No pass differing: the
     difference is in the trace (eager program -> joint graph), which no graph-vs-graph run can see.
-    ``given``: the ranks' inputs by key (token ids and masks whose range no use tells); a
-    differential run that cannot run says why in each line instead of failing the check."""
+    ``given``: the ranks' inputs by key (token ids and masks whose range no use tells; a graph
+    traced per rank: the real parameter shards too, :mod:`verify.parity.rank_explain`); ``world``:
+    ``draw_seed``: see :func:`bisect_steps`. A differential run that cannot run says why in each line instead of
+    failing the check."""
     as_traced = as_traced or {}
     out: dict[str, str] = {}
     for stage in stages:
@@ -171,7 +177,8 @@ def explain_not_bitwise(run: P.PipelineRun, mesh: MeshSpec | str, stages: Iterab
         return out, None
     # the passes only: under plan="auto" the joint stage's input is the plan stage's unsharded trace
     try:
-        result = bisect_steps([step for step in run_steps(run) if step[0] not in WITHOUT_GRAPH_INPUT], mesh, seed=seed, given=given)
+        result = bisect_steps([step for step in run_steps(run) if step[0] not in WITHOUT_GRAPH_INPUT], mesh, seed=seed,
+                              given=given, world=world, draw_seed=draw_seed)
     except (ValueError, NotImplementedError, RuntimeError) as e:
         out.update({s: f"differential execution could not run: {type(e).__name__}: {e}" for s in rest})
         return out, None

@@ -163,6 +163,10 @@ class Feeds:
     ranks: int
     seed: int = 0
     given: Mapping[str, PerRank] = field(default_factory=dict)  # key -> per-rank tensors
+    # Each simulated rank draws from its own CPU generator seeded ``draw_seed`` (None: the ranks share
+    # one seeded ``seed``). A rank's graphs traced for a slice whose reads follow a draw (dropout
+    # before an MoE router) hold only the routing that draw gives: every simulated rank must draw it.
+    draw_seed: int | None = None
     _made: dict[str, PerRank] = field(default_factory=dict)
     _sig: dict[str, tuple] = field(default_factory=dict)
 
@@ -252,7 +256,26 @@ def _collective(node: fx.Node, per_rank_args: list[tuple], ranks: int) -> PerRan
     return tuple(per_rank)
 
 
-def _run_lockstep(gms: Sequence[fx.GraphModule], args: list[PerRank], record: dict | None, prefix: str) -> list[PerRank]:
+def _draws(node: fx.Node) -> bool:
+    t = node.target
+    return node.op == "call_function" and isinstance(t, torch._ops.OpOverload) and torch.Tag.nondeterministic_seeded in t.tags
+
+
+def _on_generator(state: list[torch.Tensor] | None, fn):
+    """``fn()`` drawing from the CPU generator state ``state[0]`` (kept updated); None: as is."""
+    if state is None:
+        return fn()
+    saved = torch.get_rng_state()
+    torch.set_rng_state(state[0])
+    try:
+        return fn()
+    finally:
+        state[0] = torch.get_rng_state()
+        torch.set_rng_state(saved)
+
+
+def _run_lockstep(gms: Sequence[fx.GraphModule], args: list[PerRank], record: dict | None, prefix: str,
+                  generators: list[list[torch.Tensor]] | None = None) -> list[PerRank]:
     ranks = len(gms)
     nodes = _aligned(gms)
     interps = [fx.Interpreter(gm, garbage_collect_values=False) for gm in gms]
@@ -269,6 +292,8 @@ def _run_lockstep(gms: Sequence[fx.GraphModule], args: list[PerRank], record: di
             break
         elif _is_collective(node):
             values = _collective(node, [it.fetch_args_kwargs_from_env(n) for it, n in zip(interps, column, strict=True)], ranks)
+        elif generators is not None and _draws(node):
+            values = tuple(_on_generator(g, lambda it=it, n=n: it.run_node(n)) for it, n, g in zip(interps, column, generators, strict=True))
         else:
             values = tuple(it.run_node(n) for it, n in zip(interps, column, strict=True))
         for it, n, v in zip(interps, column, values, strict=True):
@@ -313,7 +338,8 @@ def _run_local_tensor(gm: fx.GraphModule, args: list[PerRank], record: dict | No
 
 
 def run_graph(gm: fx.GraphModule | Sequence[fx.GraphModule], feeds: Feeds, extra: Mapping[str, PerRank] | None = None, *,
-              record: dict[str, Any] | None = None, prefix: str = "", engine: str = LOCKSTEP) -> dict[str, PerRank]:
+              record: dict[str, Any] | None = None, prefix: str = "", engine: str = LOCKSTEP,
+              generators: list[list[torch.Tensor]] | None = None) -> dict[str, PerRank]:
     """Run ``gm`` on every rank (or ``gm[r]`` on rank r) on ``extra`` by key, else ``feeds``, in
     the running fake world; outputs by key, one value per rank. ``record`` collects every node's
     per-rank values under ``prefix + name``."""
@@ -323,8 +349,10 @@ def run_graph(gm: fx.GraphModule | Sequence[fx.GraphModule], feeds: Feeds, extra
     extra = extra or {}
     args = [extra[input_key(ph)] if input_key(ph) in extra else feeds.value(ph) for ph in gms[0].graph.find_nodes(op="placeholder")]
     if engine == LOCKSTEP:
-        outs = _run_lockstep(gms, args, record, prefix)
+        outs = _run_lockstep(gms, args, record, prefix, generators)
     elif engine == LOCAL_TENSOR:
+        if generators is not None:
+            raise ValueError("the local_tensor engine draws from one generator; per-rank draws need the lockstep engine")
         if any(g is not gms[0] for g in gms):
             raise ValueError("the local_tensor engine runs one graph for every rank; rank-specific graphs need the lockstep engine")
         outs = _run_local_tensor(gms[0], args, record, prefix)
@@ -353,17 +381,22 @@ def run_program(graphs: Graphs, feeds: Feeds, *, record: dict[str, Any] | None =
     whose random ops draw in the same order draw the same masks."""
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(feeds.seed)
-        return _run_program(graphs, feeds, record=record, engine=engine)
+        generators = None
+        if feeds.draw_seed is not None:  # one generator per simulated rank, the forward's draws carried to the backward
+            torch.manual_seed(feeds.draw_seed)
+            generators = [[torch.get_rng_state()] for _ in range(feeds.ranks)]
+        return _run_program(graphs, feeds, record=record, engine=engine, generators=generators)
 
 
-def _run_program(graphs: Graphs, feeds: Feeds, *, record: dict[str, Any] | None, engine: str) -> ProgramResult:
+def _run_program(graphs: Graphs, feeds: Feeds, *, record: dict[str, Any] | None, engine: str,
+                 generators: list[list[torch.Tensor]] | None = None) -> ProgramResult:
     if not isinstance(graphs, tuple):
-        return ProgramResult(run_graph(graphs, feeds, record=record, engine=engine))
+        return ProgramResult(run_graph(graphs, feeds, record=record, engine=engine, generators=generators))
     fw, bw = graphs
-    fw_out = run_graph(fw, feeds, record=record, prefix="fw/", engine=engine)
+    fw_out = run_graph(fw, feeds, record=record, prefix="fw/", engine=engine, generators=generators)
     saved = {k: v for k, v in fw_out.items() if roles.is_saved(k)}
     result = {k: v for k, v in fw_out.items() if not roles.is_saved(k)}
-    bw_out = run_graph(bw, feeds, saved, record=record, prefix="bw/", engine=engine)
+    bw_out = run_graph(bw, feeds, saved, record=record, prefix="bw/", engine=engine, generators=generators)
     clash = sorted(set(result) & set(bw_out))
     if clash:
         raise ValueError(f"forward and backward both output {clash}: cannot tell their results apart")
@@ -375,12 +408,18 @@ def _run_program(graphs: Graphs, feeds: Feeds, *, record: dict[str, Any] | None,
 
 
 @contextlib.contextmanager
-def simulated_world(mesh: MeshSpec | str) -> Iterator[ParallelMesh]:
+def simulated_world(mesh: MeshSpec | str, world: ParallelMesh | None = None) -> Iterator[ParallelMesh]:
     """A fake world of ``mesh``: its group names and rank lists are what LocalTensorMode's
     collectives read. Nothing communicates. One intra-op thread inside: the tensors are small,
-    and on a shared 2-core box a second thread only spins."""
-    with fake_world(MeshSpec.parse(mesh)) as world, intra_op_threads(1):
-        yield world
+    and on a shared 2-core box a second thread only spins. ``world``: a running world's mesh to
+    read the groups of instead (inside a rank of a gloo world, whose graphs name its groups:
+    LocalTensorMode only reads their rank lists, so nothing communicates there either)."""
+    if world is not None:
+        with intra_op_threads(1):
+            yield world
+        return
+    with fake_world(MeshSpec.parse(mesh)) as fake, intra_op_threads(1):
+        yield fake
 
 
 def bind(graphs: Graphs, world: ParallelMesh) -> Graphs:

@@ -163,6 +163,9 @@ class StepGraphs:
         self.runs: list[PipelineRun] = []
         # Per step, the parameters every rank gathered first (read on some ranks only).
         self.firsts: list[tuple[str, ...]] = []
+        # Per step, the full parameters and this rank's buffers its graphs were traced with: what
+        # a differential run of this rank's graphs feeds them (verify.parity.rank_explain).
+        self.values: list[tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]] = []
 
     def ahead_of(self, executor: Executor) -> Executor:
         """``executor`` (the eager program's) with this step's graphs made before each step."""
@@ -221,6 +224,7 @@ class StepGraphs:
             self.cache[key] = new
         self.runs.append(self.cache[key])
         self.firsts.append(first)
+        self.values.append((full, {k: b.detach().clone() for k, b in (buffers or {}).items()}))
         return self.runs[-1]
 
 

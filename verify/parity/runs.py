@@ -69,6 +69,7 @@ from verify.parity.compare import (
     oracle_tolerance,
 )
 from verify.parity.ordered_collectives import run_parity_world
+from verify.parity.rank_explain import explain_own_graphs
 from verify.parity.retrace import StepGraphs, on_every_rank, per_step
 from verify.parity.random_ops import (
     DROPOUT_OFF,
@@ -109,6 +110,9 @@ class RankParity:
     coord: tuple[int, ...]
     traces: dict[str, StepTrace]
     seconds: dict[str, float] = field(default_factory=dict)
+    # A model traced per rank (verify.parity.retrace): per stage not bitwise on this rank, why,
+    # from the rank's own graphs (verify.parity.rank_explain).
+    explanations: dict[str, str] = field(default_factory=dict)
 
 
 def _options(enable_ac: bool = False, collective: CollectivePassesConfig | None = None) -> PipelineOptions:
@@ -196,7 +200,13 @@ def _rank_stages(rank, world_size, scenario: Scenario, batches, run: PipelineRun
         if name == EAGER and retrace:
             steps = None if all(r is run for r in graphs.runs) else graphs.runs  # None: every step's values are the traced ones
         seconds[name] = time.perf_counter() - t0
-    return RankParity(tuple(coord[d] for d in spec.names), traces, seconds)
+    explanations = {}
+    if graphs is not None and graphs.runs:
+        stages = [n for n in traces if n != EAGER and n not in references]
+        explanations = explain_own_graphs(traces, stages, EAGER, runs=graphs.runs, values=graphs.values, scenario=scenario,
+                                          mesh=mesh, batches=batches, as_traced=AS_TRACED if AS_TRACED in traces else None,
+                                          seed=ctx.seed)
+    return RankParity(tuple(coord[d] for d in spec.names), traces, seconds, explanations)
 
 
 def _per_run(runs: Sequence[PipelineRun], build) -> list[Executor]:

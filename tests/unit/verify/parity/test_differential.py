@@ -231,3 +231,26 @@ def test_bind_renames_groups_to_the_running_world():
         bound = D.bind((other, other), world)
         assert {group_of(n) for n in bound[0].graph.nodes} - {None} == set(world.group_dims)
         assert D.compare_programs("bound", same, bound[0], D.Feeds(2)).equal
+
+
+def _dropout_graph():
+    b = GraphBuilder({})
+    x = b.placeholder("x", (64,), role=roles.input_(0))
+    mask = b.call(aten.bernoulli.p, x, 0.5)
+    return b.output([b.call(aten.mul.Tensor, x, mask)], [roles.user_output(0)])
+
+
+def test_a_draw_seed_gives_every_simulated_rank_the_draws_of_one_rank_seeded_so():
+    """Feeds.draw_seed: each simulated rank draws from its own generator, so each draws what one
+    rank whose generator is seeded ``draw_seed`` draws (a rank's graphs traced per rank hold the
+    routing its own draws give); without it the ranks share one generator and rank 1 draws on."""
+    x = torch.ones(64)
+    torch.manual_seed(7)
+    want = x * torch.bernoulli(x, 0.5)
+    with D.simulated_world("dp=2"):
+        own = D.run_program(_dropout_graph(), D.Feeds(2, given={roles.input_(0): (x, x)}, draw_seed=7)).result
+        shared = D.run_program(_dropout_graph(), D.Feeds(2, seed=7, given={roles.input_(0): (x, x)})).result
+    (out,) = own.values()
+    assert torch.equal(out[0], want) and torch.equal(out[1], want)
+    (out,) = shared.values()
+    assert torch.equal(out[0], want) and not torch.equal(out[1], want)
