@@ -68,6 +68,7 @@ from autoparallel.parallelize.plan import ParallelPlan
 from autoparallel.passes.permuted_split_cat import permuted_split_cat
 from autoparallel.passes.value_guards import counts_as_guarded
 from autoparallel.planner.graph import ALIAS, PlanningGraph
+from autoparallel.planner.moves import direct_move, pair_name
 from autoparallel.planner.solution import Solution, parse_placement
 from autoparallel.planner.replay import replays
 from autoparallel.planner.strategies import PLANNER_RULES, divides, is_undroppable_random, planned_by_decomposition
@@ -102,12 +103,16 @@ class LoweringReport:
     seconds: float = 0.0
     split_cats: int = 0  # split -> getitems -> cat moves made one permuted copy (passes/permuted_split_cat.py)
     replayed: int = 0  # ops run as their local op, not through DTensor (planner/replay.py, lowering="replay")
+    direct_moves: int = 0  # moves written as their own collectives (planner/moves.py)
+    dtensor_moves: dict[str, int] = field(default_factory=dict)  # "<src> -> <dst>: <why>" -> moves left to DTensor
 
     def summary(self) -> str:
         fixed = f", {len(self.fixed_outputs)} outputs redistributed to the plan" if self.fixed_outputs else ""
         copies = f", {self.split_cats} split -> cat moves as permuted copies" if self.split_cats else ""
         replayed = f", {self.replayed} ops replayed locally" if self.replayed else ""
-        return f"{self.nodes_before} unsharded nodes -> {self.nodes_after} per-rank nodes; {self.moved_inputs} inputs redistributed{fixed}{copies}{replayed}"
+        left = sum(self.dtensor_moves.values())
+        moves = f" ({self.direct_moves} written directly, {left} by DTensor)" if self.direct_moves or left else ""
+        return f"{self.nodes_before} unsharded nodes -> {self.nodes_after} per-rank nodes; {self.moved_inputs} inputs redistributed{moves}{fixed}{copies}{replayed}"
 
 
 def decode(d: Mapping[str, str] | None, names: Sequence[str]) -> Placements | None:
@@ -241,7 +246,7 @@ class PlacedInterpreter(fx.Interpreter):
         if src == dst:
             return value
         self.report.moved_inputs += 1
-        return move_local(value, val, src, dst, self.mesh.device_mesh)
+        return move_local(value, val, src, dst, self.mesh.device_mesh, self.report)
 
     def _moved_inputs(self, node: fx.Node, args, kwargs):
         """(args, kwargs) with each tensor input moved to the placement ``node`` wants, and the
@@ -358,14 +363,26 @@ class PlacedInterpreter(fx.Interpreter):
         return values
 
 
-def move_local(value: torch.Tensor, val: torch.Tensor, src: Placements, dst: Placements, device_mesh) -> torch.Tensor:
+def move_local(value: torch.Tensor, val: torch.Tensor, src: Placements, dst: Placements, device_mesh,
+               report: LoweringReport | None = None) -> torch.Tensor:
     """One move of the lowering: ``value`` (this rank's piece of a tensor like ``val``, placed
-    ``src``) as its piece under ``dst``, by DTensor's redistribution of local tensors (one
-    collective per mesh dim inside :class:`PlacedInterpreter`'s run), in ``val``'s layout."""
+    ``src``) as its piece under ``dst``, in ``val``'s layout: written directly
+    (``autoparallel.planner.moves``: one collective per mesh dim and at most one permuted copy),
+    or, for the pairs that module leaves (counted in ``report.dtensor_moves`` with the reason), by
+    DTensor's redistribution of local tensors (one collective per mesh dim inside
+    :class:`PlacedInterpreter`'s run)."""
     from torch.distributed.tensor._redistribute import redistribute_local_tensor
 
     meta = _meta(val)
-    moved = redistribute_local_tensor(value, DTensorSpec(device_mesh, src, tensor_meta=meta), DTensorSpec(device_mesh, dst, tensor_meta=meta))
+    moved, why = direct_move(value, src, dst, meta, device_mesh)
+    if moved is None:
+        moved = redistribute_local_tensor(value, DTensorSpec(device_mesh, src, tensor_meta=meta), DTensorSpec(device_mesh, dst, tensor_meta=meta))
+    if report is not None:
+        if why is None:
+            report.direct_moves += 1
+        else:
+            key = f"{pair_name(src, dst)}: {why}"
+            report.dtensor_moves[key] = report.dtensor_moves.get(key, 0) + 1
     return in_layout_of(moved, val)
 
 
