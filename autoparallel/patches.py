@@ -62,7 +62,8 @@ _register(
     (
         "tests/unit/autoparallel/passes/test_permuted_split_cat.py::test_a_gather_on_dim_1_becomes_one_permuted_copy",
         "tests/unit/autoparallel/passes/test_permuted_split_cat.py::test_a_scatter_on_dim_1_becomes_one_permuted_copy",
-        "tests/unit/autoparallel/planner/test_lower.py::test_the_lowered_graph_has_no_split_cat_move",
+        # the lowering's own moves (direct_moves) trace no chain; with them off, DTensor's chains are rewritten
+        "tests/unit/autoparallel/planner/test_lower.py::test_the_lowered_module_runs_its_final_graph_with_and_without_split_cat_rewrites",
     ),
 )
 

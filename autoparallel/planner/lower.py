@@ -7,11 +7,14 @@ module makes it:
 
 * :class:`PlacedInterpreter` runs the unsharded graph on *local* tensors. Before each op it
   moves each tensor input from its producer's planned output placement to the placement the
-  op's planned candidate wants, with DTensor's own redistribution of local tensors (the same
-  transform plan the planner priced, one collective per mesh dim: DTensor's merging of
-  same-kind steps into one flattened-mesh collective is switched off while lowering, so an
-  ``S(0)S(0) -> RR`` parameter becomes a tp all-gather then a dp all-gather, the chain that
-  ``fuse_chained_allgathers`` fuses later and that the plan's predicted bytes count per dim).
+  op's planned candidate wants, following DTensor's own transform plan (the one the planner
+  priced, one collective per mesh dim: DTensor's merging of same-kind steps into one
+  flattened-mesh collective is switched off while lowering, so an ``S(0)S(0) -> RR`` parameter
+  becomes a tp all-gather then a dp all-gather, the chain that ``fuse_chained_allgathers`` fuses
+  later and that the plan's predicted bytes count per dim). Each step is written directly
+  (``autoparallel.planner.moves``: the functional collective and, for a dim other than 0, one
+  permuted copy); the pairs that module leaves (``Shard -> Shard``, ``Replicate -> Partial``,
+  placement subclasses) are DTensor's ``redistribute_local_tensor``, counted by reason.
   The op then runs through DTensor's dispatch on the redistributed inputs, so shape arguments of
   views and reductions are localized by DTensor's own rules; ops with no DTensor strategy (the
   planner's own rules: CPU SDPA) run on the local tensors directly, and so, with
@@ -26,8 +29,8 @@ module makes it:
   plan and reported.
 * :func:`lower_plan` traces that interpreter with ``make_fx`` (under ``preserve_node_meta``, so
   every new node carries its unsharded node's phase and module path, and a redistribution the
-  phase of the op that needed it), makes each of DTensor's non-zero-dim gathers and scatters
-  (split -> W getitems -> cat around a dim-0 collective) one permuted copy
+  phase of the op that needed it), makes each non-zero-dim gather and scatter DTensor still
+  traced (split -> W getitems -> cat around a dim-0 collective) one permuted copy
   (``autoparallel.passes.permuted_split_cat``), gives the placeholders the export's names and descriptors,
   and swaps the graph into the export the planner traced (``JointWithDescriptors``) with the
   local shapes as its inputs: the first partition (``aot_compile_joint_with_descriptors``)

@@ -79,3 +79,13 @@ def test_the_trace_ratio_is_each_runs_own_then_the_median():
     planned = [{"name": "plan", "seconds": 9.0, "alternative": False, "planning": {"seconds": {"trace": 3.0}}},
                *stages(1.0, 2.0)]
     assert pipeline_over_trace(planned, import_seconds=0.0) == 4.0  # the plan stage's trace
+
+
+def test_the_joint_stage_of_a_plan_reports_its_moves_by_kind():
+    from autoparallel.planner.lower import LoweringReport
+    from verify.commands.scale import lowering_fields
+
+    report = LoweringReport(moved_inputs=3, direct_moves=2, dtensor_moves={"S(0) -> S(1): shard to shard (all-to-all)": 1})
+    fields = lowering_fields(report)
+    assert fields["direct_moves"] == 2 and fields["dtensor_moves"] == {"S(0) -> S(1): shard to shard (all-to-all)": 1}
+    assert fields["moved_inputs"] == fields["direct_moves"] + sum(fields["dtensor_moves"].values())
