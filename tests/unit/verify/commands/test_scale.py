@@ -7,8 +7,9 @@ import pytest
 from autoparallel.defaults import DEFAULT_LOWERING
 from autoparallel.passes.collective import COLLECTIVE_PASS_NAMES
 from autoparallel.pipeline import STAGE_NAMES
+from autoparallel.planner.lower import LoweringReport
 from verify.__main__ import main
-from verify.commands.scale import format_scaling, pipeline_over_trace
+from verify.commands.scale import format_scaling, lowering_fields, pipeline_over_trace
 
 
 @pytest.mark.xdist_group("scale-benchmark")  # tests/conftest.py SLOW_GROUPS: CI's slow step
@@ -82,9 +83,6 @@ def test_the_trace_ratio_is_each_runs_own_then_the_median():
 
 
 def test_the_joint_stage_of_a_plan_reports_its_moves_by_kind():
-    from autoparallel.planner.lower import LoweringReport
-    from verify.commands.scale import lowering_fields
-
     report = LoweringReport(moved_inputs=3, direct_moves=2, dtensor_moves={"S(0) -> S(1): shard to shard (all-to-all)": 1})
     fields = lowering_fields(report)
     assert fields["direct_moves"] == 2 and fields["dtensor_moves"] == {"S(0) -> S(1): shard to shard (all-to-all)": 1}
