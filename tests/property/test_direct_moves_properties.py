@@ -26,7 +26,7 @@ from hypothesis import strategies as st
 from torch.distributed.tensor.placement_types import Partial, Replicate, Shard
 
 from autoparallel.mesh import MeshSpec, attach_group_dims, fake_world
-from autoparallel.planner import moves
+from autoparallel.planner import moves as planner_moves
 from autoparallel.planner.lower import LoweringReport, move_local, shard_tensor
 from verify.parity.differential import bind, run_ranks, simulated_world
 
@@ -129,7 +129,7 @@ def test_a_scatter_and_a_gather_of_the_last_dim(mesh):
 
 def test_a_move_giving_another_ranks_piece_fails_the_check(monkeypatch):
     """Negative: a gather that puts the blocks in the wrong order is caught."""
-    real = moves.blocks_to_dim
-    monkeypatch.setattr(moves, "blocks_to_dim", lambda t, w, d: real(t.flip(0), w, d))
+    real = planner_moves.blocks_to_dim
+    monkeypatch.setattr(planner_moves, "blocks_to_dim", lambda t, w, d: real(t.flip(0), w, d))
     with pytest.raises(AssertionError, match="differs from DTensor"):
         _check(MeshSpec.parse("dp=2"), (4, 4), (Shard(1),), (Replicate(),), 0)
