@@ -185,11 +185,12 @@ def _describe(ag1: fx.Node, ag2: fx.Node, group_dims: Mapping[str, str]) -> str:
 def _moved_blocks(end: fx.Node) -> tuple[fx.Node, int, tuple[fx.Node, ...], int] | None:
     """``(wait, d, copy nodes, pieces)`` if ``end`` is the permuted copy that moves the
     ``pieces`` dim-0 blocks of ``wait`` to dim ``d > 0`` (``passes/permuted_split_cat.py``:
-    reshape -> permute -> contiguous clone -> view, each read once), else None."""
+    reshape -> permute -> contiguous clone -> view, each read once; the lowering's own moves,
+    ``planner/moves.py``, trace the reshape of the contiguous gathered tensor as a view), else None."""
     nodes = [end]
-    for target in (aten.clone.default, aten.permute.default, aten.reshape.default):
+    for targets in ({aten.clone.default}, {aten.permute.default}, {aten.reshape.default, aten.view.default}):
         prev = nodes[-1].args[0] if nodes[-1].args else None
-        if not (isinstance(prev, fx.Node) and prev.target is target and len(prev.users) == 1):
+        if not (isinstance(prev, fx.Node) and prev.target in targets and len(prev.users) == 1):
             return None
         nodes.append(prev)
     view, clone, permute, reshape = nodes

@@ -7,11 +7,14 @@ module makes it:
 
 * :class:`PlacedInterpreter` runs the unsharded graph on *local* tensors. Before each op it
   moves each tensor input from its producer's planned output placement to the placement the
-  op's planned candidate wants, with DTensor's own redistribution of local tensors (the same
-  transform plan the planner priced, one collective per mesh dim: DTensor's merging of
-  same-kind steps into one flattened-mesh collective is switched off while lowering, so an
-  ``S(0)S(0) -> RR`` parameter becomes a tp all-gather then a dp all-gather, the chain that
-  ``fuse_chained_allgathers`` fuses later and that the plan's predicted bytes count per dim).
+  op's planned candidate wants, following DTensor's own transform plan (the one the planner
+  priced, one collective per mesh dim: DTensor's merging of same-kind steps into one
+  flattened-mesh collective is switched off while lowering, so an ``S(0)S(0) -> RR`` parameter
+  becomes a tp all-gather then a dp all-gather, the chain that ``fuse_chained_allgathers`` fuses
+  later and that the plan's predicted bytes count per dim). Each step is written directly
+  (``autoparallel.planner.moves``: the functional collective and, for a dim other than 0, one
+  permuted copy); the pairs that module leaves (``Shard -> Shard``, ``Replicate -> Partial``,
+  placement subclasses) are DTensor's ``redistribute_local_tensor``, counted by reason.
   The op then runs through DTensor's dispatch on the redistributed inputs, so shape arguments of
   views and reductions are localized by DTensor's own rules; ops with no DTensor strategy (the
   planner's own rules: CPU SDPA) run on the local tensors directly, and so, with
@@ -28,8 +31,8 @@ module makes it:
   plan and reported.
 * :func:`lower_plan` traces that interpreter with ``make_fx`` (under ``preserve_node_meta``, so
   every new node carries its unsharded node's phase and module path, and a redistribution the
-  phase of the op that needed it), makes each of DTensor's non-zero-dim gathers and scatters
-  (split -> W getitems -> cat around a dim-0 collective) one permuted copy
+  phase of the op that needed it), makes each non-zero-dim gather and scatter DTensor still
+  traced (split -> W getitems -> cat around a dim-0 collective) one permuted copy
   (``autoparallel.passes.permuted_split_cat``), gives the placeholders the export's names and descriptors,
   and swaps the graph into the export the planner traced (``JointWithDescriptors``) with the
   local shapes as its inputs: the first partition (``aot_compile_joint_with_descriptors``)
@@ -71,6 +74,7 @@ from autoparallel.passes.permuted_split_cat import permuted_split_cat
 from autoparallel.passes.value_guards import counts_as_guarded
 from autoparallel.planner.batch_local import runs_batch_local
 from autoparallel.planner.graph import ALIAS, PlanningGraph
+from autoparallel.planner.moves import direct_move, pair_name
 from autoparallel.planner.solution import Solution, parse_placement
 from autoparallel.planner.replay import replays
 from autoparallel.planner.strategies import PLANNER_RULES, divides, is_undroppable_random, planned_by_decomposition
@@ -106,14 +110,18 @@ class LoweringReport:
     split_cats: int = 0  # split -> getitems -> cat moves made one permuted copy (passes/permuted_split_cat.py)
     replayed: int = 0  # ops run as their local op, not through DTensor (planner/replay.py, lowering="replay")
     batch_local: int = 0  # convolutions with the batch on several mesh dims, run as their local op (planner/batch_local.py)
+    direct_moves: int = 0  # moves written as their own collectives (planner/moves.py)
+    dtensor_moves: dict[str, int] = field(default_factory=dict)  # "<src> -> <dst>: <why>" -> moves left to DTensor
 
     def summary(self) -> str:
         fixed = f", {len(self.fixed_outputs)} outputs redistributed to the plan" if self.fixed_outputs else ""
         copies = f", {self.split_cats} split -> cat moves as permuted copies" if self.split_cats else ""
         replayed = f", {self.replayed} ops replayed locally" if self.replayed else ""
         batch = f", {self.batch_local} convolutions on a batch split over several mesh dims run locally" if self.batch_local else ""
+        left = sum(self.dtensor_moves.values())
+        moves = f" ({self.direct_moves} written directly, {left} by DTensor)" if self.direct_moves or left else ""
         return (f"{self.nodes_before} unsharded nodes -> {self.nodes_after} per-rank nodes; "
-                f"{self.moved_inputs} inputs redistributed{fixed}{copies}{replayed}{batch}")
+                f"{self.moved_inputs} inputs redistributed{moves}{fixed}{copies}{replayed}{batch}")
 
 
 def decode(d: Mapping[str, str] | None, names: Sequence[str]) -> Placements | None:
@@ -247,7 +255,7 @@ class PlacedInterpreter(fx.Interpreter):
         if src == dst:
             return value
         self.report.moved_inputs += 1
-        return move_local(value, val, src, dst, self.mesh.device_mesh)
+        return move_local(value, val, src, dst, self.mesh.device_mesh, self.report)
 
     def _moved_inputs(self, node: fx.Node, args, kwargs):
         """(args, kwargs) with each tensor input moved to the placement ``node`` wants, and the
@@ -369,14 +377,26 @@ class PlacedInterpreter(fx.Interpreter):
         return values
 
 
-def move_local(value: torch.Tensor, val: torch.Tensor, src: Placements, dst: Placements, device_mesh) -> torch.Tensor:
+def move_local(value: torch.Tensor, val: torch.Tensor, src: Placements, dst: Placements, device_mesh,
+               report: LoweringReport | None = None) -> torch.Tensor:
     """One move of the lowering: ``value`` (this rank's piece of a tensor like ``val``, placed
-    ``src``) as its piece under ``dst``, by DTensor's redistribution of local tensors (one
-    collective per mesh dim inside :class:`PlacedInterpreter`'s run), in ``val``'s layout."""
+    ``src``) as its piece under ``dst``, in ``val``'s layout: written directly
+    (``autoparallel.planner.moves``: one collective per mesh dim and at most one permuted copy),
+    or, for the pairs that module leaves (counted in ``report.dtensor_moves`` with the reason), by
+    DTensor's redistribution of local tensors (one collective per mesh dim inside
+    :class:`PlacedInterpreter`'s run)."""
     from torch.distributed.tensor._redistribute import redistribute_local_tensor
 
     meta = _meta(val)
-    moved = redistribute_local_tensor(value, DTensorSpec(device_mesh, src, tensor_meta=meta), DTensorSpec(device_mesh, dst, tensor_meta=meta))
+    moved, why = direct_move(value, src, dst, meta, device_mesh)
+    if moved is None:
+        moved = redistribute_local_tensor(value, DTensorSpec(device_mesh, src, tensor_meta=meta), DTensorSpec(device_mesh, dst, tensor_meta=meta))
+    if report is not None:
+        if why is None:
+            report.direct_moves += 1
+        else:
+            key = f"{pair_name(src, dst)}: {why}"
+            report.dtensor_moves[key] = report.dtensor_moves.get(key, 0) + 1
     return in_layout_of(moved, val)
 
 

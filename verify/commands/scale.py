@@ -28,6 +28,7 @@ from collections.abc import Callable
 from autoparallel.defaults import BUCKET_CAP_MB, DEFAULT_LOWERING
 from autoparallel.passes.collective import COLLECTIVE_PASS_NAMES, metric_json
 from autoparallel.pipeline import PLAN, StageResult, run_pipeline, stages_for
+from autoparallel.planner.lower import LoweringReport
 from verify.graphs.stats import graph_stats, human_bytes, partition_stats
 from verify.stages.pipeline_run import pipeline_options, stage_tracer
 from verify.stages.registry import PLANNING
@@ -85,6 +86,18 @@ def _planning_fields(report) -> dict:
     }
 
 
+def lowering_fields(report) -> dict:
+    """The joint stage of plan="auto" (a ``LoweringReport``): the moves written directly, those
+    left to DTensor by reason, permuted copies rewritten after the trace, ops replayed."""
+    return {
+        "moved_inputs": report.moved_inputs,
+        "direct_moves": report.direct_moves,
+        "dtensor_moves": dict(sorted(report.dtensor_moves.items())),
+        "split_cats": report.split_cats,
+        "replayed": report.replayed,
+    }
+
+
 # Modules the stages import lazily. Imported (and timed) before the first stage so that a
 # one-off import (the Inductor passes alone take over a second) is not billed to whichever stage
 # happens to import it first, which would distort the per-stage scaling ratios.
@@ -123,6 +136,8 @@ def run_once(scenario: Scenario, bucket_cap_mb: float, progress: Callable[[str],
             entry["planning"] = _planning_fields(result.report)
         else:
             entry.update(_graph_fields(result.graphs))
+        if isinstance(result.report, LoweringReport):
+            entry["lowering"] = lowering_fields(result.report)
         if result.name in COLLECTIVE_PASS_NAMES:
             entry["bucketing"] = _bucketing_fields(result.report)
         stages.append(entry)

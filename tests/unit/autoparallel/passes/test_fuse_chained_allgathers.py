@@ -358,6 +358,25 @@ def test_a_chain_through_a_permuted_copy_is_one_all_gather_computing_the_same(fi
         assert check.equal, check.summary()
 
 
+@pytest.mark.parametrize("first, second, shard, dim", [("tp", "dp", (3, 4), 1), ("dp", "tp", (2, 3, 4), 2)])
+def test_a_chain_through_the_lowerings_own_permuted_copy_is_fused_computing_the_same(first, second, shard, dim):
+    """The lowering's moves (planner/moves.py) trace the permuted copy's first step on the
+    contiguous gathered tensor as ``view``, not ``reshape``: the chain is the same."""
+    with D.simulated_world(MESH) as world:
+        b = GraphBuilder(mesh_groups(world))
+        before = b.output([_moved_chain(b, first, second, shard, dim)], ["output:0"])
+        assert permuted_split_cat(before).acted == 1
+        (reshape,) = before.graph.find_nodes(op="call_function", target=aten.reshape.default)
+        reshape.target = aten.view.default
+        before.recompile()
+        after = copy_graph_module(before)
+        report = ChainReport()
+        assert fuse_chained_allgathers(after, world.group_dims, report=report) == 1, report.summary()
+        assert report.fused[0].endswith(f"[blocks to dim {dim}]")
+        check = D.compare_programs("fuse_chained_allgathers", before, after, D.Feeds(4))
+        assert check.equal, check.summary()
+
+
 def test_a_permuted_copy_whose_value_is_read_elsewhere_is_no_chain_to_fuse(mesh):
     b = GraphBuilder(mesh_groups(mesh))
     w = _moved_chain(b, "tp", "dp", (3, 4), 1)

@@ -20,6 +20,7 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from autoparallel import meta as M
+from autoparallel import patches
 from autoparallel import pipeline as P
 from autoparallel import roles
 from autoparallel.mesh import fake_world
@@ -39,6 +40,7 @@ from autoparallel.planner.lower import (
     shard_tensor,
     sink_placeholder_aliases,
 )
+from autoparallel.planner.moves import PATCH as DIRECT_MOVES
 from autoparallel.planner.profile import get_profile
 from verify.graphs.plan_lowering import (
     expected_on,
@@ -302,15 +304,18 @@ HAND_PINS = {"up.weight": "dp:S(0),tp:S(0)", "down.weight": "dp:S(0),tp:S(1)"}
 
 
 def test_the_lowered_graph_has_no_split_cat_move(mlp, mlp_batch):
+    """The moves are written directly (planner/moves.py): a dim-1 gather is traced as one permuted
+    copy after the all-gather, so no split -> getitems -> cat is traced and none is left for
+    permuted_split_cat to rewrite."""
     run = _pinned_joint(mlp, mlp_batch(), HAND_PINS, MESH)
     gm, report = run.stage(P.JOINT).graphs, run.stage(P.JOINT).report
     targets = [n.target for n in gm.graph.nodes]
-    assert report.split_cats >= 1 and "permuted copies" in report.summary()
-    assert torch.ops.aten.cat.default not in targets
-    # each gathered dim-1 piece: all_gather -> wait -> reshape -> permute -> contiguous clone -> view
+    assert report.split_cats == 0 and report.direct_moves >= 1 and report.dtensor_moves == {}
+    assert "written directly" in report.summary()
+    assert torch.ops.aten.cat.default not in targets and torch.ops.aten.split.Tensor not in targets
+    # each gathered dim-1 piece: all_gather -> wait -> view -> permute -> contiguous clone -> view
     perm = [n for n in gm.graph.nodes if n.target is torch.ops.aten.permute.default]
-    assert len(perm) == report.split_cats
-    assert all(p.args[0].args[0].target is torch.ops._c10d_functional.wait_tensor.default for p in perm)
+    assert perm and all(p.args[0].args[0].target is torch.ops._c10d_functional.wait_tensor.default for p in perm)
     with fake_world(MESH) as mesh:
         costs = CostModel(get_profile(run.planned.solution.profile), mesh.spec, mesh.device_mesh)
         assert mismatches(predicted_by_node(run.planned.pg, run.planned.solution, costs), traced_by_node(gm)) == []
@@ -324,7 +329,8 @@ def test_the_lowered_module_runs_its_final_graph_with_and_without_split_cat_rewr
     """lower_plan edits the traced graph (placeholder names, unused getitems, permuted copies) and
     recompiles once after its last edit: the module's code is its final graph's, whether or not
     permuted_split_cat acted (it recompiles itself only when it did)."""
-    pinned = _pinned_joint(mlp, mlp_batch(), HAND_PINS, MESH)
+    with patches.disabled(DIRECT_MOVES):  # DTensor's moves: split -> cat chains for the pass to rewrite
+        pinned = _pinned_joint(mlp, mlp_batch(), HAND_PINS, MESH)
     assert pinned.stage(P.JOINT).report.split_cats >= 1 and lowered.stage(P.JOINT).report.split_cats == 0
     # the live modules (a stage's snapshot is a copy, recompiled when copied)
     assert _code_is_current(pinned.joint.gm) and _code_is_current(lowered.joint.gm)

@@ -7,8 +7,9 @@ import pytest
 from autoparallel.defaults import DEFAULT_LOWERING
 from autoparallel.passes.collective import COLLECTIVE_PASS_NAMES
 from autoparallel.pipeline import STAGE_NAMES
+from autoparallel.planner.lower import LoweringReport
 from verify.__main__ import main
-from verify.commands.scale import format_scaling, pipeline_over_trace
+from verify.commands.scale import format_scaling, lowering_fields, pipeline_over_trace
 
 
 @pytest.mark.xdist_group("scale-benchmark")  # tests/conftest.py SLOW_GROUPS: CI's slow step
@@ -79,3 +80,10 @@ def test_the_trace_ratio_is_each_runs_own_then_the_median():
     planned = [{"name": "plan", "seconds": 9.0, "alternative": False, "planning": {"seconds": {"trace": 3.0}}},
                *stages(1.0, 2.0)]
     assert pipeline_over_trace(planned, import_seconds=0.0) == 4.0  # the plan stage's trace
+
+
+def test_the_joint_stage_of_a_plan_reports_its_moves_by_kind():
+    report = LoweringReport(moved_inputs=3, direct_moves=2, dtensor_moves={"S(0) -> S(1): shard to shard (all-to-all)": 1})
+    fields = lowering_fields(report)
+    assert fields["direct_moves"] == 2 and fields["dtensor_moves"] == {"S(0) -> S(1): shard to shard (all-to-all)": 1}
+    assert fields["moved_inputs"] == fields["direct_moves"] + sum(fields["dtensor_moves"].values())
