@@ -37,7 +37,8 @@ import numpy as np
 from scipy import sparse
 from scipy.optimize import Bounds, LinearConstraint, milp
 
-from autoparallel.patches import enabled
+from autoparallel import patches
+from autoparallel.planner.incumbent import PATCH as INCUMBENT_PATCH
 from autoparallel.planner.incumbent import incumbent
 from autoparallel.planner.problem import Problem
 from autoparallel.planner.reduce import reduce_problem
@@ -403,7 +404,7 @@ def solve(problem: Problem, *, time_limit: float | None = 120.0, lp_bound: bool 
         raise diagnose(problem, pruned_small.emptied_by, small.labels[pruned_small.emptied])
     f = formulate(small, pruned_small.alive)
     n = f.a.shape[1]
-    heuristic = incumbent(small, f, pruned_small.alive) if enabled("solver_incumbent") else None
+    heuristic = incumbent(small, f, pruned_small.alive) if patches.enabled(INCUMBENT_PATCH) else None
     if heuristic is not None:
         log.info("incumbent: a heuristic plan of %.6g us in %.2fs", heuristic.value, heuristic.seconds)
     build = time.perf_counter() - t0

@@ -28,6 +28,7 @@ from autoparallel.planner.problem import Problem
 
 log = logging.getLogger(__name__)
 
+PATCH = "solver_incumbent"
 INF = np.inf
 PASSES = 4  # best-response passes (each one is cheap; most gains come in the first two)
 

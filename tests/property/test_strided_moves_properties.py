@@ -31,6 +31,7 @@ from autoparallel.mesh import MeshSpec, attach_group_dims, fake_world
 from autoparallel.planner.lower import move_local
 from autoparallel.planner.strided import has_strided, piece, strided_variants
 from verify.parity.differential import bind, run_ranks, simulated_world
+from verify.parity.redistribute_reference import dtensor_redistribute
 
 MESHES = ("dp=2,tp=2", "dp=2,tp=3", "pp=2,dp=2,tp=2")
 
@@ -79,18 +80,6 @@ def _parts(shape, placements, sizes, seed):
     return parts, sum(parts.values())
 
 
-def _dtensor_eager(pieces, shape, src, dst, mesh):
-    from torch.distributed._local_tensor import LocalTensor, LocalTensorMode
-    from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
-    from torch.distributed.tensor._redistribute import disable_redistribute_transform_optimization, redistribute_local_tensor
-
-    meta = TensorMeta(torch.Size(shape), torch.empty(shape).stride(), torch.float32)
-    dm = mesh.device_mesh
-    with LocalTensorMode(len(pieces)), disable_redistribute_transform_optimization():
-        out = redistribute_local_tensor(LocalTensor(dict(enumerate(pieces))), DTensorSpec(dm, src, tensor_meta=meta), DTensorSpec(dm, dst, tensor_meta=meta))
-        return [out._local_tensors[r] for r in range(len(pieces))]
-
-
 def _lowered(spec, shape, src, dst):
     """The lowering's move traced on each rank of a fake world (graphs naming rank 0's world)."""
     from torch.distributed.tensor._redistribute import disable_redistribute_transform_optimization
@@ -114,7 +103,7 @@ def _check(spec, shape, src, dst, seed, *, feed_plain: bool = False):
     want = _pieces({(): full}, dst, spec.shape)
     gms = _lowered(spec, shape, src, dst)
     with simulated_world(spec) as world:
-        eager = _dtensor_eager(pieces, shape, src, dst, world)
+        eager = dtensor_redistribute(pieces, shape, src, dst, world.device_mesh)
         (traced,) = run_ranks([bind(gm, world) for gm in gms], [tuple(pieces)])
     for r in range(spec.world_size):
         assert torch.equal(eager[r], want[r]), f"DTensor, rank {r}: {src} -> {dst} on {spec} gives another piece"
