@@ -54,10 +54,11 @@ from autoparallel import meta as M
 from autoparallel import patches, roles
 from autoparallel.aot_graph_text import PATCH as AOT_GRAPH_TEXT
 from autoparallel.aot_graph_text import aot_graph_text_only_when_logged
-from autoparallel.compile import OVERLAP_PATCH, SECOND_COMPILE, Compiler, autoparallel_backend
+from autoparallel.compile import OVERLAP_PATCH, SECOND_COMPILE, TANGENT_ROLES, Compiler, autoparallel_backend
 from autoparallel.compiling_flag import PATCH as TRACE_AS_COMPILING
 from autoparallel.defaults import DEFAULT_LOWERING
 from autoparallel.eager_dropout import PATCH as EAGER_DROPOUT
+from autoparallel.eager_dropout import PATCH_IN_PLACE as IN_PLACE_DROPOUT
 from autoparallel.eager_kernels import PATCH as EAGER_KERNELS
 from autoparallel.kernel_strides import PATCH as KERNEL_STRIDES
 from autoparallel.kernel_strides import strides_as_kernels
@@ -83,11 +84,14 @@ from autoparallel.planner.alias_round_trips import PATCH as ALIAS_ROUND_TRIPS_PA
 from autoparallel.passes.permuted_split_cat import PATCH as SPLIT_CAT_PATCH
 from autoparallel.planner.auto import local_inputs as planned_local_inputs
 from autoparallel.planner.batch_local import PATCH as BATCH_LOCAL_PATCH
+from autoparallel.planner.incumbent import PATCH as INCUMBENT_PATCH
+from autoparallel.planner.moves import PATCH as DIRECT_MOVES_PATCH
 from autoparallel.planner.auto import local_values as planned_local_values
 from autoparallel.planner.auto import plan_for_pipeline
 from autoparallel.planner.lower import lower_plan
 from autoparallel.planner.replay import check_lowering
 from autoparallel.runtime.parallel_module import ParallelModule
+from autoparallel.runtime.steps import ZERO_TANGENTS
 from autoparallel.trace import StageTracer
 
 log = logging.getLogger(__name__)
@@ -483,13 +487,14 @@ def _collective_stage(p: CollectivePass) -> Stage:
 STAGES: tuple[Stage, ...] = (
     Stage(JOINT, _joint, "trace the per-rank joint graph (model, loss, plan, mesh)",
           patches=(TRACE_AS_COMPILING, EAGER_DROPOUT, EAGER_KERNELS, KERNEL_STRIDES, VALUE_GUARDS, REPLICATED_DRAWS,
-                   PINNED_LAYOUTS, SPLIT_CAT_PATCH, BATCH_LOCAL_PATCH)),
+                   PINNED_LAYOUTS, SPLIT_CAT_PATCH, BATCH_LOCAL_PATCH, DIRECT_MOVES_PATCH)),
     *(_placement_stage(s) for s in PLACEMENT_STEPS),
     Stage(
         SECOND_COMPILE,
         _second_compile,
         "torch.compile with autoparallel_backend: replay partition, bucketing tags",
-        patches=(REPLAY_PATCH, UNREAD_SAVES_PATCH, EAGER_KERNELS_RETRACE, OVERLAP_PATCH, AOT_GRAPH_TEXT, KERNEL_STRIDES, VALUE_GUARDS),
+        patches=(REPLAY_PATCH, UNREAD_SAVES_PATCH, EAGER_KERNELS_RETRACE, OVERLAP_PATCH, AOT_GRAPH_TEXT, KERNEL_STRIDES, VALUE_GUARDS,
+                 TANGENT_ROLES, ZERO_TANGENTS),
         acted=_saved_values,
     ),
     *(_collective_stage(p) for p in COLLECTIVE_PASSES),
@@ -515,7 +520,7 @@ PLAN_STAGE = Stage(
     _plan,
     "plan placements (unsharded trace, ILP), remove alias round trips",
     skip=lambda state: not _is_auto(state.plan),
-    patches=(ALIAS_ROUND_TRIPS_PATCH, TRACE_AS_COMPILING),
+    patches=(ALIAS_ROUND_TRIPS_PATCH, TRACE_AS_COMPILING, IN_PLACE_DROPOUT, INCUMBENT_PATCH),
 )
 #: The stage list for plan="auto": the planner ahead of the trace, then every stage of STAGES.
 PLANNED_STAGES: tuple[Stage, ...] = insert_stage(STAGES, PLAN_STAGE, before=JOINT)

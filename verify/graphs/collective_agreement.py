@@ -129,12 +129,16 @@ def _members(members: tuple[str, ...], at: int) -> str:
     return f"{list(shown)} from piece #{at} of {len(members)}" if shown else f"nothing at piece #{at} (it has {len(members)})"
 
 
+_SLICE = torch.ops.aten.slice.Tensor
+
+
 def program_structure(gm: fx.GraphModule) -> list[tuple]:
     """``gm``'s nodes as the ranks must share them for every later pass to decide alike: per
     node its op, target, output shapes and dtypes, and arguments (nodes by position), with the
     two things that legitimately differ per rank left out: group names (the mesh dim stands for
     them) and which piece a local split keeps (a ``getitem`` of a ``split``: its index, and
-    users reading "a piece of that split"). A pad or narrow only some ranks have (DTensor's
+    users reading "a piece of that split"; a ``slice``: its start, its length kept, as the
+    lowering's direct ``Replicate -> Shard`` move writes it). A pad or narrow only some ranks have (DTensor's
     uneven shards) shows up here even where the collectives' sizes still agree."""
     dims = group_dims_of(gm)
     pos: dict[fx.Node, object] = {}
@@ -147,6 +151,8 @@ def program_structure(gm: fx.GraphModule) -> list[tuple]:
             continue  # its own line would carry the rank's index
         at = schema_group_index(node.target) if node.op == "call_function" else None
         args = tuple(_structure_arg(a, pos, dims) if j != at else _group(a, dims) for j, a in enumerate(node.args))
+        if node.target is _SLICE and len(args) >= 4 and all(isinstance(a, int) for a in node.args[2:4]):
+            args = (args[0], args[1], ("piece of length", node.args[3] - node.args[2]), *args[4:])  # its start is the rank's
         kwargs = tuple(sorted((k, _group(v, dims) if k == GROUP_ARG else _structure_arg(v, pos, dims))
                               for k, v in node.kwargs.items()))
         out.append((node.op, str(node.target), tuple(_tensor_sig(node.meta.get(M.VAL))), args, kwargs, node.name))

@@ -119,3 +119,26 @@ def test_a_pad_only_one_rank_has_is_named_though_the_collectives_agree():
     assert first_disagreement([rank_calls([("g", gm)]) for gm in graphs]) is None  # same sizes
     diff = structure_disagreement(graphs)
     assert diff is not None and "rank 1 has constant_pad_nd" in diff, diff
+
+
+def _slice_graph(start: int, length: int = 2) -> fx.GraphModule:
+    """A rank's rows of a replicated tensor as the lowering's direct ``Replicate -> Shard`` move
+    writes them (``narrow`` -> ``slice`` at the rank's offset, then a clone)."""
+    aten = torch.ops.aten
+    g = fx.Graph()
+    x = g.placeholder("x")
+    x.meta[M.VAL] = torch.empty(4, 4)
+    sl = g.call_function(aten.slice.Tensor, (x, 0, start, start + length))
+    sl.meta[M.VAL] = torch.empty(length, 4)
+    c = g.call_function(aten.clone.default, (sl,))
+    c.meta[M.VAL] = torch.empty(length, 4)
+    g.output((c,))
+    return fx.GraphModule(torch.nn.Module(), g)
+
+
+def test_ranks_slicing_their_own_rows_are_one_program_and_other_lengths_are_named():
+    """Failed before (CI on ae7e987): the direct moves' rank offset made every planned program look
+    rank-specific to the uneven-plan property test."""
+    assert structure_disagreement([_slice_graph(0), _slice_graph(2)]) is None
+    diff = structure_disagreement([_slice_graph(0), _slice_graph(1, length=3)])
+    assert diff is not None and "slice" in diff, diff
