@@ -224,6 +224,18 @@ _register(
     ),
 )
 _register(
+    "canonical_bucket_layout",
+    "plan_buckets lists each bucket's members by what they carry (an all-gather by the param: "
+    "placeholder it reads, a reduction by the grad: output it reaches), so graphs traced per rank "
+    "that compute the same gradients in other orders lay a merged collective out alike on every rank",
+    "members listed in graph order: a rank whose graph computes a gradient earlier puts it at "
+    "another offset, and the reduction adds one gradient's rows to another's",
+    (
+        "tests/unit/autoparallel/passes/test_bucket_layout.py::test_graphs_computing_gradients_in_other_orders_lay_buckets_out_alike",
+        "tests/unit/autoparallel/passes/test_bucket_layout.py::test_all_gathers_are_listed_by_the_parameter_they_read",
+    ),
+)
+_register(
     "eager_dropout",
     "the joint trace decomposes aten.dropout as ATen's dropout runs on the input's device: native_dropout "
     "where the fused kernel runs (CUDA), else the CPU composite (bernoulli in the input's dtype, div by 1 - p, "

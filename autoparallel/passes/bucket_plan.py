@@ -23,6 +23,7 @@ from typing import Any
 from torch import fx
 
 from autoparallel.fx_utils import collective_bytes, group_of
+from autoparallel.passes.bucket_layout import layout_keys, ordered_members
 
 _MB = 1024 * 1024
 
@@ -38,9 +39,10 @@ def check_cap_mb(cap_mb: Any, what: str = "bucket cap") -> float:
 class BucketRecord:
     """One bucket of two or more collectives, as planned (before merging renames anything).
 
-    ``members``: the collectives' node names in graph order, with their bytes; ``group``: their
+    ``members``: the collectives' node names in the bucket's layout order
+    (:mod:`autoparallel.passes.bucket_layout`), with their bytes; ``group``: their
     process group name; ``cap_bytes``: the byte cap of this bucket's index; ``span``: topological
-    rank of the last member minus the first's; ``closed_by``: why the bucket ended (``bytes``:
+    rank of the last member minus the first's (in graph order); ``closed_by``: why the bucket ended (``bytes``:
     the next collective would exceed the cap, ``span``: it would exceed ``max_topo_span``,
     ``end``: no collective of its key was left). Reports draw buckets from these.
     """
@@ -186,7 +188,8 @@ def plan_buckets(
     (counting the buckets formed so far as merged), it is left out of every bucket; else it
     joins. Buckets of one collective are dropped (nothing to merge). The dependency test is
     exact whatever the visiting order (the graph need not be sorted: upstream's merges leave it
-    unsorted between calls).
+    unsorted between calls). Each bucket lists its members in an order every rank shares
+    (:func:`autoparallel.passes.bucket_layout.ordered_members`): the merge lays them out so.
     """
     if max_topo_span is not None and (
         isinstance(max_topo_span, bool) or not isinstance(max_topo_span, int) or max_topo_span < 0
@@ -202,6 +205,8 @@ def plan_buckets(
     sizes = [collective_bytes(c) for c in cands]
     keys = [node_group_key(c) for c in cands]
     reach = CandidateReachability(graph, cands)
+    layout = layout_keys(graph, cands)
+    position = {c: i for i, c in enumerate(cands)}
     cap_cache: dict[int, int] = {}
 
     def cap_bytes(idx: int) -> int:
@@ -212,17 +217,17 @@ def plan_buckets(
 
     def close(b: _OpenBucket, closed_by: str) -> None:
         if len(b.members) > 1:
-            bucket = [cands[i] for i in b.members]
+            bucket = ordered_members([cands[i] for i in b.members], layout)
             out.append(bucket)
             metrics.num_buckets += 1
             metrics.num_bucketed += len(bucket)
-            span = ranks[bucket[-1]] - ranks[bucket[0]]
+            span = ranks[cands[b.members[-1]]] - ranks[cands[b.members[0]]]
             metrics.max_observed_span = max(metrics.max_observed_span, span)
             metrics.buckets.append(
                 BucketRecord(
                     group_of(bucket[0]),
                     tuple(n.name for n in bucket),
-                    tuple(sizes[i] for i in b.members),
+                    tuple(sizes[position[n]] for n in bucket),
                     cap_bytes(b.idx),
                     span,
                     closed_by,
@@ -255,7 +260,7 @@ def plan_buckets(
         open_buckets[key] = _OpenBucket([i], 1 << i, size, rank, b.idx + 1)
     for b in open_buckets.values():
         close(b, "end")
-    out.sort(key=lambda bucket: ranks[bucket[0]])
+    out.sort(key=lambda bucket: min(map(ranks.__getitem__, bucket)))
     order = {bucket[0].name: k for k, bucket in enumerate(out)}
     metrics.buckets.sort(key=lambda rec: order[rec.members[0]])
     return out

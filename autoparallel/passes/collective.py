@@ -215,15 +215,15 @@ COLLECTIVE_PASSES: tuple[CollectivePass, ...] = (
         lambda c: c.pre_overlap_bucketing,
         _pre_overlap,
         "merge the collectives tagged on the joint graph into byte-capped buckets",
-        ("pre_overlap_bucketing", "contiguous_gathered_shards", "shared_provenance", "reused_bucket_traces",
-         "random_op_order"),
+        ("pre_overlap_bucketing", "canonical_bucket_layout", "contiguous_gathered_shards", "shared_provenance",
+         "reused_bucket_traces", "random_op_order"),
     ),
     CollectivePass(
         "topo_span_bucketing",
         lambda c: c.schedule_overlap,
         _schedule_overlap,
         "Inductor's overlap scheduler (CPU roofline) with topo-span-bounded FSDP bucketing",
-        ("primary_fsdp_group", "topo_span_bucketing", "estimation_tables_only_when_traced",
+        ("primary_fsdp_group", "topo_span_bucketing", "canonical_bucket_layout", "estimation_tables_only_when_traced",
          "contiguous_gathered_shards", "shared_provenance", "reused_bucket_traces", "random_op_order"),
     ),
 )

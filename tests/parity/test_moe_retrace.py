@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from autoparallel import partition
+from autoparallel.passes import bucket_plan
 from autoparallel.fx_utils import copy_graph_module
 from autoparallel.parallelize.traced_values import Read
 from autoparallel.runtime.steps import Executor
@@ -132,6 +133,25 @@ def test_without_gathering_first_an_expert_one_rank_skips_is_a_named_collective_
     monkeypatch.setattr(retrace, "gathered_first", lambda read, order: ())
     with pytest.raises(Exception, match=r"(?s)CollectiveMismatchError: the ranks' graphs issue different collectives.*graph 'joint'.*experts\.1.*a parameter the model reads on some ranks' data only"):
         check_model(SKIPPING, plan="fsdp", mesh="dp=2", steps=1, world_timeout_s=300)
+
+
+@pytest.mark.slow
+def test_a_bucket_laid_out_otherwise_on_one_rank_is_a_named_mismatch(monkeypatch):
+    """Planted: rank 1 lists its buckets' members backwards, as graph order did where the ranks'
+    graphs differ (switch_transformers, docs/failure-classes.md 11m: same sizes, so nothing
+    aborted and the gradients mixed). The ranks compare the graphs they bucketed themselves before
+    any runs (RankContext.on_bucketed): a named error on every rank, the members shown."""
+    import torch.distributed as dist
+
+    real = bucket_plan.ordered_members
+
+    def planted(bucket, keys):
+        out = real(bucket, keys)
+        return out[::-1] if dist.is_initialized() and dist.get_rank() == 1 else out
+
+    monkeypatch.setattr(bucket_plan, "ordered_members", planted)
+    with pytest.raises(Exception, match=r"(?s)CollectiveMismatchError.*bucketed (fwd|bwd).*the same sizes, other members"):
+        check_model(CASE, plan="fsdp", mesh="dp=2", steps=1, world_timeout_s=300)
 
 
 def _with_extra_all_reduce(gm):

@@ -363,6 +363,26 @@ def synthetic_graphs(
     )
 
 
+def gradients_in_order(mesh: ParallelMesh, order: Sequence[int], rows: Sequence[int] | None = None,
+                       hidden: int = 8) -> fx.GraphModule:
+    """Parameters ``p0..pN-1`` (``rows[i]`` rows each), each one's reduce-scattered gradient
+    computed in ``order`` (the graph's order), the outputs labelled in parameter order as every
+    rank labels them: what two ranks' graphs traced per rank look like when their routing makes
+    them compute the same gradients in other orders."""
+    rows = list(rows) if rows is not None else [4] * len(order)
+    aten = torch.ops.aten
+    b = GraphBuilder(mesh_groups(mesh))
+    x = b.placeholder("x", (4, hidden), role=roles.input_(0))
+    params = [b.param((r, hidden)) for r in rows]
+    grads = {}
+    for i in order:
+        w = b.call(aten.add.Tensor, params[i], 0.0)  # the full weight, as a gathered one would be
+        g = b.call(aten.mm.default, b.call(aten.t.default, b.call(aten.mm.default, x, b.call(aten.t.default, w))), x)
+        grads[i] = b.reduce_scatter(b.call(aten.cat.default, [g, g]), mesh.spec.names[0])
+    out = [b.call(aten.sum.default, x)] + [grads[i] for i in range(len(order))]
+    return b.output(out, [roles.LOSS] + [roles.grad(f"p{i}") for i in range(len(order))])
+
+
 def example_inputs(gm: fx.GraphModule, seed: int = 0) -> list[torch.Tensor]:
     """Real tensors for ``gm``'s placeholders (shapes/dtypes of their vals), from ``seed``."""
     g = torch.Generator().manual_seed(seed)
@@ -382,6 +402,7 @@ __all__ = [
     "SyntheticGraph",
     "build_synthetic",
     "example_inputs",
+    "gradients_in_order",
     "graph_specs",
     "mesh_groups",
     "op_specs",

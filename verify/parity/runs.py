@@ -154,7 +154,8 @@ def _rank_stages(rank, world_size, scenario: Scenario, batches, run: PipelineRun
     mesh = build_mesh(spec)
     program = ParallelProgram(scenario.model(), scenario.plan_obj(), mesh, scenario.loss_fn)
     coord = mesh.coordinate()
-    ctx = RankContext.for_program(program, mesh, batches, seed=rank_seed(scenario, coord), collective=collective)
+    ctx = RankContext.for_program(program, mesh, batches, seed=rank_seed(scenario, coord), collective=collective,
+                                  on_bucketed=agree_on_collectives)
     # Sub-mesh groups get rank-dependent names on a real world (every rank numbers only the
     # groups it belongs to), so the inherited module may name other groups: then every rank
     # builds its own (together: the compile's first call runs on this world).

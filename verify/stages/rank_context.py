@@ -41,7 +41,11 @@ class RankContext:
     executor's factory ``eager``, the generator ``seed`` of ``train_steps``, the pipeline ``run``
     whose stages' graphs and module the executors take, and the collective passes' configuration
     (the passes it switches on run composed). ``rebind``: the run's graphs were traced on a fake world; rebind their groups to
-    this rank's (False: the run was made on this world)."""
+    this rank's (False: the run was made on this world). ``on_bucketed``: called with the (label,
+    graph) rows of each pair :meth:`bucketed` makes, before any executor runs them: a world whose
+    ranks bucket graphs of their own passes ``verify.parity.collective_check.agree_on_collectives``,
+    so two ranks' merged collectives that carry other members are a named error, not a silent
+    mix of gradients."""
 
     mesh: ParallelMesh
     params: dict[str, torch.Tensor]
@@ -52,6 +56,7 @@ class RankContext:
     run: PipelineRun | None = None
     collective: CollectivePassesConfig = field(default_factory=CollectivePassesConfig)
     rebind: bool = True
+    on_bucketed: Callable[[list[tuple[str, fx.GraphModule]]], object] | None = None
     _bucketed: dict[str, tuple[fx.GraphModule, fx.GraphModule]] = field(default_factory=dict, init=False, repr=False)
 
     @classmethod
@@ -84,6 +89,8 @@ class RankContext:
         if stage not in self._bucketed:
             fw, bw = self.graphs(stage)
             self._bucketed[stage] = bucket_fw_bw(fw, bw, self.collective)[:2]
+            if self.on_bucketed is not None:
+                self.on_bucketed([(f"{stage} bucketed {part}", g) for part, g in zip(("fwd", "bwd"), self._bucketed[stage], strict=True)])
         return self._bucketed[stage]
 
     def train(self, executor: Executor) -> StepTrace:

@@ -9,7 +9,9 @@ import pytest
 import torch
 from torch import fx
 
+from autoparallel import patches
 from autoparallel.fx_utils import ALL_GATHER
+from autoparallel.passes import bucket_layout
 from autoparallel.passes.bucket_plan import (
     BucketingMetrics,
     Buckets,
@@ -116,11 +118,16 @@ def test_a_skipped_dependent_does_not_end_the_scan(mesh):
 
 def test_candidates_are_visited_in_rank_order(mesh, fsdp_graph):
     """``ranks`` (a snapshot from before upstream's merges reordered the graph) decides the
-    visiting order and the order of the returned buckets, not the graph's current list order."""
+    visiting order and the order of the returned buckets, not the graph's current list order;
+    inside a bucket the members are listed by the parameter each reads (bucket_layout), and in
+    visiting order with that patch off."""
     gm = fsdp_graph(["dp", "dp", "tp", "tp"], ag_bytes=4096)
     a0, a1, b0, b1 = _ags(gm)
     ranks = {b1: 0, b0: 1, a1: 2, a0: 3}
     buckets = plan_buckets(gm.graph, [a0, a1, b0, b1], _group_key, lambda _i: 10, None, ranks)
+    assert [list(x) for x in buckets] == [[b0, b1], [a0, a1]]
+    with patches.disabled(bucket_layout.PATCH):
+        buckets = plan_buckets(gm.graph, [a0, a1, b0, b1], _group_key, lambda _i: 10, None, ranks)
     assert [list(x) for x in buckets] == [[b1, b0], [a1, a0]]
 
 
