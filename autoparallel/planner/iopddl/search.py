@@ -34,16 +34,21 @@ def cost(inst: Instance, x: np.ndarray) -> float:
 
 
 def least_usage(inst: Instance) -> np.ndarray:
-    """Each node's strategy of least usage among its allowed ones (cheapest on ties)."""
-    x = np.zeros(inst.n, dtype=np.int64)
-    for i in range(inst.n):
-        c, u = inst.cost[i], inst.usage[i]
-        ok = np.isfinite(c)
-        if not ok.any():
-            raise ValueError(f"node {i}: every strategy has infinite cost")
-        order = np.lexsort((c, np.where(ok, u, np.iinfo(np.int64).max)))
-        x[i] = order[0]
-    return x
+    """Each node's strategy of least usage among its allowed ones (cheapest on ties, then the
+    first): one sort of every strategy by (node, usage, cost, index)."""
+    sizes = np.array([len(c) for c in inst.cost], dtype=np.int64)
+    if not inst.n:
+        return np.zeros(0, dtype=np.int64)
+    offsets = np.concatenate([[0], np.cumsum(sizes)[:-1]])
+    c, u = np.concatenate(inst.cost), np.concatenate(inst.usage)
+    ok = np.isfinite(c)
+    none = np.flatnonzero(~np.logical_or.reduceat(ok, offsets))
+    if len(none):
+        raise ValueError(f"node {int(none[0])}: every strategy has infinite cost")
+    node = np.repeat(np.arange(inst.n), sizes)
+    local = np.arange(len(c)) - offsets[node]
+    order = np.lexsort((local, c, np.where(ok, u, np.iinfo(np.int64).max), node))
+    return local[order[offsets]]
 
 
 def local_costs(inst: Instance, x: np.ndarray, i: int) -> np.ndarray:

@@ -69,8 +69,17 @@ def _region_cost(inst: Instance, x, nodes, edges) -> float:
 
 
 def _trivial_bound(inst: Instance) -> float:
-    b = sum(float(np.min(c)) for c in inst.cost)
-    return b + sum(float(np.min(m)) for m in inst.edge_cost)
+    """Each node's and each edge's cheapest entry, summed (in node then edge order, as floats)."""
+    b = sum(_minima(inst.cost).tolist())
+    return b + sum(_minima([m.ravel() for m in inst.edge_cost]).tolist())
+
+
+def _minima(arrays: list) -> np.ndarray:
+    """The minimum of each non-empty array, in one pass (one ``np.min`` each took 0.8 s on D)."""
+    if not arrays:
+        return np.zeros(0)
+    offsets = np.concatenate([[0], np.cumsum([len(a) for a in arrays])[:-1]])
+    return np.minimum.reduceat(np.concatenate(arrays), offsets)
 
 
 def _exact_cost(inst: Instance, x) -> int:
