@@ -169,7 +169,7 @@ def solve(inst: Instance, time_limit: float = 120.0, seed: int = 0, progress=Non
 
 
 def _keep_priced(inst: Instance, job, kept: Incumbent, clock, say) -> None:
-    """Offer the priced rounds' plan (already collected: none) to ``kept`` when it fits the limit."""
+    """Offer the priced rounds' plan (collected or not) to ``kept`` when it fits the limit."""
     y, _ = priced.collect(job, clock, say)
     if y is None or len(y) != inst.n:
         return
