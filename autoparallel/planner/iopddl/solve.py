@@ -83,8 +83,11 @@ def _minima(arrays: list) -> np.ndarray:
 
 
 def _exact_cost(inst: Instance, x) -> int:
-    total = sum(int(inst.cost[i][x[i]]) for i in range(inst.n))
-    return total + sum(int(inst.edge_cost[e][x[inst.edge_u[e]], x[inst.edge_v[e]]]) for e in range(len(inst.edge_u)))
+    """The plan's cost in integers (indexed with Python ints, see search.cost)."""
+    xs = np.asarray(x).tolist()
+    total = sum(int(c[s]) for c, s in zip(inst.cost, xs))
+    ends = zip(inst.edge_cost, np.asarray(inst.edge_u).tolist(), np.asarray(inst.edge_v).tolist())
+    return total + sum(int(m[xs[u], xs[v]]) for m, u, v in ends)
 
 
 def _forbidden_nodes(inst: Instance, x) -> list:
