@@ -165,8 +165,8 @@ def merge_parallel(uv: np.ndarray, n: int, tables: list):
             merged[g] = merged[g] + (tables[k].T if uv[k, 0] != uv[f, 0] else tables[k])
         else:
             merged[g] = tables[k]
-    out = [merged.get(int(group[k]), tables[k]) for k in keep.tolist()] if merged else [tables[k] for k in keep.tolist()]
-    return uv[keep, 0].copy(), uv[keep, 1].copy(), out
+    groups = group.tolist()
+    return uv[keep, 0].copy(), uv[keep, 1].copy(), [merged.get(groups[k], tables[k]) for k in keep.tolist()]
 
 
 def load(path: str) -> Instance:
@@ -187,7 +187,7 @@ def read_bytes(path: str) -> bytes:
 
 # A key whose value is an array of arrays: the instance's five arrays of integers are such values.
 _ARRAYS = re.compile(rb'"(intervals|costs|usages|nodes)"\s*:\s*(?=\[\s*\[)')
-_CLOSE = re.compile(rb"\]\s*\]")
+_ARRAY_END = re.compile(rb"\]\s*\]")
 _MARK = b'"@iopddl-array-'
 _INT64 = np.iinfo(np.int64)
 
@@ -205,7 +205,7 @@ def read_fast(text: bytes):
         return None
     parts, spans, pos = [], [], 0
     while (m := _ARRAYS.search(text, pos)) is not None:
-        end = _CLOSE.search(text, m.end())
+        end = _ARRAY_END.search(text, m.end())
         if end is None:
             return None
         parts += [text[pos:m.end()], _MARK + b'%d"' % len(spans)]
