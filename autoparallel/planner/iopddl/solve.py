@@ -69,13 +69,25 @@ def _region_cost(inst: Instance, x, nodes, edges) -> float:
 
 
 def _trivial_bound(inst: Instance) -> float:
-    b = sum(float(np.min(c)) for c in inst.cost)
-    return b + sum(float(np.min(m)) for m in inst.edge_cost)
+    """Each node's and each edge's cheapest entry, summed (in node then edge order, as floats)."""
+    b = sum(_minima(inst.cost).tolist())
+    return b + sum(_minima([m.ravel() for m in inst.edge_cost]).tolist())
+
+
+def _minima(arrays: list) -> np.ndarray:
+    """The minimum of each non-empty array, in one pass (one ``np.min`` each took 0.8 s on D)."""
+    if not arrays:
+        return np.zeros(0)
+    offsets = np.concatenate([[0], np.cumsum([len(a) for a in arrays])[:-1]])
+    return np.minimum.reduceat(np.concatenate(arrays), offsets)
 
 
 def _exact_cost(inst: Instance, x) -> int:
-    total = sum(int(inst.cost[i][x[i]]) for i in range(inst.n))
-    return total + sum(int(inst.edge_cost[e][x[inst.edge_u[e]], x[inst.edge_v[e]]]) for e in range(len(inst.edge_u)))
+    """The plan's cost in integers (indexed with Python ints, see search.cost)."""
+    xs = np.asarray(x).tolist()
+    total = sum(int(c[s]) for c, s in zip(inst.cost, xs))
+    ends = zip(inst.edge_cost, np.asarray(inst.edge_u).tolist(), np.asarray(inst.edge_v).tolist())
+    return total + sum(int(m[xs[u], xs[v]]) for m, u, v in ends)
 
 
 def _forbidden_nodes(inst: Instance, x) -> list:
@@ -160,7 +172,7 @@ def solve(inst: Instance, time_limit: float = 120.0, seed: int = 0, progress=Non
 
 
 def _keep_priced(inst: Instance, job, kept: Incumbent, clock, say) -> None:
-    """Offer the priced rounds' plan (already collected: none) to ``kept`` when it fits the limit."""
+    """Offer the priced rounds' plan (collected or not) to ``kept`` when it fits the limit."""
     y, _ = priced.collect(job, clock, say)
     if y is None or len(y) != inst.n:
         return

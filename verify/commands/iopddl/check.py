@@ -6,12 +6,19 @@ chosen node costs plus, for every edge, the entry at index s_first * n_strategie
 s_second; at every time step t the usage of the nodes whose half-open interval [start, end)
 holds t must not exceed the usage limit. Pure Python integers throughout (the contest's
 evaluator sums in 128 bits), so nothing overflows or rounds.
+
+The command runs it as its own process (:class:`Judge`, ``python -P check.py FILE``): it reads
+the file with ``json`` beside the solve, which reads it with its own numpy reader, and checks
+the one answer it is then sent.
 """
 
 from __future__ import annotations
 
 import gzip
 import json
+import os
+import subprocess
+import sys
 
 
 class Rejected(ValueError):
@@ -65,3 +72,47 @@ def check(problem: dict, solution, claimed_cost: int) -> int:
     if actual != claimed_cost:
         raise Rejected(f"claimed cost {claimed_cost} but the contest's rules give {actual}")
     return actual
+
+
+class Judge:
+    """This evaluator in a child process started on the instance file (it reads the file while
+    the caller solves; the solver's reader shares nothing with it); :meth:`verdict` sends it the
+    answer and returns the contest cost, or raises :class:`Rejected` with its reason."""
+
+    def __init__(self, path: str):
+        self.proc = subprocess.Popen([sys.executable, "-P", os.path.abspath(__file__), os.path.abspath(path)],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+
+    def verdict(self, solution, claimed_cost: int) -> dict:
+        """The evaluator's answer: ``cost`` and the file's ``edges``; raises Rejected."""
+        out, err = self.proc.communicate(json.dumps({"solution": [int(v) for v in solution], "cost": int(claimed_cost)}).encode())
+        try:
+            answer = json.loads(out)
+        except ValueError:
+            raise ValueError(f"the evaluator failed (exit {self.proc.returncode}): {err.decode(errors='replace')[-2000:]}") from None
+        if "rejected" in answer:
+            raise Rejected(answer["rejected"])
+        return answer
+
+    def stop(self) -> None:
+        """Stop the child if it still runs (the solve failed before an answer) and close its pipes."""
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+        for pipe in (self.proc.stdin, self.proc.stdout, self.proc.stderr):
+            pipe.close()
+
+
+def _serve(path: str) -> None:
+    """The child's side of :class:`Judge`: read the file, then one answer from stdin."""
+    problem = read_problem(path)
+    answer = json.load(sys.stdin)
+    try:
+        verdict = {"cost": check(problem, answer["solution"], answer["cost"]), "edges": len(problem["edges"]["nodes"])}
+    except Rejected as e:
+        verdict = {"rejected": str(e)}
+    json.dump(verdict, sys.stdout)
+
+
+if __name__ == "__main__":
+    _serve(sys.argv[1])

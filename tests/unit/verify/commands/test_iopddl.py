@@ -27,7 +27,7 @@ from autoparallel.planner.iopddl.star import star_descend, star_move, stars
 from verify.__main__ import main as verify_main
 from verify.commands.iopddl import cli
 from verify.commands.iopddl.bench import BEST, table
-from verify.commands.iopddl.check import Rejected, check, evaluate, read_problem
+from verify.commands.iopddl.check import Judge, Rejected, check, evaluate, read_problem
 
 DATA = os.path.join(os.path.dirname(__file__), "..", "..", "..", "data", "iopddl")
 EXAMPLE = os.path.join(DATA, "example.json")
@@ -194,6 +194,26 @@ def test_command_fails_when_the_solver_claims_a_wrong_cost(monkeypatch, capsys):
     assert verify_main(["solve", "--iopddl", EXAMPLE, "--json"]) == 2
     assert "claimed cost" in capsys.readouterr().err
     assert capsys.readouterr().out == ""
+
+
+def test_the_evaluator_process_confirms_a_right_answer_and_rejects_wrong_ones(tmp_path):
+    """The command's evaluator runs as its own process reading the file with json (Judge)."""
+    x = [0, 0, 2, 1, 0]
+    right = evaluate(example(), x)
+    assert Judge(EXAMPLE).verdict(x, right) == {"cost": right, "edges": len(example()["edges"]["nodes"])}
+    for answer, cost_, match in [(x, right + 1, "claimed cost"), (x[:-1], right, "solution has 4 entries"),
+                                 ([0, 0, 2, 1, 7], right, "node 4: strategy 7")]:
+        judge = Judge(EXAMPLE)
+        with pytest.raises(Rejected, match=match):
+            judge.verdict(answer, cost_)
+        judge.stop()
+    bad = tmp_path / "bad.json"
+    bad.write_text("{")
+    with pytest.raises(ValueError, match="the evaluator failed"):
+        Judge(str(bad)).verdict(x, right)
+    waiting = Judge(EXAMPLE)  # never sent an answer (the solve failed): stopped, pipes closed
+    waiting.stop()
+    assert waiting.proc.returncode is not None and waiting.proc.stdin.closed
 
 
 def test_neighbourhood_search_alone_keeps_instance_g_feasible_and_no_worse():

@@ -8,6 +8,7 @@ from __future__ import annotations
 import copy
 import importlib
 import json
+import os
 import random
 import time
 
@@ -144,6 +145,18 @@ def test_priced_rounds_give_feasible_plans_and_a_bound_below_the_optimum():
             found += 1
             assert evaluate(problem, [int(v) for v in x]) >= best
     assert found == 3  # the repair makes every round's plan fit
+
+
+def test_a_second_collect_returns_the_first_ones_plan():
+    """The alarm may stop the solve between collecting the rounds and keeping their plan; its
+    handler collects again and must get the same plan (the child's file is gone by then)."""
+    rng = random.Random(5)
+    problem = _problem(rng, rng.randint(3, 7), 0)
+    job = priced.start(from_dict({"problem": copy.deepcopy(problem)}), time.perf_counter() + 30, rounds=3, round_cpu=1)
+    x, bound = priced.collect(job)
+    assert x is not None and not os.path.exists(job.out)
+    again, bound_again = priced.collect(job)
+    assert again is not None and again.tolist() == x.tolist() and bound_again == bound
 
 
 def test_a_stopped_child_gives_nothing():
