@@ -77,6 +77,7 @@ _register(
     (
         "tests/unit/autoparallel/planner/test_side_effects.py::test_an_assert_is_a_replicated_fallback_with_no_output",
         "tests/unit/autoparallel/planner/test_side_effects.py::test_the_lowered_graph_keeps_the_assert_and_is_bitwise_with_eager",
+        "tests/parity/test_side_effects_parity.py::test_one_hot_checks_under_auto_are_bitwise_and_pass_the_oracle",
     ),
 )
 
