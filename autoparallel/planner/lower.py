@@ -28,8 +28,8 @@ module makes it:
   plan's placement; a plan that feeds one a sharded input is refused (a random op would draw on a
   shard, no slice of the single-device draw). So does a call run only for its side effect (an
   assert, a print: ``autoparallel.planner.side_effects``), on inputs gathered to ``Replicate``,
-  with no output to place. A lifted tensor constant (``get_attr``) is whole on every rank. An output whose DTensor placement is not the planned one is redistributed to the
-  plan and reported.
+  with no output to place. A lifted tensor constant (``get_attr``) is whole on every rank. An
+  output whose DTensor placement is not the planned one is redistributed to the plan and reported.
 * :func:`lower_plan` traces that interpreter with ``make_fx`` (under ``preserve_node_meta``, so
   every new node carries its unsharded node's phase and module path, and a redistribution the
   phase of the op that needed it), makes each non-zero-dim gather and scatter DTensor still

@@ -17,8 +17,8 @@ check the single-device program makes. Why the whole value and not the rank's pi
   placements are ``Replicate`` and ``Partial``; a ``Partial`` piece is one rank's term, not the
   value (``all`` is ``Partial(product)``: a rank whose rows are fine holds ``True`` while the
   value is ``False``). Evaluated on its piece, the check raises on the ranks that hold a bad row
-  only, and the others go on to the next collective and hang; on ``Replicate`` every rank reads the
-  value and raises alike, as eager raises. The move is one all-reduce of one element.
+  only, while the others train on (or wait at the next collective); on ``Replicate`` every rank
+  reads the value and raises alike, as eager raises. The move is one all-reduce of one element.
 * Any other such op (a custom op with a side effect) sees on every rank what the single-device
   program passes it: whatever it does, it does as that program does.
 

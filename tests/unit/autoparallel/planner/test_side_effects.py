@@ -142,8 +142,8 @@ def test_the_plan_checker_catches_an_assert_given_a_piece():
 
 def test_the_checker_wants_the_whole_input_of_a_call_with_no_output():
     """The checker's own rule, on one assert: Replicate passes; a Partial input (each rank a term
-    that sums to the value: every term here is nonzero, so each rank's check would pass where the
-    sum's fails, or the other way round) is named as not the whole value."""
+    of the value, not the value: here every term is nonzero, so each rank's check would pass
+    whatever the sum) is named as not the whole value."""
     from torch.distributed.tensor.placement_types import Partial, Replicate
 
     from verify.parity.plan_semantics import simulate
