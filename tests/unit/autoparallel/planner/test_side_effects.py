@@ -156,3 +156,23 @@ def test_the_checker_wants_the_whole_input_of_a_call_with_no_output():
     assert simulate(check, values, [(Replicate(),)], [], [2], coords, seed=0) is None
     problem = simulate(check, values, [(Partial(),)], [], [2], coords, seed=0)
     assert problem and problem.startswith("input 0: rank (0,) passes a piece") and "not the whole value" in problem, problem
+
+
+def test_every_stage_keeps_the_asserts_in_its_forward_and_a_per_rank_all_is_reduced_first():
+    """dp=2,tp=2 (fake world), the labels' ``all`` pinned per data-parallel rank
+    (``ONE_HOT_PARTIAL_PINS``): in the lowered graph that assert reads an all-reduce (product) of
+    the ranks' terms, and every later stage's forward graph still holds the four asserts."""
+    from autoparallel.pipeline import JOINT
+    from verify.zoo import ONE_HOT_PARTIAL_PINS
+
+    with fake_world(MESH) as mesh:
+        run = run_pipeline(_model("meta"), one_hot_loss, _batch(), ParallelPlan.auto(pins=ONE_HOT_PARTIAL_PINS), mesh, trace=None)
+    reduced = [n for n in run.stage(JOINT).graphs.graph.find_nodes(op="call_function", target=ASSERT)
+               if n.args[0].target is torch.ops._c10d_functional.wait_tensor.default]
+    assert len(reduced) == 1 and "non-negative" in reduced[0].args[1]
+    (reduce,) = reduced[0].args[0].args
+    assert reduce.target is torch.ops._c10d_functional.all_reduce.default and reduce.args[1] == "product"
+    for result in run.results:
+        rows = result.graph_rows()
+        if rows:  # the plan stage has no graph; a split stage's forward holds them
+            assert len(rows[0][1].graph.find_nodes(op="call_function", target=ASSERT)) == 4, result.label
