@@ -8,21 +8,26 @@ every rank: tests/parity/test_side_effects_parity.py (slow step)."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from torch import fx
+from torch.distributed.tensor.placement_types import Partial, Replicate
 
 from autoparallel import meta as M
 from autoparallel import patches
 from autoparallel.mesh import fake_world
 from autoparallel.parallelize import ParallelPlan
-from autoparallel.pipeline import run_pipeline
+from autoparallel.pipeline import JOINT, run_pipeline
+from autoparallel.planner import Solution
 from autoparallel.planner.auto import plan_for_pipeline
 from autoparallel.planner.side_effects import PATCH, is_side_effect
 from autoparallel.planner.strategies import SIDE_EFFECT, out_metas
 from autoparallel.runtime.steps import joint_graph_executor
 from verify.parity.plan_check import check_plan, traced_graph
-from verify.zoo import OneHotRouter, one_hot_loss, routed_batch
+from verify.parity.plan_semantics import simulate
+from verify.zoo import ONE_HOT_PARTIAL_PINS, OneHotRouter, one_hot_loss, routed_batch
 
 MESH = "dp=2,tp=2"
 REPLICATED = {"dp": "R", "tp": "R"}
@@ -126,10 +131,6 @@ def test_the_plan_checker_catches_an_assert_given_a_piece():
     """Negative: the same plan with one assert's input edited to a rank's term of ``all``
     (``Partial``) or to its rows (``Shard``) is caught by the independent checker, which runs the
     call on every simulated rank and wants the whole value there."""
-    import json
-
-    from autoparallel.planner import Solution
-
     plan = _planned().solution
     key = sorted(k for k, why in plan.fallbacks.items() if why == SIDE_EFFECT)[0]
     gm, roles = traced_graph(plan)
@@ -144,10 +145,6 @@ def test_the_checker_wants_the_whole_input_of_a_call_with_no_output():
     """The checker's own rule, on one assert: Replicate passes; a Partial input (each rank a term
     of the value, not the value: here every term is nonzero, so each rank's check would pass
     whatever the sum) is named as not the whole value."""
-    from torch.distributed.tensor.placement_types import Partial, Replicate
-
-    from verify.parity.plan_semantics import simulate
-
     graph = fx.Graph()
     cond = graph.placeholder("cond")
     check = graph.call_function(ASSERT, (cond, "checked"))
@@ -162,9 +159,6 @@ def test_every_stage_keeps_the_asserts_in_its_forward_and_a_per_rank_all_is_redu
     """dp=2,tp=2 (fake world), the labels' ``all`` pinned per data-parallel rank
     (``ONE_HOT_PARTIAL_PINS``): in the lowered graph that assert reads an all-reduce (product) of
     the ranks' terms, and every later stage's forward graph still holds the four asserts."""
-    from autoparallel.pipeline import JOINT
-    from verify.zoo import ONE_HOT_PARTIAL_PINS
-
     with fake_world(MESH) as mesh:
         run = run_pipeline(_model("meta"), one_hot_loss, _batch(), ParallelPlan.auto(pins=ONE_HOT_PARTIAL_PINS), mesh, trace=None)
     reduced = [n for n in run.stage(JOINT).graphs.graph.find_nodes(op="call_function", target=ASSERT)
