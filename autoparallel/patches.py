@@ -66,6 +66,21 @@ _register(
     ),
 )
 
+_register(
+    "side_effect_nodes",
+    "a call run only for its side effect (no users, no tensor value: aten._assert_async.msg, one_hot's "
+    "'Class values must be non-negative' check; _assert_scalar, _print) is a replicated fallback with no "
+    "output: its inputs planned Replicate (an all-reduce of one_hot's one-element all()), the op run on "
+    "them on every rank by the lowering, so every rank checks the value the single-device program checks "
+    "(autoparallel/planner/side_effects.py)",
+    "the planner refuses the model at the first such node (\"has no tensor meta['val']\"): dbrx REFUSED",
+    (
+        "tests/unit/autoparallel/planner/test_side_effects.py::test_an_assert_is_a_replicated_fallback_with_no_output",
+        "tests/unit/autoparallel/planner/test_side_effects.py::test_the_lowered_graph_keeps_the_assert_and_is_bitwise_with_eager",
+        "tests/parity/test_side_effects_parity.py::test_one_hot_checks_under_auto_are_bitwise_and_pass_the_oracle",
+    ),
+)
+
 # The joint stage's lowering of a plan (plan="auto"): autoparallel/planner/lower.py.
 _register(
     "permuted_split_cat",

@@ -86,6 +86,7 @@ from autoparallel.planner.auto import local_inputs as planned_local_inputs
 from autoparallel.planner.batch_local import PATCH as BATCH_LOCAL_PATCH
 from autoparallel.planner.incumbent import PATCH as INCUMBENT_PATCH
 from autoparallel.planner.moves import PATCH as DIRECT_MOVES_PATCH
+from autoparallel.planner.side_effects import PATCH as SIDE_EFFECTS_PATCH
 from autoparallel.planner.auto import local_values as planned_local_values
 from autoparallel.planner.auto import plan_for_pipeline
 from autoparallel.planner.lower import lower_plan
@@ -520,7 +521,7 @@ PLAN_STAGE = Stage(
     _plan,
     "plan placements (unsharded trace, ILP), remove alias round trips",
     skip=lambda state: not _is_auto(state.plan),
-    patches=(ALIAS_ROUND_TRIPS_PATCH, TRACE_AS_COMPILING, IN_PLACE_DROPOUT, INCUMBENT_PATCH),
+    patches=(ALIAS_ROUND_TRIPS_PATCH, TRACE_AS_COMPILING, IN_PLACE_DROPOUT, INCUMBENT_PATCH, SIDE_EFFECTS_PATCH),
 )
 #: The stage list for plan="auto": the planner ahead of the trace, then every stage of STAGES.
 PLANNED_STAGES: tuple[Stage, ...] = insert_stage(STAGES, PLAN_STAGE, before=JOINT)

@@ -28,8 +28,8 @@ from torch import nn
 from autoparallel.parallelize.plan import TPRule
 from verify.model_case import ModelCase
 
-__all__ = ["HYBRID_BATCH_PINS", "ZOO", "ClampedCoefs", "DropPath", "LogSigmoidGate", "MaskFromPythonData", "Prototypes",
-           "StridedDepthwiseConv", "conv_batch", "convnet", "gpt2", "ln_mlp"]
+__all__ = ["HYBRID_BATCH_PINS", "ZOO", "ClampedCoefs", "DropPath", "LogSigmoidGate", "MaskFromPythonData", "ONE_HOT_PARTIAL_PINS", "OneHotRouter",
+           "Prototypes", "StridedDepthwiseConv", "conv_batch", "convnet", "gpt2", "ln_mlp", "one_hot_loss", "routed_batch"]
 
 
 # --- GPT-2 style -------------------------------------------------------------------------------
@@ -332,3 +332,39 @@ class ClampedCoefs(nn.Module):
     def forward(self, x):
         self.coefs.weight.data.clamp_(-0.1, 0.1)
         return self.head(torch.tanh(self.coefs(x)))
+
+
+class OneHotRouter(nn.Module):
+    """dbrx's router in small: each token's top expert as ``F.one_hot`` of the router's argmax
+    gates the experts' outputs. ``one_hot`` checks its indices (``aten._assert_async.msg``: "Class
+    values must be non-negative", "... smaller than num_classes"), calls with no output that the
+    planner places on the whole value (``autoparallel.planner.side_effects``)."""
+
+    def __init__(self, dim: int = 16, experts: int = 4, classes: int = 4):
+        super().__init__()
+        self.experts = experts
+        self.router = nn.Linear(dim, experts)
+        self.up = nn.Linear(dim, dim * experts)
+        self.head = nn.Linear(dim, classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        logits = self.router(x)
+        gate = logits.softmax(-1) * F.one_hot(logits.argmax(-1), self.experts).to(x.dtype)
+        h = self.up(x).unflatten(-1, (self.experts, -1))
+        return self.head((gate.unsqueeze(-1) * h).sum(-2).mean(1))
+
+
+def one_hot_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Cross-entropy against ``F.one_hot`` of the labels: the one_hot's checks read the data (a
+    negative label raises "Class values must be non-negative", in eager and on every rank)."""
+    return -(F.one_hot(labels, logits.shape[-1]).to(logits.dtype) * logits.log_softmax(-1)).sum(-1).mean()
+
+
+def routed_batch(n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.randn(n, 4, 16), torch.randint(0, 4, (n,))
+
+
+#: The labels' "non-negative" check of :func:`one_hot_loss` on ``dp=2,tp=2`` with its ``all`` pinned
+#: to each data-parallel rank's rows (``Partial(product)``: a rank's term, not the value): the
+#: assert must be moved to the whole value (one all-reduce of one bool) before it runs.
+ONE_HOT_PARTIAL_PINS = {"-/fwd/aten.all.default#2": "dp:P(product),tp:R"}

@@ -278,6 +278,13 @@ def canonical_keys(graph: fx.Graph, blocks: dict[str, str]) -> dict[str, str]:
     return keys
 
 
+def module_of(node: fx.Node) -> str:
+    """The module whose forward made the node (``custom[MODULE_PATH]``, written while tracing;
+    backward nodes inherit their forward node's), or ``the model`` at the top level."""
+    path = (node.meta.get(M.CUSTOM) or {}).get(M.MODULE_PATH)
+    return repr(path) if path else "the model"
+
+
 def tensor_args(node: fx.Node) -> list[fx.Node]:
     """The node's tensor inputs in the order DTensor strategies list them (args, then kwargs)."""
     return [a for a in pytree.tree_leaves((node.args, node.kwargs)) if isinstance(a, fx.Node)]

@@ -26,9 +26,10 @@ module makes it:
   fallbacks (``Solution.fallbacks``: an op with no strategy, a random op that is not a dropout) on
   inputs gathered to ``Replicate``: the whole op on every rank, its output then split to the
   plan's placement; a plan that feeds one a sharded input is refused (a random op would draw on a
-  shard, no slice of the single-device draw). A lifted tensor constant (``get_attr``) is whole on
-  every rank. An output whose DTensor placement is not the planned one is redistributed to the
-  plan and reported.
+  shard, no slice of the single-device draw). So does a call run only for its side effect (an
+  assert, a print: ``autoparallel.planner.side_effects``), on inputs gathered to ``Replicate``,
+  with no output to place. A lifted tensor constant (``get_attr``) is whole on every rank. An
+  output whose DTensor placement is not the planned one is redistributed to the plan and reported.
 * :func:`lower_plan` traces that interpreter with ``make_fx`` (under ``preserve_node_meta``, so
   every new node carries its unsharded node's phase and module path, and a redistribution the
   phase of the op that needed it), makes each non-zero-dim gather and scatter DTensor still
@@ -73,8 +74,9 @@ from autoparallel.parallelize.plan import ParallelPlan
 from autoparallel.passes.permuted_split_cat import permuted_split_cat
 from autoparallel.passes.value_guards import counts_as_guarded
 from autoparallel.planner.batch_local import runs_batch_local
-from autoparallel.planner.graph import ALIAS, PlanningGraph
+from autoparallel.planner.graph import ALIAS, PlanningGraph, module_of
 from autoparallel.planner.moves import direct_move, pair_name
+from autoparallel.planner.side_effects import is_side_effect
 from autoparallel.planner.solution import Solution, parse_placement
 from autoparallel.planner.replay import replays
 from autoparallel.planner.strategies import PLANNER_RULES, divides, is_undroppable_random, planned_by_decomposition
@@ -289,6 +291,11 @@ class PlacedInterpreter(fx.Interpreter):
         planned = self.placed[node].out
         if target is ALIAS:
             return tensors[0][0]
+        if is_side_effect(node):
+            # An assert or a print (planner/side_effects.py): on its whole inputs, as planned, so
+            # every rank checks the value the single-device program checks; no output to place.
+            refuse_sharded_inputs(node, self.keys.get(node.name), [pl for _, _, pl in tensors])
+            return super().call_function(target, args, kwargs)
         if not tensors:
             # A factory op: make the global value, keep this rank's piece of it.
             out = super().call_function(target, args, kwargs)
@@ -424,13 +431,6 @@ def check_replicated_fallbacks(pg: PlanningGraph, plan: Solution) -> None:
         key = pg.keys.get(node.name)
         if key in plan.fallbacks or is_undroppable_random(node.target):
             refuse_sharded_inputs(node, key, placed[node].ins)
-
-
-def module_of(node: fx.Node) -> str:
-    """The module whose forward made the node (``custom[MODULE_PATH]``, written while tracing;
-    backward nodes inherit their forward node's), or ``the model`` at the top level."""
-    path = (node.meta.get(M.CUSTOM) or {}).get(M.MODULE_PATH)
-    return repr(path) if path else "the model"
 
 
 def _dim_order(t: torch.Tensor) -> list[int]:

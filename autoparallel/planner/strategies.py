@@ -15,7 +15,9 @@ outputs and the placements it needs its tensor inputs in), in a deterministic or
   every rank runs the unsharded op; the edges into it price the gathers, the op's compute is
   the whole op's). So does a random op that is not a dropout (``torch.rand``, ``bernoulli`` of
   a drop path): every rank draws the whole tensor, the single-device draw, and keeps its piece.
-  So does an op that reads its input's data (:func:`reads_data`: a value guard, a mask's count).
+  So does an op that reads its input's data (:func:`reads_data`: a value guard, a mask's count),
+  and a call run only for its side effect (``autoparallel.planner.side_effects``: an assert, a
+  print), with no output: every rank runs it on the whole inputs, as the single-device program does.
   :attr:`StrategyEnumerator.fallbacks` names every node that took it, and why.
 * Tensor constants (``get_attr``: a tensor the model makes from Python data in forward, lifted
   into the graph): replicated, as every rank holds the whole constant.
@@ -53,7 +55,8 @@ from autoparallel import meta as M
 from autoparallel.ac import is_random
 from autoparallel.parallelize.traced_values import MASK_OPS, NONZERO
 from autoparallel.passes.value_guards import GUARD, GUARD_ROWS
-from autoparallel.planner.graph import ALIAS, tensor_args
+from autoparallel.planner.graph import ALIAS, module_of, tensor_args
+from autoparallel.planner.side_effects import is_side_effect
 from autoparallel.planner.strided import sharded_dim, strided_variants
 
 log = logging.getLogger(__name__)
@@ -84,6 +87,8 @@ NO_STRATEGY = "no sharding strategy: inputs gathered to Replicate, the whole op 
 RANDOM_OP = "random op, not a dropout: every rank draws the whole tensor (the single-device draw)"
 DATA_DEPENDENT = ("reads its input's data (a value guard, or a mask's count as the output's size): inputs gathered "
                   "to Replicate, the whole op on every rank, as the trace read it on the whole batch")
+SIDE_EFFECT = ("runs only for its side effect (an assert, a print; no output): inputs gathered to Replicate, so every "
+               "rank runs it on the whole value, as the single-device program does")
 
 
 def is_dropout(op) -> bool:
@@ -137,14 +142,19 @@ def tensor_meta(t: torch.Tensor) -> TensorMeta:
 
 
 def out_metas(node: fx.Node) -> tuple[TensorMeta | None, ...]:
+    """The node's tensor outputs (None for an output that is no tensor); none for a call run only
+    for its side effect (``side_effects.is_side_effect``)."""
     val = node.meta.get(M.VAL)
     if isinstance(val, torch.Tensor):
         return (tensor_meta(val),)
     if isinstance(val, list | tuple):
         return tuple(tensor_meta(v) if isinstance(v, torch.Tensor) else None for v in val)
+    if is_side_effect(node):
+        return ()
     raise ValueError(
-        f"node {node.name!r} ({node.format_node()}) has no tensor meta['val']; the planner needs "
-        "FakeTensor values on every node (trace with autoparallel.planner.trace_planning_graph)"
+        f"node {node.name!r} ({node.format_node()}) in module {module_of(node)} has no tensor meta['val'] and "
+        f"{len(node.users)} users; the planner needs FakeTensor values on every node it places (trace with "
+        "autoparallel.planner.trace_planning_graph)"
     )
 
 
@@ -295,6 +305,8 @@ class StrategyEnumerator:
 
     def _candidates_or_fallback(self, node, producer_placements, metas_out, metas_in, partials) -> tuple[list[Candidate], str | None]:
         op = node.target
+        if is_side_effect(node):
+            return [self.replicated_fallback(metas_out, metas_in)], SIDE_EFFECT
         if is_undroppable_random(op):
             return [self.replicated_fallback(metas_out, metas_in)], RANDOM_OP
         if reads_data(node):

@@ -1,7 +1,8 @@
 """The independent plan checker's ``semantics`` group (verify/parity/plan_check.py runs it): each op
 run on every simulated rank's shard of real values in its chosen input placements, the outputs
 reassembled in its chosen output placements and compared with the unsharded op's output; ranks
-that claim a replicated output must agree. Nothing of the planner is imported here."""
+that claim a replicated output must agree; a call with no output (an assert) must get every input
+whole on every rank. Nothing of the planner is imported here."""
 
 from __future__ import annotations
 
@@ -80,6 +81,11 @@ def simulate(node, values, ins, outs, sizes, coords, seed) -> str | None:
     args = tensor_inputs(node)
     pieces = [_split(values[a], pl, sizes, coords, g) for a, pl in zip(args, ins, strict=True)]
     masks = [next((m[r] for _, m in pieces if m[r] is not None), None) for r in range(len(coords))]
+    want = values[node]
+    if want is None:  # a call with no output (an assert, a print): its effect is the unsharded one only on whole inputs
+        problem = _not_whole(pieces, [values[a] for a in args], coords)
+        if problem:
+            return problem
     local_outs = []
     schema = node.target._schema
     size_names = {i: a.name for i, a in enumerate(schema.arguments) if a.name in _SIZE_ARGS}
@@ -97,8 +103,7 @@ def simulate(node, values, ins, outs, sizes, coords, seed) -> str | None:
                     call_kwargs[name] = [-1 if v == -1 else s for v, s in zip(call_kwargs[name], local, strict=False)]
         got = node.target(*call_args, **call_kwargs)
         local_outs.append(list(got) if isinstance(got, list | tuple) else [got])
-    want = values[node]
-    wants = list(want) if isinstance(want, list | tuple) else [want]
+    wants = [] if want is None else list(want) if isinstance(want, list | tuple) else [want]
     for k, (pl, ref) in enumerate(zip(outs, wants, strict=True)):
         if pl is None or not isinstance(ref, torch.Tensor):
             continue
@@ -111,6 +116,18 @@ def simulate(node, values, ins, outs, sizes, coords, seed) -> str | None:
         problem = _differs(full, ref)
         if problem:
             return f"output {k} ({pl}) reassembled from the ranks differs from the unsharded op: {problem}"
+    return None
+
+
+def _not_whole(pieces, fulls, coords) -> str | None:
+    """The first rank whose piece of an input is not the whole unsharded value, described; None
+    when every rank passes every input whole (what a call run for its side effect needs: a check of
+    a piece, or of one rank's term of a Partial, is another check than the single-device one)."""
+    for k, ((local, _), full) in enumerate(zip(pieces, fulls, strict=True)):
+        for r, c in enumerate(coords):
+            if local[r].shape != full.shape or not torch.equal(local[r], full):
+                return (f"input {k}: rank {c} passes a piece of shape {tuple(local[r].shape)}, not the whole value "
+                        f"{tuple(full.shape)}: a call with no output (an assert, a print) runs only on the whole value")
     return None
 
 
