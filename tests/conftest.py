@@ -309,6 +309,10 @@ def pytest_configure(config):
     config.addinivalue_line(
         "markers", "hf_full: a Hugging Face matrix cell outside CI's fixed subset (tests/parity/test_hf_parity.py "
         "CI_SUBSET); run them with pytest -m hf_full --ap-run-slow, or every model type with python -m verify sweep")
+    config.addinivalue_line(
+        "markers", "slow_full: a slow test outside CI's slow step (.ci/run keeps it under 30 minutes): a world size, "
+        "model or cell whose class another test of that step already covers; each marking says which. Run them "
+        "with pytest -m slow_full --ap-run-slow")
     if _loadgroup_run(config) and not hasattr(config, "workerinput") and config.getvalue("numprocesses"):
         config.stash[_GROUPS_KEY] = tempfile.mkdtemp(prefix="ap-xdist-groups-")
     config.stash[_GC_KEY] = stack = contextlib.ExitStack()

@@ -6,8 +6,10 @@ last bit (gpt2 under DDP on dp=4: second_compile and the collective passes "NOT 
 348 tensors). The parity worlds reduce in rank order (``verify.parity.ordered_collectives``, on by
 default), and then every stage is bitwise there too; the oracle's tolerance is unchanged.
 
-One world per (model, plan, mesh), each a test: CI's slow step runs them all (``slow``: 8-rank
-worlds are processes on a 2-core machine). plan="auto" runs the LLaMA preset's planned parity
+One world per (model, plan, mesh), each a test (``slow``: 8-rank worlds are processes on a 2-core
+machine). CI's slow step runs ``CI_WORLDS``: every plan on every mesh shape at least once, models
+varied; the others are ``slow_full`` (``pytest -m slow_full --ap-run-slow``), to keep CI under 30
+minutes. plan="auto" runs the LLaMA preset's planned parity
 (``verify.parity.planned``: the stages it covers) on the same meshes. The quick tier keeps the
 mode's own tests (tests/unit/verify/parity/test_ordered_collectives.py, the bucket-layout property) and
 the dp=2 worlds.
@@ -32,6 +34,10 @@ MODELS = {"tiny": {"preset": "tiny"}, "gpt2": {"case": zoo.gpt2}, "convnet": {"c
 ONE_D = ("dp=4", "dp=8")
 TWO_D = ("dp=2,tp=2", "dp=4,tp=2")
 STEPS = 2
+# What CI's slow step runs: every plan at 4 or 8 ranks and on a 2-D mesh, each model at least once.
+CI_WORLDS = {("tiny", "fsdp", "dp=8"), ("tiny", "ddp", "dp=8"), ("gpt2", "fsdp", "dp=4"), ("gpt2", "ddp", "dp=4"),
+             ("convnet", "fsdp", "dp=4"), ("tiny", "fsdp_tp", "dp=4,tp=2"), ("gpt2", "fsdp_tp", "dp=2,tp=2")}
+CI_PLANNED = {"dp=8", "dp=4,tp=2"}  # dp=2,tp=2 planned: tests/parity/test_planned_parity.py's 2x2 world
 
 
 def _worlds():
@@ -46,7 +52,8 @@ def _worlds():
 
 @pytest.mark.slow  # up to 8 ranks per world, every stage on each
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize(("model", "plan", "mesh"), list(_worlds()), ids=lambda v: str(v))
+@pytest.mark.parametrize(("model", "plan", "mesh"), [
+    pytest.param(*w, marks=[] if w in CI_WORLDS else [pytest.mark.slow_full], id="-".join(w)) for w in _worlds()])
 def test_every_stage_is_bitwise_at_this_world_size(model, plan, mesh):
     scenario = Scenario(plan=plan, mesh=mesh, **MODELS[model])
     ranks = run_stage_parity(scenario, STEPS)
@@ -59,7 +66,8 @@ def test_every_stage_is_bitwise_at_this_world_size(model, plan, mesh):
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("mesh", ["dp=4", "dp=8", *TWO_D])
+@pytest.mark.parametrize("mesh", [
+    pytest.param(m, marks=[] if m in CI_PLANNED else [pytest.mark.slow_full]) for m in ("dp=4", "dp=8", *TWO_D)])
 def test_the_planned_stages_are_bitwise_at_this_world_size(mesh):
     """What ``python -m verify report --plan auto`` runs, on this mesh: each planned stage
     bitwise against the plan's placements run eagerly, the replay within its tolerance."""
