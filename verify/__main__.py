@@ -194,6 +194,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="seconds allowed per disabled run (default: 300)")
     m.add_argument("-j", "--jobs", type=_positive(int), default=1,
                    help="patches whose guards run at once, each in its own pytest process (default: 1)")
+    m.add_argument("--baseline", action="append", metavar="FILE",
+                   help="outcomes of an earlier pytest run on this tree ($AUTOPARALLEL_OUTCOME_LOG): its guards "
+                        "are not run again with every patch enabled (repeatable; CI passes its tier and slow step)")
     m.add_argument("--lines", action="store_true", help="line-level mutation with mutmut (slow)")
     from verify.commands.mutation.lines import (  # stdlib only, like the rest of the parser
         TARGETS,

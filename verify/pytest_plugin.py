@@ -102,6 +102,18 @@ def pytest_configure(config: pytest.Config) -> None:
             )
         return
     config.pluginmanager.register(VerifyPlugin(config), _ACTIVE)
+    _record_outcomes_when_asked(config)
+
+
+def _record_outcomes_when_asked(config: pytest.Config) -> None:
+    """With ``$AUTOPARALLEL_OUTCOME_LOG`` set, every test's outcome goes to that file (the
+    mutation harness's plugin): CI records its tier and slow step so that ``python -m verify
+    mutate --baseline FILE`` need not run every guard again with every patch enabled. Loaded by
+    name, so a run that also passes ``-p`` for it (the harness's own) registers it once."""
+    from verify.commands.mutation.outcome_log import ENV
+
+    if os.environ.get(ENV):
+        config.pluginmanager.import_plugin("verify.commands.mutation.outcome_log")
 
 
 def cuda_device_count(config: pytest.Config) -> int:

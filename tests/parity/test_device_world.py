@@ -4,10 +4,10 @@ test_gpu_compile.py), run here on forked gloo ranks, so that CI without a GPU ch
 In the tier: the host-staged collectives' kernels (what a one-GPU world runs instead of gloo's
 CUDA collectives), called on CPU tensors against gloo's own. In the slow step (the tier has the
 second compile's parity on the same world: test_compile_parity.py): the tiny LLaMA preset under
-FSDP, eager twice and the aot_eager second compile, all bitwise; and the same graphs compiled by
-Inductor (C++ on the CPU), which must be within the stated tolerance and, since Inductor reorders
-sums, not bitwise (were the pipeline's ``compiler`` option ignored, the run would be aot_eager's,
-and bitwise).
+FSDP, eager twice and the aot_eager second compile, all bitwise. Outside CI (``slow_full``): the
+same graphs compiled by Inductor (C++ on the CPU), which must be within the stated tolerance and,
+since Inductor reorders sums, not bitwise (were the pipeline's ``compiler`` option ignored, the run
+would be aot_eager's, and bitwise).
 """
 
 from __future__ import annotations
@@ -75,6 +75,8 @@ def test_on_cpu_eager_repeats_and_the_aot_eager_second_compile_are_bitwise():
 
 
 @pytest.mark.slow
+@pytest.mark.slow_full  # 85 s of cold compiles; CI keeps this world's aot_eager run (above) and Inductor
+# through the pipeline's backend (tests/unit/autoparallel/test_compile.py's smoke test)
 @pytest.mark.timeout(600)
 def test_on_cpu_the_inductor_second_compile_is_within_tolerance_and_not_bitwise():
     ranks = run_device_parity(CELL, ("inductor",), device="cpu", steps=2, timeout_s=500)

@@ -131,6 +131,7 @@ def test_standalone_torchrun_runs_the_world_on_its_own_four_ranks():
 
 @needs_torchrun
 @pytest.mark.slow
+@pytest.mark.slow_full  # 21 s of torchrun start-up; the refusal's line: the tier's test above, in process
 @pytest.mark.timeout(180)
 def test_the_report_refuses_a_mesh_that_is_not_the_launched_world_on_every_rank():
     ((rc, out, _),) = _launch([*TORCHRUN, "--standalone", "--nproc-per-node", "2", "-m", "verify", "report",

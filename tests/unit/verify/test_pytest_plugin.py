@@ -500,3 +500,17 @@ def test_a_golden_diff_page_that_cannot_be_written_does_not_hide_the_failure(pyt
     assert out.returncode == 1
     assert "(no HTML diff: OSError: disk full)" in out.stdout
     assert "--- golden test_one.txt" in out.stdout and "graph changed: golden file" in out.stdout
+
+
+def test_outcomes_are_recorded_where_the_variable_asks_for_them(project, run, tmp_path):
+    """$AUTOPARALLEL_OUTCOME_LOG (CI's tier and slow step, for ``verify mutate --baseline``): this
+    session's tests and nothing else, though it runs inside another pytest's process."""
+    log = tmp_path / "outcomes.json"
+    run(env_extra={"AUTOPARALLEL_OUTCOME_LOG": str(log)})
+    outcomes = json.loads(log.read_text())
+    assert set(outcomes) == {f"test_gates.py::{t}" for t in ("test_needs_gpu", "test_needs_two_gpus", "test_needs_four_gpus",
+                                                            "test_slow", "test_plain", "test_in_browser")}
+    assert outcomes["test_gates.py::test_plain"] == "passed" and outcomes["test_gates.py::test_slow"] == "skipped"
+    log.unlink()
+    run()
+    assert not log.exists()

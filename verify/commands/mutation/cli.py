@@ -20,6 +20,8 @@ def _check_level_flags(args) -> None:
         raise ValueError(f"{', '.join(lines_only)}: line-level options; add --lines, or leave them out for patch-level mutation")
     if args.jobs != 1 and args.lines:
         raise ValueError("-j/--jobs: patch-level only (line-level runs take -n, mutmut's workers)")
+    if args.baseline and args.lines:
+        raise ValueError("--baseline: patch-level only")
 
 
 def main(args) -> int:
@@ -44,7 +46,7 @@ def main(args) -> int:
 
     t0 = time.perf_counter()
     results = patch_mutation.mutate(patches, workers=args.workers, timeout_s=args.timeout, cwd=repo_root(),
-                                    progress=progress, jobs=args.jobs)
+                                    progress=progress, jobs=args.jobs, baselines=args.baseline or ())
     killed = sum(r.state == "killed" for r in results)
     if args.json:
         print(json.dumps({"patches": [r.to_dict() for r in results], "killed": killed, "total": len(results),

@@ -7,9 +7,16 @@ skipped or missing with the patch *enabled*, or only errored when disabled: a cr
 collection or setup does not count as a kill, and neither does a guard that did not run at all
 with the patch disabled; only a guard that ran and failed kills).
 
-All guards first run once together with every patch enabled; then each patch's guards run in a
-fresh pytest subprocess with ``AUTOPARALLEL_DISABLE=<patch>`` (``jobs`` of them at once: the
-patches are independent, each run sees only its own variable).
+All guards first run once together with every patch enabled (on ``jobs`` xdist workers when no
+``workers`` are given: nothing else runs then); then each patch's guards run in a fresh pytest
+subprocess with ``AUTOPARALLEL_DISABLE=<patch>`` (``jobs`` of them at once: the patches are
+independent, each run sees only its own variable). ``baselines``: outcome files of earlier runs
+on this same tree (CI's tier and slow step, recorded through ``$AUTOPARALLEL_OUTCOME_LOG``); a
+guard they hold an outcome for (a skip is no outcome) is not run again with every patch enabled.
+A disabled run stops at its first failing guard
+(``-x``): one failure is a kill, and the guards after it would only cost time. When it stopped
+without a failure (an error, which is not a kill) it runs again whole, so a later guard that fails
+still kills the patch.
 """
 
 from __future__ import annotations
@@ -73,16 +80,19 @@ class PatchResult:
 
 
 def run_guards(
-    guards: Sequence[str], *, disable: str = "", workers: str | int = 0, timeout_s: float = 300.0, cwd: Path | None = None
+    guards: Sequence[str], *, disable: str = "", workers: str | int = 0, timeout_s: float = 300.0, cwd: Path | None = None,
+    stop_at_first_failure: bool = False,
 ) -> GuardRun:
-    """Run ``guards`` in a fresh pytest subprocess (its own process group; killed on timeout)."""
+    """Run ``guards`` in a fresh pytest subprocess (its own process group; killed on timeout);
+    ``stop_at_first_failure``: pytest's ``-x``."""
     with tempfile.TemporaryDirectory(prefix="ap-mutate-") as tmp:
         log = Path(tmp) / "outcomes.json"
         env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTEST_", "XDIST_"))}
         env[OUTCOME_ENV] = str(log)
         env[DISABLE_ENV] = disable
         cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "verify.commands.mutation.outcome_log",
-               "--snapshot-warn-unused", *run_slow_args(cwd or Path.cwd()), "-n", str(workers), *guards]
+               "--snapshot-warn-unused", *run_slow_args(cwd or Path.cwd()), "-n", str(workers),
+               *(["-x"] if stop_at_first_failure else []), *guards]
         t0 = time.perf_counter()
         proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                 text=True, start_new_session=True)
@@ -99,6 +109,21 @@ def run_guards(
         if log.exists():
             run.outcomes = json.loads(log.read_text())
         return run
+
+
+def recorded_outcomes(paths: Sequence[Path]) -> dict[str, str]:
+    """The outcomes in ``paths`` (outcome_log's JSON files), skips left out: a test the tier skips
+    as slow runs in the slow step, whose file may come first or not at all."""
+    merged: dict[str, str] = {}
+    for path in paths:
+        try:
+            outcomes = json.loads(Path(path).read_text())
+        except (OSError, json.JSONDecodeError) as e:
+            raise ValueError(f"--baseline {path}: not an outcome file ({e})") from None
+        if not isinstance(outcomes, dict):
+            raise ValueError(f"--baseline {path}: not an outcome file (a JSON object of node id -> outcome)")
+        merged.update({nid: o for nid, o in outcomes.items() if o != "skipped"})
+    return merged
 
 
 def _summarize(outcomes: Iterable[str]) -> str:
@@ -150,17 +175,25 @@ def mutate(
     cwd: Path | None = None,
     progress: Callable[[str], None] = lambda msg: None,
     jobs: int = 1,
+    baselines: Sequence[Path] = (),
 ) -> list[PatchResult]:
     """Classify each patch (objects with ``name`` and ``guards``), in ``patches``' order.
-    ``jobs``: how many patches' disabled runs (separate pytest processes) run at once."""
+    ``jobs``: how many patches' disabled runs (separate pytest processes) run at once;
+    ``baselines``: outcome files of earlier runs on this tree (see the module docstring)."""
     if jobs < 1:
         raise ValueError(f"jobs must be at least 1, got {jobs}")
     all_guards = list(dict.fromkeys(g for p in patches for g in p.guards))
-    baseline = GuardRun()
-    if all_guards:
-        progress(f"baseline: {len(all_guards)} guard id(s) with every patch enabled ...")
-        baseline = run_guards(all_guards, workers=workers, timeout_s=timeout_s * max(1, len(patches)), cwd=cwd)
+    recorded = GuardRun(outcomes=recorded_outcomes(baselines), returncode=0)
+    to_run = [g for g in all_guards if not recorded.for_guard(g)]
+    if baselines:
+        progress(f"baseline: {len(all_guards) - len(to_run)} of {len(all_guards)} guard id(s) recorded in {len(baselines)} file(s)")
+    baseline = recorded
+    if to_run:
+        baseline_workers = jobs if str(workers) == "0" and jobs > 1 else workers
+        progress(f"baseline: {len(to_run)} guard id(s) with every patch enabled, {baseline_workers} worker(s) ...")
+        baseline = run_guards(to_run, workers=baseline_workers, timeout_s=timeout_s * max(1, len(patches)), cwd=cwd)
         progress(f"baseline: {_summarize(baseline.outcomes.values())} in {baseline.seconds:.1f}s")
+        baseline.outcomes = {**recorded.outcomes, **baseline.outcomes}
     # pytest refuses the whole run when one id does not exist (exit 4), and one hanging guard
     # stops the whole run at the limit: then each patch gets its own baseline, so one stale or
     # slow guard cannot hide the others' results.
@@ -175,13 +208,19 @@ def mutate(
         base = baseline
         if per_patch_baseline and guards:
             base = run_guards(guards, workers=workers, timeout_s=timeout_s, cwd=cwd)
+            base.outcomes = {**recorded.outcomes, **base.outcomes}
         state, detail = classify(guards, base, None)
         disabled_run = None
         t0 = time.perf_counter()
         if state == "error" and detail == "disabled run missing":
             progress(f"[{i}/{len(patches)}] {patch.name}: disabling, running {len(guards)} guard(s) ...")
-            disabled_run = run_guards(guards, disable=patch.name, workers=workers, timeout_s=timeout_s, cwd=cwd)
+            disabled_run = run_guards(guards, disable=patch.name, workers=workers, timeout_s=timeout_s, cwd=cwd,
+                                      stop_at_first_failure=True)
             state, detail = classify(guards, base, disabled_run)
+            if state != "killed" and not disabled_run.timed_out and any(not disabled_run.for_guard(g) for g in guards):
+                progress(f"[{i}/{len(patches)}] {patch.name}: stopped without a failure; running every guard ...")
+                disabled_run = run_guards(guards, disable=patch.name, workers=workers, timeout_s=timeout_s, cwd=cwd)
+                state, detail = classify(guards, base, disabled_run)
         seconds = time.perf_counter() - t0
         enabled = _summarize(o for g in guards for o in base.for_guard(g)) if guards else "-"
         disabled = _summarize(o for g in guards for o in disabled_run.for_guard(g)) if disabled_run else "-"

@@ -4,6 +4,7 @@ did not run and timeouts are never kills."""
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from types import SimpleNamespace
@@ -16,6 +17,7 @@ from verify.commands.mutation.patches import GuardRun, classify
 
 A = "tests/test_x.py::test_a"
 B = "tests/test_x.py::test_b"
+C = "tests/test_x.py::test_c"
 BASE = GuardRun(outcomes={A: "passed", B: "passed", A + "b": "passed"}, returncode=0)
 
 
@@ -83,11 +85,49 @@ def _report(nodeid, when, outcome):
         ([("setup", "skipped"), ("teardown", "passed")], "skipped"),
     ],
 )
-def test_outcome_log_records_what_the_harness_needs(monkeypatch, phases, recorded):
-    monkeypatch.setattr(outcome_log, "_outcomes", {})
+def test_outcome_log_records_what_the_harness_needs(phases, recorded):
+    log = outcome_log._Recorder(None)
     for when, outcome in phases:
-        outcome_log.pytest_runtest_logreport(_report(A, when, outcome))
-    assert outcome_log._outcomes == {A: recorded}
+        log.pytest_runtest_logreport(_report(A, when, outcome))
+    assert log.outcomes == {A: recorded}
+
+
+def test_recorded_outcomes_merge_files_and_leave_skips_out(tmp_path):
+    """The tier skips a slow guard that the slow step runs: its skip is no outcome, whatever the
+    order of the files."""
+    tier, slow = tmp_path / "tier.json", tmp_path / "slow.json"
+    tier.write_text(json.dumps({A: "skipped", B: "passed"}))
+    slow.write_text(json.dumps({A: "passed"}))
+    assert harness.recorded_outcomes([slow, tier]) == harness.recorded_outcomes([tier, slow]) == {A: "passed", B: "passed"}
+    only_skipped = tmp_path / "skip.json"
+    only_skipped.write_text(json.dumps({A: "skipped"}))
+    assert harness.recorded_outcomes([only_skipped]) == {}
+    for bad in ("[1, 2]", "not json"):
+        (tmp_path / "bad.json").write_text(bad)
+        with pytest.raises(ValueError, match="not an outcome file"):
+            harness.recorded_outcomes([tmp_path / "bad.json"])
+    with pytest.raises(ValueError, match="not an outcome file"):
+        harness.recorded_outcomes([tmp_path / "missing.json"])
+
+
+def test_recorded_guards_are_not_run_again_and_a_recorded_failure_is_an_error(monkeypatch, tmp_path):
+    """With a recorded baseline only the guards it lacks run with every patch enabled; a guard it
+    records as failing makes its patch an error, as a failing baseline run would."""
+    ran: list[tuple[tuple[str, ...], str]] = []
+
+    def run_guards(guards, *, disable="", **kw):
+        ran.append((tuple(guards), disable))
+        return GuardRun(outcomes={g: "failed" if disable else "passed" for g in guards}, returncode=0)
+
+    monkeypatch.setattr(harness, "run_guards", run_guards)
+    recorded = tmp_path / "tier.json"
+    recorded.write_text(json.dumps({A: "passed", B: "failed"}))
+    patches = [SimpleNamespace(name="p_a", guards=(A, C)), SimpleNamespace(name="p_b", guards=(B,))]
+    out = {r.name: r for r in harness.mutate(patches, baselines=[recorded])}
+    assert ran[0] == ((C,), "")  # the baseline: C only
+    assert out["p_a"].state == "killed" and out["p_a"].enabled == "2 passed"
+    assert out["p_b"].state == "error" and "do not pass with the patch enabled" in out["p_b"].detail
+    assert [d for _, d in ran[1:]] == ["p_a"]  # p_b's disabled run is never started
 
 
 @pytest.mark.parametrize("jobs", [1, 3])

@@ -42,11 +42,18 @@ GUARDS = textwrap.dedent(
 
     @pytest.fixture
     def fixture_that_crashes():
-        if _disabled("p_setup_error"):
+        if _disabled("p_setup_error") or _disabled("p_error_then_kill"):
             raise RuntimeError("setup blew up")
 
     def test_setup(fixture_that_crashes):
         pass
+
+    def test_fails_when_first_or_later_disabled():
+        assert not (_disabled("p_first") or _disabled("p_error_then_kill"))
+
+    def test_sleeps_when_first_disabled():
+        if _disabled("p_first"):
+            time.sleep(60)
 
     @pytest.mark.parametrize("x", [1, 2])
     def test_param(x):
@@ -101,6 +108,8 @@ def results(tmp_path_factory, short_limit_for_hanging_runs):
         FakePatch("p_broken", (g + "test_broken",)),
         FakePatch("p_setup_error", (g + "test_setup",)),
         FakePatch("p_param", (g + "test_param",)),
+        FakePatch("p_first", (g + "test_fails_when_first_or_later_disabled", g + "test_sleeps_when_first_disabled")),
+        FakePatch("p_error_then_kill", (g + "test_setup", g + "test_fails_when_first_or_later_disabled")),
     ]
     out = mutate(patches, workers=0, timeout_s=LIMIT_S, cwd=root, jobs=2)  # two runs at once, as CI runs it
     return {r.name: r for r in out}, out, root
@@ -116,6 +125,8 @@ def results(tmp_path_factory, short_limit_for_hanging_runs):
         ("p_broken", "error"),
         ("p_setup_error", "error"),
         ("p_param", "killed"),
+        ("p_first", "killed"),
+        ("p_error_then_kill", "killed"),
     ],
 )
 def test_states(results, name, state):
@@ -126,9 +137,21 @@ def test_states(results, name, state):
 def test_table_reports_kill_rate_and_reasons(results):
     _, out, _ = results
     table = format_table(out)
-    assert "kill rate: 2/7 patches killed (29%)" in table
+    assert "kill rate: 4/9 patches killed (44%)" in table
     assert "p_weak: survived: every guard passed with the patch disabled" in table
     assert "p_broken: error: guard(s) do not pass with the patch enabled" in table
+
+
+def test_a_disabled_run_stops_at_its_first_failing_guard(results):
+    """One failure kills the patch: the guard after it (which would sleep 60 s) never runs."""
+    by_name, _, _ = results
+    assert (by_name["p_first"].enabled, by_name["p_first"].disabled) == ("2 passed", "1 failed")
+
+
+def test_a_run_stopped_by_an_error_runs_again_whole_and_a_later_failure_kills(results):
+    """An error is not a kill, so the stop it caused cannot hide the failing guard after it."""
+    by_name, _, _ = results
+    assert by_name["p_error_then_kill"].disabled == "1 failed 1 error"
 
 
 def test_baseline_that_times_out_is_a_timeout_not_a_missing_guard(results, short_limit_for_hanging_runs):
