@@ -254,3 +254,23 @@ def test_rounds_with_the_default_sizes_give_feasible_plans():
     job = priced.start(from_dict({"problem": copy.deepcopy(problem)}), time.perf_counter() + 60, rounds=2)
     x, bound = priced.collect(job)
     assert x is not None and evaluate(problem, [int(v) for v in x]) >= _optimum(problem) >= bound - 1e-6
+
+
+def test_collect_without_waiting_reads_the_plan_of_a_child_that_still_runs(tmp_path):
+    """Past the solve's hard deadline the rounds are collected at once: the plan the child wrote
+    is read without waiting for its stop time, and the child is killed (reaped later)."""
+    import subprocess
+    import sys
+    import tempfile
+
+    tmp = tempfile.TemporaryDirectory(prefix="iopddl-priced-test-")
+    out = os.path.join(tmp.name, "best.json")
+    priced_child.write(out, {"solution": [1, 0, 1], "cost": 7, "round": 3, "bound": 2.0})
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    job = priced.Priced(proc, tmp, out, time.perf_counter() + 30)
+    t = time.perf_counter()
+    x, bound = priced.collect(job, wait=False)
+    assert time.perf_counter() - t < 5.0  # not the 30 s to its stop time
+    assert x.tolist() == [1, 0, 1] and bound == 2.0
+    proc.wait(timeout=30)  # killed
+    assert proc.returncode != 0
