@@ -258,7 +258,7 @@ def main(args) -> None:
     net = network(model)
     lam = np.where(search.profile(net, [int(np.argmax(u)) for u in model["usage"]]) > limit, base, 0.0)
     best, bound = np.inf, None
-    schedule = Schedule(lam, limit, growth, relax) if options.get("schedule", "fit") == "fit" else None
+    schedule = Schedule(lam, limit, growth, relax, options.get("step", 0.5)) if options.get("schedule", "fit") == "fit" else None
     tables: dict = {}  # the edge tables, kept between rounds (build)
     cpu, backtracks = options.get("round_cpu", 0), options.get("backtracks", ROUND_BACKTRACKS)
     for r in range(options.get("rounds", 40)):

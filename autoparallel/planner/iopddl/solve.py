@@ -44,9 +44,9 @@ REDUCE_SHARE = 0.25  # at most this share of the time goes to the reductions
 # on M their first feasible plan was 1.01x the contest's best against 1.8x from descent + star moves.
 PRICED_SHARE = 0.9
 PRICED_NODES = 1000  # and only from this many nodes (below, cfn.py's constrained network is small)
-# Seconds past the deadline after which the alarm (deadline.py) stops whatever phase still runs
-# and the solve returns its last kept plan: phases check the deadline themselves, this catches
-# the ones that do not in time (C and Q overran 120 s by up to 22 s at load ~17).
+# Seconds (at most a tenth of the time) between the deadline the phases check and the hard one, the
+# alarm (deadline.py), which stops whatever phase still runs; the hard one keeps the measured closing
+# before the limit (deadline.Closing; C and Q overran 120 s by up to 22 s at load ~17 before).
 HARD_GRACE = 0.5
 
 
