@@ -214,7 +214,7 @@ BISECTED = 0.02  # a price this close above one that went over is not lowered an
 class Schedule:
     """The prices round after round. Until a plan fits: next_prices (grow at the overfull steps).
     Then a search down from the prices that fit, step by step: a round that fits lowers the
-    prices at its steps with slack only (times ``step``, 0.5; no lower than halfway, in ratio,
+    prices at its steps with slack only (times ``step``: 0.5, main's 0.25; no lower than halfway, in ratio,
     to the highest price that went over there: a bisection), and remembers them as the last
     prices that fit; a round that goes over remembers its prices at the overfull steps as too
     low (``low``), and puts them back to the last prices that fit (where they were not lowered,
@@ -258,7 +258,7 @@ def main(args) -> None:
     net = network(model)
     lam = np.where(search.profile(net, [int(np.argmax(u)) for u in model["usage"]]) > limit, base, 0.0)
     best, bound = np.inf, None
-    schedule = Schedule(lam, limit, growth, relax, options.get("step", 0.5)) if options.get("schedule", "fit") == "fit" else None
+    schedule = Schedule(lam, limit, growth, relax, options.get("step", 0.25)) if options.get("schedule", "fit") == "fit" else None
     tables: dict = {}  # the edge tables, kept between rounds (build)
     cpu, backtracks = options.get("round_cpu", 0), options.get("backtracks", ROUND_BACKTRACKS)
     for r in range(options.get("rounds", 40)):
