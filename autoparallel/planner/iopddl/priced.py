@@ -69,16 +69,18 @@ def start_file(path: str, stop: float, min_nodes: int, min_pairs: int, rounds: i
                                                     "round_cpu": round_cpu, "min_nodes": min_nodes, "min_pairs": min_pairs})
 
 
-def collect(job: Priced, clock=time.perf_counter, say=lambda m: None):
-    """Wait for the child until its stop time, stop it, and return (plan or None, bound or None).
-    Collected again, the same answer: the solve's deadline handler collects once more when the
-    alarm came before the first collect's plan was kept (D at load 10-18 lost a 1.66x plan so)."""
+def collect(job: Priced, clock=time.perf_counter, say=lambda m: None, wait: bool = True):
+    """Wait for the child until its stop time (``wait``; else not at all: past the solve's hard
+    deadline), stop it, and return (plan or None, bound or None). The child replaces its file
+    atomically, so it is read whole whether the child still runs or not. Collected again, the
+    same answer: the solve's deadline handler collects once more when the alarm came before the
+    first collect's plan was kept (D at load 10-18 lost a 1.66x plan so)."""
     if job.collected is not None:
         return job.collected
     try:
-        job.proc.wait(timeout=max(0.1, job.stop - clock()))
+        job.proc.wait(timeout=max(0.1, job.stop - clock()) if wait else 0)
     except subprocess.TimeoutExpired:
-        stop(job)
+        stop(job, wait=wait)
         say("priced toulbar2 rounds stopped at their deadline")
     try:
         with open(job.out) as f:
@@ -92,8 +94,11 @@ def collect(job: Priced, clock=time.perf_counter, say=lambda m: None):
     return job.collected
 
 
-def stop(job: Priced) -> None:
-    """Stop the child if it still runs (collected or not: a solve that fails must not leave it)."""
+def stop(job: Priced, wait: bool = True) -> None:
+    """Stop the child if it still runs (collected or not: a solve that fails must not leave it).
+    Without ``wait`` it is killed and reaped later (by a ``stop`` that waits, or by the
+    interpreter): on D at load 15 waiting for the killed child's exit took 2.5 s past the deadline."""
     if job.proc.poll() is None:
         job.proc.kill()
+    if wait:
         job.proc.wait()

@@ -22,7 +22,7 @@ import numpy as np
 
 from autoparallel.planner.iopddl import priced
 from autoparallel.planner.iopddl.cfn import CFN_ENTRIES, model_size, solve_cfn, toulbar2_available
-from autoparallel.planner.iopddl.deadline import Incumbent, Overrun, alarm
+from autoparallel.planner.iopddl.deadline import CLOSING_SAFETY, Closing, Incumbent, Overrun, alarm
 from autoparallel.planner.iopddl.instance import Instance, forbid_unsupported
 from autoparallel.planner.iopddl.mip import PENALTY, solve_sub
 from autoparallel.planner.iopddl.penalty import penalty_search
@@ -44,9 +44,9 @@ REDUCE_SHARE = 0.25  # at most this share of the time goes to the reductions
 # on M their first feasible plan was 1.01x the contest's best against 1.8x from descent + star moves.
 PRICED_SHARE = 0.9
 PRICED_NODES = 1000  # and only from this many nodes (below, cfn.py's constrained network is small)
-# Seconds past the deadline after which the alarm (deadline.py) stops whatever phase still runs
-# and the solve returns its last kept plan: phases check the deadline themselves, this catches
-# the ones that do not in time (C and Q overran 120 s by up to 22 s at load ~17).
+# Seconds (at most a tenth of the time) between the deadline the phases check and the hard one, the
+# alarm (deadline.py), which stops whatever phase still runs; the hard one keeps the measured closing
+# before the limit (deadline.Closing; C and Q overran 120 s by up to 22 s at load ~17 before).
 HARD_GRACE = 0.5
 
 
@@ -134,13 +134,18 @@ def _neighbourhood(inst: Instance, rng, size: int, prof=None, around=None) -> np
 def solve(inst: Instance, time_limit: float = 120.0, seed: int = 0, progress=None, threads: int = 1,
           clock=time.perf_counter, full_mip_pairs: int = FULL_MIP_PAIRS,
           penalty_share: float = PENALTY_SHARE, cfn_entries: int = CFN_ENTRIES, reduce_first: bool = REDUCE,
-          priced_share: float = PRICED_SHARE, priced_nodes: int = PRICED_NODES, priced_job=None) -> Result:
-    """Best plan found within ``time_limit`` seconds (from this call); raise ValueError if none exists.
+          priced_share: float = PRICED_SHARE, priced_nodes: int = PRICED_NODES, priced_job=None,
+          closing: Closing | None = None) -> Result:
+    """Best plan found, returned within ``time_limit`` seconds (from this call) less the caller's
+    share of ``closing`` (its work after the return); raise ValueError if no plan exists.
 
     ``priced_job``: priced rounds the caller started on the instance's file before reading it
-    (priced.start_file); used when this instance wants them, else stopped. Stopped on return."""
+    (priced.start_file); used when this instance wants them, else stopped. Stopped on return.
+    ``closing``: the reserve kept for what runs after the hard deadline (deadline.Closing), fed
+    by the caller's busy stretches (reading); measured here on the first plan."""
     t0 = clock()
-    deadline = t0 + time_limit
+    limits = _Limits(t0 + time_limit, closing or Closing(clock=clock), clock)
+    deadline = limits.soft()
     say = progress or (lambda msg: None)
     pairs = sum(m.size for m in inst.edge_cost)
     job = None
@@ -157,23 +162,56 @@ def solve(inst: Instance, time_limit: float = 120.0, seed: int = 0, progress=Non
         priced_job.tmp.cleanup()
     kept = Incumbent(-np.inf)
     try:
-        with alarm(deadline + HARD_GRACE - clock()):
-            return _solve(inst, t0, deadline, say, job, pairs, kept, seed=seed, threads=threads, clock=clock,
+        with alarm(limits.hard() - clock()) as rearm:
+            limits.rearm = rearm
+            return _solve(inst, t0, limits, say, job, pairs, kept, seed=seed, threads=threads, clock=clock,
                           full_mip_pairs=full_mip_pairs, penalty_share=penalty_share, cfn_entries=cfn_entries,
                           reduce_first=reduce_first, priced_share=priced_share, priced_nodes=priced_nodes)
     except Overrun:
-        say(f"hard deadline: stopped a phase {clock() - deadline:.1f}s past the deadline; the last kept plan")
+        say(f"hard deadline: stopped a phase {clock() - limits.soft():.1f}s past the deadline, "
+            f"{limits.end - clock():.1f}s left for the closing; the last kept plan")
         if job is not None:  # the phase stopped may have come before the priced rounds were collected
-            _keep_priced(inst, job, kept, clock, say)
+            _keep_priced(inst, job, kept, clock, say, wait=False)
         return _from_kept(inst, kept, t0, clock)
     finally:
-        if job is not None:
-            priced.stop(job)
+        if job is not None:  # killed, not waited for: a large child's exit took 2.5 s at load 15
+            priced.stop(job, wait=False)
 
 
-def _keep_priced(inst: Instance, job, kept: Incumbent, clock, say) -> None:
+class _Limits:
+    """The solve's two deadlines, kept before ``end`` by the measured closing: the hard one (the
+    alarm) and the soft one that phases check, HARD_GRACE (at most a tenth of the time) before."""
+
+    def __init__(self, end: float, closing: Closing, clock):
+        self.end, self.closing, self.clock, self.rearm = end, closing, clock, None
+        self.grace = min(HARD_GRACE, 0.1 * max(0.0, end - clock()))
+
+    def hard(self) -> float:
+        return self.end - self.closing.seconds()
+
+    def soft(self) -> float:
+        return self.hard() - self.grace
+
+    def update(self) -> float:
+        """The soft deadline after a new measurement; the alarm moved to the new hard one."""
+        if self.rearm is not None:
+            self.rearm(self.hard() - self.clock())
+        return self.soft()
+
+
+def _closing_work(inst: Instance, x) -> None:
+    """What the closing does with a plan, at most: the live and the priced plans' checks (profile
+    and cost each) and the exact cost of the one returned (a plan with a forbidden pair has
+    none: its float cost, the same loop, stands in)."""
+    for _ in range(2):
+        profile(inst, x)
+        finite = np.isfinite(cost(inst, x))
+    _exact_cost(inst, x) if finite else cost(inst, x)
+
+
+def _keep_priced(inst: Instance, job, kept: Incumbent, clock, say, wait: bool = True) -> None:
     """Offer the priced rounds' plan (collected or not) to ``kept`` when it fits the limit."""
-    y, _ = priced.collect(job, clock, say)
+    y, _ = priced.collect(job, clock, say, wait=wait)
     if y is None or len(y) != inst.n:
         return
     yprof = profile(inst, y)
@@ -195,25 +233,37 @@ def _from_kept(inst: Instance, kept: Incumbent, t0, clock) -> Result:
     return Result([int(v) for v in x], _exact_cost(inst, x), kept.bound, False, clock() - t0, kept.method, {"overrun": True})
 
 
-def _solve(inst, t0, deadline, say, job, pairs, kept, *, seed, threads, clock, full_mip_pairs, penalty_share, cfn_entries,
+def _solve(inst, t0, limits, say, job, pairs, kept, *, seed, threads, clock, full_mip_pairs, penalty_share, cfn_entries,
            reduce_first, priced_share, priced_nodes) -> Result:
-    say(f"arc consistency forbade {forbid_unsupported(inst)} strategies ({clock() - t0:.1f}s)")
+    deadline, closing = limits.soft(), limits.closing
+    with closing.stretch():
+        say(f"arc consistency forbade {forbid_unsupported(inst)} strategies ({clock() - t0:.1f}s)")
     if reduce_first:
         return _solve_reduced(inst, t0, deadline, say, clock, seed=seed, threads=threads, full_mip_pairs=full_mip_pairs,
                               penalty_share=penalty_share, cfn_entries=cfn_entries, priced_share=priced_share,
                               priced_nodes=priced_nodes)
-    x = least_usage(inst)
-    prof = profile(inst, x)
+    with closing.stretch():
+        x = least_usage(inst)
+        prof = profile(inst, x)
     if inst.limit is not None and len(prof) and int(prof.max()) > inst.limit:
         t = int(np.argmax(prof))
         raise ValueError(f"infeasible: even the least-usage strategies use {int(prof.max())} > limit {inst.limit} at time {t}")
     kept.bound = _trivial_bound(inst)
     kept.keep(x, cost(inst, x))
-    descend(inst, x, prof, deadline=deadline, clock=clock)
+    closing.measure(lambda: _closing_work(inst, x))
+    deadline = limits.update()
+    say(f"closing reserve {closing.seconds():.2f}s ({closing.cpu:.3f} CPU s x {closing.slowdown():.1f} wall/CPU, "
+        f"x {1 + closing.after:g} with the caller's share, x safety {CLOSING_SAFETY:g}); hard deadline at {limits.hard() - t0:.1f}s")
+    with closing.stretch():
+        descend(inst, x, prof, deadline=deadline, clock=clock)
+    deadline = limits.update()
     best = cost(inst, x)
     kept.keep(x, best)
     say(f"descent from the least-usage plan: cost {best:.6g} ({clock() - t0:.1f}s)")
-    if star_rounds(inst, x, prof, deadline, clock):
+    with closing.stretch():
+        moved = star_rounds(inst, x, prof, deadline, clock)
+    deadline = limits.update()
+    if moved:
         best = cost(inst, x)
         kept.keep(x, best)
         say(f"star moves (a node with its leaves) and descent: cost {best:.6g} ({clock() - t0:.1f}s)")
@@ -222,6 +272,7 @@ def _solve(inst, t0, deadline, say, job, pairs, kept, *, seed, threads, clock, f
     if job is not None:
         x, prof, best, bound, method = _priced(inst, job, x, prof, best, bound, method, deadline, clock, say, kept)
         kept.bound = bound
+        deadline = limits.update()
     if pairs <= full_mip_pairs and clock() < deadline:
         say(f"one MIP over all {inst.n} nodes ({pairs} strategy pairs), up to {deadline - clock():.0f}s")
         r = solve_sub(inst, x, prof, np.arange(inst.n), 0.8 * (deadline - clock()) - 1.0, threads=threads)

@@ -222,7 +222,7 @@ def test_neighbourhood_search_alone_keeps_instance_g_feasible_and_no_worse():
     path = os.path.join(DATA, "asplos-2025-iopddl-G.json.gz")
     seen = []
     r = solve(load(path), time_limit=4.0, full_mip_pairs=0, cfn_entries=-1, progress=seen.append)
-    start = float(seen[1].split("cost ")[1].split(" ")[0])
+    start = float(next(m for m in seen if m.startswith("descent")).split("cost ")[1].split(" ")[0])
     assert r.method == "lns" and r.stats["subproblems"] > 0
     assert check(read_problem(path), r.solution, r.cost) == r.cost
     assert r.cost <= start
@@ -469,3 +469,111 @@ def test_solve_stopped_by_the_deadline_still_takes_the_priced_plan_when_it_fits(
               priced_share=0.5, priced_nodes=0)
     assert r.stats.get("overrun") and check(problem, r.solution, r.cost) == r.cost == cost_
     assert r.method == ("priced" if cost_ == 0 else "descent")
+
+
+# --- a bounded end of the run: the command returns within its limit however slow the closing ---
+
+END_SLACK = 0.5  # seconds past the limit a command may take (process wake-ups, the evaluator's reply)
+
+
+def _many_stuck_stars(copies: int, limit: int | None) -> dict:
+    """``copies`` of _stuck_star side by side at shifted times (descent stuck at 15 each, star
+    moves reach 0 with every node at usage 2); two stars overlap at every step."""
+    one = _stuck_star()
+    nodes = {"intervals": [], "costs": [], "usages": []}
+    edges = {"nodes": [], "costs": []}
+    for k in range(copies):
+        nodes["intervals"] += [[k, k + 2]] * 4
+        nodes["costs"] += one["nodes"]["costs"]
+        nodes["usages"] += one["nodes"]["usages"]
+        edges["nodes"] += [[4 * k + a, 4 * k + b] for a, b in one["edges"]["nodes"]]
+        edges["costs"] += one["edges"]["costs"]
+    p = {"nodes": nodes, "edges": edges}
+    if limit is not None:
+        p["usage_limit"] = limit
+    return p
+
+
+@pytest.mark.parametrize("usage_limit,best", [(16, 0), (12, None)], ids=["star-plan-fits", "star-plan-over"])
+def test_command_returns_within_its_limit_when_the_closing_is_slow(tmp_path, monkeypatch, capsys, usage_limit, best):
+    """What a loaded machine does to the end of the run, made deterministic: the exact cost (the
+    closing's last step) takes 0.6 s, and star moves ignore the deadline (they spin past it after
+    moving every node to 1). The command (reading, solve, the evaluator) must still return within
+    its limit + END_SLACK (before the measured closing: 0.8-0.9 s past 12 s, the closing after the
+    alarm), and print the cheapest plan that fits of all it kept: the star phase's own (cost 0)
+    when it fits, else the descent's (15 per star)."""
+    copies = 500
+    problem = _many_stuck_stars(copies, usage_limit)
+    path = tmp_path / "stars.json"
+    path.write_text(json.dumps({"problem": problem}))
+    real_exact = solve_module._exact_cost
+
+    def slow_exact(inst, x):
+        _spin(0.6)
+        return real_exact(inst, x)
+
+    def slow_stars(inst, x, prof, dl, clock, rounds=10):
+        x[:] = 1
+        offered.append(np.array(x, dtype=np.int64))  # the plan the phase was changing (in place)
+        _spin(dl - clock() + 30.0)
+        return 1
+
+    offered = []
+    real_keep = deadline.Incumbent.keep
+
+    def keep(self, x, plan_cost, method=None):
+        offered.append(np.array(x, dtype=np.int64))
+        return real_keep(self, x, plan_cost, method)
+
+    monkeypatch.setattr(solve_module, "_exact_cost", slow_exact)
+    monkeypatch.setattr(solve_module, "star_rounds", slow_stars)
+    monkeypatch.setattr(deadline.Incumbent, "keep", keep)
+    monkeypatch.setattr(cli, "process_age", lambda: 0.0, raising=False)  # pytest's own start is not this command's
+    limit = 12.0  # the reserve grows with the load (up to ~8 s at 3x slowdown): the star phase must still start
+    t = time.perf_counter()
+    assert verify_main(["solve", "--iopddl", str(path), "--time-limit", str(limit), "--json"]) == 0
+    took = time.perf_counter() - t
+    out = json.loads(capsys.readouterr().out)
+    assert out["stats"].get("overrun") and any((x == 1).all() for x in offered), "the alarm did not stop the star phase"
+    assert took <= limit + END_SLACK, f"returned {took - limit:.2f}s past its {limit}s"
+    feasible = []  # every plan offered to the incumbent, and the live one, that the evaluator accepts
+    for x in offered:
+        try:
+            feasible.append(evaluate(problem, x.tolist()))
+        except Rejected:
+            pass
+    assert check(problem, out["solution"], out["cost"]) == out["cost"] == min(feasible)
+    assert out["cost"] == (best if best is not None else 15 * copies)
+
+
+def test_the_closing_reserve_grows_with_the_measured_work_and_slowdown():
+    """deadline.Closing: floor + safety x (wall per CPU second) x closing CPU x (1 + the caller's share)."""
+    c = deadline.Closing(after=1.0, floor=0.25)
+    assert c.seconds() == 0.25 and c.slowdown() == 1.0
+    c.cpu = 0.1
+    c.busy(wall=2.0, cpu=1.0)  # half the CPU: twice the wall time
+    assert c.slowdown() == 2.0
+    assert c.seconds() == pytest.approx(0.25 + deadline.CLOSING_SAFETY * 2.0 * 0.1 * 2.0)
+    c.busy(wall=0.0, cpu=3.0)  # a stretch faster than the wall clock cannot make it below 1
+    assert c.slowdown() == 1.0
+    c.measure(lambda: _spin(0.2))
+    assert c.cpu >= 0.1
+
+
+@pytest.mark.parametrize("age,left", [(30.0, 90.0), (100.0, 60.0)])
+def test_the_command_counts_the_processs_start_in_its_time_limit(monkeypatch, capsys, age, left):
+    """The time limit is wall time from the process's start: the interpreter and the package's
+    imports (23 s for D at load 4-6: the command said 118.2 s, the shell saw 141.4 s) come off
+    what the solve gets, down to half the limit (a limit the imports spent cannot be met)."""
+    assert 0.0 < cli.process_age() < time.monotonic() + 1.0  # this process has run a while, not since boot
+    seen = {}
+
+    def fake_run(path, time_limit, say):
+        seen["limit"] = time_limit
+        return {"optimal": True, "cost": 1, "bound": 1.0}
+
+    monkeypatch.setattr(cli, "process_age", lambda: age)
+    monkeypatch.setattr(cli, "run", fake_run)
+    assert verify_main(["solve", "--iopddl", EXAMPLE, "--time-limit", "120"]) == 0
+    assert seen["limit"] == left
+    assert f"{age:.1f}s since the process started" in capsys.readouterr().err

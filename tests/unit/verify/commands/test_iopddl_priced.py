@@ -185,6 +185,53 @@ def test_next_prices_grow_at_the_overfull_steps_and_relax_when_the_plan_fits():
     assert priced_child.next_prices(lam, np.zeros(3, dtype=bool), 4.0, 0.5, 0.8).tolist() == [0.8, 0.0, 1.6]
 
 
+def _rounds(schedule, need: np.ndarray, lam: np.ndarray, limit: int, rounds: int = 40):
+    """Priced rounds against a stand-in for toulbar2 whose plan uses, at each step, the limit
+    plus 10 % when that step's price is below ``need`` (then over) and less the further the price
+    is above it (a plan that saves more memory than it must, and costs more for it); the
+    round's plan cost is the summed excess price. ``schedule(lam, prof)`` -> the next prices."""
+    history = []
+    for _ in range(rounds):
+        prof = np.where(lam < need, 1.1 * limit, limit * np.maximum(0.5, 1.0 - 0.1 * np.log2(np.maximum(lam, 1e-300) / need)))
+        history.append((lam.copy(), prof))
+        lam = schedule(lam, prof)
+    return history
+
+
+def test_schedule_after_a_fit_lowers_only_steps_with_slack_and_never_below_prices_that_fit():
+    """D's failure: every price times 0.8 after each plan that fit (16 rounds 9 % under the limit),
+    then the plans went over and each repair made them 2.5x dearer (growth x4 at the overfull
+    steps). The schedule from the prices that fit must get near the needed prices in a few rounds
+    and stay there: from round 10 no price above 2.5x the needed one (the old rule: 23.7x), few
+    rounds over, and the last round's prices within 10 % of the need (the old rule: 1.3-4.2x)."""
+    limit, need = 1000, np.array([1.3, 4.7, 0.29, 2.1])
+    start = np.full(4, 64.0)  # far too high: every step 9-25 % under the limit, as on D and M
+
+    def new(lam, prof, sched=[None]):
+        if sched[0] is None:
+            sched[0] = priced_child.Schedule(lam, limit, growth=4.0, relax=0.8)
+        return sched[0].after(prof, base=0.5)
+
+    history = _rounds(new, need, start, limit)
+    fits = [i for i, (_, prof) in enumerate(history) if (prof <= limit).all()]
+    assert fits and fits[0] == 0
+    overs = [i for i, (_, prof) in enumerate(history) if (prof > limit).any()]
+    assert len(overs) <= 12, overs
+    for lam, _ in history[10:]:
+        assert (lam <= 2.5 * need).all(), lam
+    assert (history[-1][0] <= 1.1 * need).all() and (history[-1][0] >= need / 1.1).all(), history[-1][0]
+    # a step at its limit keeps its price; one with slack is lowered
+    sched = priced_child.Schedule(np.array([2.0, 2.0]), 10, growth=4.0, relax=0.8)
+    assert sched.after(np.array([10, 5]), base=1.0).tolist() == [2.0, 1.0]
+    # over after that: the overfull step goes back to the price that fit; lowered again, only
+    # halfway (in ratio) to the price that went over there
+    assert sched.after(np.array([10, 11]), base=1.0).tolist() == [2.0, 2.0]
+    assert sched.after(np.array([5, 5]), base=1.0).tolist() == [1.0, pytest.approx(2 ** 0.5)]
+    # before any plan fits: grow at the overfull steps as next_prices does
+    first = priced_child.Schedule(np.array([1.0, 1.0]), 10, growth=4.0, relax=0.8)
+    assert first.after(np.array([11, 5]), base=0.5).tolist() == [4.5, 1.0]
+
+
 def _file(tmp_path, problem: dict) -> str:
     path = tmp_path / "instance.json"
     path.write_text(json.dumps({"problem": problem}))
@@ -254,3 +301,23 @@ def test_rounds_with_the_default_sizes_give_feasible_plans():
     job = priced.start(from_dict({"problem": copy.deepcopy(problem)}), time.perf_counter() + 60, rounds=2)
     x, bound = priced.collect(job)
     assert x is not None and evaluate(problem, [int(v) for v in x]) >= _optimum(problem) >= bound - 1e-6
+
+
+def test_collect_without_waiting_reads_the_plan_of_a_child_that_still_runs(tmp_path):
+    """Past the solve's hard deadline the rounds are collected at once: the plan the child wrote
+    is read without waiting for its stop time, and the child is killed (reaped later)."""
+    import subprocess
+    import sys
+    import tempfile
+
+    tmp = tempfile.TemporaryDirectory(prefix="iopddl-priced-test-")
+    out = os.path.join(tmp.name, "best.json")
+    priced_child.write(out, {"solution": [1, 0, 1], "cost": 7, "round": 3, "bound": 2.0})
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    job = priced.Priced(proc, tmp, out, time.perf_counter() + 30)
+    t = time.perf_counter()
+    x, bound = priced.collect(job, wait=False)
+    assert time.perf_counter() - t < 5.0  # not the 30 s to its stop time
+    assert x.tolist() == [1, 0, 1] and bound == 2.0
+    proc.wait(timeout=30)  # killed
+    assert proc.returncode != 0
