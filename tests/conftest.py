@@ -311,7 +311,7 @@ def pytest_configure(config):
         "CI_SUBSET); run them with pytest -m hf_full --ap-run-slow, or every model type with python -m verify sweep")
     config.addinivalue_line(
         "markers", "slow_full: a slow test outside CI's slow step (.ci/run keeps it under 30 minutes): a world size, "
-        "model or cell whose class another test of that step already covers; each marking says which. Run them "
+        "model or cell whose class another test of CI (the tier or that step) already covers; each marking says which. Run them "
         "with pytest -m slow_full --ap-run-slow")
     if _loadgroup_run(config) and not hasattr(config, "workerinput") and config.getvalue("numprocesses"):
         config.stash[_GROUPS_KEY] = tempfile.mkdtemp(prefix="ap-xdist-groups-")
