@@ -163,7 +163,9 @@ FAULTS = {
 @needs_torchrun
 @pytest.mark.slow
 @pytest.mark.timeout(180)
-@pytest.mark.parametrize("fault", list(FAULTS))
+# kill outside CI's slow step (slow_full, 13 s): torchrun's own summary names the rank that died;
+# raise and hang keep our code's naming of a failing rank in CI.
+@pytest.mark.parametrize("fault", [pytest.param(f, marks=[pytest.mark.slow_full] if f == "kill" else []) for f in FAULTS])
 def test_a_failing_rank_ends_the_job_on_every_rank_and_is_named(fault):
     named, timeout = FAULTS[fault]
     ((rc, out, seconds),) = _launch([*TORCHRUN, "--standalone", "--nproc-per-node", "4", *PROBE, "--fault", fault,
