@@ -313,11 +313,17 @@ def test_collect_without_waiting_reads_the_plan_of_a_child_that_still_runs(tmp_p
     tmp = tempfile.TemporaryDirectory(prefix="iopddl-priced-test-")
     out = os.path.join(tmp.name, "best.json")
     priced_child.write(out, {"solution": [1, 0, 1], "cost": 7, "round": 3, "bound": 2.0})
-    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    waits: list = []
+
+    class Recorded(subprocess.Popen):
+        def wait(self, timeout=None):
+            waits.append(timeout)
+            return super().wait(timeout=timeout)
+
+    proc = Recorded([sys.executable, "-c", "import time; time.sleep(60)"])
     job = priced.Priced(proc, tmp, out, time.perf_counter() + 30)
-    t = time.perf_counter()
     x, bound = priced.collect(job, wait=False)
-    assert time.perf_counter() - t < 5.0  # not the 30 s to its stop time
+    assert waits and all(w is not None and w <= 0 for w in waits), waits  # never the 30 s to its stop time
     assert x.tolist() == [1, 0, 1] and bound == 2.0
     proc.wait(timeout=30)  # killed
     assert proc.returncode != 0
