@@ -110,6 +110,19 @@ _register(
     ),
 )
 _register(
+    "layout_blind_moves",
+    "a moved piece whose consumers, through to the graph's outputs, only permute dims, detach or cast it "
+    "(autoparallel/planner/layout_reads.py) stays in its collective's layout: no permute -> contiguous "
+    "clone -> permute into the traced value's strides",
+    "every moved piece is copied into the traced layout: a weight gradient reduce-scattered before its t "
+    "and dtype cast costs 3 nodes and a memory pass more (8B planned, 8 layers: ~170 nodes)",
+    (
+        "tests/unit/autoparallel/planner/test_layout_reads.py::test_a_gradient_scattered_before_its_t_and_cast_is_not_copied",
+        "tests/unit/autoparallel/planner/test_layout_reads.py::test_only_blind_ops_up_to_the_output_skip_the_copy",
+        "tests/parity/test_planned_parity.py::test_the_layout_blind_case_leaves_pieces_in_their_collectives_layout",
+    ),
+)
+_register(
     "batch_local_convolution",
     "a convolution (or its backward) planned with nothing but the batch dim sharded, on several mesh "
     "dims ([S(0), S(0)], DTensor's own strategy expanded over a 2-D mesh), is lowered as the op on the "

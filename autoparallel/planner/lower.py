@@ -75,6 +75,7 @@ from autoparallel.passes.permuted_split_cat import permuted_split_cat
 from autoparallel.passes.value_guards import counts_as_guarded
 from autoparallel.planner.batch_local import runs_batch_local
 from autoparallel.planner.graph import ALIAS, PlanningGraph, module_of
+from autoparallel.planner.layout_reads import reads_layout
 from autoparallel.planner.moves import direct_move, pair_name
 from autoparallel.planner.side_effects import is_side_effect
 from autoparallel.planner.solution import Solution, parse_placement
@@ -114,6 +115,7 @@ class LoweringReport:
     batch_local: int = 0  # convolutions with the batch on several mesh dims, run as their local op (planner/batch_local.py)
     direct_moves: int = 0  # moves written as their own collectives (planner/moves.py)
     dtensor_moves: dict[str, int] = field(default_factory=dict)  # "<src> -> <dst>: <why>" -> moves left to DTensor
+    layout_blind: int = 0  # moved pieces left in the collective's layout: nothing downstream reads it (planner/layout_reads.py)
 
     def summary(self) -> str:
         fixed = f", {len(self.fixed_outputs)} outputs redistributed to the plan" if self.fixed_outputs else ""
@@ -122,8 +124,9 @@ class LoweringReport:
         batch = f", {self.batch_local} convolutions on a batch split over several mesh dims run locally" if self.batch_local else ""
         left = sum(self.dtensor_moves.values())
         moves = f" ({self.direct_moves} written directly, {left} by DTensor)" if self.direct_moves or left else ""
+        blind = f", {self.layout_blind} moved pieces left in their collective's layout" if self.layout_blind else ""
         return (f"{self.nodes_before} unsharded nodes -> {self.nodes_after} per-rank nodes; "
-                f"{self.moved_inputs} inputs redistributed{moves}{fixed}{copies}{replayed}{batch}")
+                f"{self.moved_inputs} inputs redistributed{moves}{fixed}{copies}{replayed}{batch}{blind}")
 
 
 def decode(d: Mapping[str, str] | None, names: Sequence[str]) -> Placements | None:
@@ -228,6 +231,7 @@ class PlacedInterpreter(fx.Interpreter):
         self.replay = replay  # ops that autoparallel.planner.replay names run as their local op, not through DTensor
         self.report = LoweringReport(nodes_before=len(gm.graph.nodes))
         self._node: fx.Node | None = None
+        self._layout_memo: dict[fx.Node, bool] = {}
 
     def run(self, *args, **kwargs) -> Any:
         from torch.distributed.tensor._redistribute import (
@@ -252,12 +256,13 @@ class PlacedInterpreter(fx.Interpreter):
             raise LoweringError(f"node {producer.name!r} feeds a tensor input but has no planned tensor output")
         return pl
 
-    def move(self, value: torch.Tensor, val: torch.Tensor, src: Placements, dst: Placements) -> torch.Tensor:
-        """``value`` (local, placed ``src``) redistributed to ``dst``; ``val`` the global value."""
+    def move(self, value: torch.Tensor, val: torch.Tensor, src: Placements, dst: Placements, *, layout: bool = True) -> torch.Tensor:
+        """``value`` (local, placed ``src``) redistributed to ``dst``; ``val`` the global value;
+        ``layout``: in ``val``'s memory layout (False where nothing reads it, ``layout_reads``)."""
         if src == dst:
             return value
         self.report.moved_inputs += 1
-        return move_local(value, val, src, dst, self.mesh.device_mesh, self.report)
+        return move_local(value, val, src, dst, self.mesh.device_mesh, self.report, layout=layout)
 
     def _moved_inputs(self, node: fx.Node, args, kwargs):
         """(args, kwargs) with each tensor input moved to the placement ``node`` wants, and the
@@ -275,7 +280,7 @@ class PlacedInterpreter(fx.Interpreter):
             if k >= len(want):
                 raise LoweringError(f"node {node.name!r} ({self.keys.get(node.name)}): the plan lists {len(want)} tensor inputs, the graph has more")
             val = src_node.meta[M.VAL]
-            flat[i] = self.move(value, val, self._out_of(src_node), want[k])
+            flat[i] = self.move(value, val, self._out_of(src_node), want[k], layout=reads_layout(node, self._layout_memo))
             tensors.append((flat[i], val, want[k]))
             k += 1
         if k != len(want):
@@ -380,12 +385,12 @@ class PlacedInterpreter(fx.Interpreter):
         planned = self.placed[node].out
         for i, (value, src) in enumerate(zip(values, node.args[0], strict=True)):
             if isinstance(src, fx.Node) and planned[i] is not None:
-                values[i] = self.move(value, src.meta[M.VAL], self._out_of(src), planned[i])
+                values[i] = self.move(value, src.meta[M.VAL], self._out_of(src), planned[i], layout=reads_layout(node))
         return values
 
 
 def move_local(value: torch.Tensor, val: torch.Tensor, src: Placements, dst: Placements, device_mesh,
-               report: LoweringReport | None = None) -> torch.Tensor:
+               report: LoweringReport | None = None, *, layout: bool = True) -> torch.Tensor:
     """One move of the lowering: ``value`` (this rank's piece of a tensor like ``val``, placed
     ``src``) as its piece under ``dst``, in ``val``'s layout: written directly
     (``autoparallel.planner.moves``: one collective per mesh dim and at most one permuted copy),
@@ -404,6 +409,10 @@ def move_local(value: torch.Tensor, val: torch.Tensor, src: Placements, dst: Pla
         else:
             key = f"{pair_name(src, dst)}: {why}"
             report.dtensor_moves[key] = report.dtensor_moves.get(key, 0) + 1
+    if not layout:
+        if report is not None and not in_traced_layout(moved, val):
+            report.layout_blind += 1
+        return moved
     return in_layout_of(moved, val)
 
 
@@ -447,15 +456,21 @@ def in_layout_of(local: torch.Tensor, val: Any) -> torch.Tensor:
     graph's views assume the traced value's strides: ``view`` of a piece laid out otherwise
     fails ("Cannot view a tensor with shape ... and strides ..."). A copy in the traced dim order
     restores them (values unchanged)."""
-    if not isinstance(val, torch.Tensor) or local.dim() != val.dim() or local.dim() < 2:
+    if in_traced_layout(local, val):  # from sizes and strides: no op here, so nothing is traced
         return local
     order = _dim_order(val)
-    if _dense_in(local, order):  # from sizes and strides: no op here, so nothing is traced
-        return local
     if order == sorted(order):
         return local.contiguous()
     inverse = sorted(range(len(order)), key=order.__getitem__)
     return local.permute(order).contiguous().permute(inverse)
+
+
+def in_traced_layout(local: torch.Tensor, val: Any) -> bool:
+    """Whether ``local`` is laid out like ``val`` already (or no layout applies: not a tensor, other
+    rank, fewer than 2 dims), so that :func:`in_layout_of` copies nothing."""
+    if not isinstance(val, torch.Tensor) or local.dim() != val.dim() or local.dim() < 2:
+        return True
+    return _dense_in(local, _dim_order(val))
 
 
 def _dense_in(t: torch.Tensor, order: list[int]) -> bool:

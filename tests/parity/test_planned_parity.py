@@ -10,7 +10,9 @@ the ranks' parameters of each step).
 
 All in CI's slow step (``--ap-run-slow``; tests/conftest.py SLOW_GROUPS "planned-parity"): one
 gloo world of 2 ranks (dp=2) running LLaMA tiny and a model that is not LLaMA (the
-``layernorm_mlp`` fixture: LayerNorm, biased Linears, GELU, a residual, MSE); the 2x2 world
+``layernorm_mlp`` fixture: LayerNorm, biased Linears, GELU, a residual, MSE), plain and with two
+gradients pinned to be reduce-scattered before their last ``t`` (pieces the lowering leaves in
+their collective's layout, autoparallel/planner/layout_reads.py); the 2x2 world
 (dp=2,tp=2) with tiny, debug and the MLP, and debug on dp=2: each rank lowers, partitions and
 compiles for itself, which a 2-core machine pays four times. The quick tier keeps plan="auto"'s
 goldens and stage invariants (tiny-auto-dp8).
@@ -18,11 +20,16 @@ goldens and stage invariants (tiny-auto-dp8).
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 from torch import fx
 
 import autoparallel.pipeline as pipeline
+from autoparallel import patches
+from autoparallel.parallelize import ParallelPlan
+from autoparallel.planner.layout_reads import PATCH as LAYOUT_PATCH
 from autoparallel.compile import SECOND_COMPILE
 from autoparallel.partition import STEP_FIRST_PARTITION
 from verify.parity.compare import compare_tensors, compare_traces, merge_reports
@@ -64,6 +71,19 @@ def mlp_case(layernorm_mlp, mesh: str) -> PlannedCase:
     return PlannedCase(f"mlp-{mesh}", model, batches, mesh, loss_fn=mse)
 
 
+# A weight gradient's reduce-scatter pinned onto the input of the ``t`` before the graph's output:
+# the traced value there is transposed, so the scattered piece (contiguous) is what
+# autoparallel/planner/layout_reads.py leaves in its collective's layout (2 such moves).
+BLIND_PINS = {
+    "-/bwd/aten.t.default#1": "dp:P(sum)", "-/bwd/aten.t.default#3": "dp:S(1)",
+    "-/bwd/aten.t.default#6": "dp:P(sum)", "-/bwd/aten.t.default#7": "dp:S(0)",
+}
+
+
+def blind_case(layernorm_mlp) -> PlannedCase:
+    return replace(mlp_case(layernorm_mlp, "dp=2"), name="mlp-layout-blind-dp=2", planner={"pins": BLIND_PINS})
+
+
 def llama_case(preset: str, mesh: str) -> PlannedCase:
     return planned_case(Scenario(preset=preset, plan="auto", mesh=mesh))
 
@@ -94,18 +114,29 @@ def check(case: PlannedCase, ranks) -> None:
 
 @pytest.fixture(scope="module")
 def dp2(layernorm_mlp):
-    cases = [llama_case("tiny", "dp=2"), mlp_case(layernorm_mlp, "dp=2")]
+    cases = [llama_case("tiny", "dp=2"), mlp_case(layernorm_mlp, "dp=2"), blind_case(layernorm_mlp)]
     return dict(zip((c.name for c in cases), (ranks for _, ranks in run_planned_parity(cases, STEPS)), strict=True)), cases
 
 
 pytestmark = pytest.mark.xdist_group("planned-parity")
 
 
-@pytest.mark.parametrize("name", ["tiny-dp=2", "mlp-dp=2"])
+@pytest.mark.parametrize("name", ["tiny-dp=2", "mlp-dp=2", "mlp-layout-blind-dp=2"])
 def test_planned_program_bitwise_equals_its_eager_placements_on_two_ranks(dp2, name):
     results, cases = dp2
     check(next(c for c in cases if c.name == name), results[name])
     assert all(r.replayed > 0 for r in results[name]), "the default lowering replays the ops the plan determines"
+
+
+def test_the_layout_blind_case_leaves_pieces_in_their_collectives_layout(layernorm_mlp):
+    """What the mlp-layout-blind cell trains: its lowering leaves moved pieces unlaid-out (and, with
+    patch layout_blind_moves off, lays every one out)."""
+    case = blind_case(layernorm_mlp)
+    for on in (True, False):
+        with patches.disabled(*(() if on else (LAYOUT_PATCH,))):
+            run = pipeline.run_pipeline(case.model("meta"), case.loss_fn, case.batches(1)[0], ParallelPlan.auto(**case.planner),
+                                        case.mesh, pipeline.PipelineOptions(), until=pipeline.JOINT)
+        assert (run.stage(pipeline.JOINT).report.layout_blind == 2) is on
 
 
 def test_the_dtensor_lowering_stays_selectable_and_bitwise_as_the_reference(layernorm_mlp):

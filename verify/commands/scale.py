@@ -93,6 +93,7 @@ def lowering_fields(report) -> dict:
         "moved_inputs": report.moved_inputs,
         "direct_moves": report.direct_moves,
         "dtensor_moves": dict(sorted(report.dtensor_moves.items())),
+        "layout_blind": report.layout_blind,
         "split_cats": report.split_cats,
         "replayed": report.replayed,
     }
