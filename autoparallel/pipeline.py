@@ -85,6 +85,7 @@ from autoparallel.passes.permuted_split_cat import PATCH as SPLIT_CAT_PATCH
 from autoparallel.planner.auto import local_inputs as planned_local_inputs
 from autoparallel.planner.batch_local import PATCH as BATCH_LOCAL_PATCH
 from autoparallel.planner.incumbent import PATCH as INCUMBENT_PATCH
+from autoparallel.planner.layout_reads import PATCH as LAYOUT_BLIND_PATCH
 from autoparallel.planner.moves import PATCH as DIRECT_MOVES_PATCH
 from autoparallel.planner.side_effects import PATCH as SIDE_EFFECTS_PATCH
 from autoparallel.planner.auto import local_values as planned_local_values
@@ -488,7 +489,8 @@ def _collective_stage(p: CollectivePass) -> Stage:
 STAGES: tuple[Stage, ...] = (
     Stage(JOINT, _joint, "trace the per-rank joint graph (model, loss, plan, mesh)",
           patches=(TRACE_AS_COMPILING, EAGER_DROPOUT, EAGER_KERNELS, KERNEL_STRIDES, VALUE_GUARDS, REPLICATED_DRAWS,
-                   PINNED_LAYOUTS, SPLIT_CAT_PATCH, BATCH_LOCAL_PATCH, DIRECT_MOVES_PATCH)),
+                   PINNED_LAYOUTS, SPLIT_CAT_PATCH, BATCH_LOCAL_PATCH, DIRECT_MOVES_PATCH,
+                   LAYOUT_BLIND_PATCH)),
     *(_placement_stage(s) for s in PLACEMENT_STEPS),
     Stage(
         SECOND_COMPILE,
