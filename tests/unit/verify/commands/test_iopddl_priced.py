@@ -9,8 +9,10 @@ import copy
 import importlib
 import json
 import os
+import pickle
 import random
 import time
+import types
 
 import numpy as np
 import pytest
@@ -18,6 +20,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from autoparallel.planner.iopddl import from_dict, priced, priced_child, solve
+from autoparallel.planner.iopddl.instance import arrays
 from verify.commands.iopddl.check import check, evaluate
 
 solve_module = importlib.import_module("autoparallel.planner.iopddl.solve")
@@ -361,11 +364,6 @@ def _rounds_backtracks(tmp_path, monkeypatch, options: dict, per_backtrack: floa
     """The backtracks each of the child's rounds was given (main in this process, toulbar2's
     search replaced by one that records them and returns the least-usage plan; the child's clock
     advances only in that search, by ``fixed`` plus ``per_backtrack`` each)."""
-    import pickle
-    import types
-
-    from autoparallel.planner.iopddl.instance import arrays
-
     inst = from_dict({"problem": _problem(random.Random(11), 6, 2)})
     src = os.path.join(tmp_path, "model.pkl")
     with open(src, "wb") as f:
