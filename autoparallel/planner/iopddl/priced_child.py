@@ -49,6 +49,11 @@ SCALE_CAP = 1e16  # summed costs above this are scaled down (toulbar2 costs are 
 # rerun at 16); a work limit ends each round with its plan whatever the machine's load (D: 2,000
 # backtracks, 11.6 CPU s with the build, a plan of 5.21e11 at round 0's prices).
 ROUND_BACKTRACKS = 2000
+# The child's time should hold at least this many rounds: the schedule needs several plans that
+# fit before its prices come down to the cheap ones (K: 1.70x at round 1, 1.21x at round 4), and
+# at 2,000 backtracks a round on K took 10-43 CPU s, so only rounds 0-2 ran in the 100 s it had.
+ROUNDS_WANTED = 12
+MIN_BACKTRACKS = 100  # and no round smaller (a round without a plan doubles anyway)
 
 
 def base_price(cost: list, usage: list, starts: np.ndarray, ends: np.ndarray) -> float:
@@ -172,6 +177,46 @@ def solve_round(cfn, cpu: float, backtracks: int):
     return cfn.Solve(timeLimit=max(1, int(cpu)) if cpu > 0 else 0)
 
 
+class RoundSize:
+    """The rounds' backtracks, sized so that the rounds still wanted fit the time left. A round's
+    search takes a fixed part (toulbar2's preprocessing and first dive) plus a part per backtrack;
+    both are estimated from this round and the last one at least twice or half its size (the
+    rounds' own searches differ: K's 125 and 123 backtracks took 3.6 and 4.2 CPU s; the first
+    estimate puts all of it in the backtracks). The backtracks are cut only where they make most of a full round:
+    on K (34,932 nodes) 2,000 backtracks took 24-43 s and 100 took 6 s, while on A and D 100
+    took as long as 2,000 (12-17 CPU s) and D's plans were worse (1.66x instead of 1.0068x).
+    Never above ROUND_BACKTRACKS (a round before this sizing) nor below MIN_BACKTRACKS, and at
+    most a quarter of the last round's: a cut that does not pay costs one weaker round."""
+
+    def __init__(self):
+        self.seen: list = []  # (backtracks, CPU seconds of the search), round after round
+
+    def after(self, backtracks: int, searched: float, wall: float, rest: float, left: float, rounds_left: int,
+              comparable: bool = True) -> int:
+        """The next round's backtracks, given this one's (``searched`` CPU seconds of search for
+        its ``backtracks``, ``wall`` seconds on the wall clock; ``rest``: the round's building and
+        repair, wall seconds) and the wall seconds ``left``. The model is in CPU seconds (the
+        parent's phases beside the first rounds slow them on the wall clock, not in CPU), the
+        target converted by this round's wall seconds per CPU second. A round not ``comparable``
+        (round 0: its prices are the base price at most, an easier search, K's 2,000 backtracks
+        took 8 CPU s there and 31 at round 2) is not kept for the estimate."""
+        if comparable:
+            self.seen.append((backtracks, searched))
+        if searched <= 0 or wall <= 0 or rounds_left <= 0:
+            return backtracks
+        other = next(((b, t) for b, t in reversed(self.seen) if max(b, backtracks) >= 2 * min(b, backtracks)),
+                     None) if comparable else None
+        if other is None:
+            per, fixed = searched / backtracks, 0.0
+        else:
+            per = (searched - other[1]) / (backtracks - other[0])
+            fixed = searched - per * backtracks
+            if per * ROUND_BACKTRACKS <= max(fixed, 0.0):  # the backtracks are not where the time goes
+                return ROUND_BACKTRACKS
+        target = (left / rounds_left - rest) * searched / wall - max(fixed, 0.0)
+        return int(min(ROUND_BACKTRACKS, max(MIN_BACKTRACKS, backtracks // 4, target / per)))
+
+
 def write(path: str, payload: dict) -> None:
     with open(path + ".tmp", "w") as f:
         json.dump(payload, f)
@@ -261,13 +306,18 @@ def main(args) -> None:
     schedule = Schedule(lam, limit, growth, relax, options.get("step", 0.25)) if options.get("schedule", "fit") == "fit" else None
     tables: dict = {}  # the edge tables, kept between rounds (build)
     cpu, backtracks = options.get("round_cpu", 0), options.get("backtracks", ROUND_BACKTRACKS)
+    end = time.perf_counter() + options["seconds"] if options.get("seconds") and "backtracks" not in options else None
+    size = RoundSize()
     for r in range(options.get("rounds", 40)):
+        began = time.perf_counter()
         w = interval_sums(lam, starts, ends)
         unary = [c + w[i] * model["usage"][i] for i, c in enumerate(model["cost"])]
         t = time.process_time()
         cfn, scale = build(model, unary, tables)
         built = time.process_time() - t
+        searching, cpu_searching = time.perf_counter(), time.process_time()
         res = solve_round(cfn, cpu, backtracks)
+        searched, cpu_searched = time.perf_counter() - searching, time.process_time() - cpu_searching
         if scale == 1.0:  # Lagrangian bound: priced optimum (unaries rounded by <= 0.5) less the prices at the limit
             lagrange = float(cfn.GetDDualBound()) - 0.5 * len(model["cost"]) - float(lam.sum()) * limit
             bound = lagrange if bound is None else max(bound, lagrange)
@@ -280,7 +330,7 @@ def main(args) -> None:
         over = prof > limit
         c = search.cost(net, x)
         print(f"priced round {r}: cost {c:.6g}, {int(over.sum())} steps over the limit"
-              f" (peak {int(prof.max(initial=0))} / {limit}), {time.process_time() - t:.1f} CPU s ({built:.1f} building)", file=sys.stderr, flush=True)
+              f" (peak {int(prof.max(initial=0))} / {limit}), {time.process_time() - t:.1f} CPU s ({built:.1f} building), {backtracks} backtracks", file=sys.stderr, flush=True)
         fixed = prof.copy()
         if over.any():
             before = list(x)
@@ -296,6 +346,10 @@ def main(args) -> None:
             c = search.cost(net, x)
             print(f"priced round {r}: repaired to cost {c:.6g}, price step {base:.3g}", file=sys.stderr, flush=True)
         lam = schedule.after(prof, base) if schedule is not None else next_prices(lam, over, growth, base, relax)
+        if end is not None:
+            now = time.perf_counter()
+            backtracks = size.after(backtracks, cpu_searched, searched, now - began - searched, end - now,
+                                    ROUNDS_WANTED - r - 1, comparable=r > 0)
         if not (fixed > limit).any() and c < best:
             best = c
             write(out, {"solution": x, "cost": c, "round": r, "bound": bound})

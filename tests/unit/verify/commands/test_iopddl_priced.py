@@ -9,8 +9,10 @@ import copy
 import importlib
 import json
 import os
+import pickle
 import random
 import time
+import types
 
 import numpy as np
 import pytest
@@ -18,6 +20,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from autoparallel.planner.iopddl import from_dict, priced, priced_child, solve
+from autoparallel.planner.iopddl.instance import arrays
 from verify.commands.iopddl.check import check, evaluate
 
 solve_module = importlib.import_module("autoparallel.planner.iopddl.solve")
@@ -327,3 +330,83 @@ def test_collect_without_waiting_reads_the_plan_of_a_child_that_still_runs(tmp_p
     assert x.tolist() == [1, 0, 1] and bound == 2.0
     proc.wait(timeout=30)  # killed
     assert proc.returncode != 0
+
+
+def test_rounds_are_cut_only_where_the_backtracks_take_the_time():
+    size, full, floor = priced_child.RoundSize, priced_child.ROUND_BACKTRACKS, priced_child.MIN_BACKTRACKS
+    # first round: all of its 20 CPU s counted per backtrack; 66 s for 6 more rounds, 1 s of each
+    # not search: 10 s of search, 1,000 backtracks (a CPU second a wall second here)
+    sized = size()
+    assert sized.after(2000, searched=20.0, wall=20.0, rest=1.0, left=66.0, rounds_left=6) == 1000
+    # 1,000 took 11 s: 9 s per 1,000 and 2 s fixed; 5 rounds in 35 s: 7 - 1 - 2 = 4 s of backtracks
+    assert sized.after(1000, searched=11.0, wall=11.0, rest=1.0, left=35.0, rounds_left=5) == 444
+    # 444 took as long as 1,000 (A, D): not the backtracks, back to the full round
+    assert sized.after(444, searched=11.0, wall=11.0, rest=1.0, left=35.0, rounds_left=4) == full
+    sized = size()  # at most a quarter of the last round, never below the floor, never above the full one
+    assert sized.after(2000, searched=20.0, wall=20.0, rest=1.0, left=2.0, rounds_left=6) == 500
+    assert sized.after(500, searched=1.0, wall=1.0, rest=1.0, left=2.0, rounds_left=6) == 125
+    assert sized.after(125, searched=0.5, wall=0.5, rest=1.0, left=2.0, rounds_left=6) == floor
+    assert size().after(400, searched=1.0, wall=1.0, rest=0.5, left=60.0, rounds_left=5) == full
+    # at two wall seconds a CPU second (a loaded machine) 20 wall seconds of search are 10 CPU s
+    assert size().after(2000, searched=20.0, wall=40.0, rest=1.0, left=126.0, rounds_left=6) == 1000
+    assert size().after(2000, searched=20.0, wall=20.0, rest=1.0, left=126.0, rounds_left=6) == full
+    sized = size()  # a round not comparable (round 0) gives the first cut but no point of the estimate
+    assert sized.after(2000, searched=8.0, wall=8.0, rest=1.0, left=2.0, rounds_left=6, comparable=False) == 500
+    assert sized.after(500, searched=11.0, wall=11.0, rest=1.0, left=2.0, rounds_left=6) == 125
+    # 123 backtracks after 125 (nearly the same size, a noisy slope) are compared with the 500
+    assert sized.after(125, searched=3.6, wall=3.6, rest=1.0, left=2.0, rounds_left=6) == floor
+    assert sized.after(123, searched=4.2, wall=4.2, rest=1.0, left=2.0, rounds_left=6) == floor
+    assert size().after(700, searched=20.0, wall=20.0, rest=2.0, left=60.0, rounds_left=0) == 700  # every round wanted has run
+    assert size().after(700, searched=0.0, wall=0.0, rest=2.0, left=60.0, rounds_left=3) == 700  # nothing measured
+
+
+def _rounds_backtracks(tmp_path, monkeypatch, options: dict, per_backtrack: float, fixed: float) -> list:
+    """The backtracks each of the child's rounds was given (main in this process, toulbar2's
+    search replaced by one that records them and returns the least-usage plan; the child's clock
+    advances only in that search, by ``fixed`` plus ``per_backtrack`` each)."""
+    inst = from_dict({"problem": _problem(random.Random(11), 6, 2)})
+    src = os.path.join(tmp_path, "model.pkl")
+    with open(src, "wb") as f:
+        pickle.dump(arrays(inst), f)
+    given, now = [], [0.0]
+
+    def search(cfn, cpu, backtracks):
+        given.append(backtracks)
+        now[0] += fixed + per_backtrack * backtracks
+        return [int(np.argmin(u)) for u in inst.usage], 0.0, 1
+
+    monkeypatch.setattr(priced_child, "solve_round", search)
+    monkeypatch.setattr(priced_child, "time", types.SimpleNamespace(perf_counter=lambda: now[0], process_time=lambda: now[0]))
+    priced_child.main([src, os.path.join(tmp_path, "out.json"), json.dumps(options)])
+    return given
+
+
+def test_the_child_sizes_its_rounds_by_the_seconds_it_was_given(tmp_path, monkeypatch):
+    """K (34,932 nodes) at 2,000 backtracks a round ran rounds 0-2 in its 100 s and ended 1.62x
+    the best; sized to the time left it ran rounds 0-8 and ended 1.06x (docs/iopddl.md). Here a
+    second for 12 rounds of 10 ms a backtrack: each round is cut by the most a round may be."""
+    full = priced_child.ROUND_BACKTRACKS
+    k = {"per_backtrack": 0.01, "fixed": 0.0}
+    assert _rounds_backtracks(tmp_path, monkeypatch, {"rounds": 3}, **k) == [full] * 3  # no time given: as before
+    assert _rounds_backtracks(tmp_path, monkeypatch, {"rounds": 3, "seconds": 1.0}, **k) == [full, full // 4, full // 16]
+    # a search that takes 10 s whatever its backtracks (A, D): back to the full round once two
+    # rounds after round 0 (an easier search, not compared) show it
+    d = {"per_backtrack": 0.0, "fixed": 10.0}
+    assert _rounds_backtracks(tmp_path, monkeypatch, {"rounds": 4, "seconds": 1.0}, **d) == [full, full // 4, full // 16, full]
+    # an explicit size is kept
+    assert _rounds_backtracks(tmp_path, monkeypatch, {"rounds": 2, "seconds": 1.0, "backtracks": 300}, **k) == [300, 300]
+
+
+def test_the_child_is_told_the_seconds_to_its_stop(monkeypatch):
+    import subprocess
+
+    seen: list = []
+
+    class Recorded:
+        def __init__(self, args, **kwargs):
+            seen.append(json.loads(args[-1]))
+
+    monkeypatch.setattr(subprocess, "Popen", Recorded)
+    job = priced.start_file("instance.json", time.perf_counter() + 50.0, min_nodes=0, min_pairs=-1)
+    job.tmp.cleanup()
+    assert 0 < seen[0]["seconds"] <= 50.0
