@@ -466,8 +466,8 @@ def in_layout_of(local: torch.Tensor, val: Any) -> torch.Tensor:
 
 
 def in_traced_layout(local: torch.Tensor, val: Any) -> bool:
-    """Whether ``local`` is laid out like ``val`` already (or no layout applies: not a tensor, other
-    rank, fewer than 2 dims), so that :func:`in_layout_of` copies nothing."""
+    """Whether ``local`` is laid out like ``val`` already (or no layout applies: ``val`` no tensor,
+    another number of dims, fewer than 2), so that :func:`in_layout_of` copies nothing."""
     if not isinstance(val, torch.Tensor) or local.dim() != val.dim() or local.dim() < 2:
         return True
     return _dense_in(local, _dim_order(val))

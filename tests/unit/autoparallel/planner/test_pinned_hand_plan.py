@@ -87,7 +87,8 @@ def test_auto_pinned_to_the_hand_placements_gives_the_hand_graph():
     assert len(plain.graph.nodes) > 1.10 * len(hand.graph.nodes)
 
 
-@pytest.mark.slow  # two pipeline runs to the clean-up at 4096-wide shapes (~20 s): CI's slow step
+@pytest.mark.slow  # two pipeline runs to the clean-up at 4096-wide shapes (~20 s)
+@pytest.mark.slow_full  # CI keeps the pinned plan giving the hand graph on dp=2,tp=2 (above), loss pin and strided pins both
 def test_auto_pinned_on_a_tp_major_mesh_differs_from_the_hand_graph_by_the_loss_all_reduce_only():
     """On ``tp=2,dp=2`` the pins mean the hand plan's layout: the same gathers, reduce-scatters and
     tp all-reduce, within 10 % of its nodes; the one collective left is the loss's all-reduce over
@@ -99,7 +100,8 @@ def test_auto_pinned_on_a_tp_major_mesh_differs_from_the_hand_graph_by_the_loss_
     assert len(auto.graph.nodes) <= 1.10 * len(hand.graph.nodes)
 
 
-@pytest.mark.slow  # two pipeline runs to the clean-up at 4096-wide shapes (~20 s): CI's slow step
+@pytest.mark.slow  # two pipeline runs to the clean-up at 4096-wide shapes (~20 s)
+@pytest.mark.slow_full  # CI keeps the local-mean loss pin through the dp=2,tp=2 test above
 def test_auto_pinned_with_a_local_mean_loss_on_a_tp_major_mesh_gives_the_hand_collectives():
     """The loss pinned to ``P(avg)`` over dp (each rank's local mean, the hand convention) drops
     the loss's all-reduce: the hand plan's collectives, within 10 % of its nodes."""
