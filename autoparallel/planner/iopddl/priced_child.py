@@ -54,6 +54,11 @@ ROUND_BACKTRACKS = 2000
 # at 2,000 backtracks a round on K took 10-43 CPU s, so only rounds 0-2 ran in the 100 s it had.
 ROUNDS_WANTED = 12
 MIN_BACKTRACKS = 100  # and no round smaller (a round without a plan doubles anyway)
+# Round 0's search is also stopped after this share of the child's time, in CPU seconds: its
+# 2,000 backtracks took longer than the child's 105 s on L (28,526 nodes), which then had no plan
+# at all (5.12x the best, from the parent's search alone); capped at 25 CPU s, round 0 went over
+# the limit and round 1 fit at 1.08x. D's round 0 takes 12-17 CPU s, under the cap.
+ROUND0_SHARE = 1 / 3
 
 
 def base_price(cost: list, usage: list, starts: np.ndarray, ends: np.ndarray) -> float:
@@ -307,6 +312,7 @@ def main(args) -> None:
     tables: dict = {}  # the edge tables, kept between rounds (build)
     cpu, backtracks = options.get("round_cpu", 0), options.get("backtracks", ROUND_BACKTRACKS)
     end = time.perf_counter() + options["seconds"] if options.get("seconds") and "backtracks" not in options else None
+    first = ROUND0_SHARE * options["seconds"] if end is not None and not cpu else 0.0  # round 0's cap, until a plan
     size = RoundSize()
     for r in range(options.get("rounds", 40)):
         began = time.perf_counter()
@@ -316,15 +322,16 @@ def main(args) -> None:
         cfn, scale = build(model, unary, tables)
         built = time.process_time() - t
         searching, cpu_searching = time.perf_counter(), time.process_time()
-        res = solve_round(cfn, cpu, backtracks)
+        res = solve_round(cfn, first or cpu, backtracks)
         searched, cpu_searched = time.perf_counter() - searching, time.process_time() - cpu_searching
         if scale == 1.0:  # Lagrangian bound: priced optimum (unaries rounded by <= 0.5) less the prices at the limit
             lagrange = float(cfn.GetDDualBound()) - 0.5 * len(model["cost"]) - float(lam.sum()) * limit
             bound = lagrange if bound is None else max(bound, lagrange)
         if res is None:  # no plan within the limits: the same prices again, twice the work
             print(f"priced round {r}: no plan in {backtracks} backtracks / {int(cpu)} CPU s", file=sys.stderr, flush=True)
-            cpu, backtracks = 2 * cpu, 2 * backtracks
+            cpu, backtracks, first = 2 * cpu, 2 * backtracks, 2 * first
             continue
+        first = 0.0  # from the first plan on, the rounds are sized by backtracks (RoundSize)
         x = [int(v) for v in res[0]]
         prof = search.profile(net, x)
         over = prof > limit

@@ -360,18 +360,21 @@ def test_rounds_are_cut_only_where_the_backtracks_take_the_time():
     assert size().after(700, searched=0.0, wall=0.0, rest=2.0, left=60.0, rounds_left=3) == 700  # nothing measured
 
 
-def _rounds_backtracks(tmp_path, monkeypatch, options: dict, per_backtrack: float, fixed: float) -> list:
+def _rounds_backtracks(tmp_path, monkeypatch, options: dict, per_backtrack: float, fixed: float, cpus: list | None = None) -> list:
     """The backtracks each of the child's rounds was given (main in this process, toulbar2's
     search replaced by one that records them and returns the least-usage plan; the child's clock
-    advances only in that search, by ``fixed`` plus ``per_backtrack`` each)."""
+    advances only in that search, by ``fixed`` plus ``per_backtrack`` each); ``cpus`` gets each
+    round's CPU cap."""
     inst = from_dict({"problem": _problem(random.Random(11), 6, 2)})
     src = os.path.join(tmp_path, "model.pkl")
     with open(src, "wb") as f:
         pickle.dump(arrays(inst), f)
     given, now = [], [0.0]
+    cpus = cpus if cpus is not None else []
 
     def search(cfn, cpu, backtracks):
         given.append(backtracks)
+        cpus.append(cpu)
         now[0] += fixed + per_backtrack * backtracks
         return [int(np.argmin(u)) for u in inst.usage], 0.0, 1
 
@@ -410,3 +413,18 @@ def test_the_child_is_told_the_seconds_to_its_stop(monkeypatch):
     job = priced.start_file("instance.json", time.perf_counter() + 50.0, min_nodes=0, min_pairs=-1)
     job.tmp.cleanup()
     assert 0 < seen[0]["seconds"] <= 50.0
+
+
+def test_round_0_is_also_capped_by_a_share_of_the_childs_time(tmp_path, monkeypatch):
+    """L (28,526 nodes): round 0's 2,000 backtracks outlasted the child's 105 s and the child had no
+    plan at all; capped, round 0 returns its plan (over the limit there) and round 1 fit at 1.08x.
+    The cap is round 0's only (later rounds are sized by backtracks), and only where the child
+    knows its time and was given no CPU cap of its own."""
+    k = {"per_backtrack": 0.0, "fixed": 1.0}
+    cpus: list = []
+    _rounds_backtracks(tmp_path, monkeypatch, {"rounds": 3, "seconds": 90.0}, **k, cpus=cpus)
+    assert cpus == [30.0, 0, 0]  # a third of the 90 s (ROUND0_SHARE)
+    for options, want in (({"rounds": 3}, [0, 0, 0]), ({"rounds": 2, "seconds": 90.0, "round_cpu": 8}, [8, 8])):
+        cpus = []
+        _rounds_backtracks(tmp_path, monkeypatch, options, **k, cpus=cpus)
+        assert cpus == want, options
