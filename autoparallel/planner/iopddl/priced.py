@@ -43,7 +43,7 @@ def _spawn(src: str, tmp: tempfile.TemporaryDirectory, stop: float, options: dic
         err = sys.stderr.fileno()
     except (AttributeError, OSError, ValueError):  # a captured stderr (pytest's capsys) has none
         err = subprocess.DEVNULL
-    # the child sizes its rounds by the time it has (priced_child.next_backtracks)
+    # the child sizes its rounds by the time it has (priced_child.RoundSize, ROUND0_SHARE)
     options = {**options, "seconds": max(0.0, stop - time.perf_counter())}
     proc = subprocess.Popen([sys.executable, "-P", CHILD, src, out, json.dumps(options)], stdout=err, stderr=err)
     return Priced(proc, tmp, out, stop)

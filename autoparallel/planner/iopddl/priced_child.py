@@ -328,7 +328,7 @@ def main(args) -> None:
             lagrange = float(cfn.GetDDualBound()) - 0.5 * len(model["cost"]) - float(lam.sum()) * limit
             bound = lagrange if bound is None else max(bound, lagrange)
         if res is None:  # no plan within the limits: the same prices again, twice the work
-            print(f"priced round {r}: no plan in {backtracks} backtracks / {int(cpu)} CPU s", file=sys.stderr, flush=True)
+            print(f"priced round {r}: no plan in {backtracks} backtracks / {int(first or cpu)} CPU s", file=sys.stderr, flush=True)
             cpu, backtracks, first = 2 * cpu, 2 * backtracks, 2 * first
             continue
         first = 0.0  # from the first plan on, the rounds are sized by backtracks (RoundSize)
