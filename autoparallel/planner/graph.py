@@ -171,7 +171,7 @@ def trace_planning_graph(
     traced = _with_param_dtype(model, param_dtype) if param_dtype is not None else model
     t0 = time.perf_counter()
     with _blocks_annotated(traced, container):
-        jg = build_joint_graph(traced, ParallelPlan(name=UNSHARDED_PLAN_NAME), mesh, example_inputs, loss_fn,
+        jg = build_joint_graph(traced, ParallelPlan(name=UNSHARDED_PLAN_NAME, param_dtype=param_dtype), mesh, example_inputs, loss_fn,
                                eager_dropout=False)  # dropout stays one op the planner places
     try:
         gm = jg.gm

@@ -12,7 +12,8 @@ All in CI's slow step (``--ap-run-slow``; tests/conftest.py SLOW_GROUPS "planned
 gloo world of 2 ranks (dp=2) running LLaMA tiny and a model that is not LLaMA (the
 ``layernorm_mlp`` fixture: LayerNorm, biased Linears, GELU, a residual, MSE), plain and with two
 gradients pinned to be reduce-scattered before their last ``t`` (pieces the lowering leaves in
-their collective's layout, autoparallel/planner/layout_reads.py); the 2x2 world
+their collective's layout, autoparallel/planner/layout_reads.py), and under param_dtype=bf16 (its
+float input cast as FSDP2 casts it; the oracle at bf16's bound); the 2x2 world
 (dp=2,tp=2) with tiny, debug and the MLP, and debug on dp=2: each rank lowers, partitions and
 compiles for itself, which a 2-core machine pays four times. The quick tier keeps plan="auto"'s
 goldens and stage invariants (tiny-auto-dp8).
@@ -84,12 +85,18 @@ def blind_case(layernorm_mlp) -> PlannedCase:
     return replace(mlp_case(layernorm_mlp, "dp=2"), name="mlp-layout-blind-dp=2", planner={"pins": BLIND_PINS})
 
 
+def bf16_case(layernorm_mlp) -> PlannedCase:
+    """The MLP under mixed precision: bf16 parameters where read, its float input cast to bf16 by
+    the program (FSDP2's cast_forward_inputs), gradients back in fp32."""
+    return replace(mlp_case(layernorm_mlp, "dp=2"), name="mlp-bf16-dp=2", planner={"param_dtype": torch.bfloat16})
+
+
 def llama_case(preset: str, mesh: str) -> PlannedCase:
     return planned_case(Scenario(preset=preset, plan="auto", mesh=mesh))
 
 
-def check(case: PlannedCase, ranks) -> None:
-    """Bitwise per executor on every rank and step; single-device within tolerance; it trained."""
+def assert_every_executor_bitwise(case: PlannedCase, ranks) -> None:
+    """Every executor's losses, gradients and buffers bitwise the eager placements', every rank and step."""
     n_grads = len(ranks[0].traces[EAGER].grads[0])
     buffers = ranks[0].traces[EAGER].buffers  # the buffers after each step (LLaMA's rope tables)
     n_buffers = len(buffers[0]) if buffers else 0
@@ -99,6 +106,11 @@ def check(case: PlannedCase, ranks) -> None:
         report = merge_reports(reports, [f"rank{i}" for i in range(len(ranks))])
         assert len(report.diffs) == len(ranks) * STEPS * (1 + n_grads + n_buffers)
         report.assert_bitwise()
+
+
+def check(case: PlannedCase, ranks) -> None:
+    """Bitwise per executor on every rank and step; single-device within tolerance; it trained."""
+    assert_every_executor_bitwise(case, ranks)
     single = single_device_replay(case, ranks)
     for step in range(STEPS):
         losses = [r.traces[EAGER].losses[step] for r in ranks]
@@ -114,7 +126,7 @@ def check(case: PlannedCase, ranks) -> None:
 
 @pytest.fixture(scope="module")
 def dp2(layernorm_mlp):
-    cases = [llama_case("tiny", "dp=2"), mlp_case(layernorm_mlp, "dp=2"), blind_case(layernorm_mlp)]
+    cases = [llama_case("tiny", "dp=2"), mlp_case(layernorm_mlp, "dp=2"), blind_case(layernorm_mlp), bf16_case(layernorm_mlp)]
     return dict(zip((c.name for c in cases), (ranks for _, ranks in run_planned_parity(cases, STEPS)), strict=True)), cases
 
 
@@ -126,6 +138,25 @@ def test_planned_program_bitwise_equals_its_eager_placements_on_two_ranks(dp2, n
     results, cases = dp2
     check(next(c for c in cases if c.name == name), results[name])
     assert all(r.replayed > 0 for r in results[name]), "the default lowering replays the ops the plan determines"
+
+
+def test_a_mixed_precision_plan_runs_its_bf16_program_bitwise_and_passes_the_oracle(dp2):
+    """param_dtype=bf16: every rank lowers the plan the solver made, casts included, and runs it
+    (a float input cast to bf16 first: without that cast the first matmul mixes fp32 and bf16 and
+    the step fails). The oracle compares it with the fp32 model within bf16's bound, and the loss
+    shows the ranks computed in bf16, not in fp32 (each rank re-planning without the plan's dtype
+    would run an fp32 program, within fp32 rounding of the model)."""
+    results, cases = dp2
+    case = next(c for c in cases if c.name == "mlp-bf16-dp=2")
+    ranks = results[case.name]
+    assert_every_executor_bitwise(case, ranks)
+    report = planned_oracle(case, ranks)
+    assert report.passed, report.summary()
+    assert report.tolerance.dtype == torch.bfloat16
+    (loss,) = [c for c in report.checks if c.name == "loss"]
+    assert loss.max_abs > 1e-5, f"the loss is the fp32 model's within {loss.max_abs:.1e}: the ranks ran an fp32 program"
+    eager = ranks[0].traces[EAGER].losses
+    assert not torch.equal(eager[0], eager[1]), "the optimizer moved"
 
 
 def test_the_layout_blind_case_leaves_pieces_in_their_collectives_layout(layernorm_mlp):

@@ -75,7 +75,14 @@ from verify.parity.random_ops import (
     random_nodes,
     random_ops_disabled,
 )
-from verify.parity.runs import COLLECTIVE, cast_floating, no_recompile, oracle_executor
+from verify.parity.runs import (
+    COLLECTIVE,
+    cast_floating,
+    loss_in_reference_dtype,
+    no_recompile,
+    oracle_executor,
+    rounded_like_the_program,
+)
 from verify.stages.pipeline_run import on_meta_else_real, pipeline_options
 from verify.stages.rank_context import RankContext
 from verify.stages.registry import EAGER, build_executor, last_needed, parity_executors, planned_executors
@@ -98,8 +105,9 @@ SINGLE_DEVICE_ATOL = 1e-5
 class PlannedCase:
     """A model to plan and run: ``model(device)`` builds it with deterministic parameters
     (``"meta"`` for shapes), ``loss_fn`` (None: token cross-entropy), ``batches(steps)`` the
-    global batches (model inputs, then the target), ``mesh`` the mesh spec, ``planner`` PlannerConfig
-    fields for ``ParallelPlan.auto`` (a memory budget, a peak-memory budget, pins)."""
+    global batches (model inputs, then the target), ``mesh`` the mesh spec, ``planner`` what
+    ``ParallelPlan.auto`` takes: PlannerConfig fields (a memory budget, a peak-memory budget, pins)
+    and the plan's ``param_dtype`` / ``reduce_dtype``."""
 
     name: str
     model: Callable[[str], nn.Module]
@@ -111,6 +119,16 @@ class PlannedCase:
     @property
     def spec(self) -> MeshSpec:
         return MeshSpec.parse(self.mesh)
+
+    def plan(self, solution: Solution | None = None) -> ParallelPlan:
+        """The auto plan of this case: ``planner``'s options and mixed precision, and with
+        ``solution`` the solver's plan given (what each rank lowers: the same program the solver
+        planned, casts included)."""
+        return ParallelPlan.auto(**self.planner, **({} if solution is None else {"solution": solution}))
+
+    @property
+    def param_dtype(self) -> torch.dtype | None:
+        return self.plan().param_dtype
 
 
 @dataclass
@@ -136,7 +154,12 @@ def planned_case(scenario) -> PlannedCase:
         batches=scenario.batches,
         mesh=str(scenario.mesh_spec),
         loss_fn=scenario.loss_fn,
+        planner=_mixed_precision(scenario.plan_obj()),
     )
+
+
+def _mixed_precision(plan: ParallelPlan) -> dict[str, torch.dtype]:
+    return {k: v for k, v in (("param_dtype", plan.param_dtype), ("reduce_dtype", plan.reduce_dtype)) if v is not None}
 
 
 def solve(case: PlannedCase) -> Solution:
@@ -145,7 +168,7 @@ def solve(case: PlannedCase) -> Solution:
     slice of the single-device draw) is an error here, before any rank starts."""
     with fake_world(case.spec) as mesh:
         planned = on_meta_else_real(lambda device: plan_for_pipeline(case.model(device), case.loss_fn, case.batches(1)[0], mesh,
-                                                                     ParallelPlan.auto(**case.planner)))
+                                                                     case.plan()))
         planned.pg.joint.close()
     check_replicated_fallbacks(planned.pg, planned.solved)
     return planned.solved
@@ -200,7 +223,7 @@ def _rank_case(case: PlannedCase, solved: Solution, batches, executors, mesh, lo
     options = pipeline_options(snapshots=True, alternatives=False, keep_compiled=keep, lowering=lowering)
     # at least the first partition (its module is built there), further where an executor needs it
     until = last_needed((*executors, STEP_FIRST_PARTITION), PLANNED_STAGES)
-    run = on_meta_else_real(lambda device: run_pipeline(case.model(device), case.loss_fn, batches[0], ParallelPlan.auto(solution=solved),
+    run = on_meta_else_real(lambda device: run_pipeline(case.model(device), case.loss_fn, batches[0], case.plan(solved),
                                                         mesh, options, until=until), real=keep)
     plan = run.planned.solution
     model = case.model("cpu")
@@ -311,7 +334,10 @@ def single_device_replay(case: PlannedCase, ranks: Sequence[PlannedRank], execut
     turns a last-bit difference of a near-zero gradient into a step of ``lr``. ``executor``:
     :func:`oracle_executor` by default; its dropout-off form runs the model with dropout off. Each
     step runs with the generator seeded as the ranks' (``PLANNED_RNG_SEED``): a random op that is
-    not a dropout, which the plan replicates, draws here what every rank draws.
+    not a dropout, which the plan replicates, draws here what every rank draws. Under a
+    ``param_dtype`` the model stays in its own dtype and sees the floating inputs as the program
+    does, rounded through the cast (``rounded_like_the_program``): the cast is the program's
+    semantics, the rest of its rounding what the oracle's tolerance is for.
     """
     executor = executor if executor is not None else oracle_executor(ranks)
     random_off = (lambda: random_ops_disabled(keep_others=True)) if executor == DROPOUT_OFF else contextlib.nullcontext
@@ -328,6 +354,7 @@ def single_device_replay(case: PlannedCase, ranks: Sequence[PlannedRank], execut
             with torch.no_grad():
                 p.copy_(leaves[fqn])
         *xs, target = inputs
+        xs = rounded_like_the_program(xs, case.param_dtype)
         with seeded(step_seed(PLANNED_RNG_SEED, step)), random_off():
             loss = loss_fn(model(*xs), target)
             loss.backward()
@@ -352,9 +379,11 @@ def planned_oracle(case: PlannedCase, ranks: Sequence[PlannedRank], reference: S
     executor = oracle_executor(ranks)
     single = reference if reference is not None else single_device_replay(case, ranks, executor)
     inputs = case.batches(1)[0]
-    tolerance = oracle_tolerance(case.model("meta"), inputs[:-1], case.spec.world_size)
+    param_dtype = case.param_dtype
+    tolerance = oracle_tolerance(case.model("meta"), inputs[:-1], case.spec.world_size, compute_dtype=param_dtype)
     report = OracleReport(tolerance, parallel=executor)
-    report.checks.append(check_within("loss", single.losses[0], ranks[0].traces[executor].losses[0], tolerance.rtol))
+    loss_name, ref_loss, loss = loss_in_reference_dtype(ranks[0].traces[executor].losses[0], single.losses[0], param_dtype)
+    report.checks.append(check_within(loss_name, ref_loss, loss, tolerance.rtol))
     grads = full_grads(case, ranks, executor, 0)
     scales = module_scales(single.grads[0])
     for fqn in sorted(set(single.grads[0]) | set(grads)):
@@ -366,7 +395,7 @@ def planned_oracle(case: PlannedCase, ranks: Sequence[PlannedRank], reference: S
         final, initial = full_params(case, ranks, executor), dict(case.model("cpu").named_parameters())
         for fqn in sorted(stale):
             report.checks.append(check_within(f"unchanged:{fqn}", initial[fqn].detach(), final[fqn], 0.0, 0.0))
-    if not report.passed and calibration.applies(tolerance, None):
+    if not report.passed and calibration.applies(tolerance, param_dtype):
         report = calibration.calibrated(report, lambda dtype: _first_step_in(case, dtype))
     return report
 

@@ -498,7 +498,7 @@ def unchanged_checks(
     return out
 
 
-def _loss_in_reference_dtype(loss: torch.Tensor, ref: torch.Tensor, param_dtype: torch.dtype | None) -> tuple:
+def loss_in_reference_dtype(loss: torch.Tensor, ref: torch.Tensor, param_dtype: torch.dtype | None) -> tuple:
     """``(check name, reference, loss)``: a loss the parallel program computed in the plan's
     ``param_dtype`` (a bf16 model's loss under mixed precision, as FSDP2 leaves it: no output cast)
     is compared in the single-device reference's dtype, and the check's name says so. Any other
@@ -532,7 +532,7 @@ def oracle_check(
     for r in ranks:
         per_slice.setdefault(slice_of(r), r.traces[executor].losses[0])
     loss = torch.stack([per_slice[k] for k in sorted(per_slice)]).sum() / len(per_slice)
-    loss_name, ref_loss, loss = _loss_in_reference_dtype(loss, ref.loss, plan.param_dtype)
+    loss_name, ref_loss, loss = loss_in_reference_dtype(loss, ref.loss, plan.param_dtype)
     report.checks.append(check_within(loss_name, ref_loss, loss, tolerance.rtol))
     grads = gather_full_grads(scenario, ranks, executor)
     scales = module_scales(ref.grads)

@@ -385,6 +385,23 @@ def test_mixed_precision_casts_keep_parameter_and_gradient_placements():
     assert "grad_reduce_dtype" in check_plan(_tampered(plan, moved), *traced_graph(plan), semantics=False).groups()
 
 
+def test_mixed_precision_casts_floating_model_inputs_as_the_hand_plans_do():
+    """param_dtype=bf16 on a model with a float input: the planning graph casts the input to bf16
+    before the model reads it (FSDP2's cast_forward_inputs, as the hand plans' ParallelProgram
+    does), so every matmul reads one dtype. Fake tensors trace a float32 x bf16 matmul without
+    complaint; the program would fail on the first real step (verify.parity.planned runs it)."""
+    from autoparallel.planner.graph import trace_planning_graph
+
+    with torch.device("meta"):
+        model = _MLPStack()
+    with fake_world("dp=2") as mesh:
+        pg = trace_planning_graph(model, mesh, _mlp_inputs(), F.cross_entropy, param_dtype=torch.bfloat16)
+    matmuls = [n for n in pg.gm.graph.nodes if n.target in (torch.ops.aten.mm.default, torch.ops.aten.addmm.default)]
+    assert len(matmuls) >= 2 * len([m for m in model.modules() if isinstance(m, nn.Linear)])  # forward and backward
+    for n in matmuls:
+        assert {a.meta["val"].dtype for a in n.all_input_nodes} == {torch.bfloat16}, n.format_node()
+
+
 # The fresh interpreter plans the MLP stack with plan_text() of this very file.
 SCRIPT = "import runpy, sys; print(runpy.run_path(sys.argv[1])['plan_text'](), end='')"
 
