@@ -21,7 +21,8 @@ per stage of ``PLANNED_STAGES`` after the plan, as the hand plans' parity runs t
 (the second compile's graphs through every collective pass, composed). The plan is made once, in
 this process, on a fake world of the same mesh; each rank lowers it for itself (lowered graphs are
 rank-specific: a local split keeps the rank's piece) by running the pipeline on the real world
-with ``ParallelPlan.auto(solution=<the solver's plan>)``, every stage's graphs a snapshot; the second
+with ``PlannedCase.plan(<the solver's plan>)`` (the case's dtypes kept: the program the solver
+planned, casts included), every stage's graphs a snapshot; the second
 compile keeps its compiled module, which the ``second_compile`` executor runs (a recompile there
 is an error: it would test other graphs than the pipeline made).
 """
