@@ -197,6 +197,9 @@ def _parser() -> argparse.ArgumentParser:
     m.add_argument("--baseline", action="append", metavar="FILE",
                    help="outcomes of an earlier pytest run on this tree ($AUTOPARALLEL_OUTCOME_LOG): its guards "
                         "are not run again with every patch enabled (repeatable; CI passes its tier and slow step)")
+    m.add_argument("--no-preload", dest="preload", action="store_false",
+                   help="each guard run a fresh `python -m pytest` (default: forked from one process that imported "
+                        "torch, the project and pytest once: verify/commands/mutation/zygote.py)")
     m.add_argument("--lines", action="store_true", help="line-level mutation with mutmut (slow)")
     from verify.commands.mutation.lines import (  # stdlib only, like the rest of the parser
         TARGETS,

@@ -9,6 +9,7 @@ import time
 from autoparallel.patches import PATCHES
 from verify import repo_root
 from verify.commands.mutation import patches as patch_mutation
+from verify.commands.mutation import zygote
 from verify.commands.mutation.lines import main as lines_main
 
 
@@ -22,6 +23,8 @@ def _check_level_flags(args) -> None:
         raise ValueError("-j/--jobs: patch-level only (line-level runs take -n, mutmut's workers)")
     if args.baseline and args.lines:
         raise ValueError("--baseline: patch-level only")
+    if not args.preload and args.lines:
+        raise ValueError("--no-preload: patch-level only")
 
 
 def main(args) -> int:
@@ -46,7 +49,8 @@ def main(args) -> int:
 
     t0 = time.perf_counter()
     results = patch_mutation.mutate(patches, workers=args.workers, timeout_s=args.timeout, cwd=repo_root(),
-                                    progress=progress, jobs=args.jobs, baselines=args.baseline or ())
+                                    progress=progress, jobs=args.jobs, baselines=args.baseline or (),
+                                    preload=zygote.PRELOAD if args.preload else None)
     killed = sum(r.state == "killed" for r in results)
     if args.json:
         print(json.dumps({"patches": [r.to_dict() for r in results], "killed": killed, "total": len(results),

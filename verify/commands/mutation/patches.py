@@ -21,6 +21,7 @@ still kills the patch.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -35,6 +36,7 @@ from pathlib import Path
 
 from verify.commands.mutation import run_slow_args
 from verify.commands.mutation.outcome_log import ENV as OUTCOME_ENV
+from verify.commands.mutation.zygote import Zygote
 
 DISABLE_ENV = "AUTOPARALLEL_DISABLE"
 
@@ -81,34 +83,44 @@ class PatchResult:
 
 def run_guards(
     guards: Sequence[str], *, disable: str = "", workers: str | int = 0, timeout_s: float = 300.0, cwd: Path | None = None,
-    stop_at_first_failure: bool = False,
+    stop_at_first_failure: bool = False, zygote: Zygote | None = None,
 ) -> GuardRun:
-    """Run ``guards`` in a fresh pytest subprocess (its own process group; killed on timeout);
-    ``stop_at_first_failure``: pytest's ``-x``."""
+    """Run ``guards`` in a fresh pytest process (its own process group; killed on timeout):
+    ``python -m pytest``, or forked from ``zygote`` (verify.commands.mutation.zygote: the same
+    run without paying its imports again); ``stop_at_first_failure``: pytest's ``-x``."""
     with tempfile.TemporaryDirectory(prefix="ap-mutate-") as tmp:
         log = Path(tmp) / "outcomes.json"
         env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTEST_", "XDIST_"))}
         env[OUTCOME_ENV] = str(log)
         env[DISABLE_ENV] = disable
-        cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "verify.commands.mutation.outcome_log",
-               "--snapshot-warn-unused", *run_slow_args(cwd or Path.cwd()), "-n", str(workers),
-               *(["-x"] if stop_at_first_failure else []), *guards]
+        args = ["-q", "-p", "no:cacheprovider", "-p", "verify.commands.mutation.outcome_log",
+                "--snapshot-warn-unused", *run_slow_args(cwd or Path.cwd()), "-n", str(workers),
+                *(["-x"] if stop_at_first_failure else []), *guards]
         t0 = time.perf_counter()
-        proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                text=True, start_new_session=True)
         run = GuardRun()
-        try:
-            out, _ = proc.communicate(timeout=timeout_s)
-            run.returncode = proc.returncode
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            out, _ = proc.communicate()
-            run.timed_out = True
+        if zygote is not None:
+            run.returncode, run.timed_out, out = zygote.run(args, env, cwd or Path.cwd(), timeout_s)
+        else:
+            run.returncode, run.timed_out, out = _pytest_subprocess(args, env, cwd, timeout_s)
         run.seconds = time.perf_counter() - t0
         run.tail = "\n".join((out or "").splitlines()[-25:])
         if log.exists():
             run.outcomes = json.loads(log.read_text())
         return run
+
+
+def _pytest_subprocess(args: list[str], env: dict[str, str], cwd: Path | None, timeout_s: float) -> tuple[int | None, bool, str]:
+    """``python -m pytest *args`` in its own session: (exit code, None when killed at the limit;
+    timed out; output)."""
+    proc = subprocess.Popen([sys.executable, "-m", "pytest", *args], cwd=cwd, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=timeout_s)
+        return proc.returncode, False, out
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        return None, True, out
 
 
 def recorded_outcomes(paths: Sequence[Path]) -> dict[str, str]:
@@ -176,12 +188,26 @@ def mutate(
     progress: Callable[[str], None] = lambda msg: None,
     jobs: int = 1,
     baselines: Sequence[Path] = (),
+    preload: Sequence[str] | None = None,
 ) -> list[PatchResult]:
     """Classify each patch (objects with ``name`` and ``guards``), in ``patches``' order.
     ``jobs``: how many patches' disabled runs (separate pytest processes) run at once;
-    ``baselines``: outcome files of earlier runs on this tree (see the module docstring)."""
+    ``baselines``: outcome files of earlier runs on this tree (see the module docstring);
+    ``preload``: fork every run from a zygote that imported these modules once
+    (verify.commands.mutation.zygote; None: each run is ``python -m pytest``)."""
     if jobs < 1:
         raise ValueError(f"jobs must be at least 1, got {jobs}")
+    with contextlib.ExitStack() as stack:
+        zygote = None
+        if preload is not None:
+            tmp = stack.enter_context(tempfile.TemporaryDirectory(prefix="ap-mutate-zygote-"))
+            zygote = stack.enter_context(Zygote(tuple(preload), tmp=Path(tmp)))
+            progress(f"zygote: {len(tuple(preload))} module(s) imported once, every run forked from it")
+        return _mutate(patches, workers=workers, timeout_s=timeout_s, cwd=cwd, progress=progress, jobs=jobs,
+                       baselines=baselines, zygote=zygote)
+
+
+def _mutate(patches, *, workers, timeout_s, cwd, progress, jobs, baselines, zygote) -> list[PatchResult]:
     all_guards = list(dict.fromkeys(g for p in patches for g in p.guards))
     recorded = GuardRun(outcomes=recorded_outcomes(baselines), returncode=0)
     to_run = [g for g in all_guards if not recorded.for_guard(g)]
@@ -191,7 +217,7 @@ def mutate(
     if to_run:
         baseline_workers = jobs if str(workers) == "0" and jobs > 1 else workers
         progress(f"baseline: {len(to_run)} guard id(s) with every patch enabled, {baseline_workers} worker(s) ...")
-        baseline = run_guards(to_run, workers=baseline_workers, timeout_s=timeout_s * max(1, len(patches)), cwd=cwd)
+        baseline = run_guards(to_run, workers=baseline_workers, timeout_s=timeout_s * max(1, len(patches)), cwd=cwd, zygote=zygote)
         progress(f"baseline: {_summarize(baseline.outcomes.values())} in {baseline.seconds:.1f}s")
         baseline.outcomes = {**recorded.outcomes, **baseline.outcomes}
     # pytest refuses the whole run when one id does not exist (exit 4), and one hanging guard
@@ -207,7 +233,7 @@ def mutate(
         guards = tuple(patch.guards)
         base = baseline
         if per_patch_baseline and guards:
-            base = run_guards(guards, workers=workers, timeout_s=timeout_s, cwd=cwd)
+            base = run_guards(guards, workers=workers, timeout_s=timeout_s, cwd=cwd, zygote=zygote)
             base.outcomes = {**recorded.outcomes, **base.outcomes}
         state, detail = classify(guards, base, None)
         disabled_run = None
@@ -215,11 +241,12 @@ def mutate(
         if state == "error" and detail == "disabled run missing":
             progress(f"[{i}/{len(patches)}] {patch.name}: disabling, running {len(guards)} guard(s) ...")
             disabled_run = run_guards(guards, disable=patch.name, workers=workers, timeout_s=timeout_s, cwd=cwd,
-                                      stop_at_first_failure=True)
+                                      stop_at_first_failure=True, zygote=zygote)
             state, detail = classify(guards, base, disabled_run)
             if state != "killed" and not disabled_run.timed_out and any(not disabled_run.for_guard(g) for g in guards):
                 progress(f"[{i}/{len(patches)}] {patch.name}: stopped without a failure; running every guard ...")
-                disabled_run = run_guards(guards, disable=patch.name, workers=workers, timeout_s=timeout_s, cwd=cwd)
+                disabled_run = run_guards(guards, disable=patch.name, workers=workers, timeout_s=timeout_s, cwd=cwd,
+                                          zygote=zygote)
                 state, detail = classify(guards, base, disabled_run)
         seconds = time.perf_counter() - t0
         enabled = _summarize(o for g in guards for o in base.for_guard(g)) if guards else "-"

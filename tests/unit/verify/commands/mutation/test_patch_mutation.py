@@ -71,7 +71,7 @@ class FakePatch:
 # Runs that must hang (a guard that sleeps 60 s) get a short limit; every other run a generous
 # one. One limit for all (it was 4 s) made each expected timeout cost its full limit and left a
 # normal run on a loaded machine little margin. The harness code is unchanged: the runs are real
-# pytest subprocesses, killed at their limit and classified from what that left.
+# pytest processes, killed at their limit and classified from what that left.
 HANG_LIMIT_S = 1.0
 LIMIT_S = 60.0
 
@@ -92,8 +92,10 @@ def short_limit_for_hanging_runs():
         yield
 
 
-@pytest.fixture(scope="module")
-def results(tmp_path_factory, short_limit_for_hanging_runs):
+@pytest.fixture(scope="module", params=["subprocess", "zygote"])
+def results(request, tmp_path_factory, short_limit_for_hanging_runs):
+    """Every state, with each run a ``python -m pytest`` subprocess and forked from the zygote
+    (``verify mutate``'s default, verify/commands/mutation/zygote.py): the same classification."""
     root: Path = tmp_path_factory.mktemp("mutproj")
     # no:hypothesispytest: the guard runs use no hypothesis, and its import is most of their startup.
     (root / "pytest.ini").write_text("[pytest]\ntestpaths = tests\naddopts = -p no:hypothesispytest\n")
@@ -111,7 +113,8 @@ def results(tmp_path_factory, short_limit_for_hanging_runs):
         FakePatch("p_first", (g + "test_fails_when_first_or_later_disabled", g + "test_sleeps_when_first_disabled")),
         FakePatch("p_error_then_kill", (g + "test_setup", g + "test_fails_when_first_or_later_disabled")),
     ]
-    out = mutate(patches, workers=0, timeout_s=LIMIT_S, cwd=root, jobs=2)  # two runs at once, as CI runs it
+    preload = ("pytest",) if request.param == "zygote" else None
+    out = mutate(patches, workers=0, timeout_s=LIMIT_S, cwd=root, jobs=2, preload=preload)  # two runs at once, as CI runs it
     return {r.name: r for r in out}, out, root
 
 
