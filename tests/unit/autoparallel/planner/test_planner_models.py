@@ -36,6 +36,7 @@ from autoparallel.planner import (
 )
 from autoparallel.planner.blocks import num_blocks, truncated
 from autoparallel.planner.even_shards import param_bytes_floor
+from autoparallel.planner.graph import trace_planning_graph
 from autoparallel.planner.problem import OP, min_param_bytes
 from verify.parity.plan_check import assert_plan_valid, check_plan, traced_graph
 from verify.parity.plan_objective import check_objective
@@ -390,8 +391,6 @@ def test_mixed_precision_casts_floating_model_inputs_as_the_hand_plans_do():
     before the model reads it (FSDP2's cast_forward_inputs, as the hand plans' ParallelProgram
     does), so every matmul reads one dtype. Fake tensors trace a float32 x bf16 matmul without
     complaint; the program would fail on the first real step (verify.parity.planned runs it)."""
-    from autoparallel.planner.graph import trace_planning_graph
-
     with torch.device("meta"):
         model = _MLPStack()
     with fake_world("dp=2") as mesh:

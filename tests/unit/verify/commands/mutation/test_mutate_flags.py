@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from verify.__main__ import _parser
+from verify.commands.mutation import patches, zygote
 from verify.commands.mutation.cli import main
 
 
@@ -31,8 +32,6 @@ def test_no_preload_with_lines_is_refused():
 
 
 def test_patch_level_runs_fork_from_the_zygote_unless_told_not_to(monkeypatch):
-    from verify.commands.mutation import patches, zygote
-
     seen = []
     monkeypatch.setattr(patches, "mutate", lambda *a, **kw: seen.append(kw["preload"]) or [])
     for argv in (["mutate", "--patch", "zero_tangents"], ["mutate", "--patch", "zero_tangents", "--no-preload"]):
