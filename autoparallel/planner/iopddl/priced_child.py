@@ -163,10 +163,11 @@ def restore(net, x: list, prof: np.ndarray, donors: list):
     y, py = list(before), search.profile(net, before)
     cross.cross(net, y, py, donors[0])
     polish(net, y, py, before)
-    if not search.cost(net, y) < search.cost(net, x):
+    alone = search.cost(net, x)
+    if not search.cost(net, y) < alone:
         return made, "repair"
     x[:], prof[:] = y, py
-    return made, "recombined"
+    return made, f"recombined; the repair alone {alone:.6g}"
 
 
 def recombine(net, x: list, prof: np.ndarray, donors: list) -> float:

@@ -428,3 +428,127 @@ def test_round_0_is_also_capped_by_a_share_of_the_childs_time(tmp_path, monkeypa
         cpus = []
         _rounds_backtracks(tmp_path, monkeypatch, options, **k, cpus=cpus)
         assert cpus == want, options
+
+
+# --- plans over the limit recombined with plans within it (cross.py) ---------------------------
+
+
+def _two_chains() -> dict:
+    """Two chains of two nodes, all live at step 0; strategy 0 uses 2, strategy 1 uses 1, and
+    each chain's edge forbids mixed pairs, so a chain goes small as a whole. Small costs 10 a node
+    on chain (0, 1), 1 on chain (2, 3); limit 7: one chain must go small, the cheap one (cost 2)."""
+    inf = 10**18
+    return {"nodes": {"intervals": [[0, 1]] * 4, "usages": [[2, 1]] * 4, "costs": [[0, 10], [0, 10], [0, 1], [0, 1]]},
+            "edges": {"nodes": [[0, 1], [2, 3]], "costs": [[0, inf, inf, 0]] * 2}, "usage_limit": 7}
+
+
+def _brute_force(problem: dict) -> int:
+    """The optimum of a tiny instance by enumerating every plan through the evaluator."""
+    import itertools
+
+    best = None
+    for plan in itertools.product(*(range(len(c)) for c in problem["nodes"]["costs"])):
+        try:
+            c = evaluate(problem, list(plan))
+        except ValueError:
+            continue
+        best = c if best is None else min(best, c)
+    return best
+
+
+def test_parts_are_the_components_of_the_edges_between_nodes_that_differ():
+    # a path 0-1-2-3-4 and an edge 5-6; the plans differ at 0, 1, 3, 4, 5, 6
+    edges = [[0, 1], [1, 2], [2, 3], [3, 4], [5, 6]]
+    net = types.SimpleNamespace(cost=[np.zeros(2)] * 7, edge_u=np.array([u for u, _ in edges]), edge_v=np.array([v for _, v in edges]))
+    got = priced_child.cross.parts(net, [0, 0, 0, 0, 0, 0, 0], [1, 1, 0, 1, 1, 1, 1])
+    assert sorted(c.tolist() for c in got) == [[0, 1], [3, 4], [5, 6]]
+    assert priced_child.cross.parts(net, [0] * 7, [0] * 7) == []
+
+
+def test_restore_recombines_whole_chains_where_the_greedy_repair_pays_the_dearer_one():
+    """K's plans over the limit came back at +12-54 % from the greedy repair: the strategies of
+    less usage are compatible only with the neighbours' smaller ones (most mixed pairs
+    forbidden), so single-node moves pay for it. Here the repair can only move one node into a
+    forbidden pair and let descent drag its partner: the first chain (cost 20). Recombined with
+    a plan that fits (all small, 22), each chain switches as a whole: the cheap one, the optimum."""
+    problem = _two_chains()
+    assert _brute_force(problem) == 2
+    net = _model(problem)
+    x = [0, 0, 0, 0]
+    prof = priced_child.search.profile(net, x)
+    made, how = priced_child.restore(net, x, prof, [[1, 1, 1, 1]])
+    assert how.startswith("recombined") and x == [0, 0, 1, 1] and evaluate(problem, x) == 2
+    assert prof.tolist() == priced_child.search.profile(net, x).tolist() == [6]
+    x = [0, 0, 0, 0]
+    prof = priced_child.search.profile(net, x)
+    made, how = priced_child.restore(net, x, prof, [])  # no donor: the greedy repair alone
+    assert how == "repair" and evaluate(problem, x) == 20
+
+
+def test_the_child_writes_the_recombined_plan_and_only_the_repaired_one_without_it(tmp_path, monkeypatch):
+    """The child's loop (toulbar2's search replaced by one that returns given plans): round 0
+    fits (all small, 22), round 1 is over the limit (all large, 0). Recombined, its plan is the
+    optimum 2; with the recombination off (``cross``: False, or CROSS), the repair's 20."""
+    problem = _two_chains()
+    inst = from_dict({"problem": copy.deepcopy(problem)})
+    src, out = os.path.join(tmp_path, "model.pkl"), os.path.join(tmp_path, "out.json")
+    with open(src, "wb") as f:
+        pickle.dump(arrays(inst), f)
+
+    def run(options):
+        plans = iter([[1, 1, 1, 1], [0, 0, 0, 0]])
+        monkeypatch.setattr(priced_child, "solve_round", lambda cfn, cpu, backtracks: (next(plans), 0.0, 1))
+        priced_child.main([src, out, json.dumps({"rounds": 2, **options})])
+        with open(out) as f:
+            found = json.load(f)
+        assert check(problem, found["solution"], int(found["cost"])) == found["cost"]
+        return found["cost"]
+
+    assert run({}) == 2
+    assert run({"cross": False}) == 20
+    monkeypatch.setattr(priced_child, "CROSS", False)
+    assert run({}) == 20
+
+
+def test_recombining_a_plan_within_the_limit_never_makes_it_dearer():
+    # the two chains, both small but the first large in the donor: nothing fits better than x
+    problem = _two_chains()
+    net = _model(problem)
+    x = [0, 0, 1, 1]  # cost 2, within the limit
+    prof = priced_child.search.profile(net, x)
+    assert priced_child.cross.cross(net, x, prof, [1, 1, 1, 1]) == 0 and x == [0, 0, 1, 1]
+    x = [1, 1, 1, 1]  # cost 22: the donor's first chain large is cheaper and still fits
+    prof = priced_child.search.profile(net, x)
+    assert priced_child.cross.cross(net, x, prof, [0, 0, 1, 1]) == 1 and x == [0, 0, 1, 1] and prof.tolist() == [6]
+
+
+@settings(max_examples=80, deadline=None)
+@given(seed=st.integers(0, 10**6), slack=st.integers(0, 4))
+def test_restored_and_recombined_plans_fit_per_the_evaluator(seed, slack):
+    """On generated instances (a feasible plan always exists: the limit is at least the least
+    usage's peak): any plan, restored with or without a donor that fits, ends within the limit
+    per the independent evaluator, at the cost the child computes, never dearer than the greedy
+    repair alone; a plan already within the limit is never made dearer by a crossing."""
+    rng = random.Random(seed)
+    problem = _problem(rng, rng.randint(2, 8), slack)
+    net = _model(problem)
+    donor = [int(v) for v in priced_child.search.least_usage(net)]  # within the limit: the least usage's peak
+    dprof = priced_child.search.profile(net, donor)
+    priced_child.search.descend(net, donor, dprof)
+    x = [rng.randrange(len(u)) for u in net.usage]
+    prof = priced_child.search.profile(net, x)
+    within = int(prof.max(initial=0)) <= net.limit
+    alone, aprof = list(x), prof.copy()
+    if not within:
+        priced_child.restore(net, alone, aprof, [])
+        assert priced_child.search.profile(net, alone).tolist() == aprof.tolist()
+        assert evaluate(problem, alone) == priced_child.search.cost(net, alone)
+    y, yprof = list(x), prof.copy()
+    if within:
+        priced_child.cross.cross(net, y, yprof, donor)
+        assert priced_child.search.cost(net, y) <= priced_child.search.cost(net, x)
+    else:
+        priced_child.restore(net, y, yprof, [donor])
+        assert priced_child.search.cost(net, y) <= priced_child.search.cost(net, alone)
+    assert priced_child.search.profile(net, y).tolist() == yprof.tolist()
+    assert evaluate(problem, y) == priced_child.search.cost(net, y)  # raises when over the limit
