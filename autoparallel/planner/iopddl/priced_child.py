@@ -181,6 +181,23 @@ def recombine(net, x: list, prof: np.ndarray, donors: list) -> float:
     return search.cost(net, x)
 
 
+def donated(net, out: str, given: tuple) -> tuple:
+    """The plan the parent handed over beside ``out`` (priced.offer: its polish of one of this
+    child's plans), as (file stamp, plan or None): a new one only when the file changed and the
+    plan fits the limit."""
+    path = os.path.join(os.path.dirname(out), "donor.json")
+    try:
+        stamp = os.stat(path).st_mtime_ns
+        if stamp == given[0]:
+            return stamp, None
+        with open(path) as f:
+            x = [int(v) for v in json.load(f)]
+    except (OSError, ValueError, TypeError):
+        return given[0], None
+    fits = len(x) == net.n and int(search.profile(net, x).max(initial=0)) <= net.limit
+    return stamp, (x if fits else None)
+
+
 def build(model: dict, unary: list, cache: dict | None = None):
     """The network with the given (priced) unary costs, scaled into toulbar2's integer range;
     forbidden entries (``inf``) cost ``top``. Functions of equal shape go in one call. The edge
@@ -360,7 +377,7 @@ def main(args) -> None:
     end = time.perf_counter() + options["seconds"] if options.get("seconds") and "backtracks" not in options else None
     first = ROUND0_SHARE * options["seconds"] if end is not None and not cpu else 0.0  # round 0's cap, until a plan
     size = RoundSize()
-    pool, crossing = cross.Pool(), options.get("cross", CROSS)
+    pool, crossing, given = cross.Pool(), options.get("cross", CROSS), (None, None)
     for r in range(options.get("rounds", 40)):
         began = time.perf_counter()
         w = interval_sums(lam, starts, ends)
@@ -385,6 +402,10 @@ def main(args) -> None:
         c = search.cost(net, x)
         print(f"priced round {r}: cost {c:.6g}, {int(over.sum())} steps over the limit"
               f" (peak {int(prof.max(initial=0))} / {limit}), {time.process_time() - t:.1f} CPU s ({built:.1f} building), {backtracks} backtracks", file=sys.stderr, flush=True)
+        if crossing:
+            given = donated(net, out, given)
+            if given[1] is not None:
+                pool.add(given[1], search.cost(net, given[1]))
         fixed = prof.copy()
         if over.any():
             made, how = restore(net, x, fixed, pool.donors() if crossing else [])

@@ -43,6 +43,9 @@ REDUCE_SHARE = 0.25  # at most this share of the time goes to the reductions
 # instances too large for the whole-problem MIP and for cfn.py's constrained network. Most of it:
 # on M their first feasible plan was 1.01x the contest's best against 1.8x from descent + star moves.
 PRICED_SHARE = 0.9
+# While the priced child runs, the plans it writes are polished by this process (star moves and
+# descent; it waited idle there) and handed back to it as donors (_Follow); off: only its last plan.
+FOLLOW = True
 PRICED_NODES = 1000  # and only from this many nodes (below, cfn.py's constrained network is small)
 # Seconds (at most a tenth of the time) between the deadline the phases check and the hard one, the
 # alarm (deadline.py), which stops whatever phase still runs; the hard one keeps the measured closing
@@ -327,15 +330,46 @@ def _solve_reduced(inst: Instance, t0, deadline, say, clock, **options) -> Resul
                   {**r.stats, "removed": red.removed, "folded": len(red.folded)})
 
 
+class _Follow:
+    """The polish of the priced rounds' plans while the child runs (priced.follow): each plan it
+    writes that fits and is cheaper than what this process has goes through star moves and
+    descent, until the child's stop; the cheapest result is kept (``kept``) and handed back to
+    the child as a donor for its recombinations (priced.offer)."""
+
+    def __init__(self, inst, job, best: float, deadline: float, clock, say, kept):
+        self.inst, self.job, self.deadline, self.clock, self.say, self.kept = inst, job, deadline, clock, say, kept
+        self.x, self.prof, self.cost, self.source = None, None, best, None
+
+    def __call__(self, y, stop: float) -> None:
+        yprof = profile(self.inst, y)
+        if len(yprof) and int(yprof.max()) > self.inst.limit or not cost(self.inst, y) < self.cost:
+            return
+        self.source = y.copy()
+        star_rounds(self.inst, y, yprof, min(stop, self.deadline), self.clock)
+        ycost = cost(self.inst, y)
+        if ycost < self.cost:
+            self.x, self.prof, self.cost = y, yprof, ycost
+            self.kept.keep(y, ycost, "priced")
+            priced.offer(self.job, y)
+            self.say(f"priced toulbar2 rounds: a plan of theirs polished while they run: cost {ycost:.6g}")
+
+
 def _priced(inst, job, x, prof, best, bound, method, deadline, clock, say, kept):
-    """Collect the priced rounds (priced.py); keep their plan when it fits and is cheaper, then
-    polish it under the hard limit (descent and star moves). Their bound (the unpriced problem's)
+    """Collect the priced rounds (priced.py), their plans polished while they run (_Follow); keep
+    their last plan when it fits and is cheaper, then polish it under the hard limit (descent and
+    star moves), unless it is the one already polished. Their bound (the unpriced problem's)
     holds for this one."""
-    y, b = priced.collect(job, clock, say)
+    follow = _Follow(inst, job, best, deadline, clock, say, kept) if FOLLOW else None
+    y, b = priced.collect(job, clock, say, polish=follow)
     if b is not None:
         bound = max(bound, float(b))
+    if follow is not None and follow.x is not None:
+        x, prof, best, method = follow.x, follow.prof, follow.cost, "priced"
+        if y is not None and np.array_equal(y, follow.source):
+            y = None  # the child's last plan: already polished
     if y is None or len(y) != inst.n:
-        say("priced toulbar2 rounds: no plan within the limit")
+        if method != "priced":
+            say("priced toulbar2 rounds: no plan within the limit")
         return x, prof, best, bound, method
     yprof = profile(inst, y)
     ycost = cost(inst, y)
@@ -345,6 +379,9 @@ def _priced(inst, job, x, prof, best, bound, method, deadline, clock, say, kept)
     kept.keep(y, ycost, "priced")
     star_rounds(inst, y, yprof, deadline, clock)
     ycost = cost(inst, y)
+    if not ycost < best:
+        say(f"priced toulbar2 rounds: their last plan polished to {ycost:.6g}, not cheaper than {best:.6g}")
+        return x, prof, best, bound, method
     kept.keep(y, ycost, "priced")
     say(f"priced toulbar2 rounds, then star moves and descent: cost {ycost:.6g} (was {best:.6g})")
     return y, yprof, ycost, bound, "priced"

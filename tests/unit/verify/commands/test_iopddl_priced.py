@@ -552,3 +552,122 @@ def test_restored_and_recombined_plans_fit_per_the_evaluator(seed, slack):
         assert priced_child.search.cost(net, y) <= priced_child.search.cost(net, alone)
     assert priced_child.search.profile(net, y).tolist() == yprof.tolist()
     assert evaluate(problem, y) == priced_child.search.cost(net, y)  # raises when over the limit
+
+
+def test_the_child_takes_the_plan_the_parent_hands_it_as_a_donor(tmp_path, monkeypatch):
+    """The parent's polish of a child's plan, written beside the child's output (priced.offer),
+    joins the child's donors: its only round's plan over the limit is then recombined with it
+    (2, the optimum) instead of repaired alone (20). A plan over the limit is not taken."""
+    problem = _two_chains()
+    inst = from_dict({"problem": copy.deepcopy(problem)})
+    src, out = os.path.join(tmp_path, "model.pkl"), os.path.join(tmp_path, "out.json")
+    with open(src, "wb") as f:
+        pickle.dump(arrays(inst), f)
+    job = types.SimpleNamespace(tmp=types.SimpleNamespace(name=str(tmp_path)))
+    monkeypatch.setattr(priced_child, "solve_round", lambda cfn, cpu, backtracks: ([0, 0, 0, 0], 0.0, 1))
+
+    def run(donor):
+        priced.offer(job, donor)
+        priced_child.main([src, out, json.dumps({"rounds": 1})])
+        with open(out) as f:
+            return json.load(f)["cost"]
+
+    assert run([1, 1, 1, 1]) == 2  # a donor of 22 that fits: the cheap chain switched
+    assert run([0, 0, 0, 0]) == 20  # over the limit: not a donor, the repair alone
+
+
+class _Child:
+    """A child process stand-in on a fake clock: it writes the given plans to its output at the
+    given times and exits at ``ends``; ``wait`` advances the clock."""
+
+    def __init__(self, now: list, out: str, plans: list, ends: float):
+        self.now, self.out, self.plans, self.ends, self.returncode = now, out, list(plans), ends, None
+
+    def _tick(self):
+        while self.plans and self.plans[0][0] <= self.now[0]:
+            priced_child.write(self.out, {"solution": self.plans.pop(0)[1], "cost": 0, "round": 0, "bound": None})
+            self.now[0] += 0.001  # a file stamp apart from the next
+        if self.now[0] >= self.ends:
+            self.returncode = 0
+
+    def poll(self):
+        self._tick()
+        return self.returncode
+
+    def wait(self, timeout=None):
+        import subprocess
+
+        if self.returncode is not None:  # exited or killed
+            return self.returncode
+        if timeout is not None and timeout is not None and self.now[0] + timeout < self.ends:
+            self.now[0] += timeout
+            self._tick()
+            raise subprocess.TimeoutExpired("child", timeout)
+        self.now[0] = max(self.now[0], self.ends)
+        self._tick()
+        return 0
+
+    def kill(self):
+        self.returncode = -9
+
+
+def test_collect_hands_each_plan_the_child_writes_to_the_polish_while_it_runs(tmp_path):
+    """K and U: the parent waited idle for 50-85 s while the child ran; it now polishes each
+    plan the child writes, once, in order, until the child's stop (no wall-clock: a fake child
+    on a fake clock), and collect still returns the child's last plan."""
+    import tempfile
+
+    tmp = tempfile.TemporaryDirectory(prefix="iopddl-priced-test-")
+    out = os.path.join(tmp.name, "best.json")
+    now = [0.0]
+    child = _Child(now, out, [(1.0, [0, 1]), (4.0, [1, 1]), (9.0, [1, 0]), (30.0, [0, 0])], ends=40.0)
+    job = priced.Priced(child, tmp, out, stop=20.0)
+    seen = []
+    x, _ = priced.collect(job, clock=lambda: now[0], polish=lambda y, stop: seen.append((y.tolist(), stop)))
+    assert seen == [([0, 1], 20.0), ([1, 1], 20.0), ([1, 0], 20.0)]  # the one at 30 s is past the stop
+    assert x.tolist() == [1, 0] and child.returncode == -9
+
+
+def test_the_parent_keeps_and_hands_back_its_polish_of_a_childs_plan_only_when_it_fits_and_is_cheaper(tmp_path):
+    problem = _two_chains()
+    inst = from_dict({"problem": copy.deepcopy(problem)})
+    job = types.SimpleNamespace(tmp=types.SimpleNamespace(name=str(tmp_path)))
+    kept = solve_module.Incumbent(-np.inf)
+    follow = solve_module._Follow(inst, job, 25.0, deadline=10.0, clock=lambda: 0.0, say=lambda m: None, kept=kept)
+    follow(np.array([0, 0, 0, 0]), 10.0)  # over the limit: ignored
+    assert follow.x is None and not os.path.exists(os.path.join(tmp_path, priced.DONOR))
+    follow(np.array([1, 1, 1, 1]), 10.0)  # within the limit, 22: a star move takes the first chain large, 2
+    assert follow.cost == 2 and follow.x.tolist() == [0, 0, 1, 1] and kept.cost == 2
+    with open(os.path.join(tmp_path, priced.DONOR)) as f:
+        assert json.load(f) == [0, 0, 1, 1]
+    follow(np.array([0, 0, 1, 1]), 10.0)  # 2: not cheaper than what it has, not polished
+    assert follow.source.tolist() == [1, 1, 1, 1] and follow.cost == 2
+
+
+def test_the_solve_polishes_the_childs_plans_while_it_waits_and_keeps_the_cheaper(monkeypatch):
+    """solve's wait for the child goes through _Follow (FOLLOW): a polished plan of the child's
+    is the answer when the child's last plan is no cheaper; with FOLLOW off, only the last plan."""
+    problem = _two_chains()
+    inst = from_dict({"problem": copy.deepcopy(problem)})
+    given: list = []
+
+    def collect(job, clock, say, polish=None):
+        given.append(polish)
+        if polish is not None:
+            polish(np.array([1, 1, 1, 1]), 10.0)  # polished to 2 (a star move)
+        return np.array([1, 1, 1, 1]), None  # the child's last plan: the same one
+
+    monkeypatch.setattr(priced, "collect", collect)
+    monkeypatch.setattr(priced, "offer", lambda job, x: None)
+    x = np.array([1, 1, 1, 1])
+
+    def run():
+        kept = solve_module.Incumbent(-np.inf)
+        return solve_module._priced(inst, None, x.copy(), solve_module.profile(inst, x), 30.0, 0.0, "descent", 10.0,
+                                    lambda: 0.0, lambda m: None, kept)
+
+    y, _, c, _, method = run()
+    assert isinstance(given[-1], solve_module._Follow) and c == 2 and y.tolist() == [0, 0, 1, 1] and method == "priced"
+    monkeypatch.setattr(solve_module, "FOLLOW", False)
+    y, _, c, _, method = run()
+    assert given[-1] is None and c == 2 and method == "priced"  # the last plan, polished after the wait
