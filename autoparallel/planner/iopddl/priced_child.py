@@ -12,7 +12,11 @@ repair (cheapest cost per byte saved first, then descent under the limit) and th
 over-full steps grow (times ``growth`` plus a base price: the repair's median cost per byte-step
 when larger than the instance's, see base_price); a plan that fits shrinks every price a little, to look for
 cheaper plans that still fit. Each round's search is sized by backtracks (ROUND_BACKTRACKS), not CPU
-time, so it ends with a plan at any load; a round without one is rerun with twice the work. Each feasible plan cheaper than the last is written to the output file (JSON, replaced
+time, so it ends with a plan at any load; a round without one is rerun with twice the work. A
+plan over the limit is also recombined with the cheapest plans that fit (cross.py: the chains
+where two plans differ switch as wholes), and so is every plan that fits (restore, recombine);
+the parent's polish of a plan, written beside the output (``donor.json``, priced.offer), joins
+those. Each feasible plan cheaper than the last is written to the output file (JSON, replaced
 atomically), with the best Lagrangian bound so far (toulbar2's dual bound on the priced problem
 less the prices times the limit: it holds for any prices >= 0).
 
@@ -417,6 +421,9 @@ def main(args) -> None:
             c = search.cost(net, x)
             print(f"priced round {r}: repaired to cost {c:.6g} ({how}), price step {base:.3g}", file=sys.stderr, flush=True)
         if crossing and not (fixed > limit).any() and pool.plans:
+            if c < best:  # written before the recombination too: the child may be stopped during it (K at load 5)
+                best = c
+                write(out, {"solution": x, "cost": c, "round": r, "bound": bound})
             was = c
             c = recombine(net, x, fixed, pool.donors())
             if c < was:

@@ -45,7 +45,9 @@ REDUCE_SHARE = 0.25  # at most this share of the time goes to the reductions
 PRICED_SHARE = 0.9
 # While the priced child runs, the plans it writes are polished by this process (star moves and
 # descent; it waited idle there) and handed back to it as donors (_Follow); off: only its last plan.
-FOLLOW = True
+# Off by default: on K at load 4-6 each polish took 7-20 s, the child's rounds slowed, and its last
+# plan came after the polish of an older one (1.4354x against 1.1020x without; docs/iopddl.md).
+FOLLOW = False
 PRICED_NODES = 1000  # and only from this many nodes (below, cfn.py's constrained network is small)
 # Seconds (at most a tenth of the time) between the deadline the phases check and the hard one, the
 # alarm (deadline.py), which stops whatever phase still runs; the hard one keeps the measured closing

@@ -442,20 +442,6 @@ def _two_chains() -> dict:
             "edges": {"nodes": [[0, 1], [2, 3]], "costs": [[0, inf, inf, 0]] * 2}, "usage_limit": 7}
 
 
-def _brute_force(problem: dict) -> int:
-    """The optimum of a tiny instance by enumerating every plan through the evaluator."""
-    import itertools
-
-    best = None
-    for plan in itertools.product(*(range(len(c)) for c in problem["nodes"]["costs"])):
-        try:
-            c = evaluate(problem, list(plan))
-        except ValueError:
-            continue
-        best = c if best is None else min(best, c)
-    return best
-
-
 def test_parts_are_the_components_of_the_edges_between_nodes_that_differ():
     # a path 0-1-2-3-4 and an edge 5-6; the plans differ at 0, 1, 3, 4, 5, 6
     edges = [[0, 1], [1, 2], [2, 3], [3, 4], [5, 6]]
@@ -472,7 +458,7 @@ def test_restore_recombines_whole_chains_where_the_greedy_repair_pays_the_dearer
     forbidden pair and let descent drag its partner: the first chain (cost 20). Recombined with
     a plan that fits (all small, 22), each chain switches as a whole: the cheap one, the optimum."""
     problem = _two_chains()
-    assert _brute_force(problem) == 2
+    assert _optimum(problem) == 2  # the whole-problem MIP, proven
     net = _model(problem)
     x = [0, 0, 0, 0]
     prof = priced_child.search.profile(net, x)
@@ -645,7 +631,7 @@ def test_the_parent_keeps_and_hands_back_its_polish_of_a_childs_plan_only_when_i
 
 
 def test_the_solve_polishes_the_childs_plans_while_it_waits_and_keeps_the_cheaper(monkeypatch):
-    """solve's wait for the child goes through _Follow (FOLLOW): a polished plan of the child's
+    """With FOLLOW, solve's wait for the child goes through _Follow: a polished plan of the child's
     is the answer when the child's last plan is no cheaper; with FOLLOW off, only the last plan."""
     problem = _two_chains()
     inst = from_dict({"problem": copy.deepcopy(problem)})
@@ -666,8 +652,29 @@ def test_the_solve_polishes_the_childs_plans_while_it_waits_and_keeps_the_cheape
         return solve_module._priced(inst, None, x.copy(), solve_module.profile(inst, x), 30.0, 0.0, "descent", 10.0,
                                     lambda: 0.0, lambda m: None, kept)
 
+    monkeypatch.setattr(solve_module, "FOLLOW", True)  # off by default (docs/iopddl.md)
     y, _, c, _, method = run()
     assert isinstance(given[-1], solve_module._Follow) and c == 2 and y.tolist() == [0, 0, 1, 1] and method == "priced"
     monkeypatch.setattr(solve_module, "FOLLOW", False)
     y, _, c, _, method = run()
     assert given[-1] is None and c == 2 and method == "priced"  # the last plan, polished after the wait
+
+
+def test_the_child_writes_a_better_plan_before_recombining_it(tmp_path, monkeypatch):
+    """K at load 5: the child was stopped during a recombination and its round's plan, the best
+    it had, was lost. Here the recombination is where it is stopped (it raises)."""
+    inst = from_dict({"problem": _two_chains()})
+    src, out = os.path.join(tmp_path, "model.pkl"), os.path.join(tmp_path, "out.json")
+    with open(src, "wb") as f:
+        pickle.dump(arrays(inst), f)
+    plans = iter([[1, 1, 1, 1], [0, 0, 1, 1]])  # 22, then 2: both within the limit
+    monkeypatch.setattr(priced_child, "solve_round", lambda cfn, cpu, backtracks: (next(plans), 0.0, 1))
+
+    def stopped(*args):
+        raise SystemExit("stopped")
+
+    monkeypatch.setattr(priced_child, "recombine", stopped)
+    with pytest.raises(SystemExit):
+        priced_child.main([src, out, json.dumps({"rounds": 2})])
+    with open(out) as f:
+        assert json.load(f)["cost"] == 2
