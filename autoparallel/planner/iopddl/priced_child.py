@@ -64,8 +64,11 @@ MIN_BACKTRACKS = 100  # and no round smaller (a round without a plan doubles any
 # the limit and round 1 fit at 1.08x. D's round 0 takes 12-17 CPU s, under the cap.
 ROUND0_SHARE = 1 / 3
 # Plans over the limit are also recombined with the cheapest plans that fit (cross.py, restore),
-# and every plan that fits with them (recombine); off: the greedy repair alone, as before.
-CROSS = True
+# and every plan that fits with them (recombine); off: the greedy repair alone. Off by default:
+# with the same plans it gives cheaper ones (K 1.0720x -> 1.0448x at round 15), but through the
+# 120 s command on a loaded box its CPU time cost rounds (U behind main in 3 of 4 pairs, K level;
+# docs/iopddl.md, "Plans over the limit recombined").
+CROSS = False
 
 
 def base_price(cost: list, usage: list, starts: np.ndarray, ends: np.ndarray) -> float:

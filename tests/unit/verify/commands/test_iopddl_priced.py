@@ -474,7 +474,7 @@ def test_restore_recombines_whole_chains_where_the_greedy_repair_pays_the_dearer
 def test_the_child_writes_the_recombined_plan_and_only_the_repaired_one_without_it(tmp_path, monkeypatch):
     """The child's loop (toulbar2's search replaced by one that returns given plans): round 0
     fits (all small, 22), round 1 is over the limit (all large, 0). Recombined, its plan is the
-    optimum 2; with the recombination off (``cross``: False, or CROSS), the repair's 20."""
+    optimum 2; with the recombination off (``cross``: False, or CROSS, its default), the repair's 20."""
     problem = _two_chains()
     inst = from_dict({"problem": copy.deepcopy(problem)})
     src, out = os.path.join(tmp_path, "model.pkl"), os.path.join(tmp_path, "out.json")
@@ -490,10 +490,11 @@ def test_the_child_writes_the_recombined_plan_and_only_the_repaired_one_without_
         assert check(problem, found["solution"], int(found["cost"])) == found["cost"]
         return found["cost"]
 
-    assert run({}) == 2
+    assert run({"cross": True}) == 2
     assert run({"cross": False}) == 20
-    monkeypatch.setattr(priced_child, "CROSS", False)
-    assert run({}) == 20
+    assert run({}) == 20  # off by default (priced_child.CROSS)
+    monkeypatch.setattr(priced_child, "CROSS", True)
+    assert run({}) == 2
 
 
 def test_recombining_a_plan_within_the_limit_never_makes_it_dearer():
@@ -554,7 +555,7 @@ def test_the_child_takes_the_plan_the_parent_hands_it_as_a_donor(tmp_path, monke
 
     def run(donor):
         priced.offer(job, donor)
-        priced_child.main([src, out, json.dumps({"rounds": 1})])
+        priced_child.main([src, out, json.dumps({"rounds": 1, "cross": True})])
         with open(out) as f:
             return json.load(f)["cost"]
 
@@ -675,6 +676,6 @@ def test_the_child_writes_a_better_plan_before_recombining_it(tmp_path, monkeypa
 
     monkeypatch.setattr(priced_child, "recombine", stopped)
     with pytest.raises(SystemExit):
-        priced_child.main([src, out, json.dumps({"rounds": 2})])
+        priced_child.main([src, out, json.dumps({"rounds": 2, "cross": True})])
     with open(out) as f:
         assert json.load(f)["cost"] == 2
