@@ -9,7 +9,8 @@ with the patch disabled; only a guard that ran and failed kills).
 
 All guards first run once together with every patch enabled (on ``jobs`` xdist workers when no
 ``workers`` are given: nothing else runs then); then each patch's guards run in a fresh pytest
-subprocess with ``AUTOPARALLEL_DISABLE=<patch>`` (``jobs`` of them at once: the patches are
+process with ``AUTOPARALLEL_DISABLE=<patch>`` (``python -m pytest``, or forked from a zygote with
+``preload``: verify.commands.mutation.zygote; ``jobs`` of them at once: the patches are
 independent, each run sees only its own variable). ``baselines``: outcome files of earlier runs
 on this same tree (CI's tier and slow step, recorded through ``$AUTOPARALLEL_OUTCOME_LOG``); a
 guard they hold an outcome for (a skip is no outcome) is not run again with every patch enabled.
@@ -256,7 +257,7 @@ def _mutate(patches, *, workers, timeout_s, cwd, progress, jobs, baselines, zygo
         progress(f"[{i}/{len(patches)}] {patch.name}: {state} ({seconds:.1f}s)")
         return PatchResult(patch.name, guards, state, enabled, disabled, seconds, detail)
 
-    # Each run is a pytest subprocess: threads only wait on them.
+    # Each run is a pytest process of its own: threads only wait on them.
     with ThreadPoolExecutor(max_workers=jobs) as pool:
         return list(pool.map(one, range(1, len(patches) + 1), patches))
 
