@@ -43,7 +43,7 @@ def cli_project(pytester, inner_pytest, monkeypatch):
     """A project for ``run_goldens``, whose pytest subprocess runs in this process instead: the
     command line the CLI builds (checked to be ``python -m pytest ...``), in the directory it
     names, with the usage-log variable it sets. Its output is dropped, as the subprocess's never
-    reached this test's stdout. (.ci/run runs the real command on this repository.)"""
+    reached this test's stdout."""
     root = make_project(pytester.path)
 
     def call(cmd, *, cwd, env):
